@@ -5,18 +5,23 @@
 #   docker build -f deploy/docker/verify.Dockerfile -t specdec-verify:dev .
 #   docker build -f deploy/docker/verify.Dockerfile --build-arg MODEL_DIR=path/in/repo -t specdec-verify:mine .
 #
-# CUDA_IMAGE and TORCH_INDEX_URL go together: the torch wheel index (cuXYZ) must be a
+# BASE_IMAGE and TORCH_INDEX_URL go together: the torch wheel index (cuXYZ) must be a
 # CUDA version the base image (and the nodes' driver) supports, and TORCH_VERSION must
 # be published on that index. The GPU nodes need the NVIDIA driver and container toolkit
 # (or the NVIDIA GPU Operator); the image never contains a driver.
 #
+# A CPU-only verify image (for the local-cpu overlay) builds from the same file:
+#   docker build -f deploy/docker/verify.Dockerfile --build-arg BASE_IMAGE=debian:bookworm-slim \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu -t specdec-verify:cpu .
+# (Debian bookworm's python3.11 packages have the same names as Ubuntu's.)
+#
 # The model in MODEL_DIR (a Hugging Face directory inside the build context) is baked
 # in at /models; mounting a volume at /models replaces it at run time.
 
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
 
 # ---- build: a self-contained virtualenv in /opt/venv ---------------------------------
-FROM ${CUDA_IMAGE} AS build
+FROM ${BASE_IMAGE} AS build
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
@@ -46,7 +51,7 @@ COPY . .
 RUN pip install "/src[server]"
 
 # ---- runtime ------------------------------------------------------------------------
-FROM ${CUDA_IMAGE}
+FROM ${BASE_IMAGE}
 
 ARG MODEL_DIR=models/stdlib-code-target
 
