@@ -1,0 +1,97 @@
+"""specdec CLI.
+
+  python -m client generate --server HOST:PORT --prompt TEXT [--json] ...
+  python -m client info --server HOST:PORT
+
+On a gRPC error it prints `error: CODE_NAME: message` to stderr and exits with status 1."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from client.core import MODES, Client, make_request
+
+
+def _ids(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", required=True, help="HOST:PORT of a draft service (or a verify service with --target-only)")
+    p.add_argument("--target-only", action="store_true", help="--server is a verify service: generate with the target alone")
+    p.add_argument("--fallback", help="verify service HOST:PORT to use when the draft service is unavailable")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--retries", type=int, default=0, help="retries on UNAVAILABLE before the first token")
+    p.add_argument("--tls-ca", help="CA bundle (enables TLS)")
+    p.add_argument("--tls-cert", help="client certificate (mTLS)")
+    p.add_argument("--tls-key", help="client key (mTLS)")
+    p.add_argument("--token", help="bearer token for the draft service")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m client", description="specdec client")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate a completion")
+    _connection_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, e.g. 1,2,3")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--tau", type=int, default=0, help="draft tokens per round (0 = server default)")
+    g.add_argument("--mode", choices=sorted(MODES), default=None, help="proposal mode")
+    g.add_argument("--sparse-k", type=int, default=0)
+    g.add_argument("--request-id", default="")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    i = sub.add_parser("info", help="print the service's model info")
+    _connection_args(i)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    client = Client(a.server, target_only=a.target_only, fallback=a.fallback, timeout=a.timeout, retries=a.retries,
+                    tls_ca=a.tls_ca, tls_cert=a.tls_cert, tls_key=a.tls_key, token=a.token)
+    try:
+        if a.cmd == "info":
+            print(json.dumps(MessageToDict(client.info(), preserving_proto_field_name=True), indent=2))
+            return 0
+        for name in ("max_new_tokens", "top_k", "tau", "sparse_k"):  # proto fields are unsigned
+            if getattr(a, name) < 0:
+                print(f"error: INVALID_ARGUMENT: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
+                return 1
+        req = make_request(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                           top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=a.stop, num_draft_tokens=a.tau,
+                           proposal_mode=a.mode, sparse_k=a.sparse_k, request_id=a.request_id)
+        if a.json:
+            print(json.dumps(client.generate(req).to_dict()))
+            return 0
+        last = None
+        for chunk in client.stream(req):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            last = chunk
+        sys.stdout.write("\n")
+        if last is not None:
+            print(json.dumps(MessageToDict(last.stats, preserving_proto_field_name=True)), file=sys.stderr)
+        return 0
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

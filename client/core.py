@@ -1,0 +1,206 @@
+"""specdec client library: sync and asyncio, streaming chunks or one-shot results.
+
+Needs grpcio and protobuf only. Point it at a draft service for speculative generation, or at
+a verify service with target_only=True for target-only generation. With `fallback` set to a
+verify address, a request the draft service cannot take (UNAVAILABLE before any token) is
+served target-only there: same output distribution, no speed-up."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+MODES = {"greedy": pb.PROPOSAL_MODE_GREEDY, "sparse": pb.PROPOSAL_MODE_SPARSE, "dense": pb.PROPOSAL_MODE_DENSE}
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict
+    seed: int
+    request_id: str
+    served_by: str = "draft"
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("text", "token_ids", "finish_reason", "stats", "seed", "request_id", "served_by")}
+
+
+def make_request(prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 64,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop: list[str] | None = None, num_draft_tokens: int = 0, proposal_mode: str | None = None,
+                 sparse_k: int = 0, request_id: str = "") -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    if seed is not None:
+        sampling.seed = seed
+    return pb.GenerateRequest(
+        prompt=prompt or "", prompt_ids=prompt_ids or [], max_new_tokens=max_new_tokens, sampling=sampling,
+        stop=stop or [], num_draft_tokens=num_draft_tokens, sparse_k=sparse_k, request_id=request_id,
+        proposal_mode=MODES[proposal_mode] if proposal_mode else pb.PROPOSAL_MODE_UNSPECIFIED)
+
+
+@dataclass
+class _Collector:
+    t0: float = field(default_factory=time.perf_counter)
+    ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    last: pb.GenerateResponse | None = None
+
+    def add(self, chunk: pb.GenerateResponse) -> None:
+        self.ids.extend(chunk.token_ids)
+        self.text.append(chunk.text)
+        self.last = chunk
+
+    def result(self, served_by: str) -> Result:
+        last = self.last
+        stats = MessageToDict(last.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        stats["wall_s"] = time.perf_counter() - self.t0
+        return Result(text="".join(self.text), token_ids=self.ids, finish_reason=pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower(),
+                      stats=stats, seed=last.seed, request_id=last.request_id, served_by=served_by)
+
+
+def _credentials(tls_ca, tls_cert, tls_key):
+    if not tls_ca:
+        return None
+    read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+
+
+class _Base:
+    def __init__(self, server: str, *, target_only: bool = False, fallback: str | None = None, timeout: float | None = None,
+                 retries: int = 0, tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 token: str | None = None, max_message_bytes: int = 16 << 20):
+        self.server, self.target_only, self.fallback = server, target_only, fallback
+        self.timeout, self.retries = timeout, retries
+        self._creds = _credentials(tls_ca, tls_cert, tls_key)
+        self._opts = [("grpc.max_receive_message_length", max_message_bytes)]
+        self._metadata = [("authorization", f"Bearer {token}")] if token else []
+
+    def _channel(self, mod, address: str):
+        if self._creds:
+            return mod.secure_channel(address, self._creds, options=self._opts)
+        return mod.insecure_channel(address, options=self._opts)
+
+    def _stubs(self, mod):
+        """[(label, stub)] in the order to try: the primary, then the verify fallback."""
+        self._channels = [self._channel(mod, self.server)]
+        out = [("verify" if self.target_only else "draft",
+                (pb_grpc.VerifyStub if self.target_only else pb_grpc.DraftStub)(self._channels[0]))]
+        if self.fallback and not self.target_only:
+            self._channels.append(self._channel(mod, self.fallback))
+            out.append(("verify", pb_grpc.VerifyStub(self._channels[1])))
+        return out
+
+    def _plan(self):
+        """Primary (1 + retries times), then the fallback."""
+        primary, *fallback = self._targets
+        return [primary] * (self.retries + 1) + fallback
+
+
+class Client(_Base):
+    """Blocking client. `stream()` yields GenerateResponse chunks; `generate()` returns a Result."""
+
+    def __init__(self, server: str, **kw):
+        super().__init__(server, **kw)
+        self._targets = self._stubs(grpc)
+
+    def close(self) -> None:
+        for c in self._channels:
+            c.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def info(self) -> pb.ModelInfo:
+        return self._targets[0][1].Info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
+
+    def stream(self, request: pb.GenerateRequest | None = None, **params):
+        yield from self._stream(request or make_request(**params))[1]
+
+    def _stream(self, request):
+        plan = self._plan()
+        for attempt, (label, stub) in enumerate(plan):
+            it = stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+            try:
+                first = next(it)
+            except grpc.RpcError as e:
+                if e.code() in RETRYABLE and attempt + 1 < len(plan):
+                    time.sleep(min(0.1 * 2 ** attempt, 2.0))
+                    continue
+                raise
+            def chunks(first=first, it=it):
+                yield first
+                yield from it
+            return label, chunks()
+        raise AssertionError("unreachable")
+
+    def generate(self, request: pb.GenerateRequest | None = None, **params) -> Result:
+        col = _Collector()
+        label, chunks = self._stream(request or make_request(**params))
+        for chunk in chunks:
+            col.add(chunk)
+        return col.result(label)
+
+
+class AsyncClient(_Base):
+    """asyncio client. `stream()` is an async iterator of chunks; `generate()` returns a Result."""
+
+    def __init__(self, server: str, **kw):
+        super().__init__(server, **kw)
+        self._targets = self._stubs(grpc.aio)
+
+    async def close(self) -> None:
+        for c in self._channels:
+            await c.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def info(self) -> pb.ModelInfo:
+        return await self._targets[0][1].Info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
+
+    async def stream(self, request: pb.GenerateRequest | None = None, **params):
+        _, chunks = await self._stream(request or make_request(**params))
+        async for c in chunks:
+            yield c
+
+    async def _stream(self, request):
+        plan = self._plan()
+        for attempt, (label, stub) in enumerate(plan):
+            call = stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as e:
+                if e.code() in RETRYABLE and attempt + 1 < len(plan):
+                    await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
+                    continue
+                raise
+
+            async def chunks(first=first, call=call):
+                if first is not grpc.aio.EOF:
+                    yield first
+                    async for c in call:
+                        yield c
+            return label, chunks()
+        raise AssertionError("unreachable")
+
+    async def generate(self, request: pb.GenerateRequest | None = None, **params) -> Result:
+        col = _Collector()
+        label, chunks = await self._stream(request or make_request(**params))
+        async for chunk in chunks:
+            col.add(chunk)
+        return col.result(label)

@@ -1,0 +1,1 @@
+"""specdec draft service: client-facing Generate, the draft model and the decode loop."""

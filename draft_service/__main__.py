@@ -1,0 +1,66 @@
+"""python -m draft_service --model DIR --port P --verify HOST:PORT [--host H] ..."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import grpc
+
+from specdec import logs, serving
+from specdec.lm import LM
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from draft_service.server import DraftServicer
+
+log = logging.getLogger("specdec.draft")
+
+
+def verify_channel(args) -> grpc.aio.Channel:
+    opts = [
+        ("grpc.lb_policy_name", "round_robin"),  # spread sessions over all resolved verify replicas
+        ("grpc.max_receive_message_length", args.max_message_bytes),
+        ("grpc.max_send_message_length", args.max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+    ]
+    creds = serving.channel_credentials(args.verify_tls_ca, args.verify_tls_cert, args.verify_tls_key)
+    if creds:
+        return grpc.aio.secure_channel(args.verify, creds, options=opts)
+    return grpc.aio.insecure_channel(args.verify, options=opts)
+
+
+async def run(args) -> None:
+    lm = LM.load(args.model)
+    channel = verify_channel(args)
+    stub = pb_grpc.VerifyStub(channel)
+    target = None
+    try:
+        target = await stub.Info(pb.InfoRequest(), timeout=args.verify_wait_s, wait_for_ready=True)
+    except grpc.aio.AioRpcError as e:
+        log.warning("verify service not reachable yet; sessions will check it", extra={"fields": {"verify": args.verify, "code": e.code().name}})
+    if target is not None and target.vocab_fingerprint != lm.fingerprint:
+        print(f"error: verify service at {args.verify} has vocabulary fingerprint {target.vocab_fingerprint[:12]}, "
+              f"this draft has {lm.fingerprint[:12]}: the models do not share a tokenizer", file=sys.stderr)
+        sys.exit(2)
+    servicer = DraftServicer(lm, stub, target)
+    await serving.serve(args, "specdec.v1.Draft", lambda s: pb_grpc.add_DraftServicer_to_server(servicer, s))
+    await channel.close()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m draft_service", description="specdec draft service (client-facing)")
+    serving.add_server_args(p, default_port=50052)
+    p.add_argument("--verify", required=True, help="verify service address, e.g. HOST:PORT or dns:///name:port")
+    p.add_argument("--verify-wait-s", type=float, default=10.0, help="how long to wait for the verify service at start-up")
+    p.add_argument("--verify-tls-ca", help="CA bundle to check the verify service's certificate (enables TLS)")
+    p.add_argument("--verify-tls-cert", help="client certificate for mTLS to the verify service")
+    p.add_argument("--verify-tls-key", help="client key for mTLS to the verify service")
+    args = p.parse_args(argv)
+    logs.setup(args.log_format, args.log_level)
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Draft gRPC servicer: the client-facing Generate and the speculative decode loop.
+
+Per request: open one Verify.Session stream (the target's KV cache lives exactly as long as
+it), send the prompt, then per round draft tau tokens, send them with their q, read the verdict,
+commit accepted + next token on both sides, stream ids and text to the client.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from specdec import metrics, requests, serving
+from specdec.errors import RequestError
+from specdec.lm import LM
+from specdec.textstream import TextStream
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from draft_service.drafter import Drafter, DraftState
+
+log = logging.getLogger("specdec.draft")
+SERVICE = "draft"
+
+
+class DraftServicer(pb_grpc.DraftServicer):
+    def __init__(self, lm: LM, verify: pb_grpc.VerifyStub, target: pb.ModelInfo | None = None):
+        self.lm = lm
+        self.drafter = Drafter(lm)
+        self.verify = verify
+        self.max_context = min(lm.max_context, target.max_context) if target else lm.max_context
+
+    async def Info(self, request, context):
+        return serving.model_info(self.lm)
+
+    def _tau(self, st: DraftState) -> int:
+        """Proposals this round: never more than the tokens still allowed, minus the next token."""
+        p = st.params
+        left = p.max_new_tokens - (len(st.ids) - st.prompt_len)
+        return max(0, min(p.tau, left - 1, self.max_context - len(st.ids)))
+
+    async def Generate(self, request, context):
+        t0 = time.perf_counter()
+        call = None
+        metrics.LIVE_SESSIONS.labels(SERVICE).inc()
+        try:
+            with serving.timed(SERVICE, "Generate"):
+                g = requests.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
+                g.request_id = serving.request_id(context, g.request_id)
+                st = self.drafter.new_state(g)
+                left = context.time_remaining()
+                call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=left)
+                sampling = pb.SamplingParams(temperature=g.sampling.temperature, top_k=g.sampling.top_k, top_p=g.sampling.top_p, seed=g.seed)
+                await call.write(pb.VerifyRequest(start=pb.SessionStart(
+                    prompt_ids=g.prompt_ids, max_new_tokens=g.max_new_tokens, sampling=sampling,
+                    proposal_mode=g.mode, vocab_fingerprint=self.lm.fingerprint, request_id=g.request_id)))
+                stats = pb.Stats(prompt_tokens=len(g.prompt_ids), accepted_per_position=[0] * g.tau)
+                t1 = time.perf_counter()
+                await asyncio.to_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
+                stats.prefill_s = time.perf_counter() - t1
+                text = TextStream(self.lm.tokenizer, g.stop)
+                first = True
+                while True:
+                    t1 = time.perf_counter()
+                    prop = await asyncio.to_thread(self.drafter.propose, st, self._tau(st))
+                    t2 = time.perf_counter()
+                    stats.rounds += 1
+                    await call.write(pb.VerifyRequest(round=prop.to_round(stats.rounds)))
+                    v = await call.read()
+                    if v is grpc.aio.EOF:
+                        raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
+                    t3 = time.perf_counter()
+                    stats.draft_s += t2 - t1
+                    stats.verify_s += t3 - t2
+                    stats.verify_forward_s += v.forward_s
+                    n = v.num_accepted
+                    new = prop.tokens[:n] + ([v.next_token] if v.HasField("next_token") else [])
+                    st.ids.extend(new)
+                    self._count(stats, len(prop.tokens), n)
+                    ids, delta = text.push(new)
+                    stats.generated_tokens += len(ids)
+                    finish = pb.FINISH_REASON_STOP if text.stopped else v.finish_reason
+                    if not finish:
+                        if ids or delta:
+                            yield pb.GenerateResponse(token_ids=ids, text=delta, request_id=g.request_id if first else "")
+                            first = False
+                        continue
+                    stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
+                    stats.mean_accepted_length = stats.accepted / stats.rounds
+                    stats.server_s = time.perf_counter() - t0
+                    metrics.GENERATED_TOKENS.labels(SERVICE).inc(stats.generated_tokens)
+                    yield pb.GenerateResponse(token_ids=ids, text=delta + text.finish(), finish_reason=finish,
+                                              stats=stats, seed=g.seed, request_id=g.request_id)
+                    return
+        except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
+            await serving.fail(context, SERVICE, "Generate", e)
+        finally:
+            metrics.LIVE_SESSIONS.labels(SERVICE).dec()
+            if call is not None:
+                call.cancel()  # frees the verifier's session at once (no-op if already done)
+
+    @staticmethod
+    def _count(stats: pb.Stats, drafted: int, accepted: int) -> None:
+        stats.drafted += drafted
+        stats.accepted += accepted
+        for i in range(accepted):
+            stats.accepted_per_position[i] += 1
+        metrics.NUM_DRAFTS.inc()
+        metrics.NUM_DRAFT_TOKENS.inc(drafted)
+        metrics.NUM_ACCEPTED.inc(accepted)
+        for i in range(accepted):
+            metrics.ACCEPTED_PER_POS.labels(str(i)).inc()

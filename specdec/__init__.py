@@ -1,0 +1,1 @@
+"""specdec: split speculative decoding over gRPC. Shared code of both services."""

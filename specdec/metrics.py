@@ -1,0 +1,37 @@
+"""Prometheus metrics of both services. Names follow vLLM's spec-decode counters where they
+overlap (num_drafts, num_draft_tokens, num_accepted_tokens, per position)."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+# both services
+REQUEST_LATENCY = Histogram("specdec_request_latency_seconds", "Request latency (first byte in to last token out)", ["service", "method"], buckets=_LAT)
+REQUEST_ERRORS = Counter("specdec_request_errors_total", "Requests that ended with a gRPC error", ["service", "method", "code"])
+GENERATED_TOKENS = Counter("specdec_generated_tokens_total", "Tokens returned to callers", ["service"])
+LIVE_SESSIONS = Gauge("specdec_live_sessions", "Live generation sessions", ["service"])
+
+# verify side
+CACHED_TOKENS = Gauge("specdec_cached_tokens", "Tokens held in target KV caches")
+RESERVED_TOKENS = Gauge("specdec_reserved_tokens", "Cache tokens reserved by admitted sessions")
+BATCH_SIZE = Histogram("specdec_verify_batch_size", "Sessions per target forward pass", buckets=(1, 2, 4, 8, 16, 32, 64))
+BATCH_TOKENS = Histogram("specdec_verify_batch_tokens", "Tokens per target forward pass", buckets=(1, 4, 16, 64, 256, 1024, 4096))
+QUEUE_WAIT = Histogram("specdec_verify_queue_wait_seconds", "Time a job waited for the target", buckets=_FAST)
+FORWARD_TIME = Histogram("specdec_verify_forward_seconds", "Time of one target forward pass (+ acceptance)", buckets=_FAST)
+CAPACITY_REJECTIONS = Counter("specdec_capacity_rejections_total", "Sessions refused with RESOURCE_EXHAUSTED", ["reason"])
+
+# draft side (vLLM names)
+NUM_DRAFTS = Counter("specdec_spec_decode_num_drafts_total", "Speculative rounds")
+NUM_DRAFT_TOKENS = Counter("specdec_spec_decode_num_draft_tokens_total", "Draft tokens proposed")
+NUM_ACCEPTED = Counter("specdec_spec_decode_num_accepted_tokens_total", "Draft tokens accepted")
+ACCEPTED_PER_POS = Counter("specdec_spec_decode_num_accepted_tokens_per_pos_total", "Accepted draft tokens by position", ["position"])
+
+
+def serve_metrics(port: int | None, host: str = "0.0.0.0") -> int | None:
+    """Starts the /metrics HTTP endpoint; port 0 picks a free port. Returns the bound port."""
+    if port is None:
+        return None
+    server, _ = start_http_server(port, addr=host)
+    return server.server_address[1]

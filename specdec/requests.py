@@ -1,0 +1,94 @@
+"""Validation of client-facing GenerateRequests, shared by Draft.Generate and Verify.Generate.
+
+Every field is checked at the edge; a bad one raises RequestError(INVALID_ARGUMENT) whose
+message names the field."""
+from __future__ import annotations
+
+import math
+import secrets
+import uuid
+from dataclasses import dataclass, field
+
+from specdec.errors import invalid
+from specdec.sampling import Sampling
+from specdec.v1 import specdec_pb2 as pb
+
+MAX_TAU = 32  # upper bound on draft tokens per round
+DEFAULT_TAU = 4
+DEFAULT_SPARSE_K = 32
+MAX_SPARSE_K = 1024
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 256
+
+
+@dataclass
+class GenParams:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    seed: int
+    stop: list[str] = field(default_factory=list)
+    tau: int = DEFAULT_TAU
+    mode: int = pb.PROPOSAL_MODE_SPARSE
+    sparse_k: int = DEFAULT_SPARSE_K
+    request_id: str = ""
+
+
+def parse_sampling(s: pb.SamplingParams) -> Sampling:
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise invalid(f"sampling.temperature must be finite and >= 0, got {s.temperature}")
+    top_p = s.top_p if s.top_p != 0 else 1.0
+    if not (0 < top_p <= 1):  # also rejects NaN
+        raise invalid(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    return Sampling(temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(top_p))
+
+
+def parse_seed(s: pb.SamplingParams) -> int:
+    return s.seed if s.HasField("seed") else secrets.randbits(63)
+
+
+def check_ids(ids, vocab_size: int, what: str) -> list[int]:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise invalid(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return list(ids)
+
+
+def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_context: int) -> GenParams:
+    if req.prompt and req.prompt_ids:
+        raise invalid("set exactly one of prompt and prompt_ids, not both")
+    if req.prompt_ids:
+        ids = check_ids(req.prompt_ids, vocab_size, "prompt_ids")
+    elif req.prompt:
+        ids = tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise invalid("prompt: tokenizes to no tokens")
+    else:
+        raise invalid("prompt: empty (set prompt or prompt_ids)")
+    if len(ids) >= max_context:
+        raise invalid(f"prompt: {len(ids)} tokens leave no room in the context limit of {max_context}")
+    if not 1 <= req.max_new_tokens <= max_context:
+        raise invalid(f"max_new_tokens must be in [1, {max_context}], got {req.max_new_tokens}")
+    if len(req.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in req.stop):
+        raise invalid(f"stop: at most {MAX_STOP_STRINGS} non-empty strings of <= {MAX_STOP_CHARS} chars")
+    if req.num_draft_tokens > MAX_TAU:
+        raise invalid(f"num_draft_tokens must be in [0, {MAX_TAU}] (0 = default), got {req.num_draft_tokens}")
+    if req.proposal_mode not in pb.ProposalMode.values():
+        raise invalid(f"proposal_mode: unknown value {req.proposal_mode}")
+    if req.sparse_k > MAX_SPARSE_K:
+        raise invalid(f"sparse_k must be in [0, {MAX_SPARSE_K}] (0 = default), got {req.sparse_k}")
+    sampling = parse_sampling(req.sampling)
+    mode = req.proposal_mode or pb.PROPOSAL_MODE_SPARSE
+    if sampling.greedy:
+        mode = pb.PROPOSAL_MODE_GREEDY  # q is one-hot at temperature 0 whatever the request says
+    return GenParams(
+        prompt_ids=ids,
+        max_new_tokens=int(req.max_new_tokens),
+        sampling=sampling,
+        seed=parse_seed(req.sampling),
+        stop=list(req.stop),
+        tau=req.num_draft_tokens or DEFAULT_TAU,
+        mode=mode,
+        sparse_k=req.sparse_k or DEFAULT_SPARSE_K,
+        request_id=req.request_id or uuid.uuid4().hex,
+    )

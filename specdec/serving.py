@@ -1,0 +1,144 @@
+"""gRPC server plumbing shared by both services: options, TLS, health, reflection, errors,
+the `listening on HOST:PORT` line, and a graceful drain on SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from specdec import metrics
+from specdec.errors import RequestError
+from specdec.v1 import specdec_pb2 as pb
+
+log = logging.getLogger("specdec.serving")
+
+REQUEST_ID_KEY = "x-request-id"
+MODES = [pb.PROPOSAL_MODE_GREEDY, pb.PROPOSAL_MODE_SPARSE, pb.PROPOSAL_MODE_DENSE]
+
+
+def model_info(lm) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        model_name=lm.name,
+        vocab_fingerprint=lm.fingerprint,
+        vocab_size=lm.vocab_size,
+        max_context=lm.max_context,
+        proposal_modes=MODES,
+        num_parameters=lm.num_parameters,
+        eos_token_id=-1 if lm.eos_token_id is None else lm.eos_token_id,
+    )
+
+
+def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--model", required=True, help="local Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0 = any)")
+    p.add_argument("--max-message-bytes", type=int, default=16 << 20)
+    p.add_argument("--max-connection-age-s", type=float, default=None, help="close connections after this age so clients re-resolve")
+    p.add_argument("--drain-s", type=float, default=30.0, help="grace period for running streams on SIGTERM")
+    p.add_argument("--tls-cert", help="server certificate (PEM); enables TLS")
+    p.add_argument("--tls-key", help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", help="CA bundle; when set, clients must present a certificate it signed (mTLS)")
+    p.add_argument("--log-format", choices=["json", "text"], default="json")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def server_credentials(args) -> grpc.ServerCredentials | None:
+    if not args.tls_cert:
+        return None
+    ca = _read(args.tls_client_ca)
+    return grpc.ssl_server_credentials([(_read(args.tls_key), _read(args.tls_cert))], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def channel_credentials(ca: str | None, cert: str | None = None, key: str | None = None) -> grpc.ChannelCredentials | None:
+    if not ca:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca), private_key=_read(key), certificate_chain=_read(cert))
+
+
+def server_options(args) -> list[tuple[str, int]]:
+    opts = [
+        ("grpc.max_receive_message_length", args.max_message_bytes),
+        ("grpc.max_send_message_length", args.max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+    if args.max_connection_age_s:
+        opts += [("grpc.max_connection_age_ms", int(args.max_connection_age_s * 1000)), ("grpc.max_connection_age_grace_ms", int(args.drain_s * 1000))]
+    return opts
+
+
+def request_id(context: grpc.aio.ServicerContext, fallback: str = "") -> str:
+    for k, v in context.invocation_metadata() or ():
+        if k == REQUEST_ID_KEY:
+            return v
+    return fallback
+
+
+async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: Exception):
+    """Ends the RPC with the status an exception stands for (INTERNAL for the unexpected)."""
+    if isinstance(e, RequestError):
+        code, msg = e.code, e.message
+    elif isinstance(e, grpc.aio.AioRpcError):  # an upstream call failed: pass its status on
+        code, msg = e.code(), f"upstream: {e.details()}"
+    else:
+        log.exception("internal error in %s", method)
+        code, msg = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+    metrics.REQUEST_ERRORS.labels(service, method, code.name).inc()
+    await context.abort(code, msg)
+
+
+@contextlib.contextmanager
+def timed(service: str, method: str):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        metrics.REQUEST_LATENCY.labels(service, method).observe(time.perf_counter() - t0)
+
+
+async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=None) -> None:
+    """Starts the server, prints `listening on HOST:PORT`, runs until SIGTERM/SIGINT, drains."""
+    server = grpc.aio.server(options=server_options(args), interceptors=list(interceptors))
+    add_servicer(server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection([service_name, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
+    address = f"{args.host}:{args.port}"
+    creds = server_credentials(args)
+    port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    mport = metrics.serve_metrics(args.metrics_port, args.host)
+    await server.start()
+    for name in ("", service_name):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    print(f"listening on {args.host}:{port}", flush=True)
+    log.info("serving", extra={"fields": {"address": f"{args.host}:{port}", "metrics_port": mport, "service": service_name}})
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining", extra={"fields": {"grace_s": args.drain_s}})
+    await health.enter_graceful_shutdown()  # orchestrators stop routing here at once
+    await server.stop(args.drain_s)  # new RPCs refused; running streams get the grace period
+    if on_stop:
+        on_stop()
+    log.info("stopped")

@@ -1,0 +1,56 @@
+"""Turns generated token ids into streamed text: incremental detokenization that never emits
+half a multi-byte character, and stop strings (the stop string itself is not emitted)."""
+from __future__ import annotations
+
+
+class TextStream:
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.tok = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars that may start a stop
+        self.ids: list[int] = []
+        self.text = ""  # decoded text of self.ids (complete characters only)
+        self.sent = 0  # chars of self.text already emitted
+        self.prefix = 0  # ids[prefix:read] were decoded last time: the context for the next delta
+        self.read = 0
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _advance(self) -> None:
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self.prefix, self.read = self.read, len(self.ids)
+
+    def push(self, ids: list[int]) -> tuple[list[int], str]:
+        """Adds generated ids; returns (ids kept, text safe to emit now). Ids after a stop string
+        are dropped; check .stopped afterwards."""
+        kept = []
+        for t in ids:
+            if self.stopped:
+                break
+            self.ids.append(t)
+            kept.append(t)
+            n0 = len(self.text)
+            self._advance()
+            if self.stop and len(self.text) > n0:
+                start = max(0, n0 - self.hold)  # a stop can only end inside the new text
+                hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+                if hits:
+                    self.text = self.text[: min(hits)]
+                    self.stopped = True
+        limit = len(self.text) if self.stopped else len(self.text) - self.hold
+        return kept, self._take(limit)
+
+    def finish(self) -> str:
+        """Everything not yet emitted (call once the sequence has ended)."""
+        return self._take(len(self.text))
+
+    def _take(self, limit: int) -> str:
+        if limit <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent : limit], limit
+        return out

@@ -1,0 +1,190 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProposalMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROPOSAL_MODE_UNSPECIFIED: _ClassVar[ProposalMode]
+    PROPOSAL_MODE_GREEDY: _ClassVar[ProposalMode]
+    PROPOSAL_MODE_SPARSE: _ClassVar[ProposalMode]
+    PROPOSAL_MODE_DENSE: _ClassVar[ProposalMode]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_CONTEXT: _ClassVar[FinishReason]
+PROPOSAL_MODE_UNSPECIFIED: ProposalMode
+PROPOSAL_MODE_GREEDY: ProposalMode
+PROPOSAL_MODE_SPARSE: ProposalMode
+PROPOSAL_MODE_DENSE: ProposalMode
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_CONTEXT: FinishReason
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_name", "vocab_fingerprint", "vocab_size", "max_context", "proposal_modes", "num_parameters", "eos_token_id")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_MODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    vocab_fingerprint: str
+    vocab_size: int
+    max_context: int
+    proposal_modes: _containers.RepeatedScalarFieldContainer[ProposalMode]
+    num_parameters: int
+    eos_token_id: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., proposal_modes: _Optional[_Iterable[_Union[ProposalMode, str]]] = ..., num_parameters: _Optional[int] = ..., eos_token_id: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "num_draft_tokens", "proposal_mode", "sparse_k", "request_id")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_MODE_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_K_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    num_draft_tokens: int
+    proposal_mode: ProposalMode
+    sparse_k: int
+    request_id: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., proposal_mode: _Optional[_Union[ProposalMode, str]] = ..., sparse_k: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_s", "verify_s", "verify_forward_s", "prefill_s", "prompt_tokens", "generated_tokens", "server_s")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_S_FIELD_NUMBER: _ClassVar[int]
+    rounds: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float
+    mean_accepted_length: float
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    draft_s: float
+    verify_s: float
+    verify_forward_s: float
+    prefill_s: float
+    prompt_tokens: int
+    generated_tokens: int
+    server_s: float
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., verify_forward_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., server_s: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("token_ids", "text", "finish_reason", "stats", "seed", "request_id")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: FinishReason
+    stats: Stats
+    seed: int
+    request_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., seed: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class SessionStart(_message.Message):
+    __slots__ = ("prompt_ids", "max_new_tokens", "sampling", "proposal_mode", "vocab_fingerprint", "request_id")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_MODE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    proposal_mode: ProposalMode
+    vocab_fingerprint: str
+    request_id: str
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., proposal_mode: _Optional[_Union[ProposalMode, str]] = ..., vocab_fingerprint: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class Round(_message.Message):
+    __slots__ = ("round", "tokens", "q_counts", "q_ids", "q_probs")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    Q_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    Q_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_PROBS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    q_counts: _containers.RepeatedScalarFieldContainer[int]
+    q_ids: _containers.RepeatedScalarFieldContainer[int]
+    q_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, round: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_counts: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("start", "round")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    start: SessionStart
+    round: Round
+    def __init__(self, start: _Optional[_Union[SessionStart, _Mapping]] = ..., round: _Optional[_Union[Round, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("round", "num_accepted", "next_token", "finish_reason", "forward_s", "queue_s", "seed")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    num_accepted: int
+    next_token: int
+    finish_reason: FinishReason
+    forward_s: float
+    queue_s: float
+    seed: int
+    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., forward_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,36 @@
+"""Tiny seeded models and tokenizers built on the fly for the tests (nothing is downloaded)."""
+from __future__ import annotations
+
+import os
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIALS = ["<eos>", "<pad>", "<unk>"]  # ids 0, 1, 2
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over `vocab_size` ids: 3 specials then words w3, w4, ..."""
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIALS), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def build(path: str, *, vocab_size: int = 16, hidden: int = 32, layers: int = 2, heads: int = 4, max_context: int = 64,
+          seed: int = 0, sharpen: float = 1.0) -> str:
+    """A random LlamaForCausalLM with its tokenizer saved in `path`. `sharpen` scales the output
+    layer: > 1 gives peakier (lower-entropy) next-token distributions."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_context,
+                      eos_token_id=0, pad_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    word_tokenizer(vocab_size).save_pretrained(path)
+    return path

@@ -1,0 +1,1 @@
+"""specdec verify service: the target model, one KV cache per session, the acceptance rule."""

@@ -1,0 +1,117 @@
+"""Verify gRPC servicer: Info, Session (the draft's bidirectional stream), Generate (target-only)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import torch
+
+from specdec import metrics, requests, serving
+from specdec.errors import RequestError, invalid
+from specdec.lm import LM
+from specdec.textstream import TextStream
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from verify_service.engine import Engine
+
+log = logging.getLogger("specdec.verify")
+SERVICE = "verify"
+class VerifyServicer(pb_grpc.VerifyServicer):
+    def __init__(self, engine: Engine, idle_timeout_s: float = 60.0):
+        self.engine = engine
+        self.lm = engine.lm
+        self.idle_timeout_s = idle_timeout_s
+
+    async def Info(self, request, context):
+        return serving.model_info(self.lm)
+
+    async def _read(self, context):
+        try:
+            return await asyncio.wait_for(context.read(), self.idle_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"session idle for more than {self.idle_timeout_s:g}s; closed") from None
+
+    def _open(self, st: pb.SessionStart):
+        if st.vocab_fingerprint != self.lm.fingerprint:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"vocabulary fingerprint mismatch: draft {st.vocab_fingerprint[:12]!r}, target {self.lm.fingerprint[:12]!r}")
+        if not st.prompt_ids:
+            raise invalid("start.prompt_ids: empty")
+        requests.check_ids(st.prompt_ids, self.lm.vocab_size, "start.prompt_ids")
+        if len(st.prompt_ids) >= self.lm.max_context:
+            raise invalid(f"start.prompt_ids: {len(st.prompt_ids)} tokens leave no room in the context limit of {self.lm.max_context}")
+        if not 1 <= st.max_new_tokens <= self.lm.max_context:
+            raise invalid(f"start.max_new_tokens must be in [1, {self.lm.max_context}], got {st.max_new_tokens}")
+        if st.proposal_mode not in pb.ProposalMode.values():
+            raise invalid(f"start.proposal_mode: unknown value {st.proposal_mode}")
+        sampling = requests.parse_sampling(st.sampling)
+        seed = requests.parse_seed(st.sampling)
+        return self.engine.open(st, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE)
+
+    async def Session(self, request_iterator, context):
+        s = None
+        try:
+            first = await self._read(context)
+            if first is grpc.aio.EOF:
+                return
+            if first.WhichOneof("kind") != "start":
+                raise invalid("the first message of a session must be `start`")
+            s = self._open(first.start)
+            await self.engine.prefill(s)
+            while not s.finish:
+                req = await self._read(context)
+                if req is grpc.aio.EOF:
+                    return
+                if req.WhichOneof("kind") != "round":
+                    raise invalid("a session is already open on this stream; send `round` messages")
+                tokens, q = self.engine.parse_round(s, req.round)
+                v = await self.engine.step(s, tokens, q)
+                await context.write(pb.VerifyResponse(
+                    round=req.round.round, num_accepted=v.num_accepted, next_token=v.next_token,
+                    finish_reason=v.finish, forward_s=v.forward_s, queue_s=v.queue_s, seed=s.seed))
+        except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
+            await serving.fail(context, SERVICE, "Session", e)
+        finally:
+            if s is not None:
+                self.engine.close(s)
+
+    async def Generate(self, request, context):
+        """Target-only generation: rounds with no proposals (each yields the next token)."""
+        t0 = time.perf_counter()
+        s = None
+        try:
+            with serving.timed(SERVICE, "Generate"):
+                g = requests.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
+                start = pb.SessionStart(prompt_ids=g.prompt_ids, max_new_tokens=g.max_new_tokens, request_id=g.request_id)
+                s = self.engine.open(start, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY)
+                stats = pb.Stats(prompt_tokens=len(g.prompt_ids))
+                stats.prefill_s = await self.engine.prefill(s)
+                text = TextStream(self.lm.tokenizer, g.stop)
+                no_tokens = torch.empty(0, dtype=torch.long)
+                q = None if g.sampling.greedy else torch.empty(0, self.lm.vocab_size)
+                first = True
+                while True:
+                    t1 = time.perf_counter()
+                    v = await self.engine.step(s, no_tokens, q)
+                    stats.verify_s += time.perf_counter() - t1
+                    stats.verify_forward_s += v.forward_s
+                    stats.rounds += 1
+                    ids, delta = text.push([v.next_token] if v.next_token is not None else [])
+                    stats.generated_tokens += len(ids)
+                    finish = pb.FINISH_REASON_STOP if text.stopped else v.finish
+                    if not finish:
+                        if ids or delta:
+                            yield pb.GenerateResponse(token_ids=ids, text=delta, request_id=g.request_id if first else "")
+                            first = False
+                        continue
+                    stats.server_s = time.perf_counter() - t0
+                    metrics.GENERATED_TOKENS.labels(SERVICE).inc(stats.generated_tokens)
+                    yield pb.GenerateResponse(token_ids=ids, text=delta + text.finish(), finish_reason=finish,
+                                              stats=stats, seed=g.seed, request_id=g.request_id)
+                    return
+        except Exception as e:  # noqa: BLE001
+            await serving.fail(context, SERVICE, "Generate", e)
+        finally:
+            if s is not None:
+                self.engine.close(s)
