@@ -42,6 +42,7 @@ LABEL org.opencontainers.image.title="specdec-draft" \
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    HOME=/tmp \
     HF_HOME=/tmp/hf \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
@@ -59,7 +60,8 @@ USER 10001:10001
 WORKDIR /tmp
 EXPOSE 50051 9100
 
-# Model loading can take a while: give it a generous start period.
+# Model loading can take a while: give it a generous start period. The draft's own port
+# is always plaintext (its TLS flags are for the connection to the verify).
 HEALTHCHECK --interval=30s --timeout=6s --start-period=120s --retries=3 \
     CMD ["python", "/usr/local/bin/specdec-healthcheck", "--service", "specdec.v1.Draft"]
 

@@ -62,6 +62,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    HOME=/tmp \
     HF_HOME=/tmp/hf \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
@@ -84,6 +85,8 @@ WORKDIR /tmp
 EXPOSE 50051 9100
 
 # Loading a large target model onto the GPU can take minutes.
+# Plaintext probe; with TLS flags, override it (see deploy/k8s/components/mtls for the
+# healthcheck's --tls-* options) or disable it with --no-healthcheck.
 HEALTHCHECK --interval=30s --timeout=6s --start-period=600s --retries=3 \
     CMD ["python", "/usr/local/bin/specdec-healthcheck", "--service", "specdec.v1.Verify"]
 
