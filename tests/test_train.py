@@ -1,0 +1,142 @@
+"""Tests of the training tools: corpus split, tokenizer, and the draft-distillation tool."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from train import corpus
+from train.tokenizer import BOS, EOS, PAD, train_tokenizer
+
+SNIPPETS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\n\nfor name in os.listdir('.'):\n    print(name)\n",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "with open('f.txt') as f:\n    data = f.read()\n",
+]
+
+
+def test_heldout_split_is_deterministic_and_disjoint():
+    names = corpus.stdlib_files(include_tests=False)
+    assert names == sorted(names) and len(names) > 100
+    assert not any("site-packages" in n for n in names)
+    assert names == corpus.stdlib_files(include_tests=False)
+    held = [n for n in names if corpus.is_heldout(n)]
+    assert 0.01 < len(held) / len(names) < 0.12
+    assert [corpus.is_heldout(n) for n in names] == [corpus.is_heldout(n) for n in names]
+    # The split depends only on the relative path, and the two splits do not overlap.
+    train = {d.name for d in corpus._select(corpus.stdlib_root(), names[:200], "train")}
+    heldout = {d.name for d in corpus._select(corpus.stdlib_root(), names[:200], "heldout")}
+    assert train and heldout and not (train & heldout)
+    assert train | heldout <= set(names[:200])
+
+
+def test_user_corpus_reads_files_and_directories(tmp_path):
+    d = tmp_path / "src"
+    (d / "pkg").mkdir(parents=True)
+    for i, s in enumerate(SNIPPETS):
+        (d / "pkg" / f"m{i}.py").write_text(s)
+    (d / "blob.bin").write_bytes(b"\x00\x01\x02")
+    extra = tmp_path / "extra.txt"
+    extra.write_text("hello\n")
+    docs = corpus.user_documents([str(d), str(extra)], "all")
+    names = [x.name for x in docs]
+    assert names == sorted(names)
+    assert "1:extra.txt" in names and not any("blob" in n for n in names)
+    assert len(docs) == len(SNIPPETS) + 1
+    assert corpus.user_documents([str(d), str(extra)], "all") == docs
+
+
+def _tiny_tokenizer():
+    return train_tokenizer(SNIPPETS * 20, vocab_size=300, model_max_length=128)
+
+
+def test_tokenizer_round_trips_and_has_special_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
+    _tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (BOS, EOS, PAD)
+    assert len({tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}) == 3
+    for text in SNIPPETS + ["unseen: λ → 🙂 \t\r\n  x = {'ü': 1}\n"]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text
+
+
+@pytest.fixture()
+def tiny_pair_inputs(tmp_path):
+    """A random tiny Llama target with its tokenizer, and a tiny corpus directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _tiny_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    target = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # a peaked next-token distribution, so there is something to imitate
+        target.lm_head.weight.mul_(40.0)
+    tdir = tmp_path / "target"
+    target.save_pretrained(tdir)
+    tok.save_pretrained(tdir)
+    cdir = tmp_path / "corpus"
+    cdir.mkdir()
+    for i, s in enumerate(SNIPPETS * 4):
+        (cdir / f"f{i:02d}.py").write_text(s * 3)
+    return tdir, cdir, target
+
+
+def _log(run_dir: Path):
+    return [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+def test_distill_trains_a_loadable_draft_and_resumes(tmp_path, tiny_pair_inputs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from train import distill
+
+    tdir, cdir, target = tiny_pair_inputs
+    out, run = tmp_path / "draft", tmp_path / "run"
+    common = ["--target", str(tdir), "--corpus", str(cdir), "--out", str(out), "--run-dir", str(run),
+              "--layers", "1", "--hidden", "16", "--heads", "2", "--intermediate", "32",
+              "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--seed", "1"]
+    s1 = distill.main(common + ["--steps", "6"])
+    assert s1["steps"] == 6
+    assert s1["draft_parameters"] < s1["target_parameters"]
+
+    draft = AutoModelForCausalLM.from_pretrained(out)
+    dtok = AutoTokenizer.from_pretrained(out)
+    ttok = AutoTokenizer.from_pretrained(tdir)
+    assert dtok.get_vocab() == ttok.get_vocab()
+    assert draft.config.vocab_size == target.config.vocab_size
+    assert draft.config.eos_token_id == ttok.eos_token_id == dtok.eos_token_id
+    assert draft.config.num_hidden_layers == 1 and draft.config.hidden_size == 16
+    ids = torch.tensor([ttok("def add(a, b):")["input_ids"]])
+    with torch.no_grad():
+        assert draft(input_ids=ids).logits.shape[-1] == target(input_ids=ids).logits.shape[-1]
+
+    log1 = _log(run)
+    assert log1[0]["step"] == 1 and log1[-1]["step"] == 6
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in log1)
+    assert all(r["kl"] >= -1e-4 for r in log1)
+
+    # Running again with a larger step limit resumes at step 6 instead of starting over.
+    s2 = distill.main(common + ["--steps", "40"])
+    assert s2["steps"] == 40
+    log2 = _log(run)
+    steps = [r["step"] for r in log2]
+    assert steps.index(6) < len(steps) - 1 and 7 <= steps[len(log1)] <= 10
+    assert 1 not in steps[len(log1):]
+    # The draft learns to imitate the target: KL at the end is well below KL at the start.
+    assert log2[-1]["kl"] < 0.8 * log1[0]["kl"]
+    assert log2[-1]["loss"] < log1[0]["loss"]
+
+    # The saved draft is the resumed one, not a fresh one.
+    draft2 = AutoModelForCausalLM.from_pretrained(out)
+    assert not torch.equal(draft.model.embed_tokens.weight, draft2.model.embed_tokens.weight)

@@ -1,0 +1,1 @@
+"""Training tools for specdec: corpus, tokenizer, target pre-training, draft distillation, evaluation."""

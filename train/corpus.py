@@ -1,0 +1,134 @@
+"""The training corpus: Python source files, read deterministically, with a held-out split.
+
+The default corpus is the CPython standard library of the running interpreter (found through
+``sysconfig``), which every machine that runs specdec has.  Files are read in sorted order of
+their path relative to the corpus root, and each file is assigned to the held-out split by a
+hash of that relative path, so the split is the same on every machine and every run and the
+training code never sees a held-out file.
+
+Users can also give their own corpus: any mix of files and directories (all text files found
+under a directory are used).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, List, Sequence
+
+HELDOUT_PERCENT = 5
+
+# Suffixes read when a user gives a directory; anything else is tried and kept if it decodes
+# as UTF-8 text without NUL bytes.
+_BINARY_SUFFIXES = {
+    ".pyc", ".pyo", ".so", ".o", ".a", ".dll", ".dylib", ".exe", ".bin", ".pt", ".pth",
+    ".safetensors", ".png", ".jpg", ".jpeg", ".gif", ".ico", ".zip", ".gz", ".bz2", ".xz",
+    ".tar", ".whl", ".pdf", ".npy", ".npz", ".wav", ".mp3", ".mp4", ".ttf", ".woff",
+}
+
+
+@dataclass(frozen=True)
+class Document:
+    """One source file: its path relative to the corpus root, and its text."""
+
+    name: str
+    text: str
+
+
+def is_heldout(name: str, percent: int = HELDOUT_PERCENT) -> bool:
+    """True if the file with this relative path belongs to the held-out split."""
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % 100 < percent
+
+
+def stdlib_root() -> Path:
+    """Directory of the running interpreter's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(include_tests: bool = True) -> List[str]:
+    """Relative paths of the stdlib ``.py`` files, sorted; site-packages is never included."""
+    root = stdlib_root()
+    names = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        parts = [] if rel_dir == "." else rel_dir.split(os.sep)
+        if "site-packages" in parts or "dist-packages" in parts:
+            dirnames[:] = []
+            continue
+        if not include_tests and any(p in ("test", "tests", "idle_test") for p in parts):
+            dirnames[:] = []
+            continue
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")]
+        for fn in filenames:
+            if fn.endswith(".py"):
+                names.append(fn if not parts else "/".join(parts + [fn]))
+    return sorted(names)
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if b"\x00" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def stdlib_documents(split: str = "train", include_tests: bool = True) -> List[Document]:
+    """The stdlib corpus, one split: ``"train"``, ``"heldout"`` or ``"all"``."""
+    root = stdlib_root()
+    return _select(root, stdlib_files(include_tests), split)
+
+
+def _select(root: Path, names: Iterable[str], split: str) -> List[Document]:
+    if split not in ("train", "heldout", "all"):
+        raise ValueError(f"unknown split {split!r}")
+    docs = []
+    for name in names:
+        if split != "all" and is_heldout(name) != (split == "heldout"):
+            continue
+        text = _read_text(root / name)
+        if text:
+            docs.append(Document(name, text))
+    return docs
+
+
+def _walk_text_files(root: Path) -> Iterator[str]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+        for fn in filenames:
+            if fn.startswith(".") or Path(fn).suffix.lower() in _BINARY_SUFFIXES:
+                continue
+            yield os.path.relpath(os.path.join(dirpath, fn), root).replace(os.sep, "/")
+
+
+def user_documents(paths: Sequence[str], split: str = "train") -> List[Document]:
+    """A user-given corpus: files and/or directories (every text file found under them).
+
+    Documents are named ``<argument index>:<relative path>`` and sorted, so the order and the
+    held-out split do not depend on the file system's listing order.
+    """
+    docs: List[Document] = []
+    for i, p in enumerate(paths):
+        path = Path(p)
+        if path.is_dir():
+            names = sorted(_walk_text_files(path))
+            root = path
+        elif path.is_file():
+            names, root = [path.name], path.parent
+        else:
+            raise FileNotFoundError(f"corpus path not found: {p}")
+        for d in _select(root, names, split):
+            docs.append(Document(f"{i}:{d.name}", d.text))
+    if not docs and split == "train":
+        # A tiny corpus may hash every file into the held-out split; train on all of it then.
+        return user_documents(paths, "all")
+    return docs

@@ -1,0 +1,185 @@
+"""Distilling a small draft model for any local Hugging Face causal LM target.
+
+    python -m train.distill --target path/to/target --corpus my_code/ more.py --out my-draft \
+        [--layers 1 --hidden 256 --intermediate 1024 --steps 2000 --max-minutes 30]
+
+The draft is a small ``LlamaForCausalLM`` with the target's vocabulary (its output row ``i``
+is the target's token ``i``) and the target's tokenizer, copied into the output directory, so
+the pair can be used for speculative decoding.  It is trained to match the target's
+next-token distribution: at every position of windows cut from the corpus, the target runs
+without gradients and the loss is the KL divergence ``KL(p_target || q_draft)`` (optionally
+mixed with the ordinary cross-entropy on the corpus, ``--ce-weight``).  Matching the whole
+distribution, not only the corpus token, is what raises the acceptance rate.
+
+The corpus is any mix of files and directories (every text file under a directory), or the
+word ``stdlib`` for the training split of the Python standard library.  About 5% of the files
+(chosen by a hash of their path) are held out and never trained on.
+
+Running the same command again resumes from ``RUN_DIR/checkpoint.pt`` (default
+``runs/distill-<name of --out>``); the loss log is ``RUN_DIR/log.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from train import corpus, loop
+from train.data import WindowSampler, tokenize_documents
+from train.pretrain import seed_everything
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def load_corpus(paths, split: str = "train"):
+    if list(paths) == ["stdlib"]:
+        return corpus.stdlib_documents(split)
+    return corpus.user_documents(paths, split)
+
+
+def _first_id(x):
+    if isinstance(x, (list, tuple)):
+        return x[0] if x else None
+    return x
+
+
+def draft_config(target_config, hidden: int, layers: int, heads: int, intermediate: int,
+                 tie: bool, max_positions: int | None = None) -> LlamaConfig:
+    """A Llama config with the target's vocabulary size and special token ids."""
+    if hidden % heads:
+        raise ValueError(f"--hidden {hidden} is not divisible by --heads {heads}")
+    max_pos = max_positions or getattr(target_config, "max_position_embeddings", None) or 2048
+    return LlamaConfig(
+        vocab_size=target_config.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=_first_id(getattr(target_config, "bos_token_id", None)),
+        eos_token_id=getattr(target_config, "eos_token_id", None),
+        pad_token_id=_first_id(getattr(target_config, "pad_token_id", None)),
+    )
+
+
+def copy_tokenizer(target_dir: Path, out_dir: Path, tokenizer) -> None:
+    """Copy the target's tokenizer files verbatim (fall back to re-saving the tokenizer)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copied = False
+    for name in TOKENIZER_FILES:
+        src = target_dir / name
+        if src.is_file():
+            shutil.copyfile(src, out_dir / name)
+            copied = True
+    if not copied:
+        tokenizer.save_pretrained(out_dir)
+
+
+def distillation_loss(target, temperature: float = 1.0, ce_weight: float = 0.0):
+    """``loss_fn(draft, batch)`` for ``train.loop``: KL(target || draft), mixed with CE."""
+
+    def loss_fn(draft, batch):
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        with torch.no_grad():
+            t_logits = target(input_ids=inputs).logits.float()
+        d_logits = draft(input_ids=inputs).logits.float()
+        vocab = d_logits.size(-1)
+        t_logits = t_logits[..., :vocab]  # targets may pad their output layer beyond the vocab
+        t_logp = F.log_softmax(t_logits / temperature, dim=-1).reshape(-1, vocab)
+        d_logp = F.log_softmax(d_logits / temperature, dim=-1).reshape(-1, vocab)
+        kl = F.kl_div(d_logp, t_logp, log_target=True, reduction="batchmean") * temperature ** 2
+        ce = F.cross_entropy(d_logits.reshape(-1, vocab), labels.reshape(-1))
+        loss = (1.0 - ce_weight) * kl + ce_weight * ce
+        with torch.no_grad():
+            agree = (d_logits.argmax(-1) == t_logits.argmax(-1)).float().mean()
+        return loss, {"kl": float(kl.detach()), "ce": float(ce.detach()), "argmax_agree": float(agree)}
+
+    return loss_fn
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m train.distill", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="local Hugging Face causal LM directory")
+    ap.add_argument("--corpus", required=True, nargs="+", help="files and/or directories, or 'stdlib'")
+    ap.add_argument("--out", required=True, help="output directory of the draft model")
+    ap.add_argument("--run-dir", default=None, help="checkpoints and loss log (default runs/distill-<out name>)")
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default 4 x hidden)")
+    ap.add_argument("--untie", action="store_true", help="separate output layer (default: tied to the embedding)")
+    ap.add_argument("--max-positions", type=int, default=None, help="default: the target's")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--max-minutes", type=float, default=None, help="training time budget")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
+    ap.add_argument("--ce-weight", type=float, default=0.1, help="weight of the corpus cross-entropy")
+    ap.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--no-bf16", action="store_true", help="no bf16 autocast (slower on most CPUs)")
+    ap.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    ap.add_argument("--max-ratio", type=float, default=0.1, help="warn if draft/target parameters exceed this")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seed_everything(args.seed)
+    target_dir, out_dir = Path(args.target), Path(args.out)
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"distill-{out_dir.name}"
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, args.target_dtype))
+    target.eval().requires_grad_(False)
+
+    docs = load_corpus(args.corpus, "train")
+    tokens = tokenize_documents(tokenizer, docs)
+    print(f"corpus: {len(docs)} files, {tokens.numel():,} tokens", flush=True)
+
+    torch.manual_seed(args.seed)
+    cfg = draft_config(target.config, args.hidden, args.layers, args.heads,
+                       args.intermediate or 4 * args.hidden, not args.untie, args.max_positions)
+    draft = LlamaForCausalLM(cfg)
+    n_t = sum(p.numel() for p in target.parameters())
+    n_d = sum(p.numel() for p in draft.parameters())
+    print(f"target {n_t:,} parameters, draft {n_d:,} ({n_d / n_t:.3f} of the target)", flush=True)
+    if n_d > args.max_ratio * n_t:
+        print(f"WARNING: the draft is larger than {args.max_ratio} of the target", flush=True)
+
+    sampler = WindowSampler(tokens, args.seq_len, args.batch_size, seed=args.seed)
+    summary = loop.run(draft, sampler.batch, distillation_loss(target, args.temperature, args.ce_weight),
+                       loop.LoopConfig(run_dir=run_dir, max_steps=args.steps, max_minutes=args.max_minutes,
+                                       lr=args.lr, warmup_steps=args.warmup, bf16=not args.no_bf16,
+                                       checkpoint_minutes=args.checkpoint_minutes, desc="distill"))
+
+    draft.generation_config = GenerationConfig.from_dict(target.generation_config.to_dict()) \
+        if target.generation_config is not None else GenerationConfig()
+    m = draft.to(getattr(torch, args.save_dtype))
+    m.config.use_cache = True
+    m.save_pretrained(out_dir, safe_serialization=True, max_shard_size="40MB")
+    copy_tokenizer(target_dir, out_dir, tokenizer)
+    summary.update(target_parameters=n_t, draft_parameters=n_d, ratio=n_d / n_t,
+                   corpus_tokens=int(tokens.numel()), corpus_files=len(docs),
+                   seq_len=sampler.seq_len, batch_size=args.batch_size)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Measuring a (target, draft) pair for speculative decoding on held-out text.
+
+    python -m train.evaluate --target models/stdlib-code-target --draft models/stdlib-code-draft \
+        --out models/eval.json
+
+Everything is measured in float32 with batch-1 KV-cache decoding, the way the services run:
+
+* held-out loss (nats/token) of each model on held-out windows;
+* greedy acceptance α: teacher-forced agreement of the draft's argmax with the target's argmax
+  along the TARGET's own greedy continuations of held-out prompts, and from it the measured
+  expected tokens per verify round for greedy drafting of γ tokens;
+* T=1 acceptance: along the draft's own sampled 8-token proposals, β_k = Σ_x min(p(x), q(x))
+  at proposal position k = 1..8; the mean β, the product-form estimate of tokens per round,
+  and the unbiased path estimate E[Π_j min(1, p(x_j)/q(x_j))];
+* per-token decoding latency of each model and c = draft / target;
+* the expected speed-up of DESIGN.md §5, S = E / (γ·c + 1) with E = (1 − α^(γ+1)) / (1 − α),
+  for γ = 1..8, and the best γ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from train import corpus
+from train.data import tokenize_documents
+from train.latency import decode_step_seconds
+
+GAMMAS = range(1, 9)
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E = (1 − α^(γ+1)) / (1 − α): expected tokens per verify round (DESIGN.md §5)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def speedup(alpha: float, gamma: int, c: float) -> float:
+    """S = E / (γ·c + 1): walltime speed-up over target-only decoding (DESIGN.md §5)."""
+    return expected_tokens(alpha, gamma) / (gamma * c + 1)
+
+
+def speedup_table(alpha: float, c: float) -> dict:
+    table = {g: round(speedup(alpha, g, c), 3) for g in GAMMAS}
+    best = max(table, key=table.get)
+    return {"alpha": round(alpha, 4), "by_gamma": table, "best_gamma": best, "best_speedup": table[best]}
+
+
+@torch.no_grad()
+def heldout_loss(model, tokens: torch.Tensor, seq_len: int, max_windows: int) -> float:
+    total, count = 0.0, 0
+    n = min(max_windows, (tokens.numel() - 1) // seq_len)
+    for i in range(n):
+        w = tokens[i * seq_len: i * seq_len + seq_len + 1][None]
+        logits = model(input_ids=w[:, :-1]).logits.float()
+        total += F.cross_entropy(logits[0], w[0, 1:], reduction="sum").item()
+        count += seq_len
+    return total / count
+
+
+def prompts_from(tokens: torch.Tensor, n: int, length: int) -> torch.Tensor:
+    """``n`` prompts of ``length`` tokens at evenly spaced offsets of the held-out stream."""
+    span = tokens.numel() - length - 1
+    starts = [int(i * span / n) for i in range(n)]
+    return torch.stack([tokens[s:s + length] for s in starts])
+
+
+@torch.no_grad()
+def greedy_continue(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    out = model(input_ids=ids, use_cache=True)
+    past, new = out.past_key_values, []
+    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    for i in range(steps):
+        new.append(tok)
+        if i + 1 == steps:
+            break
+        out = model(input_ids=tok, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    return torch.cat(new, dim=1)
+
+
+@torch.no_grad()
+def greedy_acceptance(target, draft, prompts: torch.Tensor, steps: int, batch: int) -> dict:
+    """α along the target's greedy continuations, and measured greedy tokens per round."""
+    agree_rows = []
+    for i in range(0, len(prompts), batch):
+        p = prompts[i:i + batch]
+        cont = greedy_continue(target, p, steps)
+        full = torch.cat([p, cont], dim=1)
+        L = p.size(1)
+        t_arg = target(input_ids=full[:, :-1]).logits[:, L - 1:].argmax(-1)
+        d_arg = draft(input_ids=full[:, :-1]).logits[:, L - 1:].argmax(-1)
+        # t_arg re-derives the continuation in one parallel pass; use it as the reference so
+        # tiny numeric differences between cached and parallel passes cannot bias α.
+        agree_rows.append((d_arg == t_arg).float())
+    agree = torch.cat(agree_rows)  # [prompts, steps]
+    alpha = agree.mean().item()
+    # Greedy drafting of γ tokens from position t is accepted up to k iff the draft agrees at
+    # t..t+k-1 (identical contexts while it agrees): P(first k accepted) = mean Π agree.
+    per_round = {}
+    for g in GAMMAS:
+        usable = agree.size(1) - g + 1
+        if usable <= 0:
+            break
+        e = torch.ones(agree.size(0), usable)
+        run = torch.ones(agree.size(0), usable)
+        for k in range(g):
+            run = run * agree[:, k:k + usable]
+            e = e + run
+        per_round[g] = round(e.mean().item(), 4)
+    return {"alpha": alpha, "positions": agree.numel(), "tokens_per_round_measured": per_round}
+
+
+@torch.no_grad()
+def sampled_acceptance(target, draft, prompts: torch.Tensor, gamma: int, batch: int, seed: int) -> dict:
+    """T=1 acceptance per proposal position along the draft's own samples."""
+    gen = torch.Generator().manual_seed(seed)
+    betas, ratios = [], []
+    for i in range(0, len(prompts), batch):
+        p = prompts[i:i + batch]
+        out = draft(input_ids=p, use_cache=True)
+        past, qs, xs = out.past_key_values, [], []
+        logits = out.logits[:, -1].float()
+        for k in range(gamma):
+            q = F.softmax(logits, dim=-1)
+            x = torch.multinomial(q, 1, generator=gen)
+            qs.append(q)
+            xs.append(x)
+            if k + 1 < gamma:
+                out = draft(input_ids=x, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                logits = out.logits[:, -1].float()
+        xs_t = torch.cat(xs, dim=1)
+        L = p.size(1)
+        t_logits = target(input_ids=torch.cat([p, xs_t[:, :-1]], dim=1)).logits[:, L - 1:].float()
+        ps = F.softmax(t_logits, dim=-1)  # [B, gamma, V]
+        qs_t = torch.stack(qs, dim=1)
+        betas.append(torch.minimum(ps, qs_t).sum(-1))
+        px = ps.gather(-1, xs_t[..., None])[..., 0]
+        qx = qs_t.gather(-1, xs_t[..., None])[..., 0]
+        ratios.append(torch.clamp(px / qx, max=1.0))
+    beta = torch.cat(betas)  # [prompts, gamma]
+    ratio = torch.cat(ratios)
+    beta_k = beta.mean(0).tolist()
+    product, path = {}, {}
+    for g in range(1, gamma + 1):
+        product[g] = round(1 + sum(float(torch.tensor(beta_k[:k]).prod()) for k in range(1, g + 1)), 4)
+        path[g] = round(1 + sum(ratio[:, :k].prod(1).mean().item() for k in range(1, g + 1)), 4)
+    return {"beta_mean": beta.mean().item(), "beta_by_position": [round(b, 4) for b in beta_k],
+            "tokens_per_round_product_form": product, "tokens_per_round_path_estimate": path,
+            "rounds": beta.size(0)}
+
+
+def load(path: str):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--corpus", nargs="+", default=["stdlib"],
+                    help="held-out split of these files/dirs, or 'stdlib' (default)")
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    ap.add_argument("--loss-seq-len", type=int, default=512)
+    ap.add_argument("--loss-windows", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--continuation", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--latency-steps", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target, draft = load(args.target), load(args.draft)
+    if list(args.corpus) == ["stdlib"]:
+        docs = corpus.stdlib_documents("heldout")
+    else:
+        docs = corpus.user_documents(args.corpus, "heldout")
+    tokens = tokenize_documents(tokenizer, docs)
+    print(f"held-out: {len(docs)} files, {tokens.numel():,} tokens", flush=True)
+    res: dict = {
+        "target": args.target, "draft": args.draft,
+        "target_parameters": sum(p.numel() for p in target.parameters()),
+        "draft_parameters": sum(p.numel() for p in draft.parameters()),
+        "heldout_files": len(docs), "heldout_tokens": int(tokens.numel()),
+        "machine": {"processor": platform.processor() or platform.machine(),
+                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+    }
+    t0 = time.time()
+    seq = min(args.loss_seq_len, target.config.max_position_embeddings)
+    res["heldout_loss_nats_per_token"] = {
+        "target": heldout_loss(target, tokens, seq, args.loss_windows),
+        "draft": heldout_loss(draft, tokens, seq, args.loss_windows),
+        "tokens": min(args.loss_windows, (tokens.numel() - 1) // seq) * seq,
+    }
+    print("loss", res["heldout_loss_nats_per_token"], flush=True)
+    prompts = prompts_from(tokens, args.prompts, args.prompt_len)
+    res["greedy"] = greedy_acceptance(target, draft, prompts, args.continuation, args.batch)
+    print("greedy", res["greedy"], flush=True)
+    res["sampled_T1"] = sampled_acceptance(target, draft, prompts, 8, args.batch, args.seed)
+    print("T=1", res["sampled_T1"], flush=True)
+    t_lat = decode_step_seconds(target, steps=args.latency_steps)
+    d_lat = decode_step_seconds(draft, steps=args.latency_steps)
+    c = d_lat / t_lat
+    res["latency_ms_per_token"] = {"target": t_lat * 1e3, "draft": d_lat * 1e3, "c": c}
+    print("latency", res["latency_ms_per_token"], flush=True)
+    res["expected_speedup"] = {
+        "greedy": speedup_table(res["greedy"]["alpha"], c),
+        "sampled_T1": speedup_table(res["sampled_T1"]["beta_mean"], c),
+        "greedy_from_measured_tokens_per_round": {
+            g: round(e / (g * c + 1), 3) for g, e in res["greedy"]["tokens_per_round_measured"].items()},
+        "sampled_T1_from_path_estimate": {
+            g: round(e / (g * c + 1), 3) for g, e in res["sampled_T1"]["tokens_per_round_path_estimate"].items()},
+    }
+    res["eval_seconds"] = round(time.time() - t0, 1)
+    print(json.dumps(res["expected_speedup"], indent=1), flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    main()

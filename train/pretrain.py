@@ -1,0 +1,118 @@
+"""Pre-training the shipped TARGET model: a Llama-style causal LM on the stdlib corpus.
+
+    python -m train.pretrain --out models/stdlib-code-target --run-dir runs/target \
+        --max-minutes 72
+
+Trains (or reuses, if ``--tokenizer`` already exists) the byte-level BPE tokenizer on the
+training split, builds a ``LlamaForCausalLM`` of the requested size, and trains it with the
+resumable loop in ``train.loop``: running the same command again resumes from
+``RUN_DIR/checkpoint.pt``.  The result is written as a Hugging Face directory (bf16
+safetensors, tokenizer, config with EOS and max_position_embeddings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from train import corpus, export, loop
+from train.data import WindowSampler, tokenize_documents
+from train.tokenizer import train_on_documents
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def llama_config(tokenizer, hidden: int, layers: int, heads: int, intermediate: int,
+                 max_positions: int, tie: bool) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def causal_lm_loss(model, batch):
+    out = model(input_ids=batch[:, :-1])
+    logits = out.logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+    return loss, {}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="final Hugging Face model directory")
+    ap.add_argument("--run-dir", default="runs/target", help="checkpoints and loss log")
+    ap.add_argument("--tokenizer", default="runs/tokenizer", help="tokenizer dir (trained if missing)")
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--no-tests", action="store_true", help="leave the stdlib test packages out")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=1408)
+    ap.add_argument("--max-positions", type=int, default=1024)
+    ap.add_argument("--tie", action="store_true", help="tie input and output embeddings")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--max-minutes", type=float, default=None)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--no-bf16", action="store_true", help="train in float32 (no bf16 autocast)")
+    ap.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seed_everything(args.seed)
+    include_tests = not args.no_tests
+    docs = corpus.stdlib_documents("train", include_tests=include_tests)
+    tok_dir = Path(args.tokenizer)
+    if not (tok_dir / "tokenizer.json").exists():
+        tok = train_on_documents(docs, args.vocab_size, args.max_positions)
+        tok.save_pretrained(tok_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    tokens = tokenize_documents(tokenizer, docs)
+    print(f"corpus: {len(docs)} training files, {tokens.numel():,} tokens", flush=True)
+
+    cfg = llama_config(tokenizer, args.hidden, args.layers, args.heads, args.intermediate,
+                       args.max_positions, args.tie)
+    model = LlamaForCausalLM(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"target: {n_params:,} parameters", flush=True)
+
+    sampler = WindowSampler(tokens, args.seq_len, args.batch_size, seed=args.seed)
+    summary = loop.run(model, sampler.batch, causal_lm_loss, loop.LoopConfig(
+        run_dir=Path(args.run_dir), max_steps=args.steps, max_minutes=args.max_minutes, lr=args.lr,
+        warmup_steps=args.warmup, bf16=not args.no_bf16, checkpoint_minutes=args.checkpoint_minutes,
+        desc="pretrain"))
+    export.save_hf_dir(model, tokenizer, args.out)
+    summary.update(parameters=n_params, corpus_tokens=int(tokens.numel()), corpus_files=len(docs),
+                   seq_len=args.seq_len, batch_size=args.batch_size, include_tests=include_tests)
+    (Path(args.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
