@@ -1,0 +1,42 @@
+# Two entry points (see README): `make demo` and `make test`. Both set up .venv from nothing.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TRANSFORMERS_VERBOSITY := error
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test test-fast protos check-protos deploy-check bench clean
+
+setup: $(VENV)/.ok
+$(VENV)/.ok: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0   # first: the local CPU wheel (anything else pulls CUDA)
+	$(BIN)/pip install -q -e '.[server,dev]'
+	touch $@
+
+demo: setup
+	$(BIN)/python -m bench.demo
+
+test: setup check-protos deploy-check
+	$(BIN)/python -m pytest
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow"
+
+protos: setup
+	PYTHON=$(BIN)/python protos/gen.sh
+
+check-protos: setup
+	PYTHON=$(BIN)/python protos/gen.sh --check
+
+deploy-check: setup
+	VENV=$(VENV) bash deploy/check.sh
+
+bench: setup
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache
