@@ -12,7 +12,8 @@ Everything is measured in float32 with batch-1 KV-cache decoding, the way the se
 * T=1 acceptance: along the draft's own sampled 8-token proposals, β_k = Σ_x min(p(x), q(x))
   at proposal position k = 1..8; the mean β, the product-form estimate of tokens per round,
   and the unbiased path estimate E[Π_j min(1, p(x_j)/q(x_j))];
-* per-token decoding latency of each model and c = draft / target;
+* per-token decoding latency of each model and c = draft / target (alternating runs; the
+  minimum over runs is reported as the latency, the median is kept too);
 * the expected speed-up of DESIGN.md §5, S = E / (γ·c + 1) with E = (1 − α^(γ+1)) / (1 − α),
   for γ = 1..8, and the best γ.
 """
@@ -31,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from train import corpus
 from train.data import tokenize_documents
-from train.latency import decode_step_seconds
+from train.latency import compare_latency
 
 GAMMAS = range(1, 9)
 
@@ -179,6 +180,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--continuation", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--latency-steps", type=int, default=64)
+    ap.add_argument("--latency-rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -198,6 +200,7 @@ def main(argv=None) -> dict:
         "target": args.target, "draft": args.draft,
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "draft_parameters": sum(p.numel() for p in draft.parameters()),
+        "vocab_size": target.config.vocab_size, "prompts": args.prompts,
         "heldout_files": len(docs), "heldout_tokens": int(tokens.numel()),
         "machine": {"processor": platform.processor() or platform.machine(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
@@ -215,10 +218,8 @@ def main(argv=None) -> dict:
     print("greedy", res["greedy"], flush=True)
     res["sampled_T1"] = sampled_acceptance(target, draft, prompts, 8, args.batch, args.seed)
     print("T=1", res["sampled_T1"], flush=True)
-    t_lat = decode_step_seconds(target, steps=args.latency_steps)
-    d_lat = decode_step_seconds(draft, steps=args.latency_steps)
-    c = d_lat / t_lat
-    res["latency_ms_per_token"] = {"target": t_lat * 1e3, "draft": d_lat * 1e3, "c": c}
+    res["latency_ms_per_token"] = compare_latency(target, draft, args.latency_rounds, args.latency_steps)
+    c = res["latency_ms_per_token"]["c"]
     print("latency", res["latency_ms_per_token"], flush=True)
     res["expected_speedup"] = {
         "greedy": speedup_table(res["greedy"]["alpha"], c),

@@ -36,3 +36,22 @@ def decode_step_seconds(model, steps: int = 64, prompt_len: int = 32, repeats: i
         if r > 0:
             results.append(dt)
     return statistics.median(results)
+
+
+def compare_latency(target, draft, rounds: int = 7, steps: int = 64) -> dict:
+    """Per-token latency of two models, measured alternately so that load from other
+    processes hits both alike.  Reports the median and the minimum over ``rounds`` runs (the
+    minimum is the better estimate of the cost on an otherwise idle machine) and c for both.
+    """
+    t_runs, d_runs = [], []
+    for _ in range(rounds):
+        t_runs.append(decode_step_seconds(target, steps=steps, repeats=1))
+        d_runs.append(decode_step_seconds(draft, steps=steps, repeats=1))
+    t_med, d_med = statistics.median(t_runs), statistics.median(d_runs)
+    t_min, d_min = min(t_runs), min(d_runs)
+    return {
+        "target": t_min * 1e3, "draft": d_min * 1e3, "c": d_min / t_min,
+        "target_median": t_med * 1e3, "draft_median": d_med * 1e3, "c_median": d_med / t_med,
+        "rounds": rounds, "steps_per_round": steps,
+        "target_runs": [round(x * 1e3, 3) for x in t_runs], "draft_runs": [round(x * 1e3, 3) for x in d_runs],
+    }
