@@ -140,3 +140,32 @@ def test_distill_trains_a_loadable_draft_and_resumes(tmp_path, tiny_pair_inputs)
     # The saved draft is the resumed one, not a fresh one.
     draft2 = AutoModelForCausalLM.from_pretrained(out)
     assert not torch.equal(draft.model.embed_tokens.weight, draft2.model.embed_tokens.weight)
+
+
+def test_evaluation_measures_a_pair(tiny_pair_inputs):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from train import evaluate
+
+    _, _, target = tiny_pair_inputs
+    target.eval()
+    assert evaluate.expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert evaluate.expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert evaluate.speedup(0.8, 3, 0.1) == pytest.approx((1 - 0.8 ** 4) / 0.2 / 1.3)
+    torch.manual_seed(0)
+    prompts = torch.randint(3, target.config.vocab_size, (4, 12))
+    # A draft identical to the target is always accepted: α = 1, β = 1, γ + 1 tokens per round.
+    same = evaluate.greedy_acceptance(target, target, prompts, steps=10, batch=2)
+    assert same["alpha"] == 1.0 and same["tokens_per_round_measured"][4] == pytest.approx(5.0)
+    t1 = evaluate.sampled_acceptance(target, target, prompts, gamma=4, batch=2, seed=0)
+    assert t1["beta_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert t1["tokens_per_round_path_estimate"][4] == pytest.approx(5.0, abs=1e-3)
+    # An unrelated random draft agrees less and its acceptance is a probability.
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=target.config.vocab_size, hidden_size=16,
+                                         intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=2, max_position_embeddings=128)).eval()
+    diff = evaluate.greedy_acceptance(target, other, prompts, steps=10, batch=2)
+    assert diff["alpha"] < 1.0
+    t1o = evaluate.sampled_acceptance(target, other, prompts, gamma=4, batch=2, seed=0)
+    assert 0.0 <= t1o["beta_mean"] < 0.999
+    assert all(1.0 <= e <= g + 1 for g, e in t1o["tokens_per_round_path_estimate"].items())
