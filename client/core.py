@@ -140,8 +140,11 @@ class Client(_Base):
                     continue
                 raise
             def chunks(first=first, it=it):
-                yield first
-                yield from it
+                try:
+                    yield first
+                    yield from it
+                finally:
+                    it.cancel()  # a caller that stops early cancels the RPC (no-op once done)
             return label, chunks()
         raise AssertionError("unreachable")
 
@@ -190,11 +193,13 @@ class AsyncClient(_Base):
                     continue
                 raise
 
-            async def chunks(first=first, call=call):
-                if first is not grpc.aio.EOF:
-                    yield first
-                    async for c in call:
-                        yield c
+            async def chunks(chunk=first, call=call):
+                try:
+                    while chunk is not grpc.aio.EOF:
+                        yield chunk
+                        chunk = await call.read()
+                finally:
+                    call.cancel()
             return label, chunks()
         raise AssertionError("unreachable")
 

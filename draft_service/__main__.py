@@ -7,6 +7,7 @@ import logging
 import sys
 
 import grpc
+import torch
 
 from specdec import logs, serving
 from specdec.lm import LM
@@ -59,6 +60,8 @@ def main(argv=None) -> None:
     p.add_argument("--verify-tls-key", help="client key for mTLS to the verify service")
     args = p.parse_args(argv)
     logs.setup(args.log_format, args.log_level)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     asyncio.run(run(args))
 
 

@@ -47,6 +47,7 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--tls-cert", help="server certificate (PEM); enables TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", help="CA bundle; when set, clients must present a certificate it signed (mTLS)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice; 1 when sharing cores)")
     p.add_argument("--log-format", choices=["json", "text"], default="json")
     p.add_argument("--log-level", default="INFO")
 
@@ -128,6 +129,8 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
     await server.start()
     for name in ("", service_name):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if mport is not None:
+        print(f"metrics on {args.host}:{mport}", flush=True)
     print(f"listening on {args.host}:{port}", flush=True)
     log.info("serving", extra={"fields": {"address": f"{args.host}:{port}", "metrics_port": mport, "service": service_name}})
 

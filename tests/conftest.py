@@ -2,62 +2,30 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import tinymodels  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-           TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+from bench.launch import ENV, ROOT, Service  # noqa: E402,F401
 
 
-class Service:
-    """A service started as its own process with `python -m <module> ... --port 0`."""
+def metric(text: str, name: str, **labels) -> float:
+    """The value of one sample in a Prometheus exposition (0 if absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    def __init__(self, module: str, *args: str, timeout: float = 120.0):
-        self.cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING", *args]
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.stderr: list[str] = []
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
-        self.address = self._wait_listening(timeout)
-
-    def _drain_stderr(self):
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-
-    def _wait_listening(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line.startswith("listening on "):
-                threading.Thread(target=self.proc.stdout.read, daemon=True).start()
-                return line.split()[-1]
-            if not line and self.proc.poll() is not None:
-                break
-        self.stop()
-        raise RuntimeError(f"{self.cmd} did not start: {''.join(self.stderr)[-3000:]}")
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    """Tiny models: 'target' and 'draft' (different, V=16) and a V=6 pair for statistics."""
+    """Tiny models: 'target' and 'draft' (different, V=16), a V=6 pair for statistics, a
+    4096-context pair for long generations."""
     root = tmp_path_factory.mktemp("models")
     built = {}
 
@@ -69,6 +37,8 @@ def model_dir(tmp_path_factory):
                 "stat-target": dict(vocab_size=6, seed=2, sharpen=1.5),
                 "stat-draft": dict(vocab_size=6, seed=3, hidden=16, layers=1, sharpen=1.5),
                 "other-vocab": dict(vocab_size=17, seed=4),
+                "long-target": dict(seed=0, sharpen=4.0, max_context=4096),  # no EOS bias: long runs
+                "long-draft": dict(seed=1, hidden=16, layers=1, sharpen=4.0, max_context=4096),
             }[name]
             built[name] = tinymodels.build(str(root / name), **spec)
         return built[name]
@@ -84,8 +54,8 @@ def services(model_dir):
     def get(target: str = "target", draft: str = "draft", *verify_args: str):
         key = (target, draft, verify_args)
         if key not in started:
-            v = Service("verify_service", "--model", model_dir(target), *verify_args)
-            d = Service("draft_service", "--model", model_dir(draft), "--verify", v.address)
+            v = Service("verify_service", "--model", model_dir(target), "--metrics-port", "0", *verify_args)
+            d = Service("draft_service", "--model", model_dir(draft), "--verify", v.address, "--metrics-port", "0")
             started[key] = (v, d)
         return started[key]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+import torch
+
 from specdec import logs, serving
 from specdec.lm import LM
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -19,6 +21,8 @@ def main(argv=None) -> None:
     p.add_argument("--idle-timeout-s", type=float, default=60.0, help="close a session that sends nothing for this long")
     args = p.parse_args(argv)
     logs.setup(args.log_format, args.log_level)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = Engine(LM.load(args.model), max_sessions=args.max_sessions, max_cached_tokens=args.max_cached_tokens)
     servicer = VerifyServicer(engine, idle_timeout_s=args.idle_timeout_s)
     asyncio.run(serving.serve(args, "specdec.v1.Verify", lambda s: pb_grpc.add_VerifyServicer_to_server(servicer, s), on_stop=engine.shutdown))

@@ -1,0 +1,1 @@
+"""specdec demo, benchmarks and load tests."""

@@ -1,0 +1,63 @@
+"""Starts specdec services as their own processes through their real command lines, and reads
+the `listening on HOST:PORT` line they print. Used by the demo, the benchmarks and the tests."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+           TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+ENV.setdefault("OMP_NUM_THREADS", "1")
+
+
+class Service:
+    """A service started as its own process with `python -m <module> ... --port 0`."""
+
+    def __init__(self, module: str, *args: str, timeout: float = 120.0, host: str = "127.0.0.1", env: dict | None = None,
+                 prefix: tuple[str, ...] = ()):
+        self.cmd = [*prefix, sys.executable, "-m", module, "--host", host, "--port", "0", "--log-level", "WARNING", *args]
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.stderr: list[str] = []
+        self.metrics_address: str | None = None
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self.address = self._wait_listening(timeout)
+
+    def _drain_stderr(self):
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def _wait_listening(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("metrics on "):
+                self.metrics_address = line.split()[-1]
+            if line.startswith("listening on "):
+                threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+                return line.split()[-1]
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        raise RuntimeError(f"{self.cmd} did not start: {''.join(self.stderr)[-3000:]}")
+
+    def metrics(self) -> str:
+        """The Prometheus exposition text, scraped over HTTP."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

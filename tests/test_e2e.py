@@ -1,0 +1,157 @@
+"""End to end through the real commands: both services as processes, the client CLI on top."""
+import json
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from client import AsyncClient, Client
+from conftest import ENV, ROOT, Service, metric
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+
+def cli(*args):
+    r = subprocess.run([sys.executable, "-m", "client", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    return r.returncode, r.stdout, r.stderr
+
+
+def test_cli_generate_json_speculative_equals_target_only(services):
+    v, d = services("target", "draft")
+    rc, out, err = cli("generate", "--server", d.address, "--prompt", "w3 w4 w5", "--max-new-tokens", "12", "--json")
+    assert rc == 0, err
+    spec = json.loads(out)
+    assert 1 <= len(spec["token_ids"]) <= 12 and spec["finish_reason"] in ("eos", "length")
+    for key in ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position",
+                "draft_s", "verify_s", "wall_s"):
+        assert key in spec["stats"], key
+    assert spec["stats"]["wall_s"] > 0 and spec["stats"]["rounds"] >= 1
+    rc, out, err = cli("generate", "--server", v.address, "--target-only", "--prompt", "w3 w4 w5", "--max-new-tokens", "12", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["token_ids"] == spec["token_ids"]
+
+
+def test_cli_prompt_ids_and_sampling_flags(services):
+    _, d = services("target", "draft")
+    args = ["generate", "--server", d.address, "--prompt-ids", "3,4,5", "--max-new-tokens", "10", "--temperature", "0.9",
+            "--top-k", "8", "--top-p", "0.9", "--seed", "42", "--json"]
+    a, b = cli(*args), cli(*args)
+    assert a[0] == 0 and json.loads(a[1])["token_ids"] == json.loads(b[1])["token_ids"]
+    assert json.loads(a[1])["seed"] == 42
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--prompt", ""], "prompt"),
+    (["--prompt", "w3", "--top-p", "1.5"], "top_p"),
+    (["--prompt", "w3", "--temperature", "-1"], "temperature"),
+    (["--prompt-ids", "3,99"], "prompt_ids"),
+    (["--prompt", "w3", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["--prompt", "w3", "--tau", "1000"], "num_draft_tokens"),
+])
+def test_cli_reports_status_code_and_message(services, args, field):
+    _, d = services("target", "draft")
+    rc, out, err = cli("generate", "--server", d.address, *args)
+    assert rc != 0 and "INVALID_ARGUMENT" in err and field in err, err
+
+
+def test_cli_unreachable_server_is_unavailable():
+    rc, _, err = cli("generate", "--server", "127.0.0.1:1", "--prompt", "w3", "--timeout", "5")
+    assert rc != 0 and "UNAVAILABLE" in err
+
+
+def test_seeded_determinism_and_seed_sensitivity(services):
+    _, d = services("target", "draft")
+    with Client(d.address, timeout=60) as c:
+        outs = [c.generate(prompt_ids=[3, 4], max_new_tokens=20, temperature=1.0, seed=s).token_ids for s in (1, 1, 2, 3)]
+    assert outs[0] == outs[1]
+    assert len({tuple(o) for o in outs[1:]}) > 1
+
+
+def test_async_client_streams_chunks(services):
+    import asyncio
+
+    _, d = services("target", "draft")
+
+    async def run():
+        async with AsyncClient(d.address, timeout=60) as c:
+            chunks = [ch async for ch in c.stream(prompt="w3 w4", max_new_tokens=15, num_draft_tokens=3)]
+            one = await c.generate(prompt="w3 w4", max_new_tokens=15, num_draft_tokens=3)
+        return chunks, one
+
+    chunks, one = asyncio.run(run())
+    assert len(chunks) > 1 and chunks[-1].finish_reason != 0
+    assert [t for ch in chunks for t in ch.token_ids] == one.token_ids
+    assert "".join(ch.text for ch in chunks) == one.text
+
+
+def test_health_and_reflection_on_both_services(services):
+    v, d = services("target", "draft")
+    for svc, name in ((v, "specdec.v1.Verify"), (d, "specdec.v1.Draft")):
+        with grpc.insecure_channel(svc.address) as ch:
+            for service in ("", name):
+                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+            (r,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+            assert name in {s.name for s in r.list_services_response.service}
+
+
+def test_fingerprint_mismatch_is_refused(services, model_dir):
+    v, _ = services("target", "draft")
+    with grpc.insecure_channel(v.address) as ch:
+        start = pb.SessionStart(prompt_ids=[3], max_new_tokens=2, vocab_fingerprint="0" * 64)
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.VerifyStub(ch).Session(iter([pb.VerifyRequest(start=start)]), timeout=10))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # a draft whose vocabulary differs from the verify service's refuses to start
+    r = subprocess.run([sys.executable, "-m", "draft_service", "--model", model_dir("other-vocab"), "--port", "0", "--verify", v.address],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "fingerprint" in r.stderr
+
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cond()
+
+
+def test_cancelled_stream_frees_the_verify_session_at_once(services):
+    v, d = services("long-target", "long-draft")
+    gen0 = metric(v.metrics(), "specdec_generated_tokens_total", service="verify")
+    with Client(d.address, timeout=120) as c:
+        it = c.stream(prompt_ids=[3], max_new_tokens=3000, temperature=1.0, seed=5, num_draft_tokens=2)
+        next(it)
+        assert metric(v.metrics(), "specdec_live_sessions", service="verify") == 1
+        it.close()  # stop reading: the client cancels the RPC
+    assert wait_for(lambda: metric(v.metrics(), "specdec_live_sessions", service="verify") == 0, 5)
+    assert metric(v.metrics(), "specdec_reserved_tokens") == 0
+    assert metric(v.metrics(), "specdec_cached_tokens") == 0
+    assert metric(d.metrics(), "specdec_live_sessions", service="draft") == 0
+    assert metric(v.metrics(), "specdec_generated_tokens_total", service="verify") == gen0  # it never finished
+
+
+def test_sigterm_drains_running_streams(model_dir):
+    v = Service("verify_service", "--model", model_dir("long-target"), "--drain-s", "60")
+    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", v.address, "--drain-s", "60")
+    try:
+        with Client(d.address, timeout=120) as c:
+            it = c.stream(prompt_ids=[3, 4], max_new_tokens=400, num_draft_tokens=1)
+            first = next(it)
+            d.proc.send_signal(15)
+            v.proc.send_signal(15)
+            time.sleep(0.5)
+            assert d.proc.poll() is None and v.proc.poll() is None  # still draining
+            with pytest.raises(grpc.RpcError):  # new requests are refused while draining
+                Client(d.address, timeout=5).generate(prompt_ids=[3], max_new_tokens=2)
+            rest = list(it)  # the running stream completes
+            assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert len(first.token_ids) + sum(len(ch.token_ids) for ch in rest) == 400
+        assert d.proc.wait(30) == 0 and v.proc.wait(30) == 0
+    finally:
+        d.stop()
+        v.stop()
