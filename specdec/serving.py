@@ -21,6 +21,8 @@ from specdec.v1 import specdec_pb2 as pb
 log = logging.getLogger("specdec.serving")
 
 REQUEST_ID_KEY = "x-request-id"
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata on RESOURCE_EXHAUSTED: when to try again
+RETRY_AFTER_MS = 1000
 MODES = [pb.PROPOSAL_MODE_GREEDY, pb.PROPOSAL_MODE_SPARSE, pb.PROPOSAL_MODE_DENSE]
 
 
@@ -103,6 +105,8 @@ async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: 
         log.exception("internal error in %s", method)
         code, msg = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
     metrics.REQUEST_ERRORS.labels(service, method, code.name).inc()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
     await context.abort(code, msg)
 
 

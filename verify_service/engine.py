@@ -1,15 +1,23 @@
-"""The verify engine: target-model sessions (one KV cache each) and the worker thread that owns
-the target model.
+"""The verify engine: target-model sessions (one KV cache each) and the scheduler thread that
+owns the target model.
 
 A session's committed sequence is `ids` (prompt + generated). Its cache always holds ids[:-1]:
 the last committed token is "pending" and is the first input of the next forward pass. A round
 with proposals x_1..x_tau therefore runs ONE forward over [pending, x_1..x_tau] (tau+1 logits:
 one per proposal plus the bonus position), applies the acceptance rule, appends the accepted
 prefix and the next token, and crops the cache back to len(ids) - 1.
+
+Scheduling: the worker thread takes every round waiting across sessions and verifies them in ONE
+batched forward pass (verify_service/batching.py; each session keeps its own cache and its own
+sampling settings and generator). Prompts are prefilled in chunks of PREFILL_CHUNK tokens, one
+chunk per scheduler iteration beside the round batch, so a long prompt does not stall the
+sessions already decoding. Chunk boundaries depend only on the prompt, so a session's numbers do
+not depend on what else is running.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -22,13 +30,16 @@ import torch
 from specdec import metrics
 from specdec.acceptance import accept
 from specdec.errors import RequestError, invalid
-from specdec.lm import LM, crop
+from specdec.lm import LM
 from specdec.sampling import Sampling, probs_from_logits
 from specdec.v1 import specdec_pb2 as pb
+from verify_service.batching import forward_batch, kv_crop, kv_len, use_isolated_attention
 
 log = logging.getLogger("specdec.verify")
 
 MAX_ROUND_TOKENS = 64  # proposals per round the verifier accepts
+PREFILL_CHUNK = 256  # prompt tokens per prefill pass
+MAX_BATCH_TOKENS = 1024  # new tokens per batched verification pass
 PROB_TOL = 1e-3  # how far a row of q may sum from 1
 
 
@@ -44,7 +55,7 @@ class Session:
     seed: int
     generator: torch.Generator
     reserved: int
-    cache: object = None
+    kv: list = field(default_factory=list)  # per layer (K, V) [1, H, len(ids) - 1, D]
     next_round: int = 1
     finish: int = pb.FINISH_REASON_UNSPECIFIED
     closed: bool = False
@@ -66,16 +77,21 @@ class Verdict:
 
 @dataclass
 class _Job:
-    fn: object
-    args: tuple
+    session: Session
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    tokens: torch.Tensor | None = None  # a round: [tau] proposals; None: a prefill
+    q: torch.Tensor | None = None  # [tau, V] or None (greedy)
     enqueued: float = field(default_factory=time.perf_counter)
+
+    def resolve(self, ok: bool, result) -> None:
+        self.loop.call_soon_threadsafe(_resolve, self.future, ok, result)
 
 
 class Engine:
     def __init__(self, lm: LM, max_sessions: int = 64, max_cached_tokens: int | None = None):
         self.lm = lm
+        use_isolated_attention(lm.model)
         self.max_sessions = max_sessions
         self.max_cached_tokens = max_cached_tokens or max_sessions * lm.max_context
         self.sessions: dict[int, Session] = {}
@@ -110,7 +126,6 @@ class Engine:
                 seed=seed,
                 generator=torch.Generator().manual_seed(seed),
                 reserved=need,
-                cache=self.lm.new_cache(),
             )
             self.sessions[sid] = s
             self.reserved += need
@@ -125,13 +140,13 @@ class Engine:
             s.closed = True
             del self.sessions[s.sid]
             self.reserved -= s.reserved
-            s.cache = None  # a job still running holds its own reference until it returns
+            s.kv = []  # a pass in flight holds its own references until it returns
         metrics.LIVE_SESSIONS.labels("verify").set(len(self.sessions))
         metrics.RESERVED_TOKENS.set(self.reserved)
         metrics.CACHED_TOKENS.set(self.cached_tokens())
 
     def cached_tokens(self) -> int:
-        return sum(max(len(s.ids) - 1, 0) for s in list(self.sessions.values()))
+        return sum(kv_len(s.kv) for s in list(self.sessions.values()))
 
     # ---- rounds -----------------------------------------------------------------------------
 
@@ -179,31 +194,16 @@ class Engine:
 
     async def prefill(self, s: Session) -> float:
         """Puts prompt[:-1] into the session's cache; returns the seconds it took."""
-        return await self._submit(self._prefill, s)
-
-    async def step(self, s: Session, tokens: torch.Tensor, q: torch.Tensor | None) -> Verdict:
-        """One round: forward over [pending, tokens], acceptance, commit."""
-        s.next_round += 1
-        s.last_active = time.monotonic()
-        return await self._submit(self._step, s, tokens, q)
-
-    def _prefill(self, s: Session) -> float:
         t0 = time.perf_counter()
         if len(s.ids) > 1:
-            self.lm.forward(s.ids[:-1], s.cache, last_only=True)
+            await self._submit(s)
         return time.perf_counter() - t0
 
-    def _step(self, s: Session, tokens: torch.Tensor, q: torch.Tensor | None) -> Verdict:
-        t0 = time.perf_counter()
-        logits = self.lm.forward([s.ids[-1]] + tokens.tolist(), s.cache)  # [tau+1, V]
-        p = probs_from_logits(logits, s.sampling)  # [tau+1, V]
-        n, nxt = accept(p, tokens, q, s.generator)
-        v = self._commit(s, tokens[:n].tolist() + [nxt], n)
-        v.forward_s = time.perf_counter() - t0
-        metrics.BATCH_SIZE.observe(1)
-        metrics.BATCH_TOKENS.observe(len(tokens) + 1)
-        metrics.FORWARD_TIME.observe(v.forward_s)
-        return v
+    async def step(self, s: Session, tokens: torch.Tensor, q: torch.Tensor | None) -> Verdict:
+        """One round: forward over [pending, tokens] (batched with other sessions), acceptance, commit."""
+        s.next_round += 1
+        s.last_active = time.monotonic()
+        return await self._submit(s, tokens, q)
 
     def _commit(self, s: Session, new: list[int], n: int) -> Verdict:
         """Appends new tokens up to the first end condition; crops the cache to len(ids) - 1."""
@@ -221,41 +221,100 @@ class Engine:
                 break
         s.ids.extend(out)
         s.finish = finish
-        if s.cache is not None:
-            crop(s.cache, len(s.ids) - 1)
+        s.kv = kv_crop(s.kv, len(s.ids) - 1)
         return Verdict(num_accepted=min(n, len(out)), next_token=out[n] if len(out) > n else None, finish=finish)
 
-    # ---- worker -----------------------------------------------------------------------------
+    # ---- scheduler -------------------------------------------------------------------------
 
-    async def _submit(self, fn, *args):
+    async def _submit(self, s: Session, tokens=None, q=None):
         loop = asyncio.get_running_loop()
-        job = _Job(fn, args, loop.create_future(), loop)
+        job = _Job(s, loop.create_future(), loop, tokens, q)
         self._queue.put(job)
         return await job.future
 
     def _work(self) -> None:
+        rounds: list[_Job] = []
+        prefills: collections.deque[_Job] = collections.deque()
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            wait = time.perf_counter() - job.enqueued
-            metrics.QUEUE_WAIT.observe(wait)
-            session = job.args[0]
-            try:
-                if session.closed:
-                    raise RequestError(grpc.StatusCode.CANCELLED, "session closed")
-                result = job.fn(*job.args)
-                if isinstance(result, Verdict):
-                    result.queue_s = wait
-                ok = True
-            except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
-                result, ok = e, False
+            job = self._queue.get() if not rounds and not prefills else None  # idle: block
+            while True:
+                if job is None:
+                    try:
+                        job = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                if job is _STOP:
+                    return
+                if job.session.closed:
+                    job.resolve(False, RequestError(grpc.StatusCode.CANCELLED, "session closed"))
+                else:
+                    (prefills if job.tokens is None else rounds).append(job)
+                job = None
+            if rounds:
+                batch, used = [], 0
+                while rounds and (not batch or used + len(rounds[0].tokens) + 1 <= MAX_BATCH_TOKENS):
+                    used += len(rounds[0].tokens) + 1
+                    batch.append(rounds.pop(0))
+                self._verify(batch)
+            if prefills and self._prefill_chunk(prefills[0]):
+                prefills.popleft()
             metrics.CACHED_TOKENS.set(self.cached_tokens())
-            job.loop.call_soon_threadsafe(_resolve, job.future, ok, result)
+
+    def _prefill_chunk(self, job: _Job) -> bool:
+        """Advances a prefill by one chunk; True once the job is resolved."""
+        s = job.session
+        done, goal = kv_len(s.kv), len(s.ids) - 1
+        try:
+            if s.closed:
+                raise RequestError(grpc.StatusCode.CANCELLED, "session closed")
+            chunk = s.ids[done : min(goal, done - done % PREFILL_CHUNK + PREFILL_CHUNK)]  # boundaries fixed by position
+            _, (kv,) = forward_batch(self.lm.model, [chunk], [s.kv], logits=False)
+            s.kv = kv
+            if kv_len(kv) < goal:
+                return False
+            job.resolve(True, None)
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            job.resolve(False, e)
+        return True
+
+    def _verify(self, batch: list[_Job]) -> None:
+        t0 = time.perf_counter()
+        live = [j for j in batch if not j.session.closed]
+        for j in batch:
+            if j.session.closed:
+                j.resolve(False, RequestError(grpc.StatusCode.CANCELLED, "session closed"))
+        if not live:
+            return
+        try:
+            logits, kvs = forward_batch(self.lm.model, [[j.session.ids[-1]] + j.tokens.tolist() for j in live], [j.session.kv for j in live])
+        except Exception as e:  # noqa: BLE001
+            for j in live:
+                j.resolve(False, e)
+            return
+        forward_s = time.perf_counter() - t0
+        metrics.BATCH_SIZE.observe(len(live))
+        metrics.BATCH_TOKENS.observe(sum(len(j.tokens) + 1 for j in live))
+        metrics.FORWARD_TIME.observe(forward_s)
+        for j in batch:
+            metrics.QUEUE_WAIT.observe(t0 - j.enqueued)
+        for j, lg, kv in zip(live, logits, kvs):
+            s = j.session
+            try:
+                s.kv = kv
+                p = probs_from_logits(lg, s.sampling)  # [tau+1, V]
+                n, nxt = accept(p, j.tokens, j.q, s.generator)
+                v = self._commit(s, j.tokens[:n].tolist() + [nxt], n)
+                v.forward_s, v.queue_s = forward_s, t0 - j.enqueued
+                j.resolve(True, v)
+            except Exception as e:  # noqa: BLE001
+                j.resolve(False, e)
 
     def shutdown(self) -> None:
-        self._queue.put(None)
+        self._queue.put(_STOP)
         self._worker.join(timeout=5)
+
+
+_STOP = object()
 
 
 def _resolve(fut: asyncio.Future, ok: bool, result) -> None:

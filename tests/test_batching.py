@@ -1,0 +1,135 @@
+"""Batched verification: correctness, isolation between sessions, capacity and idle limits."""
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from client import AsyncClient, Client
+from conftest import Service, metric
+from specdec.lm import LM
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from verify_service.batching import forward_batch, kv_len, use_isolated_attention
+
+
+@pytest.fixture(scope="module")
+def isolated(model_dir):
+    lm = LM.load(model_dir("target"))
+    use_isolated_attention(lm.model)
+    return lm.model
+
+
+def test_batched_pass_is_bitwise_equal_to_each_session_alone(isolated, model_dir):
+    reference = AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=torch.float32).eval()
+    r = random.Random(0)
+    seqs = [[r.randrange(1, 16) for _ in range(r.randint(2, 40))] for _ in range(7)]
+    cut = [r.randint(0, len(s) - 1) for s in seqs]  # cached prefix lengths, 0 included
+    kvs = [forward_batch(isolated, [s[:c]], [[]], logits=False)[1][0] if c else [] for s, c in zip(seqs, cut)]
+    news = [s[c:] for s, c in zip(seqs, cut)]
+    logits, new_kvs = forward_batch(isolated, news, kvs)
+    for s, c, new, kv, lg, nkv in zip(seqs, cut, news, kvs, logits, new_kvs):
+        alone, alone_kv = forward_batch(isolated, [new], [kv])
+        assert torch.equal(alone[0], lg)  # bitwise: the batch does not change a session's numbers
+        assert kv_len(nkv) == len(s) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(alone_kv[0], nkv))
+        with torch.no_grad():
+            full = reference(torch.tensor([s])).logits[0, c:]
+        torch.testing.assert_close(lg, full, atol=1e-5, rtol=1e-4)
+
+
+REQS = [dict(prompt_ids=[3 + i % 5, 4, 5 + i % 3], max_new_tokens=20 + 3 * i, temperature=[0.0, 1.0, 0.7][i % 3], top_k=[0, 0, 6][i % 3],
+             seed=100 + i, num_draft_tokens=1 + i % 5, proposal_mode=["sparse", "dense", "greedy"][i % 3]) for i in range(12)]
+
+
+def test_same_seed_same_tokens_alone_or_under_load(services):
+    v, d = services("target", "draft")
+    with Client(d.address, timeout=120) as c:
+        alone = [c.generate(**r).token_ids for r in REQS]
+    before = metric(v.metrics(), "specdec_verify_batch_size_sum"), metric(v.metrics(), "specdec_verify_batch_size_count")
+
+    async def together():
+        async with AsyncClient(d.address, timeout=120) as c:
+            return await asyncio.gather(*(c.generate(**r) for r in REQS))
+
+    loaded = [r.token_ids for r in asyncio.run(together())]
+    assert loaded == alone
+    after = metric(v.metrics(), "specdec_verify_batch_size_sum"), metric(v.metrics(), "specdec_verify_batch_size_count")
+    assert (after[0] - before[0]) / (after[1] - before[1]) > 1.2, "sessions must actually have shared forward passes"
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_stays_exact(services, model_dir):
+    _, d = services("long-target", "long-draft")
+    target = AutoModelForCausalLM.from_pretrained(model_dir("long-target"), dtype=torch.float32).eval()
+    r = random.Random(1)
+    prompt = [r.randrange(1, 16) for _ in range(700)]  # > 2 prefill chunks
+    with torch.no_grad():
+        ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, pad_token_id=1)[0, 700:].tolist()
+    with Client(d.address, timeout=120) as c:
+        assert c.generate(prompt_ids=prompt, max_new_tokens=12, num_draft_tokens=3).token_ids == ref
+
+
+def _start(fp, prompt=(3, 4), max_new=8):
+    return pb.VerifyRequest(start=pb.SessionStart(prompt_ids=list(prompt), max_new_tokens=max_new, vocab_fingerprint=fp))
+
+
+async def _open_session(stub, fp, **kw):
+    call = stub.Session()
+    await call.write(_start(fp, **kw))
+    await call.write(pb.VerifyRequest(round=pb.Round(round=1, tokens=[])))
+    return call, await call.read()
+
+
+def test_capacity_limits_answer_resource_exhausted_and_recover(model_dir):
+    v = Service("verify_service", "--model", model_dir("target"), "--max-sessions", "2", "--max-cached-tokens", "40", "--metrics-port", "0")
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(v.address) as ch:
+                stub = pb_grpc.VerifyStub(ch)
+                fp = (await stub.Info(pb.InfoRequest())).vocab_fingerprint
+                a, ra = await _open_session(stub, fp)
+                b, rb = await _open_session(stub, fp)
+                assert ra.round == 1 and rb.round == 1
+                c, _ = None, None
+                with pytest.raises(grpc.aio.AioRpcError) as e:  # third session: over --max-sessions
+                    await _open_session(stub, fp)
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in e.value.details()
+                assert dict(e.value.trailing_metadata()).get("retry-after-ms")
+                a.cancel()
+                b.cancel()
+                await asyncio.sleep(0.3)
+                with pytest.raises(grpc.aio.AioRpcError) as e:  # 2 + 60 tokens > --max-cached-tokens 40
+                    await _open_session(stub, fp, max_new=60)
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "cache" in e.value.details()
+                c, rc = await _open_session(stub, fp)  # room again
+                assert rc.round == 1
+                c.cancel()
+        asyncio.run(run())
+        time.sleep(0.3)
+        text = v.metrics()
+        assert metric(text, "specdec_capacity_rejections_total", reason="sessions") == 1
+        assert metric(text, "specdec_capacity_rejections_total", reason="cached_tokens") == 1
+        assert metric(text, "specdec_live_sessions", service="verify") == 0
+    finally:
+        v.stop()
+
+
+def test_idle_session_times_out_and_frees_its_cache(model_dir):
+    v = Service("verify_service", "--model", model_dir("target"), "--idle-timeout-s", "1", "--metrics-port", "0")
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(v.address) as ch:
+                stub = pb_grpc.VerifyStub(ch)
+                fp = (await stub.Info(pb.InfoRequest())).vocab_fingerprint
+                call, _ = await _open_session(stub, fp)
+                assert metric(v.metrics(), "specdec_cached_tokens") > 0
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call.read()  # we send nothing more
+                assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "idle" in e.value.details()
+        asyncio.run(run())
+        assert metric(v.metrics(), "specdec_live_sessions", service="verify") == 0
+        assert metric(v.metrics(), "specdec_cached_tokens") == 0
+    finally:
+        v.stop()
