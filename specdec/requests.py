@@ -19,6 +19,8 @@ DEFAULT_SPARSE_K = 32
 MAX_SPARSE_K = 1024
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
+MIN_TEMPERATURE = 1e-4  # below this logits / temperature can overflow float32 (and it is greedy in all but name)
+MAX_REQUEST_ID_CHARS = 128
 
 
 @dataclass
@@ -37,6 +39,8 @@ class GenParams:
 def parse_sampling(s: pb.SamplingParams) -> Sampling:
     if not math.isfinite(s.temperature) or s.temperature < 0:
         raise invalid(f"sampling.temperature must be finite and >= 0, got {s.temperature}")
+    if 0 < s.temperature < MIN_TEMPERATURE:
+        raise invalid(f"sampling.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {s.temperature}")
     top_p = s.top_p if s.top_p != 0 else 1.0
     if not (0 < top_p <= 1):  # also rejects NaN
         raise invalid(f"sampling.top_p must be in (0, 1], got {s.top_p}")
@@ -52,6 +56,13 @@ def check_ids(ids, vocab_size: int, what: str) -> list[int]:
     if bad:
         raise invalid(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     return list(ids)
+
+
+def check_request_id(rid: str, what: str = "request_id") -> str:
+    """Printable ASCII of bounded length: it travels as gRPC metadata and into the logs."""
+    if len(rid) > MAX_REQUEST_ID_CHARS or any(not " " <= c <= "~" for c in rid):
+        raise invalid(f"{what}: at most {MAX_REQUEST_ID_CHARS} printable ASCII characters")
+    return rid
 
 
 def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_context: int) -> GenParams:
@@ -77,6 +88,7 @@ def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_cont
         raise invalid(f"proposal_mode: unknown value {req.proposal_mode}")
     if req.sparse_k > MAX_SPARSE_K:
         raise invalid(f"sparse_k must be in [0, {MAX_SPARSE_K}] (0 = default), got {req.sparse_k}")
+    check_request_id(req.request_id)
     sampling = parse_sampling(req.sampling)
     mode = req.proposal_mode or pb.PROPOSAL_MODE_SPARSE
     if sampling.greedy:

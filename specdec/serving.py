@@ -1,13 +1,21 @@
-"""gRPC server plumbing shared by both services: options, TLS, health, reflection, errors,
-the `listening on HOST:PORT` line, and a graceful drain on SIGTERM/SIGINT."""
+"""gRPC server plumbing shared by both services: options, TLS, bearer-token auth, health,
+reflection, errors, per-request log lines, the `listening on HOST:PORT` line, and a graceful
+drain on SIGTERM/SIGINT.
+
+TLS file flags also read environment variables (a flag wins): SPECDEC_TLS_CERT, SPECDEC_TLS_KEY,
+SPECDEC_TLS_CLIENT_CA on both servers. Messages larger than --max-message-bytes are refused by
+gRPC itself with RESOURCE_EXHAUSTED."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import hmac
 import logging
+import os
 import signal
 import time
+import uuid
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -46,12 +54,18 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--max-message-bytes", type=int, default=16 << 20)
     p.add_argument("--max-connection-age-s", type=float, default=None, help="close connections after this age so clients re-resolve")
     p.add_argument("--drain-s", type=float, default=30.0, help="grace period for running streams on SIGTERM")
-    p.add_argument("--tls-cert", help="server certificate (PEM); enables TLS")
-    p.add_argument("--tls-key", help="server private key (PEM)")
-    p.add_argument("--tls-client-ca", help="CA bundle; when set, clients must present a certificate it signed (mTLS)")
+    p.add_argument("--tls-cert", default=env("SPECDEC_TLS_CERT"), help="server certificate (PEM); enables TLS [env SPECDEC_TLS_CERT]")
+    p.add_argument("--tls-key", default=env("SPECDEC_TLS_KEY"), help="server private key (PEM) [env SPECDEC_TLS_KEY]")
+    p.add_argument("--tls-client-ca", default=env("SPECDEC_TLS_CLIENT_CA"),
+                   help="CA bundle; when set, clients must present a certificate it signed (mTLS) [env SPECDEC_TLS_CLIENT_CA]")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice; 1 when sharing cores)")
     p.add_argument("--log-format", choices=["json", "text"], default="json")
     p.add_argument("--log-level", default="INFO")
+
+
+def env(name: str) -> str | None:
+    """An environment variable as a flag default (unset or empty: None)."""
+    return os.environ.get(name) or None
 
 
 def _read(path: str | None) -> bytes | None:
@@ -63,7 +77,11 @@ def _read(path: str | None) -> bytes | None:
 
 def server_credentials(args) -> grpc.ServerCredentials | None:
     if not args.tls_cert:
+        if args.tls_key or args.tls_client_ca:
+            raise SystemExit("error: --tls-key/--tls-client-ca need --tls-cert")
         return None
+    if not args.tls_key:
+        raise SystemExit("error: --tls-cert needs --tls-key")
     ca = _read(args.tls_client_ca)
     return grpc.ssl_server_credentials([(_read(args.tls_key), _read(args.tls_cert))], root_certificates=ca, require_client_auth=ca is not None)
 
@@ -108,6 +126,101 @@ async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: 
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
     await context.abort(code, msg)
+
+
+# ---- bearer-token authentication ---------------------------------------------------------------
+
+AUTH_EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # orchestrators and tooling need no token
+
+
+def read_token(path: str) -> str:
+    with open(path) as f:
+        token = f.read().strip()
+    if not token:
+        raise SystemExit(f"error: token file {path} is empty")
+    return token
+
+
+class BearerTokenAuth(grpc.aio.ServerInterceptor):
+    """Rejects calls without `authorization: Bearer <token>` metadata with UNAUTHENTICATED
+    (health checking and reflection are exempt). Tokens are compared in constant time."""
+
+    def __init__(self, token: str, service: str):
+        self._want = f"Bearer {token}".encode()
+        self._service = service
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        if details.method.startswith(AUTH_EXEMPT):
+            return await continuation(details)
+        got = b""
+        for k, v in details.invocation_metadata or ():
+            if k == "authorization":
+                got = v.encode() if isinstance(v, str) else v
+        if hmac.compare_digest(got, self._want):
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
+            return None
+        method = details.method.rsplit("/", 1)[-1]
+        reason = "missing bearer token" if not got else "invalid bearer token"
+
+        async def deny(request, context):
+            metrics.REQUEST_ERRORS.labels(self._service, method, grpc.StatusCode.UNAUTHENTICATED.name).inc()
+            log.warning("unauthenticated", extra={"fields": {"method": details.method, "peer": context.peer(), "reason": reason}})
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+        # a coroutine handler of the same kind (and codecs) as the real one, which only aborts
+        kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+        return kind[handler.request_streaming, handler.response_streaming](
+            deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+# ---- per-request log lines ------------------------------------------------------------------------
+
+def code_name(context, exc: BaseException | None) -> str:
+    """The status a handler ended with, for the log line."""
+    if exc is None:
+        return "OK"
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+
+
+def logged_generate(handler, service: str, logger: logging.Logger):
+    """Wraps a server-streaming Generate handler: fixes the request id first (x-request-id
+    metadata, else the request's field, else a new one) so every hop logs the same id, and logs
+    one `request done` line per request with its outcome, tokens, rounds and duration."""
+
+    async def wrapper(request, context):
+        t0 = time.perf_counter()
+        rid = request_id(context, request.request_id)
+        if not rid:
+            rid = request.request_id = uuid.uuid4().hex
+        last, tokens, exc = None, 0, None
+        try:
+            async for chunk in handler(request, context):
+                last = chunk
+                tokens += len(chunk.token_ids)
+                yield chunk
+        except BaseException as e:
+            exc = e
+            raise
+        finally:
+            fields = {"service": service, "method": "Generate", "request_id": rid, "code": code_name(context, exc),
+                      "tokens": tokens, "duration_s": round(time.perf_counter() - t0, 6)}
+            if exc is not None and not isinstance(exc, (asyncio.CancelledError, GeneratorExit)) and context.details():
+                fields["error"] = context.details()
+            if last is not None and last.finish_reason:
+                fields["finish_reason"] = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+                fields["rounds"] = last.stats.rounds
+                fields["prompt_tokens"] = last.stats.prompt_tokens
+                if last.stats.drafted:
+                    fields["accepted"], fields["drafted"] = last.stats.accepted, last.stats.drafted
+            logger.info("request done", extra={"fields": fields})
+
+    return wrapper
 
 
 @contextlib.contextmanager

@@ -18,11 +18,14 @@ from verify_service.engine import Engine
 
 log = logging.getLogger("specdec.verify")
 SERVICE = "verify"
+
+
 class VerifyServicer(pb_grpc.VerifyServicer):
     def __init__(self, engine: Engine, idle_timeout_s: float = 60.0):
         self.engine = engine
         self.lm = engine.lm
         self.idle_timeout_s = idle_timeout_s
+        self.Generate = serving.logged_generate(self.Generate, SERVICE, log)  # one `request done` line each
 
     async def Info(self, request, context):
         return serving.model_info(self.lm)
@@ -36,6 +39,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
     def _open(self, st: pb.SessionStart):
         if st.vocab_fingerprint != self.lm.fingerprint:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"vocabulary fingerprint mismatch: draft {st.vocab_fingerprint[:12]!r}, target {self.lm.fingerprint[:12]!r}")
+        requests.check_request_id(st.request_id, "start.request_id")
         if not st.prompt_ids:
             raise invalid("start.prompt_ids: empty")
         requests.check_ids(st.prompt_ids, self.lm.vocab_size, "start.prompt_ids")
@@ -49,32 +53,58 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         seed = requests.parse_seed(st.sampling)
         return self.engine.open(st, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE)
 
+    def _check_round(self, s, r: pb.Round):
+        """parse_round plus: every proposed token must have mass in the q it was sampled from."""
+        tokens, q = self.engine.parse_round(s, r)
+        if q is not None and len(tokens) and not (q[torch.arange(len(tokens)), tokens] > 0).all():
+            raise invalid("round.q_probs: a proposed token has no probability in its q (it cannot have been sampled from it)")
+        return tokens, q
+
     async def Session(self, request_iterator, context):
-        s = None
+        t0 = time.perf_counter()
+        s, exc, rounds = None, None, 0
+        rid = serving.request_id(context)
         try:
             first = await self._read(context)
             if first is grpc.aio.EOF:
                 return
             if first.WhichOneof("kind") != "start":
-                raise invalid("the first message of a session must be `start`")
+                raise invalid("start: the first message of a session must be `start`")
+            rid = rid or first.start.request_id
             s = self._open(first.start)
             await self.engine.prefill(s)
             while not s.finish:
                 req = await self._read(context)
                 if req is grpc.aio.EOF:
                     return
-                if req.WhichOneof("kind") != "round":
-                    raise invalid("a session is already open on this stream; send `round` messages")
-                tokens, q = self.engine.parse_round(s, req.round)
+                kind = req.WhichOneof("kind")
+                if kind == "start":
+                    raise invalid("start: a session is already open on this stream (one session per stream); send `round` messages")
+                if kind != "round":
+                    raise invalid("round: a message with neither `start` nor `round` set")
+                tokens, q = self._check_round(s, req.round)
                 v = await self.engine.step(s, tokens, q)
+                rounds += 1
                 await context.write(pb.VerifyResponse(
                     round=req.round.round, num_accepted=v.num_accepted, next_token=v.next_token,
                     finish_reason=v.finish, forward_s=v.forward_s, queue_s=v.queue_s, seed=s.seed))
-        except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
+        except BaseException as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
+            exc = e
+            if not isinstance(e, Exception):
+                raise
             await serving.fail(context, SERVICE, "Session", e)
         finally:
             if s is not None:
                 self.engine.close(s)
+            fields = {"service": SERVICE, "method": "Session", "request_id": rid, "code": serving.code_name(context, exc),
+                      "rounds": rounds, "duration_s": round(time.perf_counter() - t0, 6)}
+            if s is not None:
+                fields.update(tokens=s.generated, prompt_tokens=s.prompt_len)
+                if s.finish:
+                    fields["finish_reason"] = pb.FinishReason.Name(s.finish).removeprefix("FINISH_REASON_").lower()
+            if isinstance(exc, Exception):
+                fields["error"] = str(exc)
+            log.info("session done", extra={"fields": fields})
 
     async def Generate(self, request, context):
         """Target-only generation: rounds with no proposals (each yields the next token)."""
