@@ -1,0 +1,513 @@
+"""Load tester for a draft endpoint: concurrent streaming sessions, latency percentiles, a report.
+
+    python -m bench.loadtest --server 127.0.0.1:50052 --concurrency 1,4,16,64 --out deploy/loadtest
+    python -m bench.loadtest --server 127.0.0.1:50052 --rate 0.5,2 --requests 40 --duration-s 60 --out /tmp/lt
+
+Each *cell* is one load level: closed-loop at a fixed concurrency (N sessions, each sends its
+next request when the previous one ends) or open-loop at a target request rate (Poisson
+arrivals, whatever is in flight). A cell is bounded in requests (`--requests`) and in time
+(`--duration-s`: no request starts after it; requests still running `--grace-s` later are
+cancelled and counted as `cancelled`, not as errors).
+
+Per request it records, from the client's side of the stream:
+  TTFT   time to first token (request sent -> first chunk with tokens)
+  ITL    mean inter-token latency of the request, (e2e - TTFT) / (tokens - 1) (a.k.a. TPOT);
+         tokens arrive in chunks of one verify round each, so `chunk gap` (time between
+         successive chunks) is reported too: it is what a reader of the stream sees stall
+  e2e    request sent -> last chunk
+plus output tokens, the draft acceptance rate (from the server's stats) and the gRPC status of
+failures. Per cell: p50/p95/p99 of each latency, output tokens/s (all tokens received in the
+cell / cell wall time), requests/s, errors by status code.
+
+Results go to OUT/loadtest.json (with `--append`, cells are added to / replace cells of the
+same load level and tags in an existing file) and OUT/REPORT.md with PNG plots (matplotlib, Agg).
+
+The prompt set (`--prompts`): `stdlib` (default) cuts code snippets that start at a `def` or
+`class` line from the held-out split of the CPython standard library (train/corpus.py, never
+seen in training), `builtin` is a small fixed list, or a path to a file with one JSON string or
+{"prompt": ...} object per line (plain text lines work too).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+BUILTIN_PROMPTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "import os\n\n\ndef walk_python_files(root):\n    \"\"\"Yield the path of every .py file under root.\"\"\"\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "def parse_header(line):\n    key, _, value = line.partition(':')\n",
+    "def read_config(path):\n    import json\n    with open(path) as f:\n",
+    "def merge_sorted(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n",
+    "def is_prime(n):\n    if n < 2:\n        return False\n",
+    "class LRUCache:\n    def __init__(self, capacity):\n        self.capacity = capacity\n",
+    "def flatten(items):\n    for item in items:\n        if isinstance(item, (list, tuple)):\n",
+    "def quote(s):\n    \"\"\"Return s with special characters escaped.\"\"\"\n",
+    "def chunks(seq, n):\n    \"\"\"Yield successive n-sized chunks from seq.\"\"\"\n",
+    "async def fetch_all(urls):\n    results = []\n    for url in urls:\n",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+
+
+def _snippets(text: str, max_chars: int) -> list[str]:
+    """Snippets of `text` that start at a def/class line and stop at a line boundary, so the
+    model continues inside a definition."""
+    lines = text.splitlines(keepends=True)
+    out = []
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith(("def ", "class ", "async def ")) and line.rstrip().endswith(":"):
+            snippet = ""
+            for nxt in lines[i:]:
+                if len(snippet) + len(nxt) > max_chars:
+                    break
+                snippet += nxt
+            if snippet.count("\n") >= 2:
+                out.append(snippet)
+    return out
+
+
+def stdlib_prompts(n: int, max_chars: int, seed: int) -> list[str]:
+    """`n` code snippets from held-out stdlib files (train/corpus.py's split), else [] ."""
+    try:
+        from train.corpus import stdlib_documents
+
+        docs = [d.text for d in stdlib_documents("heldout", include_tests=False)]
+    except Exception:  # the training package is optional at run time: read a few files ourselves
+        import sysconfig
+
+        root = sysconfig.get_paths()["stdlib"]
+        docs = []
+        for name in ("textwrap.py", "shlex.py", "fnmatch.py", "heapq.py", "bisect.py", "colorsys.py"):
+            try:
+                with open(os.path.join(root, name), encoding="utf-8") as f:
+                    docs.append(f.read())
+            except OSError:
+                pass
+    pool = [s for text in docs for s in _snippets(text, max_chars)]
+    random.Random(seed).shuffle(pool)
+    return pool[:n]
+
+
+def load_prompts(source: str, n: int = 256, max_chars: int = 400, seed: int = 0) -> list[str]:
+    if source == "builtin":
+        return [p[:max_chars] for p in BUILTIN_PROMPTS]
+    if source == "stdlib":
+        return stdlib_prompts(n, max_chars, seed) or [p[:max_chars] for p in BUILTIN_PROMPTS]
+    prompts = []
+    with open(source, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                prompts.append(obj["prompt"] if isinstance(obj, dict) else str(obj))
+            except (json.JSONDecodeError, KeyError):
+                prompts.append(line.rstrip("\n"))
+    if not prompts:
+        raise SystemExit(f"no prompts in {source}")
+    return [p[:max_chars] for p in prompts]
+
+
+# --------------------------------------------------------------------------------------------
+# One request
+
+
+@dataclass
+class Record:
+    i: int
+    start_s: float  # send time, relative to the cell start
+    code: str = "OK"  # gRPC status name, CANCELLED_AT_DEADLINE, or an exception type
+    tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: float | None = None
+    chunk_gaps_s: list[float] = field(default_factory=list)
+    acceptance_rate: float | None = None
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+
+
+async def one_request(client, i: int, prompt: str, args, cell_t0: float, live: dict) -> Record:
+    import grpc
+
+    t0 = time.perf_counter()
+    rec = Record(i=i, start_s=t0 - cell_t0)
+    last_t, last = None, None
+    try:
+        async for chunk in client.stream(prompt=prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                         seed=args.seed + i, num_draft_tokens=args.tau, proposal_mode=args.mode):
+            now = time.perf_counter()
+            if chunk.token_ids:
+                if rec.ttft_s is None:
+                    rec.ttft_s = now - t0
+                elif last_t is not None:
+                    rec.chunk_gaps_s.append(now - last_t)
+                last_t = now
+                rec.tokens += len(chunk.token_ids)
+                live["tokens"] += len(chunk.token_ids)
+            last = chunk
+        rec.e2e_s = time.perf_counter() - t0
+        if rec.tokens > 1 and rec.ttft_s is not None:
+            rec.itl_s = (last_t - t0 - rec.ttft_s) / (rec.tokens - 1)
+        if last is not None and last.HasField("stats"):
+            s = last.stats
+            rec.acceptance_rate, rec.drafted, rec.accepted, rec.rounds = s.acceptance_rate, s.drafted, s.accepted, s.rounds
+    except grpc.aio.AioRpcError as e:
+        rec.code = e.code().name
+    except asyncio.CancelledError:
+        rec.code = "CANCELLED_AT_DEADLINE"
+    except Exception as e:  # noqa: BLE001 - a load tester reports failures, it does not stop on them
+        rec.code = type(e).__name__
+    return rec
+
+
+# --------------------------------------------------------------------------------------------
+# Cells: closed loop and open loop
+
+
+async def _finish(tasks: set, grace_s: float) -> None:
+    """Wait up to grace_s for running requests, then cancel the rest (they record themselves)."""
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=grace_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def run_cell(client, prompts: list[str], args, mode: str, level: float, bar=None) -> tuple[list[Record], float, int]:
+    """One load level. Returns (records, wall seconds, output tokens received)."""
+    records: list[Record] = []
+    live = {"tokens": 0}
+    t0 = time.perf_counter()
+    end = t0 + args.duration_s
+    counter = iter(range(args.requests))
+    tasks: set[asyncio.Task] = set()
+
+    def done(rec: Record):
+        records.append(rec)
+        if bar is not None:
+            errs = sum(r.code not in ("OK", "CANCELLED_AT_DEADLINE") for r in records)
+            bar.set_postfix(err=errs, tok_s=f"{live['tokens'] / max(time.perf_counter() - t0, 1e-9):.1f}", refresh=False)
+            bar.update(1)
+
+    async def request(i: int):
+        done(await one_request(client, i, prompts[i % len(prompts)], args, t0, live))
+
+    if mode == "closed":
+        async def session():
+            for i in counter:  # shared iterator: the request budget is global to the cell
+                if time.perf_counter() >= end:
+                    return
+                await request(i)
+
+        for _ in range(int(level)):
+            tasks.add(asyncio.ensure_future(session()))
+        remaining = max(0.0, end - time.perf_counter())
+        _, pending = await asyncio.wait(tasks, timeout=remaining)
+        await _finish(pending, args.grace_s)
+    else:
+        rng = random.Random(args.seed)
+        next_t = t0
+        for i in counter:
+            next_t += rng.expovariate(level)  # Poisson arrivals at `level` requests/s
+            if next_t >= end:
+                break
+            await asyncio.sleep(max(0.0, next_t - time.perf_counter()))
+            t = asyncio.ensure_future(request(i))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.wait(set(tasks), timeout=max(0.0, end - time.perf_counter()))
+        await _finish(set(tasks), args.grace_s)
+    wall = time.perf_counter() - t0
+    records.sort(key=lambda r: r.i)
+    return records, wall, live["tokens"]
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p95": None, "p99": None, "mean": None, "n": 0}
+    import numpy as np
+
+    a = np.asarray(values, dtype=float)
+    return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)), "p99": float(np.percentile(a, 99)),
+            "mean": float(a.mean()), "n": int(a.size)}
+
+
+def summarize(records: list[Record], wall_s: float, tokens_received: int) -> dict:
+    ok = [r for r in records if r.code == "OK"]
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.code not in ("OK", "CANCELLED_AT_DEADLINE"):
+            errors[r.code] = errors.get(r.code, 0) + 1
+    drafted = sum(r.drafted for r in ok)
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "cancelled_at_deadline": sum(r.code == "CANCELLED_AT_DEADLINE" for r in records),
+        "errors": sum(errors.values()),
+        "errors_by_code": errors,
+        "wall_s": wall_s,
+        "output_tokens": tokens_received,
+        "output_tokens_per_s": tokens_received / wall_s if wall_s > 0 else 0.0,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "mean_output_tokens": (sum(r.tokens for r in ok) / len(ok)) if ok else 0.0,
+        "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_s": percentiles([r.itl_s for r in ok if r.itl_s is not None]),
+        "chunk_gap_s": percentiles([g for r in ok for g in r.chunk_gaps_s]),
+        "e2e_s": percentiles([r.e2e_s for r in ok]),
+        "acceptance_rate": (sum(r.accepted for r in ok) / drafted) if drafted else None,
+        "tokens_per_round": (sum(r.tokens for r in ok) / sum(r.rounds for r in ok)) if sum(r.rounds for r in ok) else None,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+
+
+def _ms(x) -> str:
+    return "–" if x is None else f"{1000 * x:.0f}" if x >= 0.1 else f"{1000 * x:.1f}"
+
+
+def _level(cell) -> str:
+    return f"c={cell['concurrency']}" if cell["mode"] == "closed" else f"{cell['rate']:g} req/s"
+
+
+def _tags(cell) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(cell.get("tags", {}).items())) or "–"
+
+
+def _group_key(cell) -> str:
+    t = cell.get("tags", {})
+    return f"RTT {t['rtt_ms']} ms" if "rtt_ms" in t else (_tags(cell) if t else "all")
+
+
+def _log_x(ax, levels) -> None:
+    ax.set_xscale("log")
+    ax.set_xticks(levels)
+    ax.set_xticklabels([f"{v:g}" for v in levels])
+    ax.minorticks_off()
+
+
+def plot(cells: list[dict], out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    made = []
+    for mode, xkey, xlabel, name in (("closed", "concurrency", "concurrent sessions (closed loop)", "closed"),
+                                     ("open", "rate", "offered load, requests/s (open loop, Poisson)", "open")):
+        sel = [c for c in cells if c["mode"] == mode]
+        if not sel:
+            continue
+        groups: dict[str, list[dict]] = {}
+        for c in sel:
+            groups.setdefault(_group_key(c), []).append(c)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for g, cs in sorted(groups.items()):
+            cs = sorted(cs, key=lambda c: c[xkey])
+            ax.plot([c[xkey] for c in cs], [c["summary"]["output_tokens_per_s"] for c in cs], marker="o", label=g)
+        _log_x(ax, sorted({c[xkey] for c in sel}))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("output tokens/s")
+        ax.set_ylim(bottom=0)
+        ax.set_title("Throughput")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = f"throughput_{name}.png"
+        fig.savefig(os.path.join(out_dir, path), dpi=110)
+        plt.close(fig)
+        made.append(path)
+
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+        for ax, (metric, title) in zip(axes, (("ttft_s", "time to first token"), ("itl_s", "inter-token latency (per request)"),
+                                              ("e2e_s", "end-to-end latency"))):
+            for j, (g, cs) in enumerate(sorted(groups.items())):
+                cs = sorted(cs, key=lambda c: c[xkey])
+                xs = [c[xkey] for c in cs]
+                color = f"C{j}"
+                for q, style in (("p50", "-"), ("p95", "--"), ("p99", ":")):
+                    ys = [1000 * c["summary"][metric][q] if c["summary"][metric][q] is not None else math.nan for c in cs]
+                    ax.plot(xs, ys, style, color=color, marker="o", markersize=3, label=f"{g} {q}")
+            _log_x(ax, sorted({c[xkey] for c in sel}))
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("ms")
+            ax.set_title(title)
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        path = f"latency_{name}.png"
+        fig.savefig(os.path.join(out_dir, path), dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def render(results: dict, out_dir: str, json_name: str = "loadtest.json") -> str:
+    """Write OUT/REPORT.md (and the PNGs) from a results dict; returns the markdown."""
+    cells = sorted(results["cells"], key=lambda c: (_group_key(c), c["mode"], c.get("concurrency") or 0, c.get("rate") or 0))
+    pngs = plot(cells, out_dir)
+    m = results.get("meta", {})
+    lines = ["# Load test report", ""]
+    if m.get("title"):
+        lines += [m["title"], ""]
+    lines += [f"Generated by `python -m bench.loadtest` ({m.get('created', '')}); raw numbers and every request in "
+              f"[`{json_name}`]({json_name}).", ""]
+    setup = m.get("setup", {})
+    if setup:
+        lines += ["| setting | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in setup.items()] + [""]
+    lines += ["Latencies in ms. ITL = mean inter-token latency of a request, (e2e − TTFT)/(tokens − 1); "
+              "tok/s = all output tokens received / cell wall time; acc = drafted tokens accepted.", ""]
+    head = ("| RTT / tags | load | done | err | cancelled | req/s | out tok/s | TTFT p50 | p95 | p99 | ITL p50 | p95 | p99 "
+            "| e2e p50 | p95 | p99 | acc | tok/round |")
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for c in cells:
+        s = c["summary"]
+        err = f"{s['errors']}" + (f" ({', '.join(f'{k}: {v}' for k, v in s['errors_by_code'].items())})" if s["errors"] else "")
+        acc = "–" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
+        tpr = "–" if s.get("tokens_per_round") is None else f"{s['tokens_per_round']:.2f}"
+        lines.append(f"| {_group_key(c)} | {_level(c)} | {s['completed']} | {err} | {s['cancelled_at_deadline']} "
+                     f"| {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} | "
+                     + " | ".join(_ms(s[k][q]) for k in ("ttft_s", "itl_s", "e2e_s") for q in ("p50", "p95", "p99"))
+                     + f" | {acc} | {tpr} |")
+    lines.append("")
+    for p in pngs:
+        lines += [f"![{p}]({p})", ""]
+    if m.get("notes"):
+        lines += ["## Notes", ""] + [f"* {n}" for n in m["notes"]] + [""]
+    md = "\n".join(lines)
+    with open(os.path.join(out_dir, "REPORT.md"), "w") as f:
+        f.write(md)
+    return md
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()] if s else []
+
+
+def _tag(s: str) -> tuple[str, object]:
+    k, _, v = s.partition("=")
+    try:
+        return k, json.loads(v)
+    except json.JSONDecodeError:
+        return k, v
+
+
+def _same_cell(a: dict, b: dict) -> bool:
+    return (a["mode"], a.get("concurrency"), a.get("rate"), a.get("tags", {})) == (b["mode"], b.get("concurrency"), b.get("rate"), b.get("tags", {}))
+
+
+async def run(args) -> dict:
+    from tqdm import tqdm
+
+    from client import AsyncClient
+
+    prompts = load_prompts(args.prompts, n=256, max_chars=args.prompt_chars, seed=args.seed)
+    cells_spec = [("closed", c) for c in _floats(args.concurrency)] + [("open", r) for r in _floats(args.rate)]
+    if not cells_spec:
+        raise SystemExit("give --concurrency and/or --rate")
+    tags = dict(_tag(t) for t in args.tag)
+    cells = []
+    async with AsyncClient(args.server, timeout=args.timeout_s) as client:
+        info = await client.info()
+        for _ in range(args.warmup):  # first requests pay one-off costs (allocations, lazy init)
+            await client.generate(prompt=prompts[0], max_new_tokens=min(8, args.max_new_tokens))
+        for mode, level in cells_spec:
+            label = f"{'c=' + str(int(level)) if mode == 'closed' else f'{level:g} req/s'}" + (f" [{','.join(args.tag)}]" if tags else "")
+            with tqdm(total=args.requests, desc=label, unit="req", file=sys.stderr, dynamic_ncols=True,
+                      disable=args.no_progress) as bar:
+                records, wall, toks = await run_cell(client, prompts, args, mode, level, bar)
+            s = summarize(records, wall, toks)
+            cells.append({"mode": mode, "concurrency": int(level) if mode == "closed" else None,
+                          "rate": level if mode == "open" else None, "tags": tags, "summary": s,
+                          "requests": [asdict(r) for r in records]})
+            print(f"{label}: {s['completed']} done, {s['errors']} errors {s['errors_by_code'] or ''}, "
+                  f"{s['output_tokens_per_s']:.1f} tok/s, TTFT p50 {_ms(s['ttft_s']['p50'])} ms, "
+                  f"ITL p50 {_ms(s['itl_s']['p50'])} ms, e2e p95 {_ms(s['e2e_s']['p95'])} ms", file=sys.stderr)
+    meta = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "server": args.server,
+            "draft_model": info.model_name, "prompts": args.prompts, "num_prompts": len(prompts),
+            "args": {k: v for k, v in vars(args).items() if k not in ("tag",)}}
+    return {"meta": meta, "cells": cells}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.loadtest", description=__doc__.split("\n\n")[0])
+    p.add_argument("--server", required=True, help="draft service HOST:PORT")
+    p.add_argument("--concurrency", default="", help="closed-loop cells: comma-separated session counts, e.g. 1,4,16,64")
+    p.add_argument("--rate", default="", help="open-loop cells: comma-separated request rates (req/s, Poisson arrivals)")
+    p.add_argument("--requests", type=int, default=200, help="at most this many requests per cell")
+    p.add_argument("--duration-s", type=float, default=60.0, help="no request starts after this many seconds of a cell")
+    p.add_argument("--grace-s", type=float, default=30.0, help="then wait this long for running requests before cancelling them")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--tau", type=int, default=0, help="draft tokens per round (0 = server default)")
+    p.add_argument("--mode", choices=("greedy", "sparse", "dense"), default=None, help="proposal mode (default: server's)")
+    p.add_argument("--seed", type=int, default=0, help="request i uses seed+i; also seeds prompt choice and arrivals")
+    p.add_argument("--prompts", default="stdlib", help="stdlib | builtin | path to a JSON-lines / text file")
+    p.add_argument("--prompt-chars", type=int, default=400, help="cut prompts to at most this many characters")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per-request gRPC deadline")
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded requests before the first cell")
+    p.add_argument("--tag", action="append", default=[], help="KEY=VALUE label for these cells (e.g. rtt_ms=10); repeatable")
+    p.add_argument("--out", default=None, help="directory for loadtest.json, REPORT.md and PNGs")
+    p.add_argument("--append", action="store_true", help="merge into an existing OUT/loadtest.json")
+    p.add_argument("--title", default="", help="a line of text under the report's heading")
+    p.add_argument("--setup", action="append", default=[], help="KEY=VALUE row for the report's set-up table; repeatable")
+    p.add_argument("--note", action="append", default=[], help="a note for the report; repeatable")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--fail-on-error", action="store_true", help="exit 1 if any request failed")
+    args = p.parse_args(argv)
+    results = asyncio.run(run(args))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "loadtest.json")
+        if args.append and os.path.exists(path):
+            with open(path) as f:
+                old = json.load(f)
+            kept = [c for c in old["cells"] if not any(_same_cell(c, n) for n in results["cells"])]
+            results["cells"] = kept + results["cells"]
+            results["meta"] = {**old.get("meta", {}), **{k: v for k, v in results["meta"].items() if k != "args"},
+                               "runs": old.get("meta", {}).get("runs", [old.get("meta", {}).get("args")]) + [results["meta"]["args"]]}
+            results["meta"].pop("args", None)
+        results["meta"]["setup"] = {**results["meta"].get("setup", {}), **dict(s.split("=", 1) for s in args.setup)}
+        if args.title:
+            results["meta"]["title"] = args.title
+        results["meta"]["notes"] = list(dict.fromkeys(results["meta"].get("notes", []) + args.note))
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+        render(results, args.out)
+        print(f"wrote {path} and {os.path.join(args.out, 'REPORT.md')}", file=sys.stderr)
+    else:
+        json.dump({"meta": results["meta"], "cells": [{k: v for k, v in c.items() if k != "requests"} for c in results["cells"]]},
+                  sys.stdout, indent=1)
+        print()
+    bad = sum(c["summary"]["errors"] for c in results["cells"])
+    return 1 if bad and args.fail_on_error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
