@@ -13,7 +13,7 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from client.core import MODES, Client, make_request
+from client.core import MODES, PROPOSERS, Client, make_request
 
 
 def _ids(s: str) -> list[int]:
@@ -52,6 +52,10 @@ def parse(argv):
     g.add_argument("--tau", type=int, default=0, help="draft tokens per round (0 = server default)")
     g.add_argument("--mode", choices=sorted(MODES), default=None, help="proposal mode")
     g.add_argument("--sparse-k", type=int, default=0)
+    g.add_argument("--proposer", choices=sorted(PROPOSERS), default=None, help="draft model, prompt lookup, or lookup then draft")
+    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None, help="adaptive tau (default: the server's)")
+    g.add_argument("--predraft", action=argparse.BooleanOptionalAction, default=None, help="pre-drafting (default: the server's)")
+    g.add_argument("--early-stop-p", type=float, default=0.0, help="end a round when the draft's top probability falls below this")
     g.add_argument("--request-id", default="")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     i = sub.add_parser("info", help="print the service's model info")
@@ -73,7 +77,8 @@ def main(argv=None) -> int:
                 return 1
         req = make_request(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                            top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=a.stop, num_draft_tokens=a.tau,
-                           proposal_mode=a.mode, sparse_k=a.sparse_k, request_id=a.request_id)
+                           proposal_mode=a.mode, sparse_k=a.sparse_k, request_id=a.request_id, proposer=a.proposer,
+                           adaptive=a.adaptive, predraft=a.predraft, early_stop_p=a.early_stop_p)
         if a.json:
             print(json.dumps(client.generate(req).to_dict()))
             return 0

@@ -17,6 +17,7 @@ from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 MODES = {"greedy": pb.PROPOSAL_MODE_GREEDY, "sparse": pb.PROPOSAL_MODE_SPARSE, "dense": pb.PROPOSAL_MODE_DENSE}
+PROPOSERS = {"draft": pb.PROPOSER_DRAFT, "lookup": pb.PROPOSER_LOOKUP, "hybrid": pb.PROPOSER_HYBRID}
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 
 
@@ -37,14 +38,17 @@ class Result:
 def make_request(prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 64,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop: list[str] | None = None, num_draft_tokens: int = 0, proposal_mode: str | None = None,
-                 sparse_k: int = 0, request_id: str = "") -> pb.GenerateRequest:
+                 sparse_k: int = 0, request_id: str = "", proposer: str | None = None, adaptive: bool | None = None,
+                 predraft: bool | None = None, early_stop_p: float = 0.0) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if seed is not None:
         sampling.seed = seed
     return pb.GenerateRequest(
         prompt=prompt or "", prompt_ids=prompt_ids or [], max_new_tokens=max_new_tokens, sampling=sampling,
         stop=stop or [], num_draft_tokens=num_draft_tokens, sparse_k=sparse_k, request_id=request_id,
-        proposal_mode=MODES[proposal_mode] if proposal_mode else pb.PROPOSAL_MODE_UNSPECIFIED)
+        proposal_mode=MODES[proposal_mode] if proposal_mode else pb.PROPOSAL_MODE_UNSPECIFIED,
+        proposer=PROPOSERS[proposer] if proposer else pb.PROPOSER_UNSPECIFIED,
+        adaptive=adaptive, predraft=predraft, early_stop_p=early_stop_p)
 
 
 @dataclass

@@ -34,6 +34,10 @@ class GenParams:
     mode: int = pb.PROPOSAL_MODE_SPARSE
     sparse_k: int = DEFAULT_SPARSE_K
     request_id: str = ""
+    proposer: int = pb.PROPOSER_DRAFT
+    adaptive: bool | None = None  # None: the draft service's default
+    predraft: bool | None = None
+    early_stop_p: float = 0.0
 
 
 def parse_sampling(s: pb.SamplingParams) -> Sampling:
@@ -89,6 +93,10 @@ def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_cont
     if req.sparse_k > MAX_SPARSE_K:
         raise invalid(f"sparse_k must be in [0, {MAX_SPARSE_K}] (0 = default), got {req.sparse_k}")
     check_request_id(req.request_id)
+    if req.proposer not in pb.Proposer.values():
+        raise invalid(f"proposer: unknown value {req.proposer}")
+    if not 0 <= req.early_stop_p <= 1:  # also rejects NaN
+        raise invalid(f"early_stop_p must be in [0, 1], got {req.early_stop_p}")
     sampling = parse_sampling(req.sampling)
     mode = req.proposal_mode or pb.PROPOSAL_MODE_SPARSE
     if sampling.greedy:
@@ -103,4 +111,8 @@ def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_cont
         mode=mode,
         sparse_k=req.sparse_k or DEFAULT_SPARSE_K,
         request_id=req.request_id or uuid.uuid4().hex,
+        proposer=req.proposer or pb.PROPOSER_DRAFT,
+        adaptive=req.adaptive if req.HasField("adaptive") else None,
+        predraft=req.predraft if req.HasField("predraft") else None,
+        early_stop_p=float(req.early_stop_p),
     )

@@ -24,6 +24,13 @@ CONFIGS = [  # (mode, temperature, top_k, top_p, sparse_k)
     ("dense", 1.2, 0, 0.8, 0),
     ("greedy", 1.0, 0, 1.0, 0),  # ids-only: q is the draft argmax one-hot
 ]
+FEATURES = [  # (mode, temperature, top_k, top_p, sparse_k, request extras)
+    # 4 tokens at tau=1: when round 1 is all accepted, round 2 may be sent from its pre-draft
+    ("sparse", 1.0, 0, 1.0, 32, dict(predraft=True, num_draft_tokens=1, max_new_tokens=4)),
+    ("dense", 0.9, 5, 1.0, 0, dict(predraft=True, adaptive=True, num_draft_tokens=1, max_new_tokens=4)),
+    ("sparse", 1.0, 0, 0.9, 32, dict(proposer="hybrid")),  # lookup proposals are one-hot q
+    ("greedy", 1.0, 0, 1.0, 0, dict(proposer="lookup", prompt_ids=[3, 4, 3, 4, 3, 4, 3])),  # a repetitive prompt to look up
+]
 
 
 def next_probs(model, prefix, t, k, p):
@@ -32,7 +39,7 @@ def next_probs(model, prefix, t, k, p):
     return logits, transform(logits, t, k, p)
 
 
-def exact_distribution(model, t, k, p, n):
+def exact_distribution(model, t, k, p, n, prompt=PROMPT):
     """{continuation tuple: probability} for up to n tokens, ending early at EOS."""
     out = {}
 
@@ -40,13 +47,22 @@ def exact_distribution(model, t, k, p, n):
         if len(seq) == n or (seq and seq[-1] == EOS):
             out[tuple(seq)] = prob
             return
-        probs = next_probs(model, PROMPT + seq, t, k, p)[1]
+        probs = next_probs(model, prompt + seq, t, k, p)[1]
         for tok, pt in enumerate(probs):
             if pt > 0:
                 walk(seq + [tok], prob * pt)
 
     walk([], 1.0)
     return out
+
+
+def marginal(dist: dict, sl: slice) -> dict:
+    """Sums a {sequence: weight} table over everything outside sl (sequences padded with -1)."""
+    out = collections.defaultdict(float)
+    for seq, w in dist.items():
+        padded = tuple(seq) + (-1,) * (sl.stop - len(seq))
+        out[padded[sl]] += w
+    return dict(out)
 
 
 def proposal(logits, mode, t, k, p, sparse_k):
@@ -63,12 +79,12 @@ def proposal(logits, mode, t, k, p, sparse_k):
     return q
 
 
-async def sample_many(address, n_samples, seed0, concurrency=8, **params):
+async def sample_many(address, n_samples, seed0, concurrency=8, prompt_ids=PROMPT, **params):
     results = [None] * n_samples
     async with AsyncClient(address, timeout=60) as c:
         async def worker(w):
             for i in range(w, n_samples, concurrency):
-                results[i] = await c.generate(prompt_ids=PROMPT, seed=seed0 + i, **params)
+                results[i] = await c.generate(prompt_ids=prompt_ids, seed=seed0 + i, **params)
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
     return results
 
@@ -79,18 +95,24 @@ def stat_models(model_dir):
     return load("stat-target"), load("stat-draft")
 
 
-@pytest.mark.parametrize("mode,t,k,p,sparse_k", CONFIGS)
-def test_sampled_output_has_target_distribution(services, stat_models, mode, t, k, p, sparse_k):
+@pytest.mark.parametrize("mode,t,k,p,sparse_k,extra", [c + ({},) for c in CONFIGS] + FEATURES)
+def test_sampled_output_has_target_distribution(services, stat_models, mode, t, k, p, sparse_k, extra):
     _, d = services("stat-target", "stat-draft")
     target, _ = stat_models
-    exact = exact_distribution(target, t, k, p, 3)
+    params = dict(max_new_tokens=3, num_draft_tokens=2, prompt_ids=PROMPT) | extra
+    exact = exact_distribution(target, t, k, p, params["max_new_tokens"], params["prompt_ids"])
     n = 3000
-    res = asyncio.run(sample_many(d.address, n, 10_000, max_new_tokens=3, temperature=t, top_k=k, top_p=p,
-                                  num_draft_tokens=2, proposal_mode=mode, sparse_k=sparse_k))
+    res = asyncio.run(sample_many(d.address, n, 10_000, temperature=t, top_k=k, top_p=p, proposal_mode=mode, sparse_k=sparse_k, **params))
     counts = collections.Counter(tuple(r.token_ids) for r in res)
-    assert sum(r.stats["accepted"] for r in res) > 0.2 * n, "the draft must be accepted sometimes for this to test anything"
+    if params["max_new_tokens"] > 3:  # too many outcomes for n samples: also test the last two tokens alone
+        tail = marginal(exact, slice(2, 4))
+        pval = chi_square_p(marginal(counts, slice(2, 4)), tail)
+        assert pval > 1e-3, f"{mode} {extra}: tokens 3-4 chi-square p={pval:.2g}"
+    assert sum(r.stats["accepted"] for r in res) > 0.05 * n, "proposals must be accepted sometimes for this to test anything"
+    if extra.get("predraft"):
+        assert sum(r.stats["predraft_hits"] for r in res) > 0.05 * n, "pre-drafts must be used sometimes"
     pval = chi_square_p(counts, exact)
-    assert pval > 1e-3, f"{mode}: chi-square p={pval:.2g}"
+    assert pval > 1e-3, f"{mode} {extra}: chi-square p={pval:.2g}"
 
 
 @pytest.mark.parametrize("mode,t,k,p,sparse_k", CONFIGS)

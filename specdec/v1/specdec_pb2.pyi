@@ -21,6 +21,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CONTEXT: _ClassVar[FinishReason]
+
+class Proposer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROPOSER_UNSPECIFIED: _ClassVar[Proposer]
+    PROPOSER_DRAFT: _ClassVar[Proposer]
+    PROPOSER_LOOKUP: _ClassVar[Proposer]
+    PROPOSER_HYBRID: _ClassVar[Proposer]
 PROPOSAL_MODE_UNSPECIFIED: ProposalMode
 PROPOSAL_MODE_GREEDY: ProposalMode
 PROPOSAL_MODE_SPARSE: ProposalMode
@@ -30,6 +37,10 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CONTEXT: FinishReason
+PROPOSER_UNSPECIFIED: Proposer
+PROPOSER_DRAFT: Proposer
+PROPOSER_LOOKUP: Proposer
+PROPOSER_HYBRID: Proposer
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -66,7 +77,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "num_draft_tokens", "proposal_mode", "sparse_k", "request_id")
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "num_draft_tokens", "proposal_mode", "sparse_k", "request_id", "proposer", "adaptive", "predraft", "early_stop_p")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +87,10 @@ class GenerateRequest(_message.Message):
     PROPOSAL_MODE_FIELD_NUMBER: _ClassVar[int]
     SPARSE_K_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOP_P_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -85,10 +100,14 @@ class GenerateRequest(_message.Message):
     proposal_mode: ProposalMode
     sparse_k: int
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., proposal_mode: _Optional[_Union[ProposalMode, str]] = ..., sparse_k: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    proposer: Proposer
+    adaptive: bool
+    predraft: bool
+    early_stop_p: float
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., proposal_mode: _Optional[_Union[ProposalMode, str]] = ..., sparse_k: _Optional[int] = ..., request_id: _Optional[str] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., adaptive: _Optional[bool] = ..., predraft: _Optional[bool] = ..., early_stop_p: _Optional[float] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_s", "verify_s", "verify_forward_s", "prefill_s", "prompt_tokens", "generated_tokens", "server_s")
+    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_s", "verify_s", "verify_forward_s", "prefill_s", "prompt_tokens", "generated_tokens", "server_s", "predraft_hits", "predraft_misses", "lookup_rounds")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +121,9 @@ class Stats(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SERVER_S_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_MISSES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted: int
     accepted: int
@@ -115,7 +137,10 @@ class Stats(_message.Message):
     prompt_tokens: int
     generated_tokens: int
     server_s: float
-    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., verify_forward_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., server_s: _Optional[float] = ...) -> None: ...
+    predraft_hits: int
+    predraft_misses: int
+    lookup_rounds: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., verify_forward_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., server_s: _Optional[float] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ..., lookup_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats", "seed", "request_id")
