@@ -1,0 +1,139 @@
+"""Faults with real processes (issue 7, point 2): kill -9 either service mid-generation, restart
+the verify service, fall back to target-only generation, and deadlines through both hops.
+(SIGTERM drain and client cancellation are in tests/test_e2e.py.)"""
+import socket
+import time
+
+import grpc
+import pytest
+
+from client import Client
+from conftest import Service, metric
+
+LONG = dict(prompt_ids=[3, 4], max_new_tokens=3000, num_draft_tokens=2)  # greedy: no EOS on long-target, runs for many seconds
+
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def live(svc: Service, service: str) -> float:
+    return metric(svc.metrics(), "specdec_live_sessions", service=service)
+
+
+def verify_is_empty(v: Service) -> bool:
+    text = v.metrics()
+    return (metric(text, "specdec_live_sessions", service="verify") == 0 and metric(text, "specdec_reserved_tokens") == 0
+            and metric(text, "specdec_cached_tokens") == 0)
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir):
+    v = Service("verify_service", "--model", model_dir("long-target"), "--metrics-port", "0", "--threads", "1")
+    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", v.address, "--metrics-port", "0", "--threads", "1")
+    yield v, d
+    d.stop()
+    v.stop()
+
+
+def test_kill_9_draft_mid_generation_frees_the_verify_session_at_once(pair, model_dir):
+    v, _ = pair
+    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", v.address, "--metrics-port", "0", "--threads", "1")
+    try:
+        with Client(d.address, timeout=120) as c:
+            it = c.stream(**LONG)
+            next(it)
+            assert live(v, "verify") == 1
+            d.proc.kill()  # SIGKILL: no chance to cancel anything
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                list(it)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert wait_for(lambda: verify_is_empty(v), 5), v.metrics()
+            freed_s = time.monotonic() - t0
+        print(f"verify session freed {freed_s:.3f}s after kill -9 of the draft")
+        assert freed_s < 5
+    finally:
+        d.stop()
+    with Client(v.address, target_only=True, timeout=60) as c:  # the verify service is unharmed
+        assert len(c.generate(prompt_ids=[3], max_new_tokens=5).token_ids) == 5
+
+
+def test_kill_9_verify_fails_the_request_with_unavailable_then_a_restart_serves_retries(model_dir):
+    port = free_port()
+    verify_args = ("verify_service", "--model", model_dir("long-target"), "--port", str(port), "--metrics-port", "0", "--threads", "1")
+    v = Service(*verify_args)
+    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", v.address, "--metrics-port", "0", "--threads", "1")
+    v2 = None
+    try:
+        with Client(d.address, timeout=60) as c:
+            before = c.generate(prompt_ids=[3, 4], max_new_tokens=20).token_ids  # greedy
+            it = c.stream(**LONG)
+            next(it)
+            v.proc.kill()
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                list(it)
+            failed_s = time.monotonic() - t0
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+        print(f"client got UNAVAILABLE {failed_s:.3f}s after kill -9 of the verify")
+        assert failed_s < 10  # well within the 60 s deadline
+        text = d.metrics()
+        assert metric(text, "specdec_request_errors_total", service="draft", method="Generate", code="UNAVAILABLE") >= 1
+        assert metric(text, "specdec_live_sessions", service="draft") == 0
+        # while the verify service is down, requests fail fast with UNAVAILABLE
+        with Client(d.address, timeout=30) as c, pytest.raises(grpc.RpcError) as e:
+            c.generate(prompt_ids=[3], max_new_tokens=3)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        # a new verify process on the same port: the client library's retries get through
+        v2 = Service(*verify_args)
+        with Client(d.address, timeout=60, retries=12) as c:
+            after = c.generate(prompt_ids=[3, 4], max_new_tokens=20)
+        assert after.token_ids == before and after.served_by == "draft"
+    finally:
+        d.stop()
+        v.stop()
+        if v2 is not None:
+            v2.stop()
+
+
+def test_fallback_to_target_only_when_the_draft_is_unreachable(pair):
+    v, d = pair
+    with Client(d.address, timeout=60) as c:
+        spec = c.generate(prompt_ids=[5, 6, 7], max_new_tokens=24)
+    with Client(f"127.0.0.1:{free_port()}", timeout=60, fallback=v.address) as c:
+        fb = c.generate(prompt_ids=[5, 6, 7], max_new_tokens=24)
+        streamed = [t for ch in c.stream(prompt_ids=[5, 6, 7], max_new_tokens=24) for t in ch.token_ids]
+    assert fb.served_by == "verify" and spec.served_by == "draft"
+    assert fb.token_ids == spec.token_ids == streamed
+    # without a fallback the same client fails with UNAVAILABLE
+    with Client(f"127.0.0.1:{free_port()}", timeout=10) as c, pytest.raises(grpc.RpcError) as e:
+        c.generate(prompt_ids=[5], max_new_tokens=2)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_client_deadline_propagates_through_both_hops_and_frees_the_session(pair):
+    v, d = pair
+    gen0 = metric(v.metrics(), "specdec_generated_tokens_total", service="verify")
+    t0 = time.monotonic()
+    with Client(d.address, timeout=2.0) as c, pytest.raises(grpc.RpcError) as e:
+        c.generate(**LONG)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 6
+    assert wait_for(lambda: verify_is_empty(v), 5), v.metrics()
+    assert wait_for(lambda: live(d, "draft") == 0, 5)
+    assert metric(v.metrics(), "specdec_generated_tokens_total", service="verify") == gen0  # nothing finished
+    # and the pair still serves
+    with Client(d.address, timeout=60) as c:
+        assert len(c.generate(prompt_ids=[3], max_new_tokens=6).token_ids) == 6
