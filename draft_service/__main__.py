@@ -25,6 +25,10 @@ def verify_channel(args) -> grpc.aio.Channel:
         ("grpc.max_send_message_length", args.max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
+        # reconnect soon after a verify restart (gRPC's default backoff grows to 120 s)
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.min_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 5_000),
     ]
     creds = serving.channel_credentials(args.verify_tls_ca, args.verify_tls_cert, args.verify_tls_key)
     if creds:
@@ -46,7 +50,9 @@ async def run(args) -> None:
               f"this draft has {lm.fingerprint[:12]}: the models do not share a tokenizer", file=sys.stderr)
         sys.exit(2)
     servicer = DraftServicer(lm, stub, target)
-    await serving.serve(args, "specdec.v1.Draft", lambda s: pb_grpc.add_DraftServicer_to_server(servicer, s))
+    servicer.Generate = serving.logged_generate(servicer.Generate, "draft", log)  # one `request done` line each
+    interceptors = [serving.BearerTokenAuth(serving.read_token(args.auth_token_file), "draft")] if args.auth_token_file else []
+    await serving.serve(args, "specdec.v1.Draft", lambda s: pb_grpc.add_DraftServicer_to_server(servicer, s), interceptors=interceptors)
     await channel.close()
 
 
@@ -55,10 +61,19 @@ def main(argv=None) -> None:
     serving.add_server_args(p, default_port=50052)
     p.add_argument("--verify", required=True, help="verify service address, e.g. HOST:PORT or dns:///name:port")
     p.add_argument("--verify-wait-s", type=float, default=10.0, help="how long to wait for the verify service at start-up")
-    p.add_argument("--verify-tls-ca", help="CA bundle to check the verify service's certificate (enables TLS)")
-    p.add_argument("--verify-tls-cert", help="client certificate for mTLS to the verify service")
-    p.add_argument("--verify-tls-key", help="client key for mTLS to the verify service")
+    env = serving.env
+    p.add_argument("--verify-tls-ca", default=env("SPECDEC_VERIFY_TLS_CA"),
+                   help="CA bundle to check the verify service's certificate (enables TLS) [env SPECDEC_VERIFY_TLS_CA]")
+    p.add_argument("--verify-tls-cert", default=env("SPECDEC_VERIFY_TLS_CERT"),
+                   help="client certificate for mTLS to the verify service [env SPECDEC_VERIFY_TLS_CERT]")
+    p.add_argument("--verify-tls-key", default=env("SPECDEC_VERIFY_TLS_KEY"),
+                   help="client key for mTLS to the verify service [env SPECDEC_VERIFY_TLS_KEY]")
+    p.add_argument("--auth-token-file", default=env("SPECDEC_AUTH_TOKEN_FILE"),
+                   help="require `authorization: Bearer <token>` metadata with the token in this file "
+                        "(health checks and reflection exempt) [env SPECDEC_AUTH_TOKEN_FILE]")
     args = p.parse_args(argv)
+    if args.auth_token_file:
+        serving.read_token(args.auth_token_file)  # fail at start-up, not on the first request
     logs.setup(args.log_format, args.log_level)
     if args.threads:
         torch.set_num_threads(args.threads)

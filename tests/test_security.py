@@ -1,0 +1,157 @@
+"""Security (issue 7, point 3): mutual TLS on both hops and a bearer token on the client-facing
+service, with certificates made in the test by the `openssl` command.
+
+One pair of processes: the verify service is configured through environment variables
+(SPECDEC_TLS_*), the draft service through flags; the draft requires client certificates, talks
+mTLS to the verify service and checks a bearer token (--auth-token-file)."""
+import os
+import shutil
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from client import Client
+from conftest import ENV, ROOT, Service, metric
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+TOKEN = "s3cret-token-for-tests"
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+
+
+def openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_ca(d, name):
+    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
+            "-keyout", f"{name}.key", "-out", f"{name}.pem", "-subj", f"/CN={name}", cwd=d)
+
+
+def make_cert(d, name, ca, usage):
+    """A certificate for 127.0.0.1 / localhost signed by `ca`."""
+    with open(os.path.join(d, f"{name}.ext"), "w") as f:
+        f.write(f"basicConstraints=CA:FALSE\nsubjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage={usage}\n")
+    openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
+            "-days", "2", "-out", f"{name}.pem", "-extfile", f"{name}.ext", cwd=d)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("pki"))
+    make_ca(d, "ca")
+    make_ca(d, "rogue-ca")
+    make_cert(d, "server", "ca", "serverAuth,clientAuth")
+    make_cert(d, "client", "ca", "clientAuth")
+    make_cert(d, "rogue", "rogue-ca", "clientAuth")
+    with open(os.path.join(d, "token"), "w") as f:
+        f.write(TOKEN + "\n")
+    return lambda name: os.path.join(d, name)
+
+
+@pytest.fixture(scope="module")
+def secure_pair(pki, model_dir):
+    venv = dict(ENV, SPECDEC_TLS_CERT=pki("server.pem"), SPECDEC_TLS_KEY=pki("server.key"), SPECDEC_TLS_CLIENT_CA=pki("ca.pem"))
+    v = Service("verify_service", "--model", model_dir("target"), "--metrics-port", "0", env=venv)
+    d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--metrics-port", "0",
+                "--tls-cert", pki("server.pem"), "--tls-key", pki("server.key"), "--tls-client-ca", pki("ca.pem"),
+                "--verify-tls-ca", pki("ca.pem"), "--verify-tls-cert", pki("client.pem"), "--verify-tls-key", pki("client.key"),
+                "--auth-token-file", pki("token"))
+    yield v, d
+    d.stop()
+    v.stop()
+
+
+def tls(pki, cert="client"):
+    return dict(tls_ca=pki("ca.pem"), tls_cert=pki(f"{cert}.pem") if cert else None, tls_key=pki(f"{cert}.key") if cert else None)
+
+
+def channel(pki, address, cert="client"):
+    read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
+    c = tls(pki, cert)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(read(c["tls_ca"]), read(c["tls_key"]), read(c["tls_cert"])))
+
+
+def test_mtls_on_both_hops_generates(secure_pair, pki):
+    v, d = secure_pair
+    with Client(d.address, timeout=60, token=TOKEN, **tls(pki)) as c:
+        spec = c.generate(prompt="w3 w4 w5", max_new_tokens=10)
+        sampled = c.generate(prompt_ids=[3, 4], max_new_tokens=8, temperature=1.0, seed=3)
+    assert spec.finish_reason in ("eos", "length") and spec.stats["rounds"] >= 1
+    assert sampled.seed == 3 and sampled.token_ids
+    with Client(v.address, target_only=True, timeout=60, **tls(pki)) as c:  # mTLS to the verify service directly
+        assert c.generate(prompt="w3 w4 w5", max_new_tokens=10).token_ids == spec.token_ids
+
+
+@pytest.mark.parametrize("who", ["draft", "verify"])
+@pytest.mark.parametrize("how", ["plaintext", "no client certificate", "certificate from another CA"])
+def test_clients_without_a_trusted_certificate_are_refused(secure_pair, pki, who, how):
+    v, d = secure_pair
+    address = d.address if who == "draft" else v.address
+    if how == "plaintext":
+        ch = grpc.insecure_channel(address)
+    else:
+        ch = channel(pki, address, cert=None if how == "no client certificate" else "rogue")
+    with ch, pytest.raises(grpc.RpcError) as e:
+        stub = pb_grpc.DraftStub(ch) if who == "draft" else pb_grpc.VerifyStub(ch)
+        list(stub.Generate(pb.GenerateRequest(prompt_ids=[3], max_new_tokens=2), timeout=10, metadata=[("authorization", f"Bearer {TOKEN}")]))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+
+
+def test_a_client_that_does_not_trust_the_server_refuses_it(secure_pair, pki):
+    _, d = secure_pair
+    creds = grpc.ssl_channel_credentials(open(pki("rogue-ca.pem"), "rb").read(), open(pki("client.key"), "rb").read(),
+                                         open(pki("client.pem"), "rb").read())
+    with grpc.secure_channel(d.address, creds) as ch, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.DraftStub(ch).Info(pb.InfoRequest(), timeout=10, metadata=[("authorization", f"Bearer {TOKEN}")])
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("token", [None, "", "wrong", TOKEN + "x", TOKEN[:-1]])
+def test_bearer_token_is_required(secure_pair, pki, token):
+    _, d = secure_pair
+    before = metric(d.metrics(), "specdec_request_errors_total", service="draft", method="Generate", code="UNAUTHENTICATED")
+    with Client(d.address, timeout=30, token=token, **tls(pki)) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(prompt_ids=[3], max_new_tokens=2)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            c.info()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    after = metric(d.metrics(), "specdec_request_errors_total", service="draft", method="Generate", code="UNAUTHENTICATED")
+    assert after == before + 1
+
+
+def test_wrong_scheme_is_refused(secure_pair, pki):
+    _, d = secure_pair
+    with channel(pki, d.address) as ch, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.DraftStub(ch).Info(pb.InfoRequest(), timeout=10, metadata=[("authorization", f"Basic {TOKEN}")])
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_health_and_reflection_need_no_token(secure_pair, pki):
+    v, d = secure_pair
+    for svc, name in ((d, "specdec.v1.Draft"), (v, "specdec.v1.Verify")):
+        with channel(pki, svc.address) as ch:
+            for service in ("", name):
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert r.status == health_pb2.HealthCheckResponse.SERVING
+            refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+            (r,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+            assert name in {s.name for s in r.list_services_response.service}
+
+
+def test_cli_with_tls_and_token(secure_pair, pki):
+    _, d = secure_pair
+    base = [sys.executable, "-m", "client", "generate", "--server", d.address, "--prompt", "w3 w4", "--max-new-tokens", "5", "--json",
+            "--tls-ca", pki("ca.pem"), "--tls-cert", pki("client.pem"), "--tls-key", pki("client.key")]
+    ok = subprocess.run(base + ["--token", TOKEN], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run(base, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "error: UNAUTHENTICATED: missing bearer token" in bad.stderr
