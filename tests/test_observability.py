@@ -1,0 +1,153 @@
+"""Observability (issue 7, point 4): the real /metrics endpoints move exactly as a known set of
+requests says they should (checked against the per-request stats the client gets back), and each
+request leaves one JSON log line on each hop carrying the same request id."""
+import json
+import time
+
+import grpc
+import pytest
+
+from client import Client, make_request
+from conftest import Service, metric
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir):
+    v = Service("verify_service", "--model", model_dir("target"), "--metrics-port", "0", "--log-level", "INFO")
+    d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--metrics-port", "0", "--log-level", "INFO")
+    yield v, d
+    d.stop()
+    v.stop()
+
+
+def json_lines(svc: Service, msg: str) -> list[dict]:
+    out = []
+    for line in list(svc.stderr):
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if d.get("msg") == msg:
+            out.append(d)
+    return out
+
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+DRAFT_COUNTERS = ["specdec_spec_decode_num_drafts_total", "specdec_spec_decode_num_draft_tokens_total",
+                  "specdec_spec_decode_num_accepted_tokens_total"]
+
+
+def snapshot(v: Service, d: Service, tau: int) -> dict:
+    dt, vt = d.metrics(), v.metrics()
+    s = {name: metric(dt, name) for name in DRAFT_COUNTERS}
+    for i in range(tau):
+        s[f"pos{i}"] = metric(dt, "specdec_spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+    s["draft_latency_count"] = metric(dt, "specdec_request_latency_seconds_count", service="draft", method="Generate")
+    s["draft_errors_invalid"] = metric(dt, "specdec_request_errors_total", service="draft", method="Generate", code="INVALID_ARGUMENT")
+    s["draft_generated"] = metric(dt, "specdec_generated_tokens_total", service="draft")
+    s["draft_live"] = metric(dt, "specdec_live_sessions", service="draft")
+    s["verify_latency_count"] = metric(vt, "specdec_request_latency_seconds_count", service="verify", method="Generate")
+    s["verify_errors_invalid"] = metric(vt, "specdec_request_errors_total", service="verify", method="Generate", code="INVALID_ARGUMENT")
+    s["verify_session_errors_invalid"] = metric(vt, "specdec_request_errors_total", service="verify", method="Session", code="INVALID_ARGUMENT")
+    s["verify_generated"] = metric(vt, "specdec_generated_tokens_total", service="verify")
+    s["verify_live"] = metric(vt, "specdec_live_sessions", service="verify")
+    s["verify_reserved"] = metric(vt, "specdec_reserved_tokens")
+    s["verify_cached"] = metric(vt, "specdec_cached_tokens")
+    s["verify_batches"] = metric(vt, "specdec_verify_batch_size_count")
+    return s
+
+
+def test_metrics_move_exactly_with_a_known_set_of_requests(pair):
+    v, d = pair
+    tau = 3
+    before = snapshot(v, d, tau)
+    spec = []
+    with Client(d.address, timeout=60) as c:
+        for i, kw in enumerate([dict(), dict(temperature=1.0, seed=1), dict(temperature=0.8, top_k=5, seed=2, proposal_mode="dense"),
+                                dict(temperature=1.0, seed=3, proposal_mode="greedy")]):
+            spec.append(c.generate(make_request(prompt_ids=[3, 4 + i], max_new_tokens=12, num_draft_tokens=tau, request_id=f"obs-{i}", **kw)))
+        for bad in (dict(prompt=""), dict(prompt="w3", top_p=2.0)):
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(**bad)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with Client(v.address, target_only=True, timeout=60) as c:
+        base = c.generate(prompt_ids=[3, 4], max_new_tokens=7, request_id="obs-target")
+        with pytest.raises(grpc.RpcError):
+            c.generate(prompt_ids=[3, 99])
+    after = snapshot(v, d, tau)
+    delta = {k: after[k] - before[k] for k in before}
+
+    assert delta["specdec_spec_decode_num_drafts_total"] == sum(r.stats["rounds"] for r in spec)
+    assert delta["specdec_spec_decode_num_draft_tokens_total"] == sum(r.stats["drafted"] for r in spec)
+    assert delta["specdec_spec_decode_num_accepted_tokens_total"] == sum(r.stats["accepted"] for r in spec)
+    for i in range(tau):
+        assert delta[f"pos{i}"] == sum(r.stats["accepted_per_position"][i] for r in spec), i
+    assert delta["draft_latency_count"] == len(spec) + 2  # failed requests are timed too
+    assert delta["draft_errors_invalid"] == 2
+    assert delta["draft_generated"] == sum(len(r.token_ids) for r in spec)
+    assert delta["verify_latency_count"] == 2
+    assert delta["verify_errors_invalid"] == 1
+    assert delta["verify_session_errors_invalid"] == 0  # bad requests stop at the draft's edge
+    assert delta["verify_generated"] == len(base.token_ids) >= 1
+    assert delta["verify_batches"] >= sum(r.stats["rounds"] for r in spec) / 4  # rounds are batched, each in some pass
+    # nothing left behind
+    assert after["draft_live"] == 0
+    assert wait_for(lambda: snapshot(v, d, tau)["verify_live"] == 0, 5)
+    s = snapshot(v, d, tau)
+    assert s["verify_reserved"] == 0 and s["verify_cached"] == 0
+    # the numbers are consistent with themselves
+    assert sum(r.stats["accepted"] for r in spec) <= sum(r.stats["drafted"] for r in spec)
+
+
+def test_live_sessions_gauge_counts_running_streams(model_dir, pair):
+    v, d = pair
+    with Client(d.address, timeout=60) as c:
+        it = c.stream(prompt_ids=[3], max_new_tokens=60, num_draft_tokens=1, temperature=1.0, seed=4)
+        next(it)
+        dt, vt = d.metrics(), v.metrics()
+        running = metric(dt, "specdec_live_sessions", service="draft"), metric(vt, "specdec_live_sessions", service="verify")
+        it.close()
+    if running != (1, 1):  # the request may have finished (EOS) before the scrape
+        pytest.skip(f"request ended before the scrape: {running}")
+    assert wait_for(lambda: metric(v.metrics(), "specdec_live_sessions", service="verify") == 0, 5)
+    assert metric(d.metrics(), "specdec_live_sessions", service="draft") == 0
+
+
+def test_request_id_on_both_hops(pair):
+    v, d = pair
+    with Client(d.address, timeout=60) as c:
+        named = c.generate(prompt="w3 w4", max_new_tokens=9, num_draft_tokens=2, request_id="trace-me-123")
+        anon = c.generate(prompt="w5 w6", max_new_tokens=9, temperature=1.0, seed=9)
+        with pytest.raises(grpc.RpcError):
+            c.generate(prompt_ids=[3], max_new_tokens=0, request_id="bad-one")
+    assert named.request_id == "trace-me-123"
+    assert len(anon.request_id) == 32  # made by the draft service, returned to the caller
+    for r in (named, anon):
+        assert wait_for(lambda r=r: [x for x in json_lines(v, "session done") if x["request_id"] == r.request_id], 5), v.stderr[-5:]
+        assert wait_for(lambda r=r: [x for x in json_lines(d, "request done") if x["request_id"] == r.request_id], 5), d.stderr[-5:]
+        (dl,) = [x for x in json_lines(d, "request done") if x["request_id"] == r.request_id]
+        (vl,) = [x for x in json_lines(v, "session done") if x["request_id"] == r.request_id]
+        assert dl["code"] == "OK" and dl["service"] == "draft" and dl["tokens"] == len(r.token_ids)
+        assert dl["rounds"] == vl["rounds"] == r.stats["rounds"]
+        assert dl["finish_reason"] == vl["finish_reason"] == r.finish_reason
+        assert vl["service"] == "verify" and vl["tokens"] == len(r.token_ids) and vl["prompt_tokens"] == r.stats["prompt_tokens"]
+        for line in (dl, vl):
+            assert line["level"] == "info" and line["ts"].endswith("Z") and line["duration_s"] >= 0
+    assert wait_for(lambda: [x for x in json_lines(d, "request done") if x["request_id"] == "bad-one"], 5), d.stderr[-5:]
+    (bad,) = [x for x in json_lines(d, "request done") if x["request_id"] == "bad-one"]
+    assert bad["code"] == "INVALID_ARGUMENT" and "max_new_tokens" in bad["error"]
+    assert not [x for x in json_lines(v, "session done") if x["request_id"] == "bad-one"]  # never reached the verify
+    # target-only requests are logged by the verify service too
+    with Client(v.address, target_only=True, timeout=60) as c:
+        c.generate(prompt_ids=[3], max_new_tokens=3, request_id="direct-1")
+    assert wait_for(lambda: [x for x in json_lines(v, "request done") if x["request_id"] == "direct-1"], 5), v.stderr[-5:]
+    (t,) = [x for x in json_lines(v, "request done") if x["request_id"] == "direct-1"]
+    assert t["code"] == "OK" and t["tokens"] == 3 and t["finish_reason"] == "length"
