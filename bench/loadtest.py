@@ -136,6 +136,9 @@ class Record:
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
+    draft_s: float = 0.0  # server-side split of the request's time (from the last chunk's stats)
+    verify_s: float = 0.0
+    verify_forward_s: float = 0.0
 
 
 async def one_request(client, i: int, prompt: str, args, cell_t0: float, live: dict) -> Record:
@@ -163,6 +166,7 @@ async def one_request(client, i: int, prompt: str, args, cell_t0: float, live: d
         if last is not None and last.HasField("stats"):
             s = last.stats
             rec.acceptance_rate, rec.drafted, rec.accepted, rec.rounds = s.acceptance_rate, s.drafted, s.accepted, s.rounds
+            rec.draft_s, rec.verify_s, rec.verify_forward_s = s.draft_s, s.verify_s, s.verify_forward_s
     except grpc.aio.AioRpcError as e:
         rec.code = e.code().name
     except asyncio.CancelledError:
@@ -273,6 +277,11 @@ def summarize(records: list[Record], wall_s: float, tokens_received: int) -> dic
         "e2e_s": percentiles([r.e2e_s for r in ok]),
         "acceptance_rate": (sum(r.accepted for r in ok) / drafted) if drafted else None,
         "tokens_per_round": (sum(r.tokens for r in ok) / sum(r.rounds for r in ok)) if sum(r.rounds for r in ok) else None,
+        # Where a completed request's time went, per output token (server stats): drafting on the
+        # draft host, waiting for verdicts (network + verify queue + target forward), the target forward.
+        "draft_ms_per_token": 1000 * sum(r.draft_s for r in ok) / max(1, sum(r.tokens for r in ok)),
+        "verify_wait_ms_per_token": 1000 * sum(r.verify_s for r in ok) / max(1, sum(r.tokens for r in ok)),
+        "verify_forward_ms_per_token": 1000 * sum(r.verify_forward_s for r in ok) / max(1, sum(r.tokens for r in ok)),
     }
 
 
@@ -392,6 +401,20 @@ def render(results: dict, out_dir: str, json_name: str = "loadtest.json") -> str
                      + " | ".join(_ms(s[k][q]) for k in ("ttft_s", "itl_s", "e2e_s") for q in ("p50", "p95", "p99"))
                      + f" | {acc} | {tpr} |")
     lines.append("")
+    if any("draft_ms_per_token" in c["summary"] for c in cells):
+        lines += ["Where a completed request's time went, per output token (from the draft service's per-request stats): "
+                  "drafting on the draft host; waiting for verdicts (network + verify queue + target forward); the "
+                  "target forward itself (a batched forward counts in full for every session in the batch).", "",
+                  "| RTT / tags | load | draft ms/token | verify wait ms/token | target forward ms/token | chunk gap p50 | p95 | p99 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for c in cells:
+            s = c["summary"]
+            if "draft_ms_per_token" not in s:
+                continue
+            lines.append(f"| {_group_key(c)} | {_level(c)} | {s['draft_ms_per_token']:.1f} | {s['verify_wait_ms_per_token']:.1f} "
+                         f"| {s['verify_forward_ms_per_token']:.1f} | "
+                         + " | ".join(_ms(s["chunk_gap_s"][q]) for q in ("p50", "p95", "p99")) + " |")
+        lines.append("")
     for p in pngs:
         lines += [f"![{p}]({p})", ""]
     if m.get("notes"):
