@@ -11,8 +11,11 @@ Isolation by construction: a session's numbers must not depend on who shares its
     the session runs alone, so it is bitwise identical alone and batched.
   * Every other op works row by row (linear layers, norms, MLP, rotary embeddings). CPU GEMM
     kernels give row-invariant results once a matmul has enough rows, but use other kernels
-    for tiny ones (seen here: M=1 and M=2..4 each differ from M>=5 in the last bits), so every
-    pass is padded to at least MIN_ROWS token rows.
+    for tiny ones (seen here: M=1 and M=2 differ from M>=4 in the last bits), so every pass
+    is padded to at least MIN_ROWS token rows.
+  * The output layer runs only on the real rows (gathered, padded to MIN_ROWS), not on the
+    padding: it is the largest matmul of a small model. This assumes logits = lm_head(hidden),
+    as in Llama, Mistral and Qwen (not models that scale or soft-cap logits afterwards).
 The remaining assumption, that the GEMM library's row results do not change with M >= MIN_ROWS,
 holds for the CPU build tested here (tests/test_batching.py checks it bitwise); on other
 hardware a near-tie (top-2 logits within ~1e-6, or u within ~1e-7 of p/q) could still flip.
@@ -30,7 +33,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
 KV = list  # per layer: (keys [1, H, L, D], values [1, H, L, D]); [] when nothing is cached
-MIN_ROWS = 16  # token rows per pass, so GEMMs stay on their row-invariant kernels
+MIN_ROWS = 4  # token rows per matmul, so GEMMs stay on their row-invariant kernels
 ATTN = "specdec_isolated"
 
 # (Lm, [(L_i, n_i)]) of the pass in progress, read by isolated_attention
@@ -100,7 +103,7 @@ def forward_batch(model, inputs: list[list[int]], kvs: list[KV], logits: bool = 
         pos[i] = L[i] + torch.arange(Nm)
     token = _layout.set((Lm, list(zip(L, n))))
     try:
-        out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=0 if logits else 1)
+        hidden = model.base_model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state  # [B, Nm, d]
     finally:
         _layout.reset(token)
     new_kvs = []
@@ -109,8 +112,10 @@ def forward_batch(model, inputs: list[list[int]], kvs: list[KV], logits: bool = 
         new_kvs.append([(lay.keys[i : i + 1, :, keep].clone(), lay.values[i : i + 1, :, keep].clone()) for lay in cache.layers])
     if not logits:
         return None, new_kvs
-    full = out.logits.float()  # [B, Nm, V]
-    return [full[i, : n[i]] for i in range(B)], new_kvs
+    rows = torch.cat([hidden[i, : n[i]] for i in range(B)])  # [sum n, d]: the real rows only
+    pad = max(0, MIN_ROWS - rows.shape[0])
+    out = model.get_output_embeddings()(torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows).float()  # [sum n (+pad), V]
+    return list(out[: rows.shape[0]].split(n)), new_kvs
 
 
 def _empty(kvs: list[KV], layer: int, length: int) -> torch.Tensor:
