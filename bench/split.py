@@ -13,9 +13,12 @@ namespaces joined by a veth pair, each service in its own, the load tester on th
         verify_service   listens on 10.77.0.2
 
 Nothing else is attached to the veth and neither namespace has a default route, so no traffic
-leaves them. For each RTT in --rtt-ms a fresh draft service (and proxy) is started against the
-same verify service, and the load test runs with `--tag rtt_ms=RTT`; every run goes into the
-same OUT/loadtest.json and OUT/REPORT.md. Arguments after `--` go to bench.loadtest.
+leaves them. For each RTT in --rtt-ms a draft service (and a proxy) is started against the same
+verify service, and the load test runs with `--tag rtt_ms=RTT`; every run goes into the same
+OUT/loadtest.json and OUT/REPORT.md. Arguments after `--` go to bench.loadtest. With several
+RTTs and a `--concurrency` list, the RTTs alternate at each concurrency level (all drafts are
+up at once; an idle one costs no CPU), so a slow spell on a shared machine does not land on
+one RTT only (`--no-interleave` runs one RTT after the other).
 
 The delay comes from bench/proxy.py (a userspace TCP proxy), not `tc qdisc netem`, which needs
 the sch_netem kernel module (often missing in containers). Everything (processes, namespaces,
@@ -92,6 +95,17 @@ def cleanup(n: dict) -> None:
         ip("netns", "del", ns, check=False)
 
 
+def _option(args: list[str], name: str) -> str | None:
+    """The value of `name` in an argument list (`--x v` or `--x=v`; the last one wins)."""
+    value = None
+    for i, x in enumerate(args):
+        if x == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif x.startswith(name + "="):
+            value = x.split("=", 1)[1]
+    return value
+
+
 def _raise_on_signal(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -106,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--draft", help="draft model directory (draft host)")
     p.add_argument("--rtt-ms", default="0", help="comma-separated round-trip times to add between draft and verify")
     p.add_argument("--always-proxy", action="store_true", help="route RTT 0 through the proxy as well (measures its overhead)")
+    p.add_argument("--no-interleave", dest="interleave", action="store_false",
+                   help="run all concurrency levels for one RTT before the next (default: alternate RTTs per level)")
     p.add_argument("--threads", default="1", help="torch threads per service (both share this machine's cores)")
     p.add_argument("--out", help="report directory (loadtest.json, REPORT.md, PNGs)")
     p.add_argument("--id", default=str(os.getpid()), help="suffix of the namespace and interface names")
@@ -136,7 +152,17 @@ def main(argv=None) -> int:
                          host=VERIFY_IP, env=env, prefix=in_verify, timeout=a.start_timeout_s)
         started.append(verify)
         print(f"[split] verify_service on {verify.address} (verify host)", file=sys.stderr)
-        for k, rtt in enumerate(rtts):
+        setup_rows = [
+            "topology=two network namespaces joined by a veth pair (draft host " + DRAFT_IP + ", verify host " + VERIFY_IP
+            + "); client and draft on the draft host's loopback",
+            "RTT injection=bench/proxy.py on the draft host (userspace TCP proxy, per-chunk deadlines); RTT 0 = direct"
+            + (" (through the proxy with no delay)" if a.always_proxy else ""),
+            f"target model={a.target}", f"draft model={a.draft}", f"threads per service={a.threads}",
+            f"machine={os.cpu_count()} CPU cores shared by both services, the proxy and the load tester",
+        ]
+        drafts = {}  # rtt -> draft Service (one per RTT, all against the same verify service)
+
+        def start_draft(rtt: float) -> Service:
             upstream, proxy = verify.address, None
             if rtt > 0 or a.always_proxy:
                 proxy = Service("bench.proxy", "--target", verify.address, "--rtt-ms", f"{rtt:g}", host="127.0.0.1",
@@ -148,26 +174,35 @@ def main(argv=None) -> int:
             started.append(draft)
             print(f"[split] RTT {rtt:g} ms: draft_service on {draft.address} (draft host) -> "
                   f"{'proxy ' + proxy.address + ' -> ' if proxy else ''}{verify.address}", file=sys.stderr)
-            setup_rows = [
-                "topology=two network namespaces joined by a veth pair (draft host " + DRAFT_IP + ", verify host " + VERIFY_IP
-                + "); client and draft on the draft host's loopback",
-                "RTT injection=bench/proxy.py on the draft host (userspace TCP proxy, per-chunk deadlines); RTT 0 = direct"
-                + (" (through the proxy with no delay)" if a.always_proxy else ""),
-                f"target model={a.target}", f"draft model={a.draft}", f"threads per service={a.threads}",
-                f"machine={os.cpu_count()} CPU cores shared by both services, the proxy and the load tester",
-            ]
-            cmd = [*in_draft, sys.executable, "-m", "bench.loadtest", "--server", draft.address, "--out", os.path.abspath(a.out),
-                   "--tag", f"rtt_ms={rtt:g}", *[x for s in setup_rows for x in ("--setup", s)], *loadtest_args]
-            if k > 0:
-                cmd.append("--append")
+            return draft
+
+        def load_test(rtt: float, extra: list[str], append: bool) -> None:
+            nonlocal rc
+            cmd = [*in_draft, sys.executable, "-m", "bench.loadtest", "--server", drafts[rtt].address, "--out",
+                   os.path.abspath(a.out), "--tag", f"rtt_ms={rtt:g}", *[x for s in setup_rows for x in ("--setup", s)],
+                   *loadtest_args, *extra] + (["--append"] if append else [])
             # from the caller's directory (relative --prompts paths), with the repository importable
             r = subprocess.run(cmd, env=dict(env, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))))
             if r.returncode != 0:
                 print(f"[split] load test at RTT {rtt:g} ms exited {r.returncode}", file=sys.stderr)
                 rc = rc or r.returncode
-            draft.stop()
-            if proxy:
-                proxy.stop()
+
+        levels = _option(loadtest_args, "--concurrency")
+        if a.interleave and len(rtts) > 1 and levels and not _option(loadtest_args, "--rate"):
+            # All drafts up at once; for each concurrency, every RTT back to back, so a slow spell
+            # of a shared machine hits the RTTs alike instead of whichever ran last.
+            for rtt in rtts:
+                drafts[rtt] = start_draft(rtt)
+            k = 0
+            for level in levels.split(","):
+                for rtt in rtts:
+                    load_test(rtt, ["--concurrency", level], append=k > 0)
+                    k += 1
+        else:
+            for k, rtt in enumerate(rtts):
+                drafts[rtt] = start_draft(rtt)
+                load_test(rtt, [], append=k > 0)
+                drafts[rtt].stop()
     except KeyboardInterrupt as e:
         print(f"[split] interrupted ({e}); tearing down", file=sys.stderr)
         rc = 130
