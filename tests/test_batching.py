@@ -92,14 +92,16 @@ def test_capacity_limits_answer_resource_exhausted_and_recover(model_dir):
                 a, ra = await _open_session(stub, fp)
                 b, rb = await _open_session(stub, fp)
                 assert ra.round == 1 and rb.round == 1
-                c, _ = None, None
                 with pytest.raises(grpc.aio.AioRpcError) as e:  # third session: over --max-sessions
                     await _open_session(stub, fp)
                 assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in e.value.details()
                 assert dict(e.value.trailing_metadata()).get("retry-after-ms")
                 a.cancel()
                 b.cancel()
-                await asyncio.sleep(0.3)
+                for _ in range(100):  # the server frees cancelled sessions promptly; wait for it under load
+                    if metric(v.metrics(), "specdec_live_sessions", service="verify") == 0:
+                        break
+                    await asyncio.sleep(0.05)
                 with pytest.raises(grpc.aio.AioRpcError) as e:  # 2 + 60 tokens > --max-cached-tokens 40
                     await _open_session(stub, fp, max_new=60)
                 assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "cache" in e.value.details()
@@ -107,7 +109,9 @@ def test_capacity_limits_answer_resource_exhausted_and_recover(model_dir):
                 assert rc.round == 1
                 c.cancel()
         asyncio.run(run())
-        time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        while metric(v.metrics(), "specdec_live_sessions", service="verify") and time.monotonic() < deadline:
+            time.sleep(0.05)
         text = v.metrics()
         assert metric(text, "specdec_capacity_rejections_total", reason="sessions") == 1
         assert metric(text, "specdec_capacity_rejections_total", reason="cached_tokens") == 1
