@@ -77,8 +77,11 @@ def _start(fp, prompt=(3, 4), max_new=8):
 
 async def _open_session(stub, fp, **kw):
     call = stub.Session()
-    await call.write(_start(fp, **kw))
-    await call.write(pb.VerifyRequest(round=pb.Round(round=1, tokens=[])))
+    try:
+        await call.write(_start(fp, **kw))
+        await call.write(pb.VerifyRequest(round=pb.Round(round=1, tokens=[])))
+    except asyncio.InvalidStateError:  # refused already: the read below raises the status
+        pass
     return call, await call.read()
 
 
