@@ -133,7 +133,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                                               stats=stats, seed=g.seed, request_id=g.request_id)
                     return
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
-            await serving.fail(context, SERVICE, "Generate", e)
+            await serving.fail(context, SERVICE, "Generate", e, upstream=call)  # the verify call's status explains a failed write
         finally:
             metrics.LIVE_SESSIONS.labels(SERVICE).dec()
             if pending is not None:

@@ -113,8 +113,30 @@ def request_id(context: grpc.aio.ServicerContext, fallback: str = "") -> str:
     return fallback
 
 
-async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: Exception):
-    """Ends the RPC with the status an exception stands for (INTERNAL for the unexpected)."""
+async def upstream_error(e: Exception, call) -> Exception:
+    """The upstream call's own status when it has ended: a write on a stream the peer already
+    closed raises InvalidStateError (or a bare core error), not the status the peer sent."""
+    if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INTERNAL and "execute_batch" in (e.debug_error_string() or ""):
+        # grpc aio overwrites the peer's status with this when a write races the peer ending the
+        # stream (grpc/grpc issue 36066): the request was not served, so it is safe to retry
+        return RequestError(grpc.StatusCode.UNAVAILABLE, "upstream: the verify service ended the session while a message was in flight "
+                            "(its status was lost, grpc/grpc#36066); retry")
+    if call is None or isinstance(e, RequestError) or not call.done():
+        return e
+    code = await call.code()
+    if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+        return e
+    return RequestError(code, f"upstream: {await call.details()}")
+
+
+async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: Exception, upstream=None):
+    """Ends the RPC with the status an exception stands for (INTERNAL for the unexpected).
+    `upstream`: the call this handler made, whose status explains a failed write or read."""
+    e = await upstream_error(e, upstream)
+    if context.cancelled() and not isinstance(e, RequestError):
+        # the caller is gone (cancelled, deadline, connection lost): a write to it failed; no one to tell
+        log.debug("%s: caller gone: %s: %s", method, type(e).__name__, e)
+        return
     if isinstance(e, RequestError):
         code, msg = e.code, e.message
     elif isinstance(e, grpc.aio.AioRpcError):  # an upstream call failed: pass its status on
@@ -182,7 +204,7 @@ def code_name(context, exc: BaseException | None) -> str:
     """The status a handler ended with, for the log line."""
     if exc is None:
         return "OK"
-    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) or context.cancelled():
         return "CANCELLED"
     code = context.code()
     return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
