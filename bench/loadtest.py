@@ -301,6 +301,12 @@ def _tags(cell) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(cell.get("tags", {}).items())) or "–"
 
 
+def _group_order(cell):
+    t = cell.get("tags", {})
+    rtt = t.get("rtt_ms")
+    return (0, float(rtt), "") if isinstance(rtt, (int, float)) else (1, 0.0, _group_key(cell))
+
+
 def _group_key(cell) -> str:
     t = cell.get("tags", {})
     return f"RTT {t['rtt_ms']} ms" if "rtt_ms" in t else (_tags(cell) if t else "all")
@@ -330,7 +336,7 @@ def plot(cells: list[dict], out_dir: str) -> list[str]:
         for c in sel:
             groups.setdefault(_group_key(c), []).append(c)
         fig, ax = plt.subplots(figsize=(6, 4))
-        for g, cs in sorted(groups.items()):
+        for g, cs in sorted(groups.items(), key=lambda kv: _group_order(kv[1][0])):
             cs = sorted(cs, key=lambda c: c[xkey])
             ax.plot([c[xkey] for c in cs], [c["summary"]["output_tokens_per_s"] for c in cs], marker="o", label=g)
         _log_x(ax, sorted({c[xkey] for c in sel}))
@@ -349,7 +355,7 @@ def plot(cells: list[dict], out_dir: str) -> list[str]:
         fig, axes = plt.subplots(1, 3, figsize=(14, 4))
         for ax, (metric, title) in zip(axes, (("ttft_s", "time to first token"), ("itl_s", "inter-token latency (per request)"),
                                               ("e2e_s", "end-to-end latency"))):
-            for j, (g, cs) in enumerate(sorted(groups.items())):
+            for j, (g, cs) in enumerate(sorted(groups.items(), key=lambda kv: _group_order(kv[1][0]))):
                 cs = sorted(cs, key=lambda c: c[xkey])
                 xs = [c[xkey] for c in cs]
                 color = f"C{j}"
@@ -373,9 +379,44 @@ def plot(cells: list[dict], out_dir: str) -> list[str]:
     return made
 
 
+def sizing(cells: list[dict], itl_target_ms: float) -> list[str]:
+    """Markdown: per RTT, the most concurrent sessions whose p95 ITL meets the target, and what the
+    uncontended per-token costs say about draft capacity (the inputs of the replica ratio)."""
+    groups: dict[str, list[dict]] = {}
+    for c in cells:
+        if c["mode"] == "closed" and "draft_ms_per_token" in c["summary"]:
+            groups.setdefault(_group_key(c), []).append(c)
+    if not groups:
+        return []
+    t = itl_target_ms / 1000
+    out = [f"## Sizing inputs (p95 ITL target {itl_target_ms:g} ms)", "",
+           "`c*` = most concurrent sessions measured whose p95 inter-token latency meets the target (what one verify "
+           "replica sustains here); `draft ms/token at c=1` = drafting time per output token without contention, so one "
+           "draft core feeds about target / that many sessions at the target rate.", "",
+           "| RTT / tags | c* | out tok/s at c* | p95 ITL at c* | draft ms/token at c=1 | target forward ms/token at c=1 "
+           "| sessions per draft core at the target | draft cores per c* sessions |", "|---|---|---|---|---|---|---|---|"]
+    for g, cs in sorted(groups.items(), key=lambda kv: _group_order(kv[1][0])):
+        cs = sorted(cs, key=lambda c: c["concurrency"])
+        ok = [c for c in cs if c["summary"]["itl_s"]["p95"] is not None and c["summary"]["itl_s"]["p95"] <= t
+              and c["summary"]["errors"] == 0]
+        best = ok[-1] if ok else None
+        low = cs[0]["summary"]
+        d = low["draft_ms_per_token"] / 1000
+        per_core = t / d if d > 0 else math.inf
+        if best:
+            s = best["summary"]
+            out.append(f"| {g} | {best['concurrency']} | {s['output_tokens_per_s']:.1f} | {_ms(s['itl_s']['p95'])} ms "
+                       f"| {1000 * d:.1f} (c={cs[0]['concurrency']}) | {low['verify_forward_ms_per_token']:.1f} | {per_core:.1f} "
+                       f"| {best['concurrency'] / per_core:.2f} |")
+        else:
+            out.append(f"| {g} | none | – | – | {1000 * d:.1f} (c={cs[0]['concurrency']}) | {low['verify_forward_ms_per_token']:.1f} "
+                       f"| {per_core:.1f} | – |")
+    return out + [""]
+
+
 def render(results: dict, out_dir: str, json_name: str = "loadtest.json") -> str:
     """Write OUT/REPORT.md (and the PNGs) from a results dict; returns the markdown."""
-    cells = sorted(results["cells"], key=lambda c: (_group_key(c), c["mode"], c.get("concurrency") or 0, c.get("rate") or 0))
+    cells = sorted(results["cells"], key=lambda c: (_group_order(c), c["mode"], c.get("concurrency") or 0, c.get("rate") or 0))
     pngs = plot(cells, out_dir)
     m = results.get("meta", {})
     lines = ["# Load test report", ""]
@@ -417,6 +458,7 @@ def render(results: dict, out_dir: str, json_name: str = "loadtest.json") -> str
         lines.append("")
     for p in pngs:
         lines += [f"![{p}]({p})", ""]
+    lines += sizing(cells, m.get("itl_target_ms", 100.0))
     if m.get("notes"):
         lines += ["## Notes", ""] + [f"* {n}" for n in m["notes"]] + [""]
     md = "\n".join(lines)
@@ -501,6 +543,7 @@ def main(argv=None) -> int:
     p.add_argument("--title", default="", help="a line of text under the report's heading")
     p.add_argument("--setup", action="append", default=[], help="KEY=VALUE row for the report's set-up table; repeatable")
     p.add_argument("--note", action="append", default=[], help="a note for the report; repeatable")
+    p.add_argument("--itl-target-ms", type=float, default=100.0, help="p95 inter-token latency target for the report's sizing table")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--fail-on-error", action="store_true", help="exit 1 if any request failed")
     args = p.parse_args(argv)
@@ -519,6 +562,7 @@ def main(argv=None) -> int:
         results["meta"]["setup"] = {**results["meta"].get("setup", {}), **dict(s.split("=", 1) for s in args.setup)}
         if args.title:
             results["meta"]["title"] = args.title
+        results["meta"]["itl_target_ms"] = args.itl_target_ms
         results["meta"]["notes"] = list(dict.fromkeys(results["meta"].get("notes", []) + args.note))
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
