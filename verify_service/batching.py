@@ -44,14 +44,14 @@ def isolated_attention(module, query, key, value, attention_mask, dropout=0.0, s
     """query [B, H, Nm, D]; key, value [B, Hkv, Lm + Nm, D] -> ([B, Nm, H, D], None)."""
     B, H, Nm, D = query.shape
     Lm, rows = _layout.get((key.shape[2] - Nm, [(key.shape[2] - Nm, Nm)] * B))  # default: unpadded, no cache gaps
-    rep = H // key.shape[1]
+    rep = H // key.shape[1]  # grouped-query attention: query heads per key/value head
     out = query.new_zeros(B, Nm, H, D)
     for i, (L, n) in enumerate(rows):
         q = query[i : i + 1, :, :n].contiguous()  # [1, H, n, D]
-        k = key[i : i + 1, :, Lm - L : Lm + n].repeat_interleave(rep, dim=1).contiguous()  # [1, H, L+n, D]
-        v = value[i : i + 1, :, Lm - L : Lm + n].repeat_interleave(rep, dim=1).contiguous()
+        k = key[i : i + 1, :, Lm - L : Lm + n].contiguous()  # [1, Hkv, L+n, D]
+        v = value[i : i + 1, :, Lm - L : Lm + n].contiguous()
         causal = torch.arange(L + n)[None, :] <= (L + torch.arange(n))[:, None]  # [n, L+n]
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scaling)  # [1, H, n, D]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scaling, enable_gqa=rep > 1)  # [1, H, n, D]
         out[i, :n] = o[0].transpose(0, 1)
     return out, None
 
@@ -92,10 +92,14 @@ def forward_batch(model, inputs: list[list[int]], kvs: list[KV], logits: bool = 
     Nm = max(max(n), -(-MIN_ROWS // B))  # B * Nm >= MIN_ROWS
     cache = DynamicCache(config=model.config)
     if Lm:
-        for layer in range(model.config.num_hidden_layers):
-            ks = torch.cat([_pad_left(kv[layer][0], Lm) if kv else _empty(kvs, layer, Lm) for kv in kvs])  # [B, H, Lm, D]
-            vs = torch.cat([_pad_left(kv[layer][1], Lm) if kv else _empty(kvs, layer, Lm) for kv in kvs])
-            cache.update(ks, vs, layer)
+        for layer, lay in enumerate(cache.layers):
+            if B == 1:  # nothing to pad or stack
+                ks, vs = kvs[0][layer]
+            else:
+                ks = torch.cat([_pad_left(kv[layer][0], Lm) if kv else _empty(kvs, layer, Lm) for kv in kvs])  # [B, H, Lm, D]
+                vs = torch.cat([_pad_left(kv[layer][1], Lm) if kv else _empty(kvs, layer, Lm) for kv in kvs])
+            lay.lazy_initialization(ks, vs)
+            lay.keys, lay.values = ks, vs  # the pass appends with torch.cat: these tensors are never written
     ids = torch.zeros(B, Nm, dtype=torch.long)  # [B, Nm], right-padded (pad rows are never attended)
     pos = torch.zeros(B, Nm, dtype=torch.long)  # [B, Nm]
     for i, x in enumerate(inputs):
@@ -106,10 +110,13 @@ def forward_batch(model, inputs: list[list[int]], kvs: list[KV], logits: bool = 
         hidden = model.base_model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state  # [B, Nm, d]
     finally:
         _layout.reset(token)
-    new_kvs = []
-    for i in range(B):
-        keep = slice(Lm - L[i], Lm + n[i])
-        new_kvs.append([(lay.keys[i : i + 1, :, keep].clone(), lay.values[i : i + 1, :, keep].clone()) for lay in cache.layers])
+    if B == 1:  # the cache tensors are fresh from the pass's torch.cat and hold exactly this session
+        new_kvs = [[(lay.keys[:, :, : L[0] + n[0]], lay.values[:, :, : L[0] + n[0]]) for lay in cache.layers]]
+    else:  # copy each session's rows out, so no session keeps the whole batch tensor alive
+        new_kvs = []
+        for i in range(B):
+            keep = slice(Lm - L[i], Lm + n[i])
+            new_kvs.append([(lay.keys[i : i + 1, :, keep].clone(), lay.values[i : i + 1, :, keep].clone()) for lay in cache.layers])
     if not logits:
         return None, new_kvs
     rows = torch.cat([hidden[i, : n[i]] for i in range(B)])  # [sum n, d]: the real rows only
