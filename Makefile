@@ -37,6 +37,7 @@ deploy-check: setup
 
 bench: setup
 	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.concurrency
 
 clean:
 	rm -rf $(VENV) .pytest_cache
