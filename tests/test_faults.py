@@ -137,3 +137,30 @@ def test_client_deadline_propagates_through_both_hops_and_frees_the_session(pair
     # and the pair still serves
     with Client(d.address, timeout=60) as c:
         assert len(c.generate(prompt_ids=[3], max_new_tokens=6).token_ids) == 6
+
+
+def test_a_full_verify_service_is_resource_exhausted_through_the_draft(model_dir):
+    """Capacity refusals keep their status across the hop (not INTERNAL), with the retry hint."""
+    v = Service("verify_service", "--model", model_dir("long-target"), "--max-sessions", "1", "--threads", "1")
+    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", v.address, "--threads", "1")
+    try:
+        with Client(d.address, timeout=60) as holder, Client(d.address, timeout=30) as c:
+            it = holder.stream(**LONG)
+            next(it)  # the one session the verify service admits
+            codes = []
+            for _ in range(20):
+                try:
+                    c.generate(prompt_ids=[3, 4], max_new_tokens=4)
+                    codes.append("OK")
+                except grpc.RpcError as e:
+                    codes.append(e.code().name)
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        assert "limit of 1 sessions" in e.details()
+                        assert ("retry-after-ms", "1000") in tuple(e.trailing_metadata())
+            it.close()
+        assert set(codes) <= {"RESOURCE_EXHAUSTED", "UNAVAILABLE"} and codes.count("RESOURCE_EXHAUSTED") >= 15, codes
+        with Client(d.address, timeout=60, retries=3) as c:  # room again once the holder is gone
+            assert wait_for(lambda: len(c.generate(prompt_ids=[3], max_new_tokens=3).token_ids) == 3, 10)
+    finally:
+        d.stop()
+        v.stop()
