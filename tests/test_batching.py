@@ -140,3 +140,14 @@ def test_idle_session_times_out_and_frees_its_cache(model_dir):
         assert metric(v.metrics(), "specdec_cached_tokens") == 0
     finally:
         v.stop()
+
+
+def test_cache_budget_is_sized_from_the_model_and_memory(isolated, model_dir):
+    from verify_service.engine import default_cache_budget, kv_bytes_per_token
+
+    lm = LM.load(model_dir("target"))
+    _, (kv,) = forward_batch(isolated, [[3, 4, 5, 6, 7]], [[]], logits=False)
+    actual = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv) / 5
+    assert kv_bytes_per_token(lm.model.config) == actual
+    budget = default_cache_budget(lm, max_sessions=8)
+    assert lm.max_context <= budget <= 8 * lm.max_context

@@ -17,7 +17,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m verify_service", description="specdec verify service (target model)")
     serving.add_server_args(p, default_port=50051)
     p.add_argument("--max-sessions", type=int, default=64, help="live sessions before RESOURCE_EXHAUSTED")
-    p.add_argument("--max-cached-tokens", type=int, default=None, help="token budget of all KV caches (default: max-sessions x context)")
+    p.add_argument("--max-cached-tokens", type=int, default=None, help="token budget of all KV caches (default: max-sessions x context, capped by a quarter of available memory)")
     p.add_argument("--idle-timeout-s", type=float, default=60.0, help="close a session that sends nothing for this long")
     args = p.parse_args(argv)
     logs.setup(args.log_format, args.log_level)

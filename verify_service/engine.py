@@ -75,6 +75,31 @@ class Verdict:
     queue_s: float = 0.0
 
 
+def kv_bytes_per_token(config) -> int:
+    """Bytes one cached token costs: K and V, every layer, float32."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * 4
+
+
+def available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def default_cache_budget(lm: LM, max_sessions: int, memory_fraction: float = 0.5) -> int:
+    """Tokens all sessions may reserve: room for every session at full context, capped by half of
+    the memory available at start-up (a batched pass briefly holds a second copy of the caches)."""
+    full = max_sessions * lm.max_context
+    mem = available_memory_bytes()
+    if mem is None:
+        return full
+    return max(lm.max_context, min(full, int(mem * memory_fraction / 2 / kv_bytes_per_token(lm.model.config))))
+
+
 @dataclass
 class _Job:
     session: Session
@@ -93,7 +118,7 @@ class Engine:
         self.lm = lm
         use_isolated_attention(lm.model)
         self.max_sessions = max_sessions
-        self.max_cached_tokens = max_cached_tokens or max_sessions * lm.max_context
+        self.max_cached_tokens = max_cached_tokens or default_cache_budget(lm, max_sessions)
         self.sessions: dict[int, Session] = {}
         self.reserved = 0
         self._next_sid = 1
