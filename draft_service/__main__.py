@@ -9,7 +9,7 @@ import sys
 import grpc
 import torch
 
-from specdec import logs, serving
+from specdec import logs, serving, tracing
 from specdec.lm import LM
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -31,9 +31,10 @@ def verify_channel(args) -> grpc.aio.Channel:
         ("grpc.max_reconnect_backoff_ms", 5_000),
     ]
     creds = serving.channel_credentials(args.verify_tls_ca, args.verify_tls_cert, args.verify_tls_key)
+    interceptors = tracing.client_interceptors()  # traceparent on Verify.Session when --trace is on
     if creds:
-        return grpc.aio.secure_channel(args.verify, creds, options=opts)
-    return grpc.aio.insecure_channel(args.verify, options=opts)
+        return grpc.aio.secure_channel(args.verify, creds, options=opts, interceptors=interceptors)
+    return grpc.aio.insecure_channel(args.verify, options=opts, interceptors=interceptors)
 
 
 async def run(args) -> None:
@@ -75,6 +76,7 @@ def main(argv=None) -> None:
     if args.auth_token_file:
         serving.read_token(args.auth_token_file)  # fail at start-up, not on the first request
     logs.setup(args.log_format, args.log_level)
+    tracing.setup("specdec.v1.Draft", args.trace)
     if args.threads:
         torch.set_num_threads(args.threads)
     asyncio.run(run(args))

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from specdec import metrics
+from specdec import metrics, tracing
 from specdec.errors import RequestError
 from specdec.v1 import specdec_pb2 as pb
 
@@ -61,6 +61,8 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice; 1 when sharing cores)")
     p.add_argument("--log-format", choices=["json", "text"], default="json")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--trace", choices=["off", "console"], default=env("SPECDEC_TRACE") or "off",
+                   help="OpenTelemetry spans per request (console: JSON lines on stderr; needs opentelemetry-sdk) [env SPECDEC_TRACE]")
 
 
 def env(name: str) -> str | None:
@@ -221,6 +223,8 @@ def logged_generate(handler, service: str, logger: logging.Logger):
         if not rid:
             rid = request.request_id = uuid.uuid4().hex
         last, tokens, exc = None, 0, None
+        span = contextlib.ExitStack()
+        set_attrs = span.enter_context(tracing.server_span(f"specdec.{service}/Generate", context, request_id=rid))
         try:
             async for chunk in handler(request, context):
                 last = chunk
@@ -241,6 +245,8 @@ def logged_generate(handler, service: str, logger: logging.Logger):
                 if last.stats.drafted:
                     fields["accepted"], fields["drafted"] = last.stats.accepted, last.stats.drafted
             logger.info("request done", extra={"fields": fields})
+            set_attrs(**{f"specdec.{k}": v for k, v in fields.items() if k not in ("service", "method")})
+            span.close()
 
     return wrapper
 
@@ -256,6 +262,8 @@ def timed(service: str, method: str):
 
 async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=None) -> None:
     """Starts the server, prints `listening on HOST:PORT`, runs until SIGTERM/SIGINT, drains."""
+    if getattr(args, "trace", "off") != "off" and not tracing.enabled():
+        tracing.setup(service_name, args.trace)
     server = grpc.aio.server(options=server_options(args), interceptors=list(interceptors))
     add_servicer(server)
     health = health_aio.HealthServicer()

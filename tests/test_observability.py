@@ -151,3 +151,40 @@ def test_request_id_on_both_hops(pair):
     assert wait_for(lambda: [x for x in json_lines(v, "request done") if x["request_id"] == "direct-1"], 5), v.stderr[-5:]
     (t,) = [x for x in json_lines(v, "request done") if x["request_id"] == "direct-1"]
     assert t["code"] == "OK" and t["tokens"] == 3 and t["finish_reason"] == "length"
+
+
+def test_opentelemetry_spans_link_both_hops(model_dir):
+    """--trace console (here through SPECDEC_TRACE): one span per request on each hop, the
+    verify's Session span a child of the draft's Generate span (W3C traceparent metadata)."""
+    pytest.importorskip("opentelemetry.sdk")
+    from conftest import ENV
+
+    env = dict(ENV, SPECDEC_TRACE="console")
+    v = Service("verify_service", "--model", model_dir("target"), env=env)
+    d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, env=env)
+    try:
+        with Client(d.address, timeout=60) as c:
+            r = c.generate(prompt="w3 w4", max_new_tokens=6, request_id="traced-1")
+
+        def spans(svc, name):
+            out = []
+            for line in list(svc.stderr):
+                try:
+                    s = json.loads(line)
+                except ValueError:
+                    continue
+                if s.get("name") == name and s.get("attributes", {}).get("specdec.request_id") == "traced-1":
+                    out.append(s)
+            return out
+
+        assert wait_for(lambda: spans(d, "specdec.draft/Generate") and spans(v, "specdec.verify/Session"), 10), (d.stderr[-3:], v.stderr[-3:])
+        (ds,), (vs,) = spans(d, "specdec.draft/Generate"), spans(v, "specdec.verify/Session")
+        assert vs["context"]["trace_id"] == ds["context"]["trace_id"]
+        assert vs["parent_id"] == ds["context"]["span_id"]
+        assert ds["attributes"]["specdec.code"] == "OK" and ds["attributes"]["specdec.tokens"] == len(r.token_ids)
+        assert vs["attributes"]["specdec.rounds"] == r.stats["rounds"]
+        assert ds["resource"]["attributes"]["service.name"] == "specdec.v1.Draft"
+        assert vs["resource"]["attributes"]["service.name"] == "specdec.v1.Verify"
+    finally:
+        d.stop()
+        v.stop()

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 import grpc
 import torch
 
-from specdec import metrics, requests, serving
+from specdec import metrics, requests, serving, tracing
 from specdec.errors import RequestError, invalid
 from specdec.lm import LM
 from specdec.textstream import TextStream
@@ -64,6 +65,8 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         t0 = time.perf_counter()
         s, exc, rounds = None, None, 0
         rid = serving.request_id(context)
+        span = contextlib.ExitStack()
+        set_attrs = span.enter_context(tracing.server_span("specdec.verify/Session", context, request_id=rid))
         try:
             first = await self._read(context)
             if first is grpc.aio.EOF:
@@ -105,6 +108,8 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             if isinstance(exc, Exception):
                 fields["error"] = str(exc)
             log.info("session done", extra={"fields": fields})
+            set_attrs(**{f"specdec.{k}": v for k, v in fields.items() if k not in ("service", "method")})
+            span.close()
 
     async def Generate(self, request, context):
         """Target-only generation: rounds with no proposals (each yields the next token)."""
