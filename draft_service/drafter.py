@@ -1,7 +1,9 @@
 """The draft model's side of a session: its KV cache, and proposing tau tokens with the
 distribution each was sampled from (or one-hot proposals from prompt lookup).
 
-The cache holds the tokens in `DraftState.cached`. Before each proposal it is cropped to the
+The cache (per-layer K/V tensors, see specdec/batching.py) holds the tokens in
+`DraftState.cached`; forward steps go through the DraftBatcher, which runs the steps of all
+sessions together. Before each proposal it is cropped to the
 longest prefix it shares with the context to draft from, and the missing tokens are fed first;
 so it stays in step with the committed sequence after rejections, and with an assumed sequence
 when pre-drafting.
@@ -17,8 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draft_service.batcher import DraftBatcher
 from draft_service.lookup import lookup
-from specdec.lm import LM, crop
+from specdec.batching import kv_crop
+from specdec.lm import LM
 from specdec.requests import GenParams
 from specdec.sampling import probs_from_logits, sample, sparsify
 from specdec.v1 import specdec_pb2 as pb
@@ -48,7 +52,7 @@ class DraftState:
     ids: list[int]  # committed: prompt + generated
     params: GenParams
     generator: torch.Generator
-    cache: object
+    kv: list = field(default_factory=list)  # per layer (K, V) [1, H, len(cached), D]
     cached: list[int] = field(default_factory=list)  # tokens the cache holds
     prompt_len: int = field(init=False)
 
@@ -80,15 +84,16 @@ class Proposal:
 class Drafter:
     def __init__(self, lm: LM):
         self.lm = lm
+        self.batcher = DraftBatcher(lm.model)
 
     def new_state(self, params: GenParams) -> DraftState:
         # the draft's stream must differ from the verifier's (seeded with `seed`) yet follow from it
         g = torch.Generator().manual_seed((params.seed + 1) % (1 << 64))
-        return DraftState(ids=list(params.prompt_ids), params=params, generator=g, cache=self.lm.new_cache())
+        return DraftState(ids=list(params.prompt_ids), params=params, generator=g)
 
     def prefill(self, st: DraftState) -> None:
         if len(st.ids) > 1:
-            self.lm.forward(st.ids[:-1], st.cache, last_only=True)
+            _, st.kv = self.batcher.forward([], st.ids[:-1], logits=False)
             st.cached = st.ids[:-1]
 
     def _feed(self, st: DraftState, context: list[int]) -> torch.Tensor:
@@ -97,8 +102,7 @@ class Drafter:
         limit = min(len(st.cached), len(context) - 1)  # always feed at least the last token
         while keep < limit and st.cached[keep] == context[keep]:
             keep += 1
-        crop(st.cache, keep)
-        logits = self.lm.forward(context[keep:], st.cache)[-1]
+        logits, st.kv = self.batcher.forward(kv_crop(st.kv, keep), context[keep:])
         st.cached = list(context)
         return logits
 

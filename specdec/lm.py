@@ -1,5 +1,5 @@
-"""A causal LM loaded from a local Hugging Face directory, plus the few cache operations the
-services need (forward over new tokens on a KV cache, crop to a length, vocab fingerprint)."""
+"""A causal LM loaded from a local Hugging Face directory, with what the services report about it
+(vocabulary fingerprint, context limit, EOS id). Forward passes go through specdec/batching.py."""
 from __future__ import annotations
 
 import hashlib
@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def vocab_fingerprint(tokenizer, vocab_size: int) -> str:
@@ -57,24 +57,3 @@ class LM:
             fingerprint=vocab_fingerprint(tok, vocab),
             num_parameters=sum(p.numel() for p in model.parameters()),
         )
-
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
-
-    @torch.inference_mode()
-    def forward(self, ids: list[int], cache: DynamicCache, last_only: bool = False) -> torch.Tensor:
-        """Runs `ids` after what `cache` holds; returns logits [len(ids), V] (or [1, V]), float32."""
-        x = torch.tensor([ids], dtype=torch.long)
-        out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
-        return out.logits[0].float()
-
-
-def cache_len(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
-
-
-def crop(cache: DynamicCache, length: int) -> None:
-    """Drops cached positions >= length."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)  # transformers 5: a negative count removes that many positions

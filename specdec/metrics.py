@@ -22,6 +22,9 @@ QUEUE_WAIT = Histogram("specdec_verify_queue_wait_seconds", "Time a job waited f
 FORWARD_TIME = Histogram("specdec_verify_forward_seconds", "Time of one target forward pass (+ acceptance)", buckets=_FAST)
 CAPACITY_REJECTIONS = Counter("specdec_capacity_rejections_total", "Sessions refused with RESOURCE_EXHAUSTED", ["reason"])
 
+# draft side
+DRAFT_BATCH_SIZE = Histogram("specdec_draft_batch_size", "Sessions per draft forward pass", buckets=(1, 2, 4, 8, 16, 32, 64))
+
 # draft side (vLLM names)
 NUM_DRAFTS = Counter("specdec_spec_decode_num_drafts_total", "Speculative rounds")
 NUM_DRAFT_TOKENS = Counter("specdec_spec_decode_num_draft_tokens_total", "Draft tokens proposed")

@@ -13,7 +13,7 @@ from conftest import Service, metric
 from specdec.lm import LM
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from verify_service.batching import forward_batch, kv_len, use_isolated_attention
+from specdec.batching import forward_batch, kv_len, use_isolated_attention
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def test_same_seed_same_tokens_alone_or_under_load(services):
     with Client(d.address, timeout=120) as c:
         alone = [c.generate(**r).token_ids for r in REQS]
     before = metric(v.metrics(), "specdec_verify_batch_size_sum"), metric(v.metrics(), "specdec_verify_batch_size_count")
+    d_before = metric(d.metrics(), "specdec_draft_batch_size_sum"), metric(d.metrics(), "specdec_draft_batch_size_count")
 
     async def together():
         async with AsyncClient(d.address, timeout=120) as c:
@@ -57,7 +58,9 @@ def test_same_seed_same_tokens_alone_or_under_load(services):
     loaded = [r.token_ids for r in asyncio.run(together())]
     assert loaded == alone
     after = metric(v.metrics(), "specdec_verify_batch_size_sum"), metric(v.metrics(), "specdec_verify_batch_size_count")
-    assert (after[0] - before[0]) / (after[1] - before[1]) > 1.2, "sessions must actually have shared forward passes"
+    assert (after[0] - before[0]) / (after[1] - before[1]) > 1.2, "sessions must actually have shared verify passes"
+    d_after = metric(d.metrics(), "specdec_draft_batch_size_sum"), metric(d.metrics(), "specdec_draft_batch_size_count")
+    assert (d_after[0] - d_before[0]) / (d_after[1] - d_before[1]) > 1.2, "and draft passes"
 
 
 def test_long_prompt_is_prefilled_in_chunks_and_stays_exact(services, model_dir):

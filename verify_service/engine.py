@@ -8,7 +8,7 @@ one per proposal plus the bonus position), applies the acceptance rule, appends 
 prefix and the next token, and crops the cache back to len(ids) - 1.
 
 Scheduling: the worker thread takes every round waiting across sessions and verifies them in ONE
-batched forward pass (verify_service/batching.py; each session keeps its own cache and its own
+batched forward pass (specdec/batching.py; each session keeps its own cache and its own
 sampling settings and generator). Prompts are prefilled in chunks of PREFILL_CHUNK tokens, one
 chunk per scheduler iteration beside the round batch, so a long prompt does not stall the
 sessions already decoding. Chunk boundaries depend only on the prompt, so a session's numbers do
@@ -33,7 +33,7 @@ from specdec.errors import RequestError, invalid
 from specdec.lm import LM
 from specdec.sampling import Sampling, probs_from_logits
 from specdec.v1 import specdec_pb2 as pb
-from verify_service.batching import forward_batch, kv_crop, kv_len, use_isolated_attention
+from specdec.batching import forward_batch, kv_crop, kv_len, use_isolated_attention
 
 log = logging.getLogger("specdec.verify")
 
