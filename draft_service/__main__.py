@@ -50,7 +50,7 @@ async def run(args) -> None:
         print(f"error: verify service at {args.verify} has vocabulary fingerprint {target.vocab_fingerprint[:12]}, "
               f"this draft has {lm.fingerprint[:12]}: the models do not share a tokenizer", file=sys.stderr)
         sys.exit(2)
-    servicer = DraftServicer(lm, stub, target)
+    servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft)
     servicer.Generate = serving.logged_generate(servicer.Generate, "draft", log)  # one `request done` line each
     interceptors = [serving.BearerTokenAuth(serving.read_token(args.auth_token_file), "draft")] if args.auth_token_file else []
     await serving.serve(args, "specdec.v1.Draft", lambda s: pb_grpc.add_DraftServicer_to_server(servicer, s), interceptors=interceptors)
@@ -72,6 +72,8 @@ def main(argv=None) -> None:
     p.add_argument("--auth-token-file", default=env("SPECDEC_AUTH_TOKEN_FILE"),
                    help="require `authorization: Bearer <token>` metadata with the token in this file "
                         "(health checks and reflection exempt) [env SPECDEC_AUTH_TOKEN_FILE]")
+    p.add_argument("--adaptive", action="store_true", help="default for requests: choose tau per round from measured acceptance and costs")
+    p.add_argument("--predraft", action="store_true", help="default for requests: draft round k+1 while round k is verified")
     args = p.parse_args(argv)
     if args.auth_token_file:
         serving.read_token(args.auth_token_file)  # fail at start-up, not on the first request
