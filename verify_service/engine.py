@@ -59,7 +59,6 @@ class Session:
     next_round: int = 1
     finish: int = pb.FINISH_REASON_UNSPECIFIED
     closed: bool = False
-    last_active: float = field(default_factory=time.monotonic)
 
     @property
     def generated(self) -> int:
@@ -227,7 +226,6 @@ class Engine:
     async def step(self, s: Session, tokens: torch.Tensor, q: torch.Tensor | None) -> Verdict:
         """One round: forward over [pending, tokens] (batched with other sessions), acceptance, commit."""
         s.next_round += 1
-        s.last_active = time.monotonic()
         return await self._submit(s, tokens, q)
 
     def _commit(self, s: Session, new: list[int], n: int) -> Verdict:
