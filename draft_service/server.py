@@ -18,7 +18,7 @@ from draft_service.drafter import Drafter, DraftState, PredraftControl, Proposal
 from specdec import metrics, requests, serving
 from specdec.errors import RequestError
 from specdec.lm import LM
-from specdec.textstream import TextStream
+from specdec.textstream import Chunks
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -75,8 +75,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 t1 = time.perf_counter()
                 await asyncio.to_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
                 stats.prefill_s = time.perf_counter() - t1
-                text = TextStream(self.lm.tokenizer, g.stop)
-                first = True
+                out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
                 prop = None
                 while True:
                     tau = ctl.choose(pipelined=predraft) if adaptive else g.tau
@@ -117,20 +116,19 @@ class DraftServicer(pb_grpc.DraftServicer):
                     st.ids.extend(new)
                     ctl.observe(len(sent.tokens), n, t2 - t1, t3 - t2)
                     self._count(stats, len(sent.tokens), n)
-                    ids, delta = text.push(new)
-                    stats.generated_tokens += len(ids)
-                    finish = pb.FINISH_REASON_STOP if text.stopped else v.finish_reason
+                    chunk, finish = out.push(new, v.finish_reason)
                     if not finish:
-                        if ids or delta:
-                            yield pb.GenerateResponse(token_ids=ids, text=delta, request_id=g.request_id if first else "")
-                            first = False
+                        if chunk:
+                            yield chunk
                         continue
+                    stats.generated_tokens = out.generated
                     stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
                     stats.mean_accepted_length = stats.accepted / stats.rounds
                     stats.server_s = time.perf_counter() - t0
                     metrics.GENERATED_TOKENS.labels(SERVICE).inc(stats.generated_tokens)
-                    yield pb.GenerateResponse(token_ids=ids, text=delta + text.finish(), finish_reason=finish,
-                                              stats=stats, seed=g.seed, request_id=g.request_id)
+                    chunk.stats.CopyFrom(stats)
+                    chunk.seed = g.seed
+                    yield chunk
                     return
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Generate", e, upstream=call)  # the verify call's status explains a failed write

@@ -1,6 +1,9 @@
 """Turns generated token ids into streamed text: incremental detokenization that never emits
-half a multi-byte character, and stop strings (the stop string itself is not emitted)."""
+half a multi-byte character, and stop strings (the stop string itself is not emitted); and into
+the GenerateResponse chunks both services stream."""
 from __future__ import annotations
+
+from specdec.v1 import specdec_pb2 as pb
 
 
 class TextStream:
@@ -54,3 +57,27 @@ class TextStream:
             return ""
         out, self.sent = self.text[self.sent : limit], limit
         return out
+
+
+class Chunks:
+    """The GenerateResponse stream of one request: `push()` the tokens each step commits with the
+    model's finish reason; it answers the chunk to send (or None) and the final finish reason."""
+
+    def __init__(self, tokenizer, stop: list[str], request_id: str):
+        self.text = TextStream(tokenizer, stop)
+        self.request_id = request_id
+        self.generated = 0
+        self._first = True
+
+    def push(self, new: list[int], finish: int) -> tuple[pb.GenerateResponse | None, int]:
+        ids, delta = self.text.push(new)
+        self.generated += len(ids)
+        if self.text.stopped:
+            finish = pb.FINISH_REASON_STOP
+        if finish:
+            return pb.GenerateResponse(token_ids=ids, text=delta + self.text.finish(), finish_reason=finish, request_id=self.request_id), finish
+        if not (ids or delta):
+            return None, finish
+        chunk = pb.GenerateResponse(token_ids=ids, text=delta, request_id=self.request_id if self._first else "")
+        self._first = False
+        return chunk, finish

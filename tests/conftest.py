@@ -3,12 +3,23 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import tinymodels  # noqa: E402
 from bench.launch import ENV, ROOT, Service  # noqa: E402,F401
+
+
+def wait_for(cond, timeout: float = 10.0) -> bool:
+    """Polls cond() until it is true or the timeout passes; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return bool(cond())
 
 
 def metric(text: str, name: str, **labels) -> float:

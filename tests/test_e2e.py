@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from client import AsyncClient, Client
-from conftest import ENV, ROOT, Service, metric
+from conftest import ENV, ROOT, Service, metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -111,13 +111,6 @@ def test_fingerprint_mismatch_is_refused(services, model_dir):
     r = subprocess.run([sys.executable, "-m", "draft_service", "--model", model_dir("other-vocab"), "--port", "0", "--verify", v.address],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "fingerprint" in r.stderr
-
-
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return cond()
 
 
 def test_cancelled_stream_frees_the_verify_session_at_once(services):

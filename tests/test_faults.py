@@ -8,18 +8,9 @@ import grpc
 import pytest
 
 from client import Client
-from conftest import Service, metric
+from conftest import Service, metric, wait_for
 
 LONG = dict(prompt_ids=[3, 4], max_new_tokens=3000, num_draft_tokens=2)  # greedy: no EOS on long-target, runs for many seconds
-
-
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def free_port() -> int:

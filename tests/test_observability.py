@@ -2,13 +2,12 @@
 requests says they should (checked against the per-request stats the client gets back), and each
 request leaves one JSON log line on each hop carrying the same request id."""
 import json
-import time
 
 import grpc
 import pytest
 
 from client import Client, make_request
-from conftest import Service, metric
+from conftest import Service, metric, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -30,15 +29,6 @@ def json_lines(svc: Service, msg: str) -> list[dict]:
         if d.get("msg") == msg:
             out.append(d)
     return out
-
-
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 DRAFT_COUNTERS = ["specdec_spec_decode_num_drafts_total", "specdec_spec_decode_num_draft_tokens_total",

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from client import AsyncClient, make_request
-from conftest import Service, metric
+from conftest import Service, metric, wait_for
 
 SOAK_S = float(os.environ.get("SPECDEC_SOAK_S", "25"))
 WORKERS = int(os.environ.get("SPECDEC_SOAK_WORKERS", "8"))
@@ -103,15 +103,6 @@ async def soak(draft: str, verify: str, seconds: float, workers: int) -> dict:
 
     await asyncio.gather(*(worker(w) for w in range(workers)))
     return {"counts": counts, "tokens": tokens, "unexpected": unexpected}
-
-
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
 
 
 def test_soak(model_dir):

@@ -11,8 +11,7 @@ import torch
 
 from specdec import metrics, requests, serving, tracing
 from specdec.errors import RequestError, invalid
-from specdec.lm import LM
-from specdec.textstream import TextStream
+from specdec.textstream import Chunks
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from verify_service.engine import Engine
@@ -122,28 +121,26 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                 s = self.engine.open(start, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY)
                 stats = pb.Stats(prompt_tokens=len(g.prompt_ids))
                 stats.prefill_s = await self.engine.prefill(s)
-                text = TextStream(self.lm.tokenizer, g.stop)
+                out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
                 no_tokens = torch.empty(0, dtype=torch.long)
                 q = None if g.sampling.greedy else torch.empty(0, self.lm.vocab_size)
-                first = True
                 while True:
                     t1 = time.perf_counter()
                     v = await self.engine.step(s, no_tokens, q)
                     stats.verify_s += time.perf_counter() - t1
                     stats.verify_forward_s += v.forward_s
                     stats.rounds += 1
-                    ids, delta = text.push([v.next_token] if v.next_token is not None else [])
-                    stats.generated_tokens += len(ids)
-                    finish = pb.FINISH_REASON_STOP if text.stopped else v.finish
+                    chunk, finish = out.push([v.next_token] if v.next_token is not None else [], v.finish)
                     if not finish:
-                        if ids or delta:
-                            yield pb.GenerateResponse(token_ids=ids, text=delta, request_id=g.request_id if first else "")
-                            first = False
+                        if chunk:
+                            yield chunk
                         continue
+                    stats.generated_tokens = out.generated
                     stats.server_s = time.perf_counter() - t0
                     metrics.GENERATED_TOKENS.labels(SERVICE).inc(stats.generated_tokens)
-                    yield pb.GenerateResponse(token_ids=ids, text=delta + text.finish(), finish_reason=finish,
-                                              stats=stats, seed=g.seed, request_id=g.request_id)
+                    chunk.stats.CopyFrom(stats)
+                    chunk.seed = g.seed
+                    yield chunk
                     return
         except Exception as e:  # noqa: BLE001
             await serving.fail(context, SERVICE, "Generate", e)
