@@ -121,14 +121,9 @@ class DraftServicer(pb_grpc.DraftServicer):
                         if chunk:
                             yield chunk
                         continue
-                    stats.generated_tokens = out.generated
                     stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
                     stats.mean_accepted_length = stats.accepted / stats.rounds
-                    stats.server_s = time.perf_counter() - t0
-                    metrics.GENERATED_TOKENS.labels(SERVICE).inc(stats.generated_tokens)
-                    chunk.stats.CopyFrom(stats)
-                    chunk.seed = g.seed
-                    yield chunk
+                    yield out.last(chunk, stats, g.seed, SERVICE, t0)
                     return
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Generate", e, upstream=call)  # the verify call's status explains a failed write

@@ -3,6 +3,9 @@ half a multi-byte character, and stop strings (the stop string itself is not emi
 the GenerateResponse chunks both services stream."""
 from __future__ import annotations
 
+import time
+
+from specdec import metrics
 from specdec.v1 import specdec_pb2 as pb
 
 
@@ -81,3 +84,12 @@ class Chunks:
         chunk = pb.GenerateResponse(token_ids=ids, text=delta, request_id=self.request_id if self._first else "")
         self._first = False
         return chunk, finish
+
+    def last(self, chunk: pb.GenerateResponse, stats: pb.Stats, seed: int, service: str, t0: float) -> pb.GenerateResponse:
+        """Completes the final chunk: stats (generated tokens, server time since t0) and seed."""
+        stats.generated_tokens = self.generated
+        stats.server_s = time.perf_counter() - t0
+        metrics.GENERATED_TOKENS.labels(service).inc(self.generated)
+        chunk.stats.CopyFrom(stats)
+        chunk.seed = seed
+        return chunk

@@ -9,7 +9,7 @@ import time
 import grpc
 import torch
 
-from specdec import metrics, requests, serving, tracing
+from specdec import requests, serving, tracing
 from specdec.errors import RequestError, invalid
 from specdec.textstream import Chunks
 from specdec.v1 import specdec_pb2 as pb
@@ -135,12 +135,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                         if chunk:
                             yield chunk
                         continue
-                    stats.generated_tokens = out.generated
-                    stats.server_s = time.perf_counter() - t0
-                    metrics.GENERATED_TOKENS.labels(SERVICE).inc(stats.generated_tokens)
-                    chunk.stats.CopyFrom(stats)
-                    chunk.seed = g.seed
-                    yield chunk
+                    yield out.last(chunk, stats, g.seed, SERVICE, t0)
                     return
         except Exception as e:  # noqa: BLE001
             await serving.fail(context, SERVICE, "Generate", e)
