@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from specdec import logs, serving, tracing
-from specdec.lm import LM
+from specdec.lm import LM, Unsupported, add_model_args
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from draft_service.server import DraftServicer
@@ -38,7 +38,11 @@ def verify_channel(args) -> grpc.aio.Channel:
 
 
 async def run(args) -> None:
-    lm = LM.load(args.model)
+    try:
+        lm = LM.load(args.model, args.device, args.dtype)
+    except Unsupported as e:
+        print(f"draft_service: {e}", file=sys.stderr)
+        sys.exit(2)
     channel = verify_channel(args)
     stub = pb_grpc.VerifyStub(channel)
     target = None
@@ -60,6 +64,7 @@ async def run(args) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m draft_service", description="specdec draft service (client-facing)")
     serving.add_server_args(p, default_port=50052)
+    add_model_args(p)
     p.add_argument("--verify", required=True, help="verify service address, e.g. HOST:PORT or dns:///name:port")
     p.add_argument("--verify-wait-s", type=float, default=10.0, help="how long to wait for the verify service at start-up")
     env = serving.env

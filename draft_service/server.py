@@ -64,7 +64,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 g.request_id = serving.request_id(context, g.request_id)
                 adaptive = self.adaptive if g.adaptive is None else g.adaptive
                 predraft = (self.predraft if g.predraft is None else g.predraft) and g.proposer != pb.PROPOSER_LOOKUP
-                st = self.drafter.new_state(g)
+                st = self.drafter.new_state(g, self.max_context)
                 ctl = TauController(max_tau=g.tau)
                 call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
                 sampling = pb.SamplingParams(temperature=g.sampling.temperature, top_k=g.sampling.top_k, top_p=g.sampling.top_p, seed=g.seed)

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+# the tests compare with transformers in float32; services would pick bfloat16 on a CPU with bf16 instructions
+os.environ.setdefault("SPECDEC_DTYPE", "float32")
 sys.path.insert(0, os.path.dirname(__file__))
 import tinymodels  # noqa: E402
 from bench.launch import ENV, ROOT, Service  # noqa: E402,F401

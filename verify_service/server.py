@@ -7,21 +7,20 @@ import logging
 import time
 
 import grpc
-import torch
-
 from specdec import requests, serving, tracing
 from specdec.errors import RequestError, invalid
+from specdec.proposal import decode_round
 from specdec.textstream import Chunks
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from verify_service.engine import Engine
+from verify_service.scheduler import Scheduler
 
 log = logging.getLogger("specdec.verify")
 SERVICE = "verify"
 
 
 class VerifyServicer(pb_grpc.VerifyServicer):
-    def __init__(self, engine: Engine, idle_timeout_s: float = 60.0):
+    def __init__(self, engine: Scheduler, idle_timeout_s: float = 60.0):
         self.engine = engine
         self.lm = engine.lm
         self.idle_timeout_s = idle_timeout_s
@@ -51,14 +50,13 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             raise invalid(f"start.proposal_mode: unknown value {st.proposal_mode}")
         sampling = requests.parse_sampling(st.sampling)
         seed = requests.parse_seed(st.sampling)
-        return self.engine.open(st, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE)
+        return self.engine.open(list(st.prompt_ids), st.max_new_tokens, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE, st.request_id)
 
     def _check_round(self, s, r: pb.Round):
-        """parse_round plus: every proposed token must have mass in the q it was sampled from."""
-        tokens, q = self.engine.parse_round(s, r)
-        if q is not None and len(tokens) and not (q[torch.arange(len(tokens)), tokens] > 0).all():
-            raise invalid("round.q_probs: a proposed token has no probability in its q (it cannot have been sampled from it)")
-        return tokens, q
+        """The round's proposals as (token ids, q on the model's device or None), every wire rule checked."""
+        tokens, q = decode_round(r, expected=s.next_round, room=self.engine.room(s), vocab_size=self.lm.vocab_size,
+                                 mode=s.mode, greedy=s.sampling.greedy, device=self.lm.device)
+        return r.tokens, q
 
     async def Session(self, request_iterator, context):
         t0 = time.perf_counter()
@@ -117,16 +115,13 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         try:
             with serving.timed(SERVICE, "Generate"):
                 g = requests.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
-                start = pb.SessionStart(prompt_ids=g.prompt_ids, max_new_tokens=g.max_new_tokens, request_id=g.request_id)
-                s = self.engine.open(start, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY)
+                s = self.engine.open(g.prompt_ids, g.max_new_tokens, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY, g.request_id)
                 stats = pb.Stats(prompt_tokens=len(g.prompt_ids))
                 stats.prefill_s = await self.engine.prefill(s)
                 out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
-                no_tokens = torch.empty(0, dtype=torch.long)
-                q = None if g.sampling.greedy else torch.empty(0, self.lm.vocab_size)
                 while True:
                     t1 = time.perf_counter()
-                    v = await self.engine.step(s, no_tokens, q)
+                    v = await self.engine.step(s, [], None)  # no proposals: the next token only
                     stats.verify_s += time.perf_counter() - t1
                     stats.verify_forward_s += v.forward_s
                     stats.rounds += 1
