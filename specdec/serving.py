@@ -22,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from specdec import architectures
+
 from specdec import metrics, tracing
 from specdec.errors import RequestError
 from specdec.v1 import specdec_pb2 as pb
@@ -43,6 +45,10 @@ def model_info(lm) -> pb.ModelInfo:
         proposal_modes=MODES,
         num_parameters=lm.num_parameters,
         eos_token_id=-1 if lm.eos_token_id is None else lm.eos_token_id,
+        eos_token_ids=sorted(lm.eos),
+        device=str(lm.device),
+        dtype=str(lm.dtype).removeprefix("torch."),
+        supported_architectures=architectures.TESTED,
     )
 
 
