@@ -22,9 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from specdec import architectures
-
-from specdec import metrics, tracing
+from specdec import architectures, metrics, tracing
 from specdec.errors import RequestError
 from specdec.v1 import specdec_pb2 as pb
 
