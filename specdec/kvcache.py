@@ -72,16 +72,19 @@ class _Pass:
 
     def mask(self, i: int, lo: int, window: int | None, device) -> torch.Tensor | None:
         """[n_i, L_i + n_i - lo] bool: query j (position L_i + j) sees key position p iff
-        lo <= p <= L_i + j and (no window or p > L_i + j - window). None when all are visible."""
+        lo <= p <= L_i + j and (no window or p > L_i + j - window). None for a single query,
+        which sees every key from lo on (lo already starts the window)."""
+        L, n = self.starts[i], self.counts[i]
+        if n == 1:
+            return None
         key = (i, lo, window)
         if key not in self._masks:
-            L, n = self.starts[i], self.counts[i]
             qpos = L + torch.arange(n, device=device)[:, None]  # [n, 1]
             kpos = lo + torch.arange(L + n - lo, device=device)[None, :]  # [1, L+n-lo]
             m = kpos <= qpos
             if window:
                 m &= kpos > qpos - window
-            self._masks[key] = None if bool(m.all()) else m
+            self._masks[key] = m
         return self._masks[key]
 
 

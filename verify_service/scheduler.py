@@ -174,6 +174,7 @@ class Scheduler:
         everyone = jobs + ([prefill] if prefill is not None else [])
         if not everyone:
             return
+        proposals = torch.tensor([t for j in jobs for t in j.tokens], dtype=torch.long).to(self.lm.device, non_blocking=True)  # all sessions'
         try:
             logits = forward_packed(self.lm.model, inputs, [j.session.cache for j in everyone], [True] * len(jobs) + [False] * (prefill is not None))
         except Exception as e:  # noqa: BLE001 - nothing was committed: retry alone to find whose it is
@@ -192,19 +193,21 @@ class Scheduler:
             metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
             metrics.FORWARD_TIME.observe(forward_s)
             try:
-                self._verdicts(jobs, logits[: len(jobs)], t0, forward_s)
+                self._verdicts(jobs, logits[: len(jobs)], proposals, t0, forward_s)
             except Exception as e:  # noqa: BLE001
                 for j in jobs:
                     j.resolve(False, e)
         if prefill is not None and prefill.session.cache.length >= len(prefill.session.ids) - 1:
             prefill.resolve(True, None)
 
-    def _verdicts(self, jobs: list[_Job], logits: list[torch.Tensor], t0: float, forward_s: float) -> None:
+    def _verdicts(self, jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor, t0: float, forward_s: float) -> None:
         """Acceptance for every session on the device, then one transfer of all (n, next)."""
         results = []
+        at = 0
         for j, lg in zip(jobs, logits):  # lg [tau+1, V]
             s = j.session
-            tokens = torch.tensor(j.tokens, dtype=torch.long, device=lg.device)  # [tau]
+            tokens = proposals[at : at + len(j.tokens)]  # [tau]
+            at += len(j.tokens)
             if s.sampling.greedy:
                 results.append(torch.stack(accept_greedy(lg.argmax(-1), tokens)))
                 continue
