@@ -32,9 +32,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from bench.launch import ENV, ROOT, Service
 from client import Client
 from specdec.costmodel import expected_tokens, round_cost
+from specdec.testing.launch import ENV, ROOT, Service
 
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=1.0, seed=1234)

@@ -23,7 +23,7 @@ from draft_service.batcher import DraftBatcher
 from draft_service.lookup import lookup
 from specdec.batching import kv_crop
 from specdec.lm import LM
-from specdec.requests import GenParams
+from specdec.validation import GenParams
 from specdec.sampling import probs_from_logits, sample, sparsify
 from specdec.v1 import specdec_pb2 as pb
 

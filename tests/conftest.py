@@ -1,15 +1,12 @@
 """Shared fixtures: tiny models on disk, and real service processes on loopback."""
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-import tinymodels  # noqa: E402
-from bench.launch import ENV, ROOT, Service  # noqa: E402,F401
+from specdec.testing import tinymodels
+from specdec.testing.launch import ENV, ROOT, Service  # noqa: F401 - re-exported to the test modules
 
 
 def wait_for(cond, timeout: float = 10.0) -> bool:
