@@ -11,8 +11,8 @@ import sys
 import tempfile
 import time
 
-from bench.launch import ENV, ROOT, Service
 from client import Client
+from specdec.testing.launch import ENV, ROOT, Service
 
 PROMPT = '''import os
 
@@ -24,8 +24,7 @@ def walk_python_files(root):
 
 def tiny_pair(path: str) -> tuple[str, str]:
     """Random tiny models, for when the shipped pair is missing (output is gibberish)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import tinymodels
+    from specdec.testing import tinymodels  # needs only what the services need
 
     return tinymodels.build(os.path.join(path, "target"), seed=0, hidden=256, layers=6, sharpen=4.0, max_context=2048), \
         tinymodels.build(os.path.join(path, "draft"), seed=1, hidden=32, layers=1, sharpen=4.0, max_context=2048)

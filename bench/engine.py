@@ -25,7 +25,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.launch import ENV, ROOT, Service
+from specdec.testing.launch import ENV, ROOT, Service
 from client import Client
 
 # code from outside the standard library, written for this benchmark

@@ -1,20 +1,16 @@
 """Adaptive draft length: per session, pick tau each round to maximize expected tokens per second
-under the bound of DESIGN.md §5, from measured acceptance and measured costs.
+under the cost model of DESIGN.md §5 (specdec/costmodel.py), from measured acceptance and costs.
 
-With per-position acceptance alpha, a round of gamma proposals yields on average
-E(gamma) = (1 - alpha^(gamma+1)) / (1 - alpha) tokens and costs gamma * t_draft + t_round without
-pre-drafting (t_round = verify wait incl. network), or about max(gamma * t_draft, t_round) with
-it. alpha is estimated from the rounds seen so far (accepted / (accepted + rejections): the
+With per-position acceptance alpha, a round of gamma proposals yields on average E(gamma) tokens
+and costs gamma * t_draft + t_round without pre-drafting (t_round = verify wait incl. network), or
+about max(gamma * t_draft, t_round) with it. Measured in units of t_round, that is the model's
+round cost with c = t_draft / t_round and rho = 0 (the network is inside t_round). alpha is estimated from the rounds seen so far (accepted / (accepted + rejections): the
 maximum-likelihood estimate for a geometric run), starting from a prior worth a few rounds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def expected_tokens(alpha: float, gamma: int) -> float:
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+from specdec.costmodel import best_gamma
 
 
 @dataclass
@@ -42,13 +38,8 @@ class TauController:
     def choose(self, pipelined: bool = False) -> int:
         if self.t_draft is None or self.t_round is None:
             return self.max_tau
-        alpha = self.estimate()
-
-        def rate(g: int) -> float:
-            cost = max(g * self.t_draft, self.t_round) if pipelined else g * self.t_draft + self.t_round
-            return expected_tokens(alpha, g) / cost
-
-        return max(range(1, self.max_tau + 1), key=rate)
+        c = self.t_draft / max(self.t_round, 1e-12)
+        return best_gamma(self.estimate(), c, range(1, self.max_tau + 1), predraft=pipelined)
 
 
 def _ema(old: float | None, new: float, w: float = 0.2) -> float:

@@ -27,8 +27,8 @@ from draft_service.stepbatch import StepBatcher
 from specdec.kvcache import KVCache
 from specdec.lm import LM
 from specdec.proposal import Proposal
-from specdec.requests import GenParams
 from specdec.sampling import DRAFT, keyed_generator, probs_from_logits, sample, sparsify
+from specdec.validation import GenParams
 from specdec.v1 import specdec_pb2 as pb
 
 __all__ = ["Drafter", "DraftState", "PredraftControl", "Proposal"]

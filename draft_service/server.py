@@ -15,7 +15,7 @@ import grpc
 
 from draft_service.adaptive import TauController
 from draft_service.drafter import Drafter, DraftState, PredraftControl, Proposal
-from specdec import metrics, requests, serving
+from specdec import metrics, serving, validation
 from specdec.errors import RequestError
 from specdec.lm import LM
 from specdec.textstream import Chunks
@@ -60,7 +60,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         metrics.LIVE_SESSIONS.labels(SERVICE).inc()
         try:
             with serving.timed(SERVICE, "Generate"):
-                g = requests.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
+                g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
                 g.request_id = serving.request_id(context, g.request_id)
                 adaptive = self.adaptive if g.adaptive is None else g.adaptive
                 predraft = (self.predraft if g.predraft is None else g.predraft) and g.proposer != pb.PROPOSER_LOOKUP

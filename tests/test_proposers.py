@@ -3,7 +3,7 @@ pure parts behave as specified."""
 import pytest
 
 from client import Client
-from draft_service.adaptive import TauController, expected_tokens
+from draft_service.adaptive import TauController
 from draft_service.lookup import lookup
 from test_greedy import hf_greedy, prompts, target  # noqa: F401 - fixture reused
 
@@ -23,12 +23,6 @@ def test_lookup_table(ids, tau, expected):
 def test_lookup_min_ngram():
     assert lookup([4, 1, 5, 1], 2, min_ngram=2) == []
     assert lookup([4, 1, 5, 1], 2, min_ngram=1) == [5, 1]
-
-
-def test_expected_tokens_matches_the_bound():
-    assert expected_tokens(0.0, 4) == 1
-    assert expected_tokens(1.0, 4) == 5
-    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
 
 
 def test_tau_controller_follows_acceptance_and_costs():

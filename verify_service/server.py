@@ -7,7 +7,7 @@ import logging
 import time
 
 import grpc
-from specdec import requests, serving, tracing
+from specdec import serving, tracing, validation
 from specdec.errors import RequestError, invalid
 from specdec.proposal import decode_round
 from specdec.textstream import Chunks
@@ -38,18 +38,18 @@ class VerifyServicer(pb_grpc.VerifyServicer):
     def _open(self, st: pb.SessionStart):
         if st.vocab_fingerprint != self.lm.fingerprint:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"vocabulary fingerprint mismatch: draft {st.vocab_fingerprint[:12]!r}, target {self.lm.fingerprint[:12]!r}")
-        requests.check_request_id(st.request_id, "start.request_id")
+        validation.check_request_id(st.request_id, "start.request_id")
         if not st.prompt_ids:
             raise invalid("start.prompt_ids: empty")
-        requests.check_ids(st.prompt_ids, self.lm.vocab_size, "start.prompt_ids")
+        validation.check_ids(st.prompt_ids, self.lm.vocab_size, "start.prompt_ids")
         if len(st.prompt_ids) >= self.lm.max_context:
             raise invalid(f"start.prompt_ids: {len(st.prompt_ids)} tokens leave no room in the context limit of {self.lm.max_context}")
         if not 1 <= st.max_new_tokens <= self.lm.max_context:
             raise invalid(f"start.max_new_tokens must be in [1, {self.lm.max_context}], got {st.max_new_tokens}")
         if st.proposal_mode not in pb.ProposalMode.values():
             raise invalid(f"start.proposal_mode: unknown value {st.proposal_mode}")
-        sampling = requests.parse_sampling(st.sampling)
-        seed = requests.parse_seed(st.sampling)
+        sampling = validation.parse_sampling(st.sampling)
+        seed = validation.parse_seed(st.sampling)
         return self.engine.open(list(st.prompt_ids), st.max_new_tokens, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE, st.request_id)
 
     def _check_round(self, s, r: pb.Round):
@@ -114,7 +114,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         s = None
         try:
             with serving.timed(SERVICE, "Generate"):
-                g = requests.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
+                g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
                 s = self.engine.open(g.prompt_ids, g.max_new_tokens, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY, g.request_id)
                 stats = pb.Stats(prompt_tokens=len(g.prompt_ids))
                 stats.prefill_s = await self.engine.prefill(s)

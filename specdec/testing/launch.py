@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
            TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
 ENV.setdefault("OMP_NUM_THREADS", "1")
