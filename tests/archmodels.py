@@ -57,6 +57,9 @@ SPECS = {
 TRANSFORMED = ("gemma2", "granite", "cohere")  # logits transformed after lm_head: tested by sampling too
 
 
+SHARPEN = {"gemma2": 20.0}  # Gemma 2's logits are small at this size: make the final soft-cap (3.0) bite
+
+
 def build(root: str, name: str, seed: int = 0, eos_from: list[int] | None = None) -> str:
     """Saves a tiny random `name` model with the shared tokenizer under root/name-seed. With
     eos_from (a prompt), generation_config lists several EOS ids, Llama-3 style: config's EOS
@@ -65,7 +68,7 @@ def build(root: str, name: str, seed: int = 0, eos_from: list[int] | None = None
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kw)).eval()
     with torch.no_grad():  # random init is near-uniform: sharpen the head so greedy is robust to rounding
-        model.get_output_embeddings().weight.mul_(3.0)
+        model.get_output_embeddings().weight.mul_(SHARPEN.get(name, 3.0))
     gen = GenerationConfig(eos_token_id=EOS, pad_token_id=1, do_sample=False)
     if eos_from is not None:
         model.generation_config = gen

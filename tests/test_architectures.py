@@ -134,6 +134,7 @@ async def _first_tokens(address: str, prompt: list[int], n: int, seed0: int, con
     return out
 
 
+@pytest.mark.parametrize("arch", TRANSFORMED, indirect=True)
 def test_sampling_follows_the_models_own_softmax(arch):
     """T=1 draws of one token through the verify service against softmax(model(prompt).logits[-1])
     from transformers, i.e. after the architecture's post-head transform.
@@ -142,8 +143,6 @@ def test_sampling_follows_the_models_own_softmax(arch):
     -- forward_packed calling model.lm_head on model.base_model's hidden states instead of the
     model's own CausalLM forward -- this test failed for gemma2 (final soft-cap 3.0), granite
     (logits_scaling 4.0) and cohere (logit_scale 0.5) with chi-square p < 1e-30."""
-    if arch.name not in TRANSFORMED:
-        pytest.skip("no transform after lm_head: greedy equality covers these logits")
     prompt = prompts(1, seed=5)[0]
     with torch.no_grad():
         probs = torch.softmax(arch.model(torch.tensor([prompt])).logits[0, -1].double(), -1).tolist()
@@ -152,11 +151,10 @@ def test_sampling_follows_the_models_own_softmax(arch):
     assert pval > 1e-3, f"{arch.name}: chi-square p={pval:.2g}"
 
 
+@pytest.mark.parametrize("arch", ["llama"], indirect=True)
 def test_every_eos_id_of_generation_config_ends_generation(arch):
     """Llama-3 style: config names one EOS, generation_config lists several; generation stops at
     any of them on both services, as generate() does."""
-    if arch.name != "llama":
-        pytest.skip("the multi-EOS model is the llama one")
     eos = arch.model.generation_config.eos_token_id
     assert isinstance(eos, list) and len(eos) == 3 and arch.model.config.eos_token_id == EOS
     want = hf_generate(arch.model, LLAMA_EOS_PROMPT, 24)
@@ -208,12 +206,11 @@ def test_unservable_architecture_is_refused_at_start_up(tmp_path, build, names, 
     assert all(n in lines[0] for n in names), lines[0]
 
 
+@pytest.mark.parametrize("arch", ["llama"], indirect=True)
 def test_minimum_temperature_and_top_p_limits_as_float32(arch):
     """1e-4, the documented minimum, arrives as float32 9.99999975e-05 and must be accepted; so
     must top_p = 1 and a tiny top_p; just below the minimum and top_p past 1 (in float32) are
     refused. Both services, one architecture (the check is architecture-independent)."""
-    if arch.name != "llama":
-        pytest.skip("architecture-independent")
     prompt = prompts(1, seed=6)[0]
     with Client(arch.draft.address, timeout=120) as dc, Client(arch.verify.address, target_only=True, timeout=120) as vc:
         for c in (dc, vc):
