@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.utils import logging as hf_logging
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -118,6 +119,7 @@ class LM:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist")
         dev = resolve_device(device)
+        hf_logging.disable_progress_bar()  # no "Loading weights" bars on stderr: a refusal is one line there
         tok = AutoTokenizer.from_pretrained(path)
         cfg_dtype = _checkpoint_dtype(path)
         dt = resolve_dtype(dtype, dev, cfg_dtype)
