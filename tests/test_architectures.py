@@ -172,7 +172,7 @@ def test_every_eos_id_of_generation_config_ends_generation(arch):
 def _bloom(path: str) -> str:
     from transformers import BloomConfig, BloomForCausalLM
 
-    from tinymodels import word_tokenizer
+    from specdec.testing.tinymodels import word_tokenizer
 
     torch.manual_seed(0)
     BloomForCausalLM(BloomConfig(vocab_size=V, hidden_size=32, n_layer=2, n_head=4, eos_token_id=EOS)).save_pretrained(path)
@@ -183,7 +183,7 @@ def _bloom(path: str) -> str:
 def _lfm2(path: str) -> str:
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
-    from tinymodels import word_tokenizer
+    from specdec.testing.tinymodels import word_tokenizer
 
     torch.manual_seed(0)
     cfg = Lfm2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
