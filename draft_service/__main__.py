@@ -13,6 +13,7 @@ from specdec import logs, serving, tracing
 from specdec.lm import LM, Unsupported, add_model_args
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from draft_service import calibrate
 from draft_service.server import DraftServicer
 
 log = logging.getLogger("specdec.draft")
@@ -54,7 +55,10 @@ async def run(args) -> None:
         print(f"error: verify service at {args.verify} has vocabulary fingerprint {target.vocab_fingerprint[:12]}, "
               f"this draft has {lm.fingerprint[:12]}: the models do not share a tokenizer", file=sys.stderr)
         sys.exit(2)
-    servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft)
+    servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft,
+                             costs=calibrate.parse_costs(args.costs_ms) if args.costs_ms else None)
+    if target is not None and args.adaptive:
+        await servicer.costs()  # calibrate now, not at the first request
     servicer.Generate = serving.logged_generate(servicer.Generate, "draft", log)  # one `request done` line each
     interceptors = [serving.BearerTokenAuth(serving.read_token(args.auth_token_file), "draft")] if args.auth_token_file else []
     await serving.serve(args, "specdec.v1.Draft", lambda s: pb_grpc.add_DraftServicer_to_server(servicer, s), interceptors=interceptors)
@@ -79,6 +83,9 @@ def main(argv=None) -> None:
                         "(health checks and reflection exempt) [env SPECDEC_AUTH_TOKEN_FILE]")
     p.add_argument("--adaptive", action="store_true", help="default for requests: choose tau per round from measured acceptance and costs")
     p.add_argument("--predraft", action="store_true", help="default for requests: draft round k+1 while round k is verified")
+    p.add_argument("--costs-ms", default=serving.env("SPECDEC_COSTS_MS"),
+                   help="pin adaptive tau's costs as 'draft_step,verify_base,verify_per_token' in ms (default: calibrated once "
+                        "at start-up; pinning gives the same taus, and so the same samples, across restarts) [env SPECDEC_COSTS_MS]")
     args = p.parse_args(argv)
     if args.auth_token_file:
         serving.read_token(args.auth_token_file)  # fail at start-up, not on the first request

@@ -44,25 +44,34 @@ def draft_step_seconds(drafter, steps: int = 12) -> float:
     return statistics.median(times[2:])
 
 
-async def verify_round_seconds(stub, fingerprint: str, vocab_size: int, rounds: int = 6) -> tuple[float, float]:
-    """(base, per_token): median round trip of a round with 0 and with PROBE_GAMMA proposals."""
+async def verify_round_seconds(stub, fingerprint: str, vocab_size: int, max_context: int, rounds: int = 6) -> tuple[float, float]:
+    """(base, per_token): median round trip of a round with 0 and with up to PROBE_GAMMA proposals."""
     call = stub.Session(metadata=[("x-request-id", "specdec-calibration")])
-    prompt = [i % vocab_size for i in range(16)]
-    await call.write(pb.VerifyRequest(start=pb.SessionStart(prompt_ids=prompt, max_new_tokens=(rounds + 2) * 2 * (PROBE_GAMMA + 1),
+    prompt = [i % vocab_size for i in range(min(8, max_context // 4))]
+    gamma_max = max(1, min(PROBE_GAMMA, max_context // 4))
+    await call.write(pb.VerifyRequest(start=pb.SessionStart(prompt_ids=prompt, max_new_tokens=min(512, max_context - len(prompt)),
                                                            proposal_mode=pb.PROPOSAL_MODE_GREEDY, vocab_fingerprint=fingerprint,
                                                            request_id="specdec-calibration")))
-    times: dict[int, list[float]] = {0: [], PROBE_GAMMA: []}
+    times: dict[int, list[float]] = {0: [], gamma_max: []}
+    used = len(prompt)
     try:
         for r in range(2 * (rounds + 1)):
-            gamma = PROBE_GAMMA if r % 2 else 0
+            gamma = gamma_max if r % 2 else 0
+            if used + gamma + 1 >= max_context:
+                break
             t0 = time.perf_counter()
-            await call.write(pb.VerifyRequest(round=pb.Round(round=r + 1, tokens=prompt[:gamma])))
+            await call.write(pb.VerifyRequest(round=pb.Round(round=r + 1, tokens=(prompt * gamma)[:gamma])))
             v = await call.read()
             if v is grpc.aio.EOF:
                 raise RuntimeError("verify service ended the calibration session")
             if r >= 2:  # the first round of each size is a warm-up
                 times[gamma].append(time.perf_counter() - t0)
+            used += v.num_accepted + 1
+            if v.finish_reason:
+                break
     finally:
         call.cancel()
+    if not times[0] or not times[gamma_max]:
+        raise RuntimeError("the verify service's context is too short to calibrate round costs; pin them with --costs-ms")
     base = statistics.median(times[0])
-    return base, max(0.0, (statistics.median(times[PROBE_GAMMA]) - base) / PROBE_GAMMA)
+    return base, max(0.0, (statistics.median(times[gamma_max]) - base) / gamma_max)

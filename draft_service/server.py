@@ -13,10 +13,12 @@ import time
 
 import grpc
 
+from draft_service import calibrate
 from draft_service.adaptive import TauController
 from draft_service.drafter import Drafter, DraftState, PredraftControl, Proposal
 from specdec import metrics, serving, validation
 from specdec.errors import RequestError
+from specdec.costmodel import Costs
 from specdec.lm import LM
 from specdec.textstream import Chunks
 from specdec.v1 import specdec_pb2 as pb
@@ -29,12 +31,25 @@ HYBRID_MIN_NGRAM = 2  # hybrid mode trusts prompt lookup from a 2-gram match up
 
 class DraftServicer(pb_grpc.DraftServicer):
     def __init__(self, lm: LM, verify: pb_grpc.VerifyStub, target: pb.ModelInfo | None = None,
-                 adaptive: bool = False, predraft: bool = False):
+                 adaptive: bool = False, predraft: bool = False, costs: Costs | None = None):
         self.lm = lm
         self.drafter = Drafter(lm)
         self.verify = verify
         self.max_context = min(lm.max_context, target.max_context) if target else lm.max_context
         self.adaptive, self.predraft = adaptive, predraft
+        self._costs, self._calibrating = costs, asyncio.Lock()
+
+    async def costs(self) -> Costs:
+        """The costs adaptive tau plans with: pinned (--costs-ms), else calibrated once, at the
+        first call (the draft's step, and probe rounds with the verify service)."""
+        async with self._calibrating:
+            if self._costs is None:
+                step = await asyncio.to_thread(calibrate.draft_step_seconds, self.drafter)
+                base, per_token = await calibrate.verify_round_seconds(self.verify, self.lm.fingerprint, self.lm.vocab_size, self.max_context)
+                self._costs = Costs(step, base, per_token)
+                log.info("calibrated", extra={"fields": {"draft_step_ms": round(step * 1e3, 3), "verify_base_ms": round(base * 1e3, 3),
+                                                        "verify_per_token_ms": round(per_token * 1e3, 3)}})
+            return self._costs
 
     async def Info(self, request, context):
         return serving.model_info(self.lm)
@@ -65,7 +80,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 adaptive = self.adaptive if g.adaptive is None else g.adaptive
                 predraft = (self.predraft if g.predraft is None else g.predraft) and g.proposer != pb.PROPOSER_LOOKUP
                 st = self.drafter.new_state(g, self.max_context)
-                ctl = TauController(max_tau=g.tau)
+                ctl = TauController(max_tau=g.tau, costs=await self.costs(), predraft=predraft) if adaptive else None
                 call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
                 sampling = pb.SamplingParams(temperature=g.sampling.temperature, top_k=g.sampling.top_k, top_p=g.sampling.top_p, seed=g.seed)
                 await call.write(pb.VerifyRequest(start=pb.SessionStart(
@@ -78,7 +93,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
                 prop = None
                 while True:
-                    tau = ctl.choose(pipelined=predraft) if adaptive else g.tau
+                    tau = ctl.choose() if ctl else g.tau
                     t1 = time.perf_counter()
                     if prop is None:
                         prop = await asyncio.to_thread(self._propose, st, min(tau, self._cap(st)))
@@ -114,7 +129,8 @@ class DraftServicer(pb_grpc.DraftServicer):
                         else:
                             stats.predraft_misses += 1
                     st.ids.extend(new)
-                    ctl.observe(len(sent.tokens), n, t2 - t1, t3 - t2)
+                    if ctl:
+                        ctl.observe(len(sent.tokens), n)
                     self._count(stats, len(sent.tokens), n)
                     chunk, finish = out.push(new, v.finish_reason)
                     if not finish:
