@@ -59,72 +59,71 @@ class DraftServicer(pb_grpc.DraftServicer):
         pending = None  # a pre-draft in flight: (task, stop event)
         metrics.LIVE_SESSIONS.labels(SERVICE).inc()
         try:
-            with serving.timed(SERVICE, "Generate"):
-                g = requests.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
-                g.request_id = serving.request_id(context, g.request_id)
-                adaptive = self.adaptive if g.adaptive is None else g.adaptive
-                predraft = (self.predraft if g.predraft is None else g.predraft) and g.proposer != pb.PROPOSER_LOOKUP
-                st = self.drafter.new_state(g)
-                ctl = TauController(max_tau=g.tau)
-                call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
-                sampling = pb.SamplingParams(temperature=g.sampling.temperature, top_k=g.sampling.top_k, top_p=g.sampling.top_p, seed=g.seed)
-                await call.write(pb.VerifyRequest(start=pb.SessionStart(
-                    prompt_ids=g.prompt_ids, max_new_tokens=g.max_new_tokens, sampling=sampling,
-                    proposal_mode=g.mode, vocab_fingerprint=self.lm.fingerprint, request_id=g.request_id)))
-                stats = pb.Stats(prompt_tokens=len(g.prompt_ids), accepted_per_position=[0] * g.tau)
+            g = requests.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
+            g.request_id = serving.request_id(context, g.request_id)
+            adaptive = self.adaptive if g.adaptive is None else g.adaptive
+            predraft = (self.predraft if g.predraft is None else g.predraft) and g.proposer != pb.PROPOSER_LOOKUP
+            st = self.drafter.new_state(g)
+            ctl = TauController(max_tau=g.tau)
+            call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
+            sampling = pb.SamplingParams(temperature=g.sampling.temperature, top_k=g.sampling.top_k, top_p=g.sampling.top_p, seed=g.seed)
+            await call.write(pb.VerifyRequest(start=pb.SessionStart(
+                prompt_ids=g.prompt_ids, max_new_tokens=g.max_new_tokens, sampling=sampling,
+                proposal_mode=g.mode, vocab_fingerprint=self.lm.fingerprint, request_id=g.request_id)))
+            stats = pb.Stats(prompt_tokens=len(g.prompt_ids), accepted_per_position=[0] * g.tau)
+            t1 = time.perf_counter()
+            await asyncio.to_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
+            stats.prefill_s = time.perf_counter() - t1
+            out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
+            prop = None
+            while True:
+                tau = ctl.choose(pipelined=predraft) if adaptive else g.tau
                 t1 = time.perf_counter()
-                await asyncio.to_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
-                stats.prefill_s = time.perf_counter() - t1
-                out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
-                prop = None
-                while True:
-                    tau = ctl.choose(pipelined=predraft) if adaptive else g.tau
-                    t1 = time.perf_counter()
-                    if prop is None:
-                        prop = await asyncio.to_thread(self._propose, st, min(tau, self._cap(st)))
-                    t2 = time.perf_counter()
-                    stats.rounds += 1
-                    await call.write(pb.VerifyRequest(round=prop.to_round(stats.rounds)))
-                    next_cap = min(tau, self._cap(st, len(prop.tokens) + 1))
-                    if predraft and not prop.lookup and next_cap > 0:
-                        ctl_ahead = PredraftControl()
-                        pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ctl_ahead)), ctl_ahead)
-                    v = await call.read()
-                    if v is grpc.aio.EOF:
-                        raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
-                    t3 = time.perf_counter()
-                    stats.draft_s += t2 - t1
-                    stats.verify_s += t3 - t2
-                    stats.verify_forward_s += v.forward_s
-                    stats.lookup_rounds += prop.lookup
-                    n = v.num_accepted
-                    new = prop.tokens[:n] + ([v.next_token] if v.HasField("next_token") else [])
-                    sent, prop = prop, None
-                    if pending is not None:  # keep the pre-draft only if its assumed context came true
-                        task, ahead_ctl = pending
-                        if n < len(sent.tokens) or not v.HasField("next_token"):
-                            ahead_ctl.reject()
-                        else:
-                            ahead_ctl.bonus(v.next_token)
-                        ahead = await task  # the thread owns the draft cache until it returns
-                        pending = None
-                        if not ahead_ctl.is_set() and ahead.tokens:
-                            prop = ahead
-                            stats.predraft_hits += 1
-                        else:
-                            stats.predraft_misses += 1
-                    st.ids.extend(new)
-                    ctl.observe(len(sent.tokens), n, t2 - t1, t3 - t2)
-                    self._count(stats, len(sent.tokens), n)
-                    chunk, finish = out.push(new, v.finish_reason)
-                    if not finish:
-                        if chunk:
-                            yield chunk
-                        continue
-                    stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
-                    stats.mean_accepted_length = stats.accepted / stats.rounds
-                    yield out.last(chunk, stats, g.seed, SERVICE, t0)
-                    return
+                if prop is None:
+                    prop = await asyncio.to_thread(self._propose, st, min(tau, self._cap(st)))
+                t2 = time.perf_counter()
+                stats.rounds += 1
+                await call.write(pb.VerifyRequest(round=prop.to_round(stats.rounds)))
+                next_cap = min(tau, self._cap(st, len(prop.tokens) + 1))
+                if predraft and not prop.lookup and next_cap > 0:
+                    ctl_ahead = PredraftControl()
+                    pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ctl_ahead)), ctl_ahead)
+                v = await call.read()
+                if v is grpc.aio.EOF:
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
+                t3 = time.perf_counter()
+                stats.draft_s += t2 - t1
+                stats.verify_s += t3 - t2
+                stats.verify_forward_s += v.forward_s
+                stats.lookup_rounds += prop.lookup
+                n = v.num_accepted
+                new = prop.tokens[:n] + ([v.next_token] if v.HasField("next_token") else [])
+                sent, prop = prop, None
+                if pending is not None:  # keep the pre-draft only if its assumed context came true
+                    task, ahead_ctl = pending
+                    if n < len(sent.tokens) or not v.HasField("next_token"):
+                        ahead_ctl.reject()
+                    else:
+                        ahead_ctl.bonus(v.next_token)
+                    ahead = await task  # the thread owns the draft cache until it returns
+                    pending = None
+                    if not ahead_ctl.is_set() and ahead.tokens:
+                        prop = ahead
+                        stats.predraft_hits += 1
+                    else:
+                        stats.predraft_misses += 1
+                st.ids.extend(new)
+                ctl.observe(len(sent.tokens), n, t2 - t1, t3 - t2)
+                self._count(stats, len(sent.tokens), n)
+                chunk, finish = out.push(new, v.finish_reason)
+                if not finish:
+                    if chunk:
+                        yield chunk
+                    continue
+                stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
+                stats.mean_accepted_length = stats.accepted / stats.rounds
+                yield out.last(chunk, stats, g.seed, t0)
+                return
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Generate", e, upstream=call)  # the verify call's status explains a failed write
         finally:
