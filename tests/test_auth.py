@@ -244,3 +244,46 @@ def test_split_bench_passes_credentials_as_files():
                             "--auth-token-file": "client"}
     assert flags(load) == {"--tls-ca": "ca.pem", "--tls-cert": "c.pem", "--tls-key": "c.key", "--token-file": "client"}
     assert all(os.path.isabs(x) for x in (verify + draft + load)[1::2])
+
+
+def render(overlay: str) -> list[dict]:
+    import shutil
+
+    import yaml
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("needs kubectl (deploy/check.sh renders and validates the overlays)")
+    out = subprocess.run([kubectl, "kustomize", os.path.join(ROOT, "deploy", "k8s", "overlays", overlay)],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+@pytest.mark.parametrize("overlay", ["local-cpu", "gpu", "gpu-mtls"])
+def test_manifests_keep_tokens_in_secret_files_and_fence_the_verify(overlay):
+    docs = render(overlay)
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    for name in ("specdec-verify", "specdec-draft"):
+        pod = by["Deployment", name]["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        secret_dirs = {m["mountPath"] for m in c["volumeMounts"]
+                       for v in pod["volumes"] if v["name"] == m["name"] and "secret" in v}
+        token_args = [a for a in c["args"] if a.split("=")[0].endswith("-token-file")]
+        assert token_args, name  # authentication is on
+        for a in token_args:  # a file, mounted from a Secret
+            assert os.path.dirname(a.split("=", 1)[1]) in secret_dirs, a
+        assert not [a for a in c["args"] if a.split("=")[0].endswith("-token")], name  # never the token itself
+        assert not [e for e in c.get("env", []) if e["name"].endswith("TOKEN") or "secretKeyRef" in e.get("valueFrom", {})], name
+        assert not [e for e in c.get("envFrom", []) if "secretRef" in e], name
+    verify_args = by["Deployment", "specdec-verify"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert ("--client-token-file=/etc/specdec/client-token/token" in verify_args) == (overlay != "local-cpu")
+    rules = by["NetworkPolicy", "specdec-verify"]["spec"]["ingress"]
+    allowed = {(tuple(sorted(r["from"][0]["podSelector"]["matchLabels"].items())), r["ports"][0]["port"]) for r in rules}
+    want = {((("app.kubernetes.io/name", "specdec-draft"),), "grpc"), ((("specdec.io/metrics-scraper", "true"),), "metrics")}
+    if overlay != "local-cpu":  # the fallback component admits the labelled clients
+        want.add(((("specdec.io/verify-client", "true"),), "grpc"))
+    assert allowed == want and all(len(r["from"]) == 1 and len(r["ports"]) == 1 for r in rules)
+    draft_rules = by["NetworkPolicy", "specdec-draft"]["spec"]["ingress"]
+    assert {"ports": [{"port": "grpc", "protocol": "TCP"}]} in draft_rules  # clients from anywhere, with the client token
+    assert [r for r in draft_rules if r.get("ports", [{}])[0].get("port") == "metrics"][0]["from"] == \
+        [{"podSelector": {"matchLabels": {"specdec.io/metrics-scraper": "true"}}}]
