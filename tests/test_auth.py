@@ -6,6 +6,7 @@ env SPECDEC_AUTH_TOKEN_FILE) and also accepts the client token for Generate and 
 (--verify-auth-token-file) and requires the client token from its own callers
 (--auth-token-file). Every RPC of both services is tried with no credentials, a wrong token,
 the token of the other role and the right one."""
+import asyncio
 import json
 import os
 import socket
@@ -17,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from client import Client
+from client import AsyncClient, Client
 from conftest import ENV, ROOT, Service, metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -176,6 +177,17 @@ def test_fallback_to_the_verify_service_with_a_token(pair):
         with Client(down, fallback=v.address, timeout=60, **kw) as c, pytest.raises(grpc.RpcError) as e:
             c.generate(prompt="w3 w4", max_new_tokens=5)
         assert e.value.code() == UNAUTH
+
+
+    async def with_asyncio(**kw):
+        async with AsyncClient(down, fallback=v.address, timeout=60, retries=1, **kw) as c:
+            return await c.generate(prompt="w3 w4", max_new_tokens=5)
+
+    r2 = asyncio.run(with_asyncio(token=CLIENT_TOKEN))  # one retry on the draft, then the fallback
+    assert r2.served_by == "verify" and r2.token_ids == r.token_ids
+    with pytest.raises(grpc.RpcError) as e:
+        asyncio.run(with_asyncio(token=WRONG_TOKEN))
+    assert e.value.code() == UNAUTH
 
 
 def test_health_and_reflection_are_open(pair):
