@@ -55,24 +55,23 @@ class DraftServicer(pb_grpc.DraftServicer):
         call = None
         metrics.LIVE_SESSIONS.labels(SERVICE).inc()
         try:
-            with serving.timed(SERVICE, "Generate"):
-                g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
-                g.request_id = serving.request_id(context, g.request_id)
-                adaptive = self.adaptive if g.adaptive is None else g.adaptive
-                loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
-                                  costs=await self.costs() if adaptive else None,
-                                  predraft=self.predraft if g.predraft is None else g.predraft)
-                call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
-                out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
-                async with contextlib.aclosing(loop.rounds(call)) as rounds:  # closing it stops a pre-draft
-                    async for new, finish in rounds:
-                        chunk, finish = out.push(new, finish)
-                        if not finish:
-                            if chunk:
-                                yield chunk
-                            continue
-                        yield out.last(chunk, loop.summary(), g.seed, SERVICE, t0)
-                        return
+            g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
+            g.request_id = serving.request_id(context, g.request_id)
+            adaptive = self.adaptive if g.adaptive is None else g.adaptive
+            loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
+                              costs=await self.costs() if adaptive else None,
+                              predraft=self.predraft if g.predraft is None else g.predraft)
+            call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
+            out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
+            async with contextlib.aclosing(loop.rounds(call)) as rounds:  # closing it stops a pre-draft
+                async for new, finish in rounds:
+                    chunk, finish = out.push(new, finish)
+                    if not finish:
+                        if chunk:
+                            yield chunk
+                        continue
+                    yield out.last(chunk, loop.summary(), g.seed, t0)
+                    return
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Generate", e, upstream=call)  # the verify call's status explains a failed write
         finally:

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
 import grpc
-from specdec import serving, tracing, validation
+from specdec import serving, validation
 from specdec.errors import RequestError, invalid
 from specdec.proposal import decode_round
 from specdec.textstream import Chunks
@@ -24,7 +23,6 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         self.engine = engine
         self.lm = engine.lm
         self.idle_timeout_s = idle_timeout_s
-        self.Generate = serving.logged_generate(self.Generate, SERVICE, log)  # one `request done` line each
 
     async def Info(self, request, context):
         return serving.model_info(self.lm)
@@ -59,18 +57,13 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         return r.tokens, q
 
     async def Session(self, request_iterator, context):
-        t0 = time.perf_counter()
-        s, exc, rounds = None, None, 0
-        rid = serving.request_id(context)
-        span = contextlib.ExitStack()
-        set_attrs = span.enter_context(tracing.server_span("specdec.verify/Session", context, request_id=rid))
+        s = None
         try:
             first = await self._read(context)
             if first is grpc.aio.EOF:
                 return
             if first.WhichOneof("kind") != "start":
                 raise invalid("start: the first message of a session must be `start`")
-            rid = rid or first.start.request_id
             s = self._open(first.start)
             await self.engine.prefill(s)
             while not s.finish:
@@ -84,54 +77,38 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                     raise invalid("round: a message with neither `start` nor `round` set")
                 tokens, q = self._check_round(s, req.round)
                 v = await self.engine.step(s, tokens, q)
-                rounds += 1
                 await context.write(pb.VerifyResponse(
                     round=req.round.round, num_accepted=v.num_accepted, next_token=v.next_token,
                     finish_reason=v.finish, forward_s=v.forward_s, queue_s=v.queue_s, seed=s.seed))
-        except BaseException as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
-            exc = e
-            if not isinstance(e, Exception):
-                raise
+        except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Session", e)
         finally:
             if s is not None:
                 self.engine.close(s)
-            fields = {"service": SERVICE, "method": "Session", "request_id": rid, "code": serving.code_name(context, exc),
-                      "rounds": rounds, "duration_s": round(time.perf_counter() - t0, 6)}
-            if s is not None:
-                fields.update(tokens=s.generated, prompt_tokens=s.prompt_len)
-                if s.finish:
-                    fields["finish_reason"] = pb.FinishReason.Name(s.finish).removeprefix("FINISH_REASON_").lower()
-            if isinstance(exc, Exception):
-                fields["error"] = str(exc)
-            log.info("session done", extra={"fields": fields})
-            set_attrs(**{f"specdec.{k}": v for k, v in fields.items() if k not in ("service", "method")})
-            span.close()
 
     async def Generate(self, request, context):
         """Target-only generation: rounds with no proposals (each yields the next token)."""
         t0 = time.perf_counter()
         s = None
         try:
-            with serving.timed(SERVICE, "Generate"):
-                g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
-                s = self.engine.open(g.prompt_ids, g.max_new_tokens, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY, g.request_id)
-                stats = pb.Stats(prompt_tokens=len(g.prompt_ids))
-                stats.prefill_s = await self.engine.prefill(s)
-                out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
-                while True:
-                    t1 = time.perf_counter()
-                    v = await self.engine.step(s, [], None)  # no proposals: the next token only
-                    stats.verify_s += time.perf_counter() - t1
-                    stats.verify_forward_s += v.forward_s
-                    stats.rounds += 1
-                    chunk, finish = out.push([v.next_token] if v.next_token is not None else [], v.finish)
-                    if not finish:
-                        if chunk:
-                            yield chunk
-                        continue
-                    yield out.last(chunk, stats, g.seed, SERVICE, t0)
-                    return
+            g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
+            s = self.engine.open(g.prompt_ids, g.max_new_tokens, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY, g.request_id)
+            stats = pb.Stats(prompt_tokens=len(g.prompt_ids))
+            stats.prefill_s = await self.engine.prefill(s)
+            out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
+            while True:
+                t1 = time.perf_counter()
+                v = await self.engine.step(s, [], None)  # no proposals: the next token only
+                stats.verify_s += time.perf_counter() - t1
+                stats.verify_forward_s += v.forward_s
+                stats.rounds += 1
+                chunk, finish = out.push([v.next_token] if v.next_token is not None else [], v.finish)
+                if not finish:
+                    if chunk:
+                        yield chunk
+                    continue
+                yield out.last(chunk, stats, g.seed, t0)
+                return
         except Exception as e:  # noqa: BLE001
             await serving.fail(context, SERVICE, "Generate", e)
         finally:
