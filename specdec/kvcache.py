@@ -7,8 +7,8 @@ positions; a rejection only moves `length` back. Nothing is copied when sessions
 share a pass, and nothing allocated per round grows with the context.
 
 A pass (`forward_packed`) runs the new tokens of many sessions as ONE packed sequence
-[1, T]: the sessions' tokens one after another, each with its own absolute positions, padded
-to at least MIN_ROWS rows. Through transformers' attention interface the model's attention
+[1, T]: the sessions' tokens one after another, each with its own absolute positions (padded
+to MIN_ROWS rows for float32 on the CPU, see below). Through transformers' attention interface the model's attention
 layers call `packed_attention`, which attends each session's queries to that session's own
 cache slice (a view, no copy): causal, with the layer's sliding window and logit soft-cap, in
 exactly the shapes the session would have alone. The model's own CausalLM head runs on the
@@ -16,10 +16,13 @@ real rows only, so whatever an architecture does after lm_head (soft-capping, sc
 
 Isolation (same numbers alone or batched), on the CPU:
   * attention is the only op that mixes tokens, and it runs per session on its own keys;
-  * every other op works row by row, and CPU GEMM kernels give row-invariant results once a
-    matmul has MIN_ROWS rows or more (M=1 and M=2 use other kernels and differ in the last
-    bits), so every pass, and the head's matmul, has at least MIN_ROWS rows.
-tests/test_batching.py checks this bitwise. GPU kernels may choose another algorithm for
+  * every other op works row by row. CPU float32 GEMM kernels give row-invariant results once a
+    matmul has MIN_ROWS rows or more (M=1..3 use other kernels and differ in the last bits), so
+    a float32 pass on the CPU, and its head's matmul, has at least MIN_ROWS rows. The bfloat16
+    kernels here are row-invariant at every M (measured: M=1..128), so bf16 passes are not
+    padded, and a one-token target-only step costs what transformers' own step costs.
+tests/test_batching.py checks this bitwise in both dtypes, with one torch thread (GEMMs split
+across threads by rows, so more threads can break it). GPU kernels may choose another algorithm for
 another batch shape, so there only near-ties can differ (DESIGN.md §7).
 
 Why not transformers' own caches: DynamicCache appends with torch.cat (a copy of the layer's
@@ -36,7 +39,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface, Cache
 
-MIN_ROWS = 4  # token rows per matmul, so CPU GEMMs stay on their row-invariant kernels
+MIN_ROWS = 4  # token rows per float32 matmul on the CPU, so GEMMs stay on their row-invariant kernels
+
+
+def min_rows(model) -> int:
+    """Rows a pass is padded to: MIN_ROWS for float32 on the CPU, else 1 (bf16 CPU kernels are
+    row-invariant at every M; on a GPU padding would not buy invariance, DESIGN.md §7)."""
+    return MIN_ROWS if model.device.type == "cpu" and model.dtype == torch.float32 else 1
 ATTN = "specdec_packed"
 
 
@@ -172,7 +181,8 @@ def forward_packed(model, inputs: list[list[int]], caches: list[KVCache], logits
     counts = [len(x) for x in inputs]
     starts = [c.length for c in caches]
     real = sum(counts)
-    T = max(real, MIN_ROWS)
+    pad_to = min_rows(model)
+    T = max(real, pad_to)
     offsets = [sum(counts[:i]) for i in range(len(counts))]
     for c, L, n in zip(caches, starts, counts):
         if L + n > c.capacity:
@@ -187,7 +197,7 @@ def forward_packed(model, inputs: list[list[int]], caches: list[KVCache], logits
     try:
         cache = _PassCache(p)
         if keep:
-            rows = torch.tensor(keep + [keep[-1]] * (MIN_ROWS - len(keep)), device=device)  # >= MIN_ROWS rows for the head too
+            rows = torch.tensor(keep + [keep[-1]] * (pad_to - len(keep)), device=device)  # >= pad_to rows for the head too
             out = model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=rows).logits[0]
         else:
             model.base_model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
