@@ -21,8 +21,8 @@ import time
 
 from tqdm import tqdm
 
-from bench.launch import ENV, ROOT, Service
 from client import AsyncClient
+from specdec.testing.launch import ENV, ROOT, Service
 
 
 def scrape(svc: Service, name: str) -> float:

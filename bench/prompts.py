@@ -1,24 +1,113 @@
-"""Code-completion prompts cut from held-out CPython standard-library files (files the shipped
-models never trained on): the text up to and including a `def` line and its first body line."""
+"""Prompt sets for the benchmarks and the load tester, all cut from code the shipped models never
+trained on: the held-out split of the CPython standard library (train/corpus.py).
+
+* `heldout_prompts`: code-completion prompts, the text up to and including a `def` line and its
+  first body line, one per held-out file, in a fixed order (bench.run, bench.concurrency);
+* `stdlib_snippets`: snippets that START at a `def`/`class` line and stop at a line boundary,
+  shuffled (bench.loadtest `--prompts stdlib`);
+* `load_prompts`: the load tester's `--prompts` choice: `stdlib`, `builtin` or a file.
+"""
 from __future__ import annotations
 
+import json
+import os
+import random
 import re
 
-from train.corpus import stdlib_documents
+BUILTIN_PROMPTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "import os\n\n\ndef walk_python_files(root):\n    \"\"\"Yield the path of every .py file under root.\"\"\"\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "def parse_header(line):\n    key, _, value = line.partition(':')\n",
+    "def read_config(path):\n    import json\n    with open(path) as f:\n",
+    "def merge_sorted(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n",
+    "def is_prime(n):\n    if n < 2:\n        return False\n",
+    "class LRUCache:\n    def __init__(self, capacity):\n        self.capacity = capacity\n",
+    "def flatten(items):\n    for item in items:\n        if isinstance(item, (list, tuple)):\n",
+    "def quote(s):\n    \"\"\"Return s with special characters escaped.\"\"\"\n",
+    "def chunks(seq, n):\n    \"\"\"Yield successive n-sized chunks from seq.\"\"\"\n",
+    "async def fetch_all(urls):\n    results = []\n    for url in urls:\n",
+]
 
 _DEF = re.compile(r"^(\s*)def \w+\(.*\):\s*$", re.M)
+_FALLBACK_FILES = ("textwrap.py", "shlex.py", "fnmatch.py", "heapq.py", "bisect.py", "colorsys.py")
+
+
+def heldout_documents() -> list[tuple[str, str]]:
+    """(name, text) of the held-out stdlib files, sorted by name. Without the training package
+    (train/), a few stdlib files read directly stand in for them."""
+    try:
+        from train.corpus import stdlib_documents
+    except ImportError:
+        import sysconfig
+
+        root = sysconfig.get_paths()["stdlib"]
+        docs = []
+        for name in _FALLBACK_FILES:
+            try:
+                with open(os.path.join(root, name), encoding="utf-8") as f:
+                    docs.append((name, f.read()))
+            except OSError:
+                pass
+        return sorted(docs)
+    return sorted(((d.name, d.text) for d in stdlib_documents("heldout", include_tests=False)), key=lambda d: d[0])
 
 
 def heldout_prompts(n: int, max_chars: int = 800, min_chars: int = 200) -> list[str]:
-    """n prompts, one per held-out file at most, in a fixed order."""
+    """n completion prompts, one per held-out file at most, in a fixed order."""
     out = []
-    for doc in sorted(stdlib_documents("heldout", include_tests=False), key=lambda d: d.name):
-        m = next((m for m in _DEF.finditer(doc.text) if m.start() >= min_chars), None)
+    for _, text in heldout_documents():
+        m = next((m for m in _DEF.finditer(text) if m.start() >= min_chars), None)
         if m is None:
             continue
-        end = doc.text.find("\n", m.end() + 1)  # keep the first body line (often a docstring)
-        text = doc.text[: end + 1 if end > 0 else m.end()]
-        out.append(text[-max_chars:])
+        end = text.find("\n", m.end() + 1)  # keep the first body line (often a docstring)
+        out.append(text[: end + 1 if end > 0 else m.end()][-max_chars:])
         if len(out) == n:
             break
     return out
+
+
+def _snippets(text: str, max_chars: int) -> list[str]:
+    """Snippets of `text` that start at a def/class line and stop at a line boundary, so the
+    model continues inside a definition."""
+    lines = text.splitlines(keepends=True)
+    out = []
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith(("def ", "class ", "async def ")) and line.rstrip().endswith(":"):
+            snippet = ""
+            for nxt in lines[i:]:
+                if len(snippet) + len(nxt) > max_chars:
+                    break
+                snippet += nxt
+            if snippet.count("\n") >= 2:
+                out.append(snippet)
+    return out
+
+
+def stdlib_snippets(n: int, max_chars: int, seed: int) -> list[str]:
+    """n snippets from the held-out files, shuffled by `seed` ([] if there are none)."""
+    pool = [s for _, text in heldout_documents() for s in _snippets(text, max_chars)]
+    random.Random(seed).shuffle(pool)
+    return pool[:n]
+
+
+def load_prompts(source: str, n: int = 256, max_chars: int = 400, seed: int = 0) -> list[str]:
+    """The load tester's prompt set: `builtin`, `stdlib`, or a file of one JSON string or
+    {"prompt": ...} object per line (plain text lines work too); each cut to max_chars."""
+    if source == "builtin":
+        return [p[:max_chars] for p in BUILTIN_PROMPTS]
+    if source == "stdlib":
+        return stdlib_snippets(n, max_chars, seed) or [p[:max_chars] for p in BUILTIN_PROMPTS]
+    prompts = []
+    with open(source, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                prompts.append(obj["prompt"] if isinstance(obj, dict) else str(obj))
+            except (json.JSONDecodeError, KeyError):
+                prompts.append(line.rstrip("\n"))
+    if not prompts:
+        raise SystemExit(f"no prompts in {source}")
+    return [p[:max_chars] for p in prompts]

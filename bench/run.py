@@ -32,9 +32,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from bench.launch import ENV, ROOT, Service
 from client import Client
-from draft_service.adaptive import expected_tokens
+from specdec.costmodel import expected_tokens, round_cost
+from specdec.testing.launch import ENV, ROOT, Service
 
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=1.0, seed=1234)
@@ -156,7 +156,7 @@ def derive(rows: list[dict], base_tok_s: float, alpha: float, c: float, t_target
         rho = max(r["verify_s"] - r["verify_forward_s"], 0.0) / r["rounds"] / t_target
         e = expected_tokens(alpha, round(gamma)) if abs(gamma - round(gamma)) < 0.05 else r["tokens"] / r["rounds"]
         r.update(gamma=gamma, rho=rho, tokens_per_round=r["tokens"] / r["rounds"],
-                 bound_S=e / (gamma * c + 1), bound_S_net=e / (gamma * c + 1 + rho))
+                 bound_S=e / round_cost(gamma, c), bound_S_net=e / round_cost(gamma, c, rho))
         r["efficiency"] = r["speedup"] / r["bound_S"]
 
 

@@ -10,9 +10,10 @@ import grpc
 import torch
 
 from specdec import auth, logs, serving, tracing
-from specdec.lm import LM
+from specdec.lm import LM, Unsupported, add_model_args
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from draft_service import calibrate
 from draft_service.server import DraftServicer
 
 log = logging.getLogger("specdec.draft")
@@ -39,7 +40,11 @@ def verify_channel(args) -> grpc.aio.Channel:
 
 
 async def run(args, token_auth=None) -> None:
-    lm = LM.load(args.model)
+    try:
+        lm = LM.load(args.model, args.device, args.dtype)
+    except Unsupported as e:
+        print(f"draft_service: {e}", file=sys.stderr)
+        sys.exit(2)
     channel = verify_channel(args)
     stub = pb_grpc.VerifyStub(channel)
     target = None
@@ -51,7 +56,10 @@ async def run(args, token_auth=None) -> None:
         print(f"error: verify service at {args.verify} has vocabulary fingerprint {target.vocab_fingerprint[:12]}, "
               f"this draft has {lm.fingerprint[:12]}: the models do not share a tokenizer", file=sys.stderr)
         sys.exit(2)
-    servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft)
+    servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft,
+                             costs=calibrate.parse_costs(args.costs_ms) if args.costs_ms else None)
+    if target is not None and args.adaptive:
+        await servicer.costs()  # calibrate now, not at the first request
     await serving.serve(args, "specdec.v1.Draft", lambda s: pb_grpc.add_DraftServicer_to_server(servicer, s), interceptors=[token_auth])
     await channel.close()
 
@@ -59,6 +67,7 @@ async def run(args, token_auth=None) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m draft_service", description="specdec draft service (client-facing)")
     serving.add_server_args(p, default_port=50052)
+    add_model_args(p)
     p.add_argument("--verify", required=True, help="verify service address, e.g. HOST:PORT or dns:///name:port")
     p.add_argument("--verify-wait-s", type=float, default=10.0, help="how long to wait for the verify service at start-up")
     env = serving.env
@@ -74,6 +83,9 @@ def main(argv=None) -> None:
     auth.add_server_args(p)
     p.add_argument("--adaptive", action="store_true", help="default for requests: choose tau per round from measured acceptance and costs")
     p.add_argument("--predraft", action="store_true", help="default for requests: draft round k+1 while round k is verified")
+    p.add_argument("--costs-ms", default=serving.env("SPECDEC_COSTS_MS"),
+                   help="pin adaptive tau's costs as 'draft_step,verify_base,verify_per_token' in ms (default: calibrated once "
+                        "at start-up; pinning gives the same taus, and so the same samples, across restarts) [env SPECDEC_COSTS_MS]")
     args = p.parse_args(argv)
     token_auth = auth.server_interceptor(args)  # reads the token files: fail at start-up, not on the first request
     args.verify_token = auth.read_token(args.verify_auth_token_file) if args.verify_auth_token_file else None

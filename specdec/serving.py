@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from specdec import metrics, observe, tracing
+from specdec import architectures, metrics, observe, tracing
 from specdec.errors import RequestError
 from specdec.observe import REQUEST_ID_KEY, RequestObserver  # noqa: F401 - REQUEST_ID_KEY: the servicers use it
 from specdec.v1 import specdec_pb2 as pb
@@ -40,6 +40,10 @@ def model_info(lm) -> pb.ModelInfo:
         proposal_modes=MODES,
         num_parameters=lm.num_parameters,
         eos_token_id=-1 if lm.eos_token_id is None else lm.eos_token_id,
+        eos_token_ids=sorted(lm.eos),
+        device=str(lm.device),
+        dtype=str(lm.dtype).removeprefix("torch."),
+        supported_architectures=architectures.TESTED,
     )
 
 

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-import tinymodels  # noqa: E402
-from bench.launch import ENV, ROOT, Service  # noqa: E402,F401
+# the tests compare with transformers in float32; services would pick bfloat16 on a CPU with bf16 instructions
+os.environ.setdefault("SPECDEC_DTYPE", "float32")
+
+from specdec.testing import tinymodels  # noqa: E402
+from specdec.testing.launch import ENV, ROOT, Service  # noqa: E402,F401 - re-exported to the test modules
 
 
 def wait_for(cond, timeout: float = 10.0) -> bool:

@@ -9,6 +9,7 @@ import pytest
 
 from client import Client
 from conftest import Service, metric, wait_for
+from specdec.testing.launch import service_pair
 
 LONG = dict(prompt_ids=[3, 4], max_new_tokens=3000, num_draft_tokens=2)  # greedy: no EOS on long-target, runs for many seconds
 
@@ -31,11 +32,8 @@ def verify_is_empty(v: Service) -> bool:
 
 @pytest.fixture(scope="module")
 def pair(model_dir):
-    v = Service("verify_service", "--model", model_dir("long-target"), "--metrics-port", "0", "--threads", "1")
-    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", v.address, "--metrics-port", "0", "--threads", "1")
-    yield v, d
-    d.stop()
-    v.stop()
+    with service_pair(model_dir("long-target"), model_dir("long-draft"), "--threads", "1") as p:
+        yield p
 
 
 def test_kill_9_draft_mid_generation_frees_the_verify_session_at_once(pair, model_dir):

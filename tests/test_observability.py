@@ -8,15 +8,13 @@ import pytest
 
 from client import Client, make_request
 from conftest import Service, metric, wait_for
+from specdec.testing.launch import service_pair
 
 
 @pytest.fixture(scope="module")
 def pair(model_dir):
-    v = Service("verify_service", "--model", model_dir("target"), "--metrics-port", "0", "--log-level", "INFO")
-    d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--metrics-port", "0", "--log-level", "INFO")
-    yield v, d
-    d.stop()
-    v.stop()
+    with service_pair(model_dir("target"), model_dir("draft"), "--log-level", "INFO") as p:
+        yield p
 
 
 def json_lines(svc: Service, msg: str) -> list[dict]:

@@ -149,9 +149,9 @@ def test_evaluation_measures_a_pair(tiny_pair_inputs):
 
     _, _, target = tiny_pair_inputs
     target.eval()
-    assert evaluate.expected_tokens(0.5, 1) == pytest.approx(1.5)
-    assert evaluate.expected_tokens(0.0, 4) == pytest.approx(1.0)
-    assert evaluate.speedup(0.8, 3, 0.1) == pytest.approx((1 - 0.8 ** 4) / 0.2 / 1.3)
+    table = evaluate.speedup_table(0.8, 0.1)
+    assert table["by_gamma"][3] == pytest.approx((1 - 0.8 ** 4) / 0.2 / 1.3, abs=1e-3)
+    assert table["best_speedup"] == max(table["by_gamma"].values())
     torch.manual_seed(0)
     prompts = torch.randint(3, target.config.vocab_size, (4, 12))
     # A draft identical to the target is always accepted: α = 1, β = 1, γ + 1 tokens per round.

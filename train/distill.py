@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 from train import corpus, loop
+from train.architecture import draft_config
 from train.data import WindowSampler, tokenize_documents
 from train.pretrain import seed_everything
 
@@ -42,34 +43,6 @@ def load_corpus(paths, split: str = "train"):
     if list(paths) == ["stdlib"]:
         return corpus.stdlib_documents(split)
     return corpus.user_documents(paths, split)
-
-
-def _first_id(x):
-    if isinstance(x, (list, tuple)):
-        return x[0] if x else None
-    return x
-
-
-def draft_config(target_config, hidden: int, layers: int, heads: int, intermediate: int,
-                 tie: bool, max_positions: int | None = None) -> LlamaConfig:
-    """A Llama config with the target's vocabulary size and special token ids."""
-    if hidden % heads:
-        raise ValueError(f"--hidden {hidden} is not divisible by --heads {heads}")
-    max_pos = max_positions or getattr(target_config, "max_position_embeddings", None) or 2048
-    return LlamaConfig(
-        vocab_size=target_config.vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=max_pos,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tie,
-        bos_token_id=_first_id(getattr(target_config, "bos_token_id", None)),
-        eos_token_id=getattr(target_config, "eos_token_id", None),
-        pad_token_id=_first_id(getattr(target_config, "pad_token_id", None)),
-    )
 
 
 def copy_tokenizer(target_dir: Path, out_dir: Path, tokenizer) -> None:

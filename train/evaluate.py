@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specdec.costmodel import round_cost, speedup
 from train import corpus
 from train.data import tokenize_documents
 from train.latency import compare_latency
@@ -37,19 +38,8 @@ from train.latency import compare_latency
 GAMMAS = range(1, 9)
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """E = (1 − α^(γ+1)) / (1 − α): expected tokens per verify round (DESIGN.md §5)."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
-
-
-def speedup(alpha: float, gamma: int, c: float) -> float:
-    """S = E / (γ·c + 1): walltime speed-up over target-only decoding (DESIGN.md §5)."""
-    return expected_tokens(alpha, gamma) / (gamma * c + 1)
-
-
 def speedup_table(alpha: float, c: float) -> dict:
+    """The bound S = E / (γ·c + 1) of specdec/costmodel.py for every γ, and the best γ."""
     table = {g: round(speedup(alpha, g, c), 3) for g in GAMMAS}
     best = max(table, key=table.get)
     return {"alpha": round(alpha, 4), "by_gamma": table, "best_gamma": best, "best_speedup": table[best]}
@@ -225,9 +215,9 @@ def main(argv=None) -> dict:
         "greedy": speedup_table(res["greedy"]["alpha"], c),
         "sampled_T1": speedup_table(res["sampled_T1"]["beta_mean"], c),
         "greedy_from_measured_tokens_per_round": {
-            g: round(e / (g * c + 1), 3) for g, e in res["greedy"]["tokens_per_round_measured"].items()},
+            g: round(e / round_cost(int(g), c), 3) for g, e in res["greedy"]["tokens_per_round_measured"].items()},
         "sampled_T1_from_path_estimate": {
-            g: round(e / (g * c + 1), 3) for g, e in res["sampled_T1"]["tokens_per_round_path_estimate"].items()},
+            g: round(e / round_cost(int(g), c), 3) for g, e in res["sampled_T1"]["tokens_per_round_path_estimate"].items()},
     }
     res["eval_seconds"] = round(time.time() - t0, 1)
     print(json.dumps(res["expected_speedup"], indent=1), flush=True)

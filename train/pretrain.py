@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from train import corpus, export, loop
+from train.architecture import target_config
 from train.data import WindowSampler, tokenize_documents
 from train.tokenizer import train_on_documents
 
@@ -30,25 +31,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def llama_config(tokenizer, hidden: int, layers: int, heads: int, intermediate: int,
-                 max_positions: int, tie: bool) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=max_positions,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=tie,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
 
 
 def causal_lm_loss(model, batch):
@@ -96,7 +78,7 @@ def main(argv=None) -> None:
     tokens = tokenize_documents(tokenizer, docs)
     print(f"corpus: {len(docs)} training files, {tokens.numel():,} tokens", flush=True)
 
-    cfg = llama_config(tokenizer, args.hidden, args.layers, args.heads, args.intermediate,
+    cfg = target_config(tokenizer, args.hidden, args.layers, args.heads, args.intermediate,
                        args.max_positions, args.tie)
     model = LlamaForCausalLM(cfg)
     n_params = sum(p.numel() for p in model.parameters())

@@ -6,21 +6,20 @@ import logging
 import time
 
 import grpc
-import torch
-
-from specdec import requests, serving
+from specdec import serving, validation
 from specdec.errors import RequestError, invalid
+from specdec.proposal import decode_round
 from specdec.textstream import Chunks
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from verify_service.engine import Engine
+from verify_service.scheduler import Scheduler
 
 log = logging.getLogger("specdec.verify")
 SERVICE = "verify"
 
 
 class VerifyServicer(pb_grpc.VerifyServicer):
-    def __init__(self, engine: Engine, idle_timeout_s: float = 60.0):
+    def __init__(self, engine: Scheduler, idle_timeout_s: float = 60.0):
         self.engine = engine
         self.lm = engine.lm
         self.idle_timeout_s = idle_timeout_s
@@ -37,26 +36,25 @@ class VerifyServicer(pb_grpc.VerifyServicer):
     def _open(self, st: pb.SessionStart):
         if st.vocab_fingerprint != self.lm.fingerprint:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"vocabulary fingerprint mismatch: draft {st.vocab_fingerprint[:12]!r}, target {self.lm.fingerprint[:12]!r}")
-        requests.check_request_id(st.request_id, "start.request_id")
+        validation.check_request_id(st.request_id, "start.request_id")
         if not st.prompt_ids:
             raise invalid("start.prompt_ids: empty")
-        requests.check_ids(st.prompt_ids, self.lm.vocab_size, "start.prompt_ids")
+        validation.check_ids(st.prompt_ids, self.lm.vocab_size, "start.prompt_ids")
         if len(st.prompt_ids) >= self.lm.max_context:
             raise invalid(f"start.prompt_ids: {len(st.prompt_ids)} tokens leave no room in the context limit of {self.lm.max_context}")
         if not 1 <= st.max_new_tokens <= self.lm.max_context:
             raise invalid(f"start.max_new_tokens must be in [1, {self.lm.max_context}], got {st.max_new_tokens}")
         if st.proposal_mode not in pb.ProposalMode.values():
             raise invalid(f"start.proposal_mode: unknown value {st.proposal_mode}")
-        sampling = requests.parse_sampling(st.sampling)
-        seed = requests.parse_seed(st.sampling)
-        return self.engine.open(st, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE)
+        sampling = validation.parse_sampling(st.sampling)
+        seed = validation.parse_seed(st.sampling)
+        return self.engine.open(list(st.prompt_ids), st.max_new_tokens, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE, st.request_id)
 
     def _check_round(self, s, r: pb.Round):
-        """parse_round plus: every proposed token must have mass in the q it was sampled from."""
-        tokens, q = self.engine.parse_round(s, r)
-        if q is not None and len(tokens) and not (q[torch.arange(len(tokens)), tokens] > 0).all():
-            raise invalid("round.q_probs: a proposed token has no probability in its q (it cannot have been sampled from it)")
-        return tokens, q
+        """The round's proposals as (token ids, q on the model's device or None), every wire rule checked."""
+        tokens, q = decode_round(r, expected=s.next_round, room=self.engine.room(s), vocab_size=self.lm.vocab_size,
+                                 mode=s.mode, greedy=s.sampling.greedy, device=self.lm.device)
+        return r.tokens, q
 
     async def Session(self, request_iterator, context):
         s = None
@@ -93,17 +91,14 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         t0 = time.perf_counter()
         s = None
         try:
-            g = requests.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
-            start = pb.SessionStart(prompt_ids=g.prompt_ids, max_new_tokens=g.max_new_tokens, request_id=g.request_id)
-            s = self.engine.open(start, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY)
+            g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
+            s = self.engine.open(g.prompt_ids, g.max_new_tokens, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY, g.request_id)
             stats = pb.Stats(prompt_tokens=len(g.prompt_ids))
             stats.prefill_s = await self.engine.prefill(s)
             out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
-            no_tokens = torch.empty(0, dtype=torch.long)
-            q = None if g.sampling.greedy else torch.empty(0, self.lm.vocab_size)
             while True:
                 t1 = time.perf_counter()
-                v = await self.engine.step(s, no_tokens, q)
+                v = await self.engine.step(s, [], None)  # no proposals: the next token only
                 stats.verify_s += time.perf_counter() - t1
                 stats.verify_forward_s += v.forward_s
                 stats.rounds += 1

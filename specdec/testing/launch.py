@@ -2,6 +2,7 @@
 the `listening on HOST:PORT` line they print. Used by the demo, the benchmarks and the tests."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -9,7 +10,7 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
            TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
 ENV.setdefault("OMP_NUM_THREADS", "1")
@@ -61,3 +62,18 @@ class Service:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def service_pair(target: str, draft: str, *args: str):
+    """A verify service on the model directory `target` and a draft service on `draft` pointed
+    at it, both with a metrics port and `args`; yields (verify, draft) and stops both after."""
+    v = Service("verify_service", "--model", target, "--metrics-port", "0", *args)
+    try:
+        d = Service("draft_service", "--model", draft, "--verify", v.address, "--metrics-port", "0", *args)
+        try:
+            yield v, d
+        finally:
+            d.stop()
+    finally:
+        v.stop()

@@ -1,0 +1,161 @@
+"""The speculative decode loop of one request, on the draft side.
+
+Given the request's parameters and an open Verify.Session stream, `DecodeLoop.rounds(call)`:
+sends `start` (the prompt; the verifier prefills while the draft prefills its own cache), then
+per round proposes tau tokens (draft model or prompt lookup) with the q each was sampled from,
+sends them as one `Round`, reads the verdict, commits the accepted prefix plus the verifier's
+next token and yields them with the verifier's finish reason, until that reason is set.
+
+* Adaptive tau (draft_service/adaptive.py) picks tau per round from the acceptance so far and costs calibrated once.
+* Pre-drafting: while round k is verified, a thread drafts round k+1 assuming all of round k is
+  accepted and guessing the bonus token (draft_service/drafter.py); the verdict decides whether
+  it is used or dropped.
+* Stats (`self.stats`, the wire's Stats message) and the draft-side Prometheus counters are
+  updated every round; `summary()` fills in the derived rates at the end.
+
+The caller owns the stream (opens it and cancels it) and the text: it turns the ids into
+GenerateResponse chunks and may stop early (a stop string) by closing the generator; closing it
+stops a pre-draft in flight. Anything with async `write(VerifyRequest)` and `read()` returning
+VerifyResponse or grpc.aio.EOF works as the stream, so the loop runs in-process in tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, Protocol
+
+import grpc
+
+from draft_service.adaptive import TauController
+from specdec.costmodel import Costs
+from draft_service.drafter import Drafter, DraftState, PredraftControl, Proposal
+from specdec import metrics
+from specdec.errors import RequestError
+from specdec.validation import GenParams
+from specdec.v1 import specdec_pb2 as pb
+
+HYBRID_MIN_NGRAM = 2  # hybrid mode trusts prompt lookup from a 2-gram match up
+
+
+class VerifyStream(Protocol):
+    """The draft's end of a Verify.Session stream (a grpc.aio stream-stream call)."""
+
+    async def write(self, request: pb.VerifyRequest) -> None: ...
+
+    async def read(self): ...  # pb.VerifyResponse, or grpc.aio.EOF once the verifier ended the stream
+
+
+class DecodeLoop:
+    """One request's rounds. `fingerprint` is the draft vocabulary's (sent in `start`);
+    `max_context` the smaller of the two models' context limits."""
+
+    def __init__(self, drafter: Drafter, params: GenParams, fingerprint: str, max_context: int,
+                 costs: Costs | None = None, predraft: bool = False):
+        self.drafter = drafter
+        self.params = params
+        self.fingerprint = fingerprint
+        self.max_context = max_context
+        # prompt lookup alone drafts nothing ahead: there is no model to run
+        self.predraft = predraft and params.proposer != pb.PROPOSER_LOOKUP
+        self.state = drafter.new_state(params, max_context)
+        # adaptive tau when costs are given (calibrated by the service); else a fixed tau
+        self.tau = TauController(max_tau=params.tau, costs=costs, predraft=self.predraft) if costs else None
+        self.stats = pb.Stats(prompt_tokens=len(params.prompt_ids), accepted_per_position=[0] * params.tau)
+
+    def start(self) -> pb.VerifyRequest:
+        g = self.params
+        sampling = pb.SamplingParams(temperature=g.sampling.temperature, top_k=g.sampling.top_k, top_p=g.sampling.top_p, seed=g.seed)
+        return pb.VerifyRequest(start=pb.SessionStart(
+            prompt_ids=g.prompt_ids, max_new_tokens=g.max_new_tokens, sampling=sampling,
+            proposal_mode=g.mode, vocab_fingerprint=self.fingerprint, request_id=g.request_id))
+
+    def cap(self, extra: int = 0) -> int:
+        """Most proposals a round may carry once `extra` more tokens are committed: never more
+        than the tokens still allowed minus the verifier's next token, nor past the context."""
+        st = self.state
+        left = st.params.max_new_tokens - (len(st.ids) + extra - st.prompt_len)
+        return max(0, min(left - 1, self.max_context - len(st.ids) - extra))
+
+    def propose(self, tau: int) -> Proposal:
+        st, mode = self.state, self.params.proposer
+        if mode in (pb.PROPOSER_LOOKUP, pb.PROPOSER_HYBRID):
+            prop = self.drafter.lookup(st, tau, min_ngram=1 if mode == pb.PROPOSER_LOOKUP else HYBRID_MIN_NGRAM)
+            if prop.tokens or mode == pb.PROPOSER_LOOKUP:
+                return prop
+        return self.drafter.propose(st, tau)
+
+    async def rounds(self, call: VerifyStream) -> AsyncIterator[tuple[list[int], int]]:
+        """Yields (committed ids, verifier finish reason) per round; the last has a reason set."""
+        st, stats, ctl = self.state, self.stats, self.tau
+        pending = None  # a pre-draft in flight: (task, its PredraftControl)
+        try:
+            await call.write(self.start())
+            t1 = time.perf_counter()
+            await asyncio.to_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
+            stats.prefill_s = time.perf_counter() - t1
+            prop = None
+            while True:
+                tau = ctl.choose() if ctl else self.params.tau
+                t1 = time.perf_counter()
+                if prop is None:
+                    prop = await asyncio.to_thread(self.propose, min(tau, self.cap()))
+                t2 = time.perf_counter()
+                stats.rounds += 1
+                await call.write(pb.VerifyRequest(round=prop.to_round(stats.rounds)))
+                next_cap = min(tau, self.cap(len(prop.tokens) + 1))
+                if self.predraft and not prop.lookup and next_cap > 0:
+                    ahead_ctl = PredraftControl()
+                    pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl)), ahead_ctl)
+                v = await call.read()
+                if v is grpc.aio.EOF:
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
+                t3 = time.perf_counter()
+                stats.draft_s += t2 - t1
+                stats.verify_s += t3 - t2
+                stats.verify_forward_s += v.forward_s
+                stats.lookup_rounds += prop.lookup
+                n = v.num_accepted
+                new = prop.tokens[:n] + ([v.next_token] if v.HasField("next_token") else [])
+                sent, prop = prop, None
+                if pending is not None:  # keep the pre-draft only if its assumed context came true
+                    task, ahead_ctl = pending
+                    if n < len(sent.tokens) or not v.HasField("next_token"):
+                        ahead_ctl.reject()
+                    else:
+                        ahead_ctl.bonus(v.next_token)
+                    ahead = await task  # the thread owns the draft cache until it returns
+                    pending = None
+                    if not ahead_ctl.is_set() and ahead.tokens:
+                        prop = ahead
+                        stats.predraft_hits += 1
+                    else:
+                        stats.predraft_misses += 1
+                st.ids.extend(new)
+                if ctl:
+                    ctl.observe(len(sent.tokens), n)
+                self._count(len(sent.tokens), n)
+                yield new, v.finish_reason
+                if v.finish_reason:
+                    return
+        finally:
+            if pending is not None:
+                pending[1].reject()  # the thread stops after its current step
+
+    def summary(self) -> pb.Stats:
+        """The stats with the acceptance rate and mean accepted length filled in."""
+        s = self.stats
+        s.acceptance_rate = s.accepted / s.drafted if s.drafted else 0.0
+        s.mean_accepted_length = s.accepted / s.rounds if s.rounds else 0.0
+        return s
+
+    def _count(self, drafted: int, accepted: int) -> None:
+        stats = self.stats
+        stats.drafted += drafted
+        stats.accepted += accepted
+        for i in range(accepted):
+            stats.accepted_per_position[i] += 1
+        metrics.NUM_DRAFTS.inc()
+        metrics.NUM_DRAFT_TOKENS.inc(drafted)
+        metrics.NUM_ACCEPTED.inc(accepted)
+        for i in range(accepted):
+            metrics.ACCEPTED_PER_POS.labels(str(i)).inc()

@@ -1,0 +1,272 @@
+"""The draft's decode loop (draft_service/decode.py) run in-process, on real tiny models.
+
+Against an in-process greedy verifier (the target's argmax over the whole sequence, no cache, the
+greedy acceptance rule and the verifier's end rules), greedy output must equal the target's own
+generate() with every proposer and feature. Against a real verify service over gRPC, the loop
+must give what the draft service gives for the same request and seed."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from client import Client
+from specdec.costmodel import Costs
+from draft_service.decode import DecodeLoop
+from draft_service.drafter import Drafter
+from specdec.errors import RequestError
+from specdec.lm import LM
+from specdec.validation import parse_generate
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from test_greedy import hf_greedy, prompts
+
+EOS = 0
+
+
+@pytest.fixture(scope="module")
+def target(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def drafters(model_dir):
+    """name -> Drafter over that model, loaded in this process."""
+    made = {}
+
+    def get(name: str) -> Drafter:
+        if name not in made:
+            made[name] = Drafter(LM.load(model_dir(name)))
+        return made[name]
+
+    return get
+
+
+class GreedyVerifier:
+    """An in-process stand-in for the verifier's end of a Verify.Session at temperature 0.
+
+    Each round: the target's argmax after every prefix of [committed ids + proposals] (one plain
+    forward over the whole sequence), the greedy acceptance rule (accept while a proposal is the
+    argmax; the next token is the argmax at the first miss, or the bonus), then the verifier's end
+    rules (EOS, max_new_tokens, context) applied token by token. It also checks what the loop
+    sends: rounds numbered 1, 2, ..., ids-only proposals, never more than fit."""
+
+    def __init__(self, model, max_context: int):
+        self.model, self.max_context = model, max_context
+        self.verdicts: list = []
+        self.rounds = 0
+        self.finished = False
+
+    async def write(self, req: pb.VerifyRequest) -> None:
+        if req.WhichOneof("kind") == "start":
+            st = req.start
+            assert st.proposal_mode == pb.PROPOSAL_MODE_GREEDY and st.sampling.temperature == 0
+            self.ids, self.prompt_len, self.max_new = list(st.prompt_ids), len(st.prompt_ids), st.max_new_tokens
+            return
+        r = req.round
+        assert not self.finished, "a round after the session finished"
+        self.rounds += 1
+        assert r.round == self.rounds
+        assert not (r.q_counts or r.q_ids or r.q_probs), "greedy mode sends ids only"
+        tokens = list(r.tokens)
+        generated = len(self.ids) - self.prompt_len
+        assert len(tokens) <= self.max_new - generated - 1 and len(self.ids) + len(tokens) <= self.max_context
+        with torch.no_grad():
+            logits = self.model(torch.tensor([self.ids + tokens])).logits[0]
+        best = logits[len(self.ids) - 1:].argmax(-1).tolist()  # [tau + 1]
+        n = next((i for i, t in enumerate(tokens) if t != best[i]), len(tokens))
+        out, finish = [], pb.FINISH_REASON_UNSPECIFIED
+        for t in tokens[:n] + [best[n]]:
+            out.append(t)
+            if t == EOS:
+                finish = pb.FINISH_REASON_EOS
+            elif generated + len(out) >= self.max_new:
+                finish = pb.FINISH_REASON_LENGTH
+            elif len(self.ids) + len(out) >= self.max_context:
+                finish = pb.FINISH_REASON_CONTEXT
+            if finish:
+                break
+        self.ids += out
+        self.finished = bool(finish)
+        self.verdicts.append(pb.VerifyResponse(round=r.round, num_accepted=min(n, len(out)),
+                                               next_token=out[n] if len(out) > n else None, finish_reason=finish))
+
+    async def read(self):
+        return self.verdicts.pop(0) if self.verdicts else grpc.aio.EOF
+
+
+def request(drafter: Drafter, max_context: int | None = None, **fields):
+    """The request's GenParams, validated as the draft service validates them."""
+    lm = drafter.lm
+    return parse_generate(pb.GenerateRequest(**fields), lm.tokenizer, lm.vocab_size, max_context or lm.max_context)
+
+
+async def run(loop: DecodeLoop, call) -> tuple[list[int], int]:
+    ids, finish = [], pb.FINISH_REASON_UNSPECIFIED
+    async with contextlib.aclosing(loop.rounds(call)) as rounds:
+        async for new, finish in rounds:
+            ids += new
+    return ids, finish
+
+
+FEATURES = [
+    dict(),
+    dict(predraft=True),
+    dict(adaptive=True),
+    dict(predraft=True, adaptive=True),
+    dict(early_stop_p=0.5),
+    dict(proposer=pb.PROPOSER_LOOKUP),
+    dict(proposer=pb.PROPOSER_HYBRID, predraft=True),
+]
+
+
+@pytest.mark.parametrize("draft", ["draft", "target"])  # a different draft, and a perfect one
+@pytest.mark.parametrize("features", FEATURES, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()) or "plain")
+def test_greedy_loop_equals_target_generate(drafters, target, draft, features):
+    d = drafters(draft)
+    predraft, adaptive = features.pop("predraft", False), features.pop("adaptive", False)
+    hits = 0
+    for i, prompt in enumerate(prompts(6, seed=5)):
+        n = [1, 4, 9, 20, 33, 40][i]
+        g = request(d, prompt_ids=prompt, max_new_tokens=n, num_draft_tokens=4, **features)
+        loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, costs=Costs(0.002, 0.01, 0.0005) if adaptive else None, predraft=predraft)
+        verifier = GreedyVerifier(target, d.lm.max_context)
+        ids, finish = asyncio.run(run(loop, verifier))
+        ref = hf_greedy(target, prompt, n)
+        assert ids == ref, (prompt, n, loop.stats)
+        assert finish == (pb.FINISH_REASON_EOS if ref[-1] == EOS else pb.FINISH_REASON_LENGTH)
+        s = loop.summary()
+        assert s.rounds == verifier.rounds and s.accepted <= s.drafted
+        assert sum(s.accepted_per_position) == s.accepted
+        assert s.acceptance_rate == (s.accepted / s.drafted if s.drafted else 0.0)
+        assert s.rounds <= len(ids) <= s.accepted + s.rounds  # each round commits >= 1 token, at most its accepted + 1
+        hits += s.predraft_hits
+        if features.get("proposer") == pb.PROPOSER_LOOKUP:
+            assert s.lookup_rounds == s.rounds and s.predraft_hits == s.predraft_misses == 0
+        if draft == "target" and finish != pb.FINISH_REASON_EOS and not features:
+            assert s.accepted == s.drafted  # a perfect draft is always accepted
+    if predraft and draft == "target" and "proposer" not in features:
+        assert hits > 0, "a perfect draft must hit its pre-drafts"
+
+
+def test_the_context_limit_ends_the_loop(drafters, model_dir):
+    """A context limit below the models' (as when the target's is the smaller): the loop never
+    proposes past it (the verifier checks) and ends with CONTEXT exactly at the limit."""
+    long_target = AutoModelForCausalLM.from_pretrained(model_dir("long-target"), dtype=torch.float32).eval()  # no EOS bias
+    d = drafters("long-draft")
+    for prompt in prompts(3, seed=3):
+        limit = len(prompt) + 7
+        g = request(d, limit, prompt_ids=prompt, max_new_tokens=limit, num_draft_tokens=5)
+        ids, finish = asyncio.run(run(DecodeLoop(d, g, d.lm.fingerprint, limit), GreedyVerifier(long_target, limit)))
+        assert ids == hf_greedy(long_target, prompt, 7)
+        assert finish == pb.FINISH_REASON_CONTEXT and len(prompt) + len(ids) == limit
+
+
+def test_a_verifier_that_ends_the_stream_is_unavailable(drafters):
+    class Silent:
+        async def write(self, req):
+            pass
+
+        async def read(self):
+            return grpc.aio.EOF
+
+    d = drafters("draft")
+    g = request(d, prompt_ids=[3, 4, 5], max_new_tokens=8, num_draft_tokens=3)
+    with pytest.raises(RequestError) as e:
+        asyncio.run(run(DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, predraft=True), Silent()))
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_caller_may_stop_after_any_round(drafters, model_dir):
+    """A stop string ends the request between rounds: closing the loop there ends it cleanly."""
+    long_target = AutoModelForCausalLM.from_pretrained(model_dir("long-target"), dtype=torch.float32).eval()
+    d = drafters("long-draft")
+
+    async def two_rounds_only():
+        g = request(d, prompt_ids=[3, 4, 5], max_new_tokens=40, num_draft_tokens=4)
+        loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, predraft=True)
+        verifier = GreedyVerifier(long_target, d.lm.max_context)
+        got = []
+        async with contextlib.aclosing(loop.rounds(verifier)) as rounds:
+            async for new, finish in rounds:
+                assert new and not finish
+                got += new
+                if loop.stats.rounds == 2:
+                    break
+        return loop, verifier, got
+
+    loop, verifier, got = asyncio.run(two_rounds_only())
+    assert loop.stats.rounds == verifier.rounds == 2
+    assert got == hf_greedy(long_target, [3, 4, 5], len(got))
+
+
+def test_a_cancelled_round_stops_its_predraft(drafters, model_dir, monkeypatch):
+    """Cancelled while waiting for a verdict (the client went away): the pre-draft running in
+    its thread is told to stop."""
+    long_target = AutoModelForCausalLM.from_pretrained(model_dir("long-target"), dtype=torch.float32).eval()
+    d = drafters("long-draft")
+    controls = []
+    predraft = d.predraft
+
+    def spy(st, sent, tau, ctl):
+        controls.append(ctl)
+        return predraft(st, sent, tau, ctl)
+
+    monkeypatch.setattr(d, "predraft", spy)
+
+    class Hanging(GreedyVerifier):
+        async def read(self):
+            await asyncio.Event().wait()  # no verdict, ever
+
+    async def cancel_mid_round():
+        g = request(d, prompt_ids=[3, 4, 5], max_new_tokens=40, num_draft_tokens=4)
+        loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, predraft=True)
+        task = asyncio.create_task(run(loop, Hanging(long_target, d.lm.max_context)))
+        while not controls:
+            await asyncio.sleep(0.01)
+        assert not controls[0].is_set()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_mid_round())
+    assert len(controls) == 1 and controls[0].is_set()
+
+
+def test_loop_over_a_real_verify_service_equals_the_draft_service(services, drafters, target):
+    """The same requests through the draft service and through the loop in this process, both
+    against the same verify service: identical ids, in greedy and in seeded sampled modes."""
+    v, dsvc = services("target", "draft")
+    d = drafters("draft")
+    cases = [
+        dict(max_new_tokens=24, num_draft_tokens=4),
+        dict(max_new_tokens=24, num_draft_tokens=3, sampling=pb.SamplingParams(temperature=1.0, seed=7)),
+        dict(max_new_tokens=24, num_draft_tokens=3, proposal_mode=pb.PROPOSAL_MODE_DENSE,
+             sampling=pb.SamplingParams(temperature=0.8, top_k=8, seed=11)),
+        dict(max_new_tokens=24, num_draft_tokens=2, proposal_mode=pb.PROPOSAL_MODE_SPARSE, sparse_k=4,
+             sampling=pb.SamplingParams(temperature=1.0, top_p=0.9, seed=3)),
+    ]
+
+    async def through_loop(prompt, case):
+        g = request(d, prompt_ids=prompt, **case)
+        loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context)
+        async with grpc.aio.insecure_channel(v.address) as ch:
+            call = pb_grpc.VerifyStub(ch).Session(timeout=60)
+            try:
+                return await run(loop, call)
+            finally:
+                call.cancel()
+
+    with Client(dsvc.address, timeout=60) as c:
+        for prompt in prompts(3, seed=21):
+            for case in cases:
+                ids, finish = asyncio.run(through_loop(prompt, case))
+                r = c.generate(pb.GenerateRequest(prompt_ids=prompt, **case))
+                assert ids == r.token_ids, (prompt, case)
+                assert pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower() == r.finish_reason
+                if "sampling" not in case:
+                    assert ids == hf_greedy(target, prompt, case["max_new_tokens"])
