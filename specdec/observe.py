@@ -62,7 +62,6 @@ class _Call:
         self.tokens = 0  # tokens this RPC returned (Generate) or committed (Session)
         self.rounds = 0
         self.fields: dict = {}
-        self.generated = 0  # tokens returned to a caller in GenerateResponse chunks
 
     def received(self, msg) -> None:
         if isinstance(msg, pb.GenerateRequest):
@@ -76,7 +75,6 @@ class _Call:
     def sent(self, msg) -> None:
         if isinstance(msg, pb.GenerateResponse):
             self.tokens += len(msg.token_ids)
-            self.generated += len(msg.token_ids)
             if msg.finish_reason:
                 st = msg.stats
                 self.rounds = st.rounds
@@ -111,6 +109,13 @@ class _ObservedContext:
         self._call.sent(msg)
 
 
+# (request streaming, response streaming) -> the handler's attribute, and how to make one of that kind
+_KINDS = {(False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+          (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+          (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+          (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler)}
+
+
 class RequestObserver(grpc.aio.ServerInterceptor):
     """Put it first in the server's interceptors, so it also sees calls that later
     interceptors (authentication) refuse."""
@@ -124,11 +129,7 @@ class RequestObserver(grpc.aio.ServerInterceptor):
         if handler is None or not details.method.startswith(OBSERVED):
             return handler
         method = details.method.rsplit("/", 1)[-1]
-        kind = {(False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
-                (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
-                (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
-                (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler)}
-        attr, make = kind[handler.request_streaming, handler.response_streaming]
+        attr, make = _KINDS[handler.request_streaming, handler.response_streaming]
         behavior = getattr(handler, attr)
         observe = self._observe
         metadata = details.invocation_metadata
@@ -185,5 +186,5 @@ class RequestObserver(grpc.aio.ServerInterceptor):
                 metrics.REQUEST_LATENCY.labels(self.service, call.method).observe(duration)
                 if code not in ("OK", "CANCELLED"):
                     metrics.REQUEST_ERRORS.labels(self.service, call.method, code).inc()
-                if call.generated:
-                    metrics.GENERATED_TOKENS.labels(self.service).inc(call.generated)
+                if call.method == "Generate" and call.tokens:  # tokens returned to callers (not a session's)
+                    metrics.GENERATED_TOKENS.labels(self.service).inc(call.tokens)

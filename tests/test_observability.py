@@ -43,6 +43,7 @@ def snapshot(v: Service, d: Service, tau: int) -> dict:
     s["draft_generated"] = metric(dt, "specdec_generated_tokens_total", service="draft")
     s["draft_live"] = metric(dt, "specdec_live_sessions", service="draft")
     s["verify_latency_count"] = metric(vt, "specdec_request_latency_seconds_count", service="verify", method="Generate")
+    s["verify_session_latency_count"] = metric(vt, "specdec_request_latency_seconds_count", service="verify", method="Session")
     s["verify_errors_invalid"] = metric(vt, "specdec_request_errors_total", service="verify", method="Generate", code="INVALID_ARGUMENT")
     s["verify_session_errors_invalid"] = metric(vt, "specdec_request_errors_total", service="verify", method="Session", code="INVALID_ARGUMENT")
     s["verify_generated"] = metric(vt, "specdec_generated_tokens_total", service="verify")
@@ -82,6 +83,8 @@ def test_metrics_move_exactly_with_a_known_set_of_requests(pair):
     assert delta["draft_errors_invalid"] == 2
     assert delta["draft_generated"] == sum(len(r.token_ids) for r in spec)
     assert delta["verify_latency_count"] == 2
+    # one session per speculative request, timed by the verify's request observer (which may end just after the reply)
+    assert wait_for(lambda: snapshot(v, d, tau)["verify_session_latency_count"] - before["verify_session_latency_count"] == len(spec), 5)
     assert delta["verify_errors_invalid"] == 1
     assert delta["verify_session_errors_invalid"] == 0  # bad requests stop at the draft's edge
     assert delta["verify_generated"] == len(base.token_ids) >= 1
