@@ -1,5 +1,7 @@
-"""The demo: both services on the shipped model pair, a streamed code completion, its stats, and
-the speed-up over target-only generation measured in the same run.
+"""The demo: both services on the shipped model pair, a streamed greedy code completion, its stats,
+a seeded sampled completion beside it, and the speed-up measured in the same run against
+transformers' own generate() (in-process, the services' dtype, one thread), with the verify
+service's target-only path beside it.
 
     python -m bench.demo [--target DIR --draft DIR --prompt TEXT --max-new-tokens N --tau T]
 """
@@ -10,6 +12,9 @@ import os
 import sys
 import tempfile
 import time
+
+import torch
+from transformers import AutoModelForCausalLM
 
 from client import Client
 from specdec.testing.launch import ENV, ROOT, Service
@@ -30,6 +35,19 @@ def tiny_pair(path: str) -> tuple[str, str]:
         tinymodels.build(os.path.join(path, "draft"), seed=1, hidden=32, layers=1, sharpen=4.0, max_context=2048)
 
 
+def hf_generate(path: str, dtype: str, ids: list[int], n: int) -> tuple[list[int], float]:
+    """transformers' generate(), in this process, greedy: (new ids, seconds)."""
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    x = torch.tensor([ids])
+    kw = dict(do_sample=False, attention_mask=torch.ones_like(x), pad_token_id=model.config.pad_token_id or 0)
+    with torch.inference_mode():
+        model.generate(x, max_new_tokens=8, **kw)  # warm-up
+        t0 = time.perf_counter()
+        out = model.generate(x, max_new_tokens=n, **kw)[0, len(ids):].tolist()
+    return out, time.perf_counter() - t0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.demo")
     p.add_argument("--target", default=os.path.join(ROOT, "models", "stdlib-code-target"))
@@ -45,14 +63,15 @@ def main(argv=None) -> int:
         a.target, a.draft = tiny_pair(tmp)
     env = dict(ENV, OMP_NUM_THREADS="1")  # the two services share this machine's cores: one thread each
     print("[demo] starting verify_service (target) and draft_service (draft) ...", file=sys.stderr)
-    verify = Service("verify_service", "--model", a.target, env=env)
-    draft = Service("draft_service", "--model", a.draft, "--verify", verify.address, env=env)
+    verify = Service("verify_service", "--model", a.target, "--threads", "1", env=env)
+    draft = Service("draft_service", "--model", a.draft, "--verify", verify.address, "--threads", "1", env=env)
     try:
         params = dict(prompt=a.prompt, max_new_tokens=a.max_new_tokens, num_draft_tokens=a.tau)
         with Client(draft.address, timeout=600) as spec, Client(verify.address, target_only=True, timeout=600) as base:
+            info = base.info()
             spec.generate(prompt=a.prompt, max_new_tokens=8)  # warm-up: first calls pay one-off costs
             base.generate(prompt=a.prompt, max_new_tokens=8)
-            print(f"\n--- prompt ---\n{a.prompt}--- speculative completion (streamed) ---", flush=True)
+            print(f"\n--- prompt ---\n{a.prompt}--- speculative completion, greedy (streamed) ---", flush=True)
             ids, last = [], None
             t0 = time.perf_counter()
             for chunk in spec.stream(**params):
@@ -62,6 +81,9 @@ def main(argv=None) -> int:
                 last = chunk
             spec_s = time.perf_counter() - t0
             base_r = base.generate(**params)
+            sampled = spec.generate(**dict(params, temperature=0.8, top_p=0.95, seed=7))
+            print(f"\n--- speculative completion, sampled (temperature 0.8, top-p 0.95, seed 7) ---\n{sampled.text}", flush=True)
+        hf_ids, hf_s = hf_generate(a.target, info.dtype, _prompt_ids(a.target, a.prompt), a.max_new_tokens)
         s = last.stats
         print("\n--- stats ---")
         print(f"tokens {len(ids)}  rounds {s.rounds}  drafted {s.drafted}  accepted {s.accepted}  "
@@ -70,13 +92,22 @@ def main(argv=None) -> int:
         print(f"time: draft {s.draft_s:.2f}s  verify {s.verify_s:.2f}s (target forward {s.verify_forward_s:.2f}s)  wall {spec_s:.2f}s")
         spec_tps = len(ids) / spec_s
         base_tps = len(base_r.token_ids) / base_r.stats["wall_s"]
-        same = "identical" if base_r.token_ids == ids else "DIFFERENT (bug!)"
-        print(f"speculative {spec_tps:.1f} tok/s  vs  target-only {base_tps:.1f} tok/s  ->  speed-up {spec_tps / base_tps:.2f}x "
-              f"(greedy outputs {same})")
-        return 0 if base_r.token_ids == ids else 1
+        hf_tps = len(hf_ids) / hf_s
+        ok = base_r.token_ids == ids == hf_ids
+        print(f"models in {info.dtype} on {info.device}, one torch thread per process")
+        print(f"speculative {spec_tps:.1f} tok/s  vs  transformers generate() {hf_tps:.1f} tok/s  ->  {spec_tps / hf_tps:.2f}x")
+        print(f"(verify service target-only {base_tps:.1f} tok/s = {base_tps / hf_tps:.2f}x generate(); "
+              f"greedy outputs {'identical' if ok else 'DIFFERENT (bug!)'})")
+        return 0 if ok else 1
     finally:
         draft.stop()
         verify.stop()
+
+
+def _prompt_ids(path: str, prompt: str) -> list[int]:
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    return AutoTokenizer.from_pretrained(path)(prompt).input_ids
 
 
 if __name__ == "__main__":

@@ -414,6 +414,7 @@ async def run(args) -> dict:
     from tqdm import tqdm
 
     from client import AsyncClient
+    from client.core import credential_kwargs
 
     prompts = load_prompts(args.prompts, n=256, max_chars=args.prompt_chars, seed=args.seed)
     cells_spec = [("closed", c) for c in _floats(args.concurrency)] + [("open", r) for r in _floats(args.rate)]
@@ -421,7 +422,7 @@ async def run(args) -> dict:
         raise SystemExit("give --concurrency and/or --rate")
     tags = dict(_tag(t) for t in args.tag)
     cells = []
-    async with AsyncClient(args.server, timeout=args.timeout_s) as client:
+    async with AsyncClient(args.server, timeout=args.timeout_s, **credential_kwargs(args)) as client:
         info = await client.info()
         for _ in range(args.warmup):  # first requests pay one-off costs (allocations, lazy init)
             await client.generate(prompt=prompts[0], max_new_tokens=min(8, args.max_new_tokens))
@@ -439,7 +440,7 @@ async def run(args) -> dict:
                   f"ITL p50 {_ms(s['itl_s']['p50'])} ms, e2e p95 {_ms(s['e2e_s']['p95'])} ms", file=sys.stderr)
     meta = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "server": args.server,
             "draft_model": info.model_name, "prompts": args.prompts, "num_prompts": len(prompts),
-            "args": {k: _in_repo(v) if k == "out" else v for k, v in vars(args).items() if k not in ("tag",)}}
+            "args": {k: _in_repo(v) if k == "out" else v for k, v in vars(args).items() if k not in ("tag", "token")}}  # never a secret in the report
     return {"meta": meta, "cells": cells}
 
 
@@ -452,8 +453,11 @@ def _in_repo(path: str | None) -> str | None:
 
 
 def main(argv=None) -> int:
+    from client.core import add_credential_args
+
     p = argparse.ArgumentParser(prog="python -m bench.loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--server", required=True, help="draft service HOST:PORT")
+    add_credential_args(p)
     p.add_argument("--concurrency", default="", help="closed-loop cells: comma-separated session counts, e.g. 1,4,16,64")
     p.add_argument("--rate", default="", help="open-loop cells: comma-separated request rates (req/s, Poisson arrivals)")
     p.add_argument("--requests", type=int, default=200, help="at most this many requests per cell")

@@ -106,6 +106,34 @@ def _option(args: list[str], name: str) -> str | None:
     return value
 
 
+def credential_args(a) -> tuple[list[str], list[str], list[str]]:
+    """Flags for (verify_service, draft_service, bench.loadtest) from this command's credential
+    flags, so a secured pair is load-tested as it would run: file paths only, never a token."""
+    verify, draft, load = [], [], []
+    if a.tls_cert:  # both services serve TLS with it; the draft and the load tester check it with --tls-ca
+        if not (a.tls_key and a.tls_ca):
+            raise SystemExit("error: --tls-cert needs --tls-key and --tls-ca")
+        verify += ["--tls-cert", a.tls_cert, "--tls-key", a.tls_key]
+        draft += ["--tls-cert", a.tls_cert, "--tls-key", a.tls_key, "--verify-tls-ca", a.tls_ca]
+        load += ["--tls-ca", a.tls_ca]
+        if a.tls_client_cert:  # mTLS on both hops
+            if not a.tls_client_key:
+                raise SystemExit("error: --tls-client-cert needs --tls-client-key")
+            verify += ["--tls-client-ca", a.tls_ca]
+            draft += ["--tls-client-ca", a.tls_ca, "--verify-tls-cert", a.tls_client_cert, "--verify-tls-key", a.tls_client_key]
+            load += ["--tls-cert", a.tls_client_cert, "--tls-key", a.tls_client_key]
+    elif a.tls_key or a.tls_ca or a.tls_client_cert:
+        raise SystemExit("error: the TLS flags need --tls-cert")
+    if a.verify_token_file:  # draft -> verify
+        verify += ["--auth-token-file", a.verify_token_file]
+        draft += ["--verify-auth-token-file", a.verify_token_file]
+    if a.token_file:  # load tester -> draft
+        draft += ["--auth-token-file", a.token_file]
+        load += ["--token-file", a.token_file]
+    abspath = lambda xs: [os.path.abspath(x) if i % 2 else x for i, x in enumerate(xs)]  # noqa: E731 - flag, path pairs
+    return abspath(verify), abspath(draft), abspath(load)
+
+
 def _raise_on_signal(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -128,6 +156,14 @@ def main(argv=None) -> int:
     p.add_argument("--cleanup", action="store_true", help="only tear down the namespaces of run --id, then exit")
     p.add_argument("--verify-args", default="", help="extra verify_service arguments (one string)")
     p.add_argument("--start-timeout-s", type=float, default=300.0)
+    c = p.add_argument_group("credentials (run the pair secured; files only)")
+    c.add_argument("--tls-cert", help="server certificate of both services (SANs: 127.0.0.1 and " + VERIFY_IP + ")")
+    c.add_argument("--tls-key", help="its private key")
+    c.add_argument("--tls-ca", help="the CA that signed the certificates (the draft and the load tester check servers with it)")
+    c.add_argument("--tls-client-cert", help="client certificate of the draft and the load tester: mTLS on both hops")
+    c.add_argument("--tls-client-key", help="its private key")
+    c.add_argument("--verify-token-file", help="session token: the verify service requires it, the draft sends it")
+    c.add_argument("--token-file", help="client token: the draft requires it, the load tester sends it")
     a = p.parse_args(argv)
     n = names(a.id)
     if a.cleanup:
@@ -141,6 +177,7 @@ def main(argv=None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _raise_on_signal)  # so the finally below runs on SIGTERM too
     rtts = [float(x) for x in a.rtt_ms.split(",") if x.strip()]
+    verify_creds, draft_creds, load_creds = credential_args(a)
     env = dict(ENV, OMP_NUM_THREADS=str(a.threads))
     in_draft, in_verify = ("ip", "netns", "exec", n["ns_draft"]), ("ip", "netns", "exec", n["ns_verify"])
     started: list[Service] = []
@@ -148,7 +185,7 @@ def main(argv=None) -> int:
     try:
         setup(n)
         print(f"[split] namespaces {n['ns_draft']} ({DRAFT_IP}) <-veth-> {n['ns_verify']} ({VERIFY_IP})", file=sys.stderr)
-        verify = Service("verify_service", "--model", os.path.abspath(a.target), "--threads", a.threads, *a.verify_args.split(),
+        verify = Service("verify_service", "--model", os.path.abspath(a.target), "--threads", a.threads, *verify_creds, *a.verify_args.split(),
                          host=VERIFY_IP, env=env, prefix=in_verify, timeout=a.start_timeout_s)
         started.append(verify)
         print(f"[split] verify_service on {verify.address} (verify host)", file=sys.stderr)
@@ -169,7 +206,7 @@ def main(argv=None) -> int:
                                 env=env, prefix=in_draft, timeout=30)
                 started.append(proxy)
                 upstream = proxy.address
-            draft = Service("draft_service", "--model", os.path.abspath(a.draft), "--verify", upstream, "--threads", a.threads,
+            draft = Service("draft_service", "--model", os.path.abspath(a.draft), "--verify", upstream, "--threads", a.threads, *draft_creds,
                             host="127.0.0.1", env=env, prefix=in_draft, timeout=a.start_timeout_s)
             started.append(draft)
             print(f"[split] RTT {rtt:g} ms: draft_service on {draft.address} (draft host) -> "
@@ -180,7 +217,7 @@ def main(argv=None) -> int:
             nonlocal rc
             cmd = [*in_draft, sys.executable, "-m", "bench.loadtest", "--server", drafts[rtt].address, "--out",
                    os.path.abspath(a.out), "--tag", f"rtt_ms={rtt:g}", *[x for s in setup_rows for x in ("--setup", s)],
-                   *loadtest_args, *extra] + (["--append"] if append else [])
+                   *load_creds, *loadtest_args, *extra] + (["--append"] if append else [])
             # from the caller's directory (relative --prompts paths), with the repository importable
             r = subprocess.run(cmd, env=dict(env, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))))
             if r.returncode != 0:

@@ -13,7 +13,7 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from .core import MODES, PROPOSERS, Client, make_request
+from .core import MODES, PROPOSERS, Client, add_credential_args, credential_kwargs, make_request
 
 
 def _ids(s: str) -> list[int]:
@@ -29,10 +29,7 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fallback", help="verify service HOST:PORT to use when the draft service is unavailable")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--retries", type=int, default=0, help="retries on UNAVAILABLE before the first token")
-    p.add_argument("--tls-ca", help="CA bundle (enables TLS)")
-    p.add_argument("--tls-cert", help="client certificate (mTLS)")
-    p.add_argument("--tls-key", help="client key (mTLS)")
-    p.add_argument("--token", help="bearer token for the draft service")
+    add_credential_args(p)
 
 
 def parse(argv):
@@ -65,8 +62,12 @@ def parse(argv):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    client = Client(a.server, target_only=a.target_only, fallback=a.fallback, timeout=a.timeout, retries=a.retries,
-                    tls_ca=a.tls_ca, tls_cert=a.tls_cert, tls_key=a.tls_key, token=a.token)
+    try:
+        creds = credential_kwargs(a)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    client = Client(a.server, target_only=a.target_only, fallback=a.fallback, timeout=a.timeout, retries=a.retries, **creds)
     try:
         if a.cmd == "info":
             print(json.dumps(MessageToDict(client.info(), preserving_proto_field_name=True), indent=2))

@@ -3,7 +3,9 @@
 Needs grpcio and protobuf only. Point it at a draft service for speculative generation, or at
 a verify service with target_only=True for target-only generation. With `fallback` set to a
 verify address, a request the draft service cannot take (UNAVAILABLE before any token) is
-served target-only there: same output distribution, no speed-up."""
+served target-only there: same output distribution, no speed-up. `token` is sent as
+`authorization: Bearer <token>` to the server, and to the fallback too unless `fallback_token`
+is given."""
 from __future__ import annotations
 
 import asyncio
@@ -78,35 +80,88 @@ def _credentials(tls_ca, tls_cert, tls_key):
     return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
 
 
+@dataclass
+class _Target:
+    label: str  # "draft" or "verify" (Result.served_by)
+    stub: object
+    metadata: list
+
+
+class _Attempts:
+    """The retry policy, shared by the blocking and the asyncio client: the primary 1 + retries
+    times, then the fallback. Iterating yields (delay before the attempt, target); `failed(e)`
+    re-raises the error unless it is retryable and another attempt is left."""
+
+    def __init__(self, targets: list[_Target], retries: int):
+        primary, *fallback = targets
+        self.plan = [primary] * (retries + 1) + fallback
+        self.attempt = -1
+
+    def __iter__(self):
+        for self.attempt, target in enumerate(self.plan):
+            yield (min(0.1 * 2 ** (self.attempt - 1), 2.0) if self.attempt else 0.0), target
+
+    def failed(self, e: grpc.RpcError) -> None:
+        if e.code() not in RETRYABLE or self.attempt + 1 >= len(self.plan):
+            raise e
+
+
 class _Base:
     def __init__(self, server: str, *, target_only: bool = False, fallback: str | None = None, timeout: float | None = None,
                  retries: int = 0, tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 token: str | None = None, max_message_bytes: int = 16 << 20):
+                 token: str | None = None, fallback_token: str | None = None, max_message_bytes: int = 16 << 20):
+        """token: bearer token for `server`. fallback_token: for the `fallback` verify service
+        (default: the same token, for a verify service that accepts the clients' token)."""
         self.server, self.target_only, self.fallback = server, target_only, fallback
         self.timeout, self.retries = timeout, retries
         self._creds = _credentials(tls_ca, tls_cert, tls_key)
         self._opts = [("grpc.max_receive_message_length", max_message_bytes)]
-        self._metadata = [("authorization", f"Bearer {token}")] if token else []
+        self._metadata = _auth(token)
+        self._fallback_metadata = _auth(fallback_token or token)
 
     def _channel(self, mod, address: str):
         if self._creds:
             return mod.secure_channel(address, self._creds, options=self._opts)
         return mod.insecure_channel(address, options=self._opts)
 
-    def _stubs(self, mod):
-        """[(label, stub)] in the order to try: the primary, then the verify fallback."""
+    def _stubs(self, mod) -> list[_Target]:
+        """The primary, then the verify fallback."""
         self._channels = [self._channel(mod, self.server)]
-        out = [("verify" if self.target_only else "draft",
-                (pb_grpc.VerifyStub if self.target_only else pb_grpc.DraftStub)(self._channels[0]))]
+        out = [_Target("verify" if self.target_only else "draft",
+                       (pb_grpc.VerifyStub if self.target_only else pb_grpc.DraftStub)(self._channels[0]), self._metadata)]
         if self.fallback and not self.target_only:
             self._channels.append(self._channel(mod, self.fallback))
-            out.append(("verify", pb_grpc.VerifyStub(self._channels[1])))
+            out.append(_Target("verify", pb_grpc.VerifyStub(self._channels[1]), self._fallback_metadata))
         return out
 
-    def _plan(self):
-        """Primary (1 + retries times), then the fallback."""
-        primary, *fallback = self._targets
-        return [primary] * (self.retries + 1) + fallback
+
+def _auth(token: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")] if token else []
+
+
+def read_token(path: str) -> str:
+    with open(path) as f:
+        token = f.read().strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
+
+
+def add_credential_args(p) -> None:
+    """The credential flags of the CLI and the load testers (an argparse parser)."""
+    p.add_argument("--tls-ca", help="CA bundle to check the server's certificate (enables TLS)")
+    p.add_argument("--tls-cert", help="client certificate (mTLS)")
+    p.add_argument("--tls-key", help="client key (mTLS)")
+    p.add_argument("--token-file", help="file holding the bearer token for --server (and the fallback)")
+    p.add_argument("--token", help="the bearer token itself (prefer --token-file: a flag value is visible to other local users)")
+    p.add_argument("--fallback-token-file", help="file holding the bearer token for the fallback verify service, if it differs")
+
+
+def credential_kwargs(args) -> dict:
+    """Client(...) keyword arguments from the flags of add_credential_args."""
+    token = read_token(args.token_file) if args.token_file else args.token
+    fallback_token = read_token(args.fallback_token_file) if getattr(args, "fallback_token_file", None) else None
+    return dict(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, token=token, fallback_token=fallback_token)
 
 
 class Client(_Base):
@@ -127,29 +182,29 @@ class Client(_Base):
         self.close()
 
     def info(self) -> pb.ModelInfo:
-        return self._targets[0][1].Info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
+        return self._targets[0].stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
 
     def stream(self, request: pb.GenerateRequest | None = None, **params):
         yield from self._stream(request or make_request(**params))[1]
 
     def _stream(self, request):
-        plan = self._plan()
-        for attempt, (label, stub) in enumerate(plan):
-            it = stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+        attempts = _Attempts(self._targets, self.retries)
+        for delay, target in attempts:
+            time.sleep(delay)
+            it = target.stub.Generate(request, timeout=self.timeout, metadata=target.metadata)
             try:
                 first = next(it)
             except grpc.RpcError as e:
-                if e.code() in RETRYABLE and attempt + 1 < len(plan):
-                    time.sleep(min(0.1 * 2 ** attempt, 2.0))
-                    continue
-                raise
+                attempts.failed(e)
+                continue
+
             def chunks(first=first, it=it):
                 try:
                     yield first
                     yield from it
                 finally:
                     it.cancel()  # a caller that stops early cancels the RPC (no-op once done)
-            return label, chunks()
+            return target.label, chunks()
         raise AssertionError("unreachable")
 
     def generate(self, request: pb.GenerateRequest | None = None, **params) -> Result:
@@ -178,7 +233,7 @@ class AsyncClient(_Base):
         await self.close()
 
     async def info(self) -> pb.ModelInfo:
-        return await self._targets[0][1].Info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
+        return await self._targets[0].stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
 
     async def stream(self, request: pb.GenerateRequest | None = None, **params):
         _, chunks = await self._stream(request or make_request(**params))
@@ -186,16 +241,15 @@ class AsyncClient(_Base):
             yield c
 
     async def _stream(self, request):
-        plan = self._plan()
-        for attempt, (label, stub) in enumerate(plan):
-            call = stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+        attempts = _Attempts(self._targets, self.retries)
+        for delay, target in attempts:
+            await asyncio.sleep(delay)
+            call = target.stub.Generate(request, timeout=self.timeout, metadata=target.metadata)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as e:
-                if e.code() in RETRYABLE and attempt + 1 < len(plan):
-                    await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
-                    continue
-                raise
+                attempts.failed(e)
+                continue
 
             async def chunks(chunk=first, call=call):
                 try:
@@ -204,7 +258,7 @@ class AsyncClient(_Base):
                         chunk = await call.read()
                 finally:
                     call.cancel()
-            return label, chunks()
+            return target.label, chunks()
         raise AssertionError("unreachable")
 
     async def generate(self, request: pb.GenerateRequest | None = None, **params) -> Result:

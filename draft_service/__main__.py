@@ -9,10 +9,11 @@ import sys
 import grpc
 import torch
 
-from specdec import logs, serving, tracing
-from specdec.lm import LM
+from specdec import auth, logs, serving, tracing
+from specdec.lm import LM, Unsupported, add_model_args
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from draft_service import calibrate
 from draft_service.server import DraftServicer
 
 log = logging.getLogger("specdec.draft")
@@ -32,13 +33,18 @@ def verify_channel(args) -> grpc.aio.Channel:
     ]
     creds = serving.channel_credentials(args.verify_tls_ca, args.verify_tls_cert, args.verify_tls_key)
     interceptors = tracing.client_interceptors()  # traceparent on Verify.Session when --trace is on
+    interceptors += auth.metadata_interceptors(getattr(args, "verify_token", None))  # the session token on every call to the verify service
     if creds:
         return grpc.aio.secure_channel(args.verify, creds, options=opts, interceptors=interceptors)
     return grpc.aio.insecure_channel(args.verify, options=opts, interceptors=interceptors)
 
 
-async def run(args) -> None:
-    lm = LM.load(args.model)
+async def run(args, token_auth=None) -> None:
+    try:
+        lm = LM.load(args.model, args.device, args.dtype)
+    except Unsupported as e:
+        print(f"draft_service: {e}", file=sys.stderr)
+        sys.exit(2)
     channel = verify_channel(args)
     stub = pb_grpc.VerifyStub(channel)
     target = None
@@ -50,16 +56,18 @@ async def run(args) -> None:
         print(f"error: verify service at {args.verify} has vocabulary fingerprint {target.vocab_fingerprint[:12]}, "
               f"this draft has {lm.fingerprint[:12]}: the models do not share a tokenizer", file=sys.stderr)
         sys.exit(2)
-    servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft)
-    servicer.Generate = serving.logged_generate(servicer.Generate, "draft", log)  # one `request done` line each
-    interceptors = [serving.BearerTokenAuth(serving.read_token(args.auth_token_file), "draft")] if args.auth_token_file else []
-    await serving.serve(args, "specdec.v1.Draft", lambda s: pb_grpc.add_DraftServicer_to_server(servicer, s), interceptors=interceptors)
+    servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft,
+                             costs=calibrate.parse_costs(args.costs_ms) if args.costs_ms else None)
+    if target is not None and args.adaptive:
+        await servicer.costs()  # calibrate now, not at the first request
+    await serving.serve(args, "specdec.v1.Draft", lambda s: pb_grpc.add_DraftServicer_to_server(servicer, s), interceptors=[token_auth])
     await channel.close()
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m draft_service", description="specdec draft service (client-facing)")
     serving.add_server_args(p, default_port=50052)
+    add_model_args(p)
     p.add_argument("--verify", required=True, help="verify service address, e.g. HOST:PORT or dns:///name:port")
     p.add_argument("--verify-wait-s", type=float, default=10.0, help="how long to wait for the verify service at start-up")
     env = serving.env
@@ -69,19 +77,23 @@ def main(argv=None) -> None:
                    help="client certificate for mTLS to the verify service [env SPECDEC_VERIFY_TLS_CERT]")
     p.add_argument("--verify-tls-key", default=env("SPECDEC_VERIFY_TLS_KEY"),
                    help="client key for mTLS to the verify service [env SPECDEC_VERIFY_TLS_KEY]")
-    p.add_argument("--auth-token-file", default=env("SPECDEC_AUTH_TOKEN_FILE"),
-                   help="require `authorization: Bearer <token>` metadata with the token in this file "
-                        "(health checks and reflection exempt) [env SPECDEC_AUTH_TOKEN_FILE]")
+    p.add_argument("--verify-auth-token-file", default=env("SPECDEC_VERIFY_AUTH_TOKEN_FILE"),
+                   help="send the token in this file to the verify service (its --auth-token-file) "
+                        "[env SPECDEC_VERIFY_AUTH_TOKEN_FILE]")
+    auth.add_server_args(p)
     p.add_argument("--adaptive", action="store_true", help="default for requests: choose tau per round from measured acceptance and costs")
     p.add_argument("--predraft", action="store_true", help="default for requests: draft round k+1 while round k is verified")
+    p.add_argument("--costs-ms", default=serving.env("SPECDEC_COSTS_MS"),
+                   help="pin adaptive tau's costs as 'draft_step,verify_base,verify_per_token' in ms (default: calibrated once "
+                        "at start-up; pinning gives the same taus, and so the same samples, across restarts) [env SPECDEC_COSTS_MS]")
     args = p.parse_args(argv)
-    if args.auth_token_file:
-        serving.read_token(args.auth_token_file)  # fail at start-up, not on the first request
+    token_auth = auth.server_interceptor(args)  # reads the token files: fail at start-up, not on the first request
+    args.verify_token = auth.read_token(args.verify_auth_token_file) if args.verify_auth_token_file else None
     logs.setup(args.log_format, args.log_level)
     tracing.setup("specdec.v1.Draft", args.trace)
     if args.threads:
         torch.set_num_threads(args.threads)
-    asyncio.run(run(args))
+    asyncio.run(run(args, token_auth))
 
 
 if __name__ == "__main__":

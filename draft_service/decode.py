@@ -6,7 +6,7 @@ per round proposes tau tokens (draft model or prompt lookup) with the q each was
 sends them as one `Round`, reads the verdict, commits the accepted prefix plus the verifier's
 next token and yields them with the verifier's finish reason, until that reason is set.
 
-* Adaptive tau (draft_service/adaptive.py) picks tau per round from measured acceptance and costs.
+* Adaptive tau (draft_service/adaptive.py) picks tau per round from the acceptance so far and costs calibrated once.
 * Pre-drafting: while round k is verified, a thread drafts round k+1 assuming all of round k is
   accepted and guessing the bonus token (draft_service/drafter.py); the verdict decides whether
   it is used or dropped.
@@ -28,6 +28,7 @@ import grpc
 
 from draft_service.adaptive import TauController
 from draft_service.drafter import Drafter, PredraftControl, Proposal
+from specdec.costmodel import Costs
 from specdec import metrics
 from specdec.errors import RequestError
 from specdec.validation import GenParams
@@ -49,16 +50,16 @@ class DecodeLoop:
     `max_context` the smaller of the two models' context limits."""
 
     def __init__(self, drafter: Drafter, params: GenParams, fingerprint: str, max_context: int,
-                 adaptive: bool = False, predraft: bool = False):
+                 costs: Costs | None = None, predraft: bool = False):
         self.drafter = drafter
         self.params = params
         self.fingerprint = fingerprint
         self.max_context = max_context
-        self.adaptive = adaptive
         # prompt lookup alone drafts nothing ahead: there is no model to run
         self.predraft = predraft and params.proposer != pb.PROPOSER_LOOKUP
-        self.state = drafter.new_state(params)
-        self.tau = TauController(max_tau=params.tau)
+        self.state = drafter.new_state(params, max_context)
+        # adaptive tau when costs are given (calibrated by the service); else a fixed tau
+        self.tau = TauController(max_tau=params.tau, costs=costs, predraft=self.predraft) if costs else None
         self.stats = pb.Stats(prompt_tokens=len(params.prompt_ids), accepted_per_position=[0] * params.tau)
 
     def start(self) -> pb.VerifyRequest:
@@ -94,7 +95,7 @@ class DecodeLoop:
             stats.prefill_s = time.perf_counter() - t1
             prop = None
             while True:
-                tau = ctl.choose(pipelined=self.predraft) if self.adaptive else self.params.tau
+                tau = ctl.choose() if ctl else self.params.tau
                 t1 = time.perf_counter()
                 if prop is None:
                     prop = await asyncio.to_thread(self.propose, min(tau, self.cap()))
@@ -130,7 +131,8 @@ class DecodeLoop:
                     else:
                         stats.predraft_misses += 1
                 st.ids.extend(new)
-                ctl.observe(len(sent.tokens), n, t2 - t1, t3 - t2)
+                if ctl:
+                    ctl.observe(len(sent.tokens), n)
                 self._count(len(sent.tokens), n)
                 yield new, v.finish_reason
                 if v.finish_reason:

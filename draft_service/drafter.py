@@ -1,10 +1,10 @@
 """The draft model's side of a session: its KV cache, and proposing tau tokens with the
 distribution each was sampled from (or one-hot proposals from prompt lookup).
 
-The cache (per-layer K/V tensors, see specdec/batching.py) holds the tokens in
-`DraftState.cached`; forward steps go through the DraftBatcher, which runs the steps of all
-sessions together. Before each proposal it is cropped to the
-longest prefix it shares with the context to draft from, and the missing tokens are fed first;
+The cache (a KVCache, specdec/kvcache.py) holds the tokens in `DraftState.cached`; forward
+steps go through the StepBatcher, which runs the steps of all sessions together. Before each
+proposal it is cropped to the longest prefix it shares with the context to draft from, and the
+missing tokens are fed first;
 so it stays in step with the committed sequence after rejections, and with an assumed sequence
 when pre-drafting.
 
@@ -12,6 +12,9 @@ Pre-drafting: while round k is verified, the draft assumes all its tau proposals
 guesses the bonus token (the draft's own argmax) and drafts round k+1 after it. Exact: the
 proposals of round k+1 are still samples from q given their context, and are used only when
 the verdict shows that context was right.
+
+Each sample the draft draws at absolute position i uses a generator keyed by (seed, i), so a
+pre-draft that is thrown away, or a step timed differently, changes no later draw.
 """
 from __future__ import annotations
 
@@ -19,13 +22,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.batcher import DraftBatcher
 from draft_service.lookup import lookup
-from specdec.batching import kv_crop
+from draft_service.stepbatch import StepBatcher
+from specdec.kvcache import KVCache
 from specdec.lm import LM
+from specdec.proposal import Proposal
+from specdec.sampling import DRAFT, keyed_generator, probs_from_logits, sample, sparsify
 from specdec.validation import GenParams
-from specdec.sampling import probs_from_logits, sample, sparsify
 from specdec.v1 import specdec_pb2 as pb
+
+__all__ = ["Drafter", "DraftState", "PredraftControl", "Proposal"]
 
 
 class PredraftControl:
@@ -51,8 +57,8 @@ class PredraftControl:
 class DraftState:
     ids: list[int]  # committed: prompt + generated
     params: GenParams
-    generator: torch.Generator
-    kv: list = field(default_factory=list)  # per layer (K, V) [1, H, len(cached), D]
+    generator: torch.Generator  # on the draft's device, re-seeded per draw from (seed, position)
+    cache: KVCache
     cached: list[int] = field(default_factory=list)  # tokens the cache holds
     prompt_len: int = field(init=False)
 
@@ -60,40 +66,20 @@ class DraftState:
         self.prompt_len = len(self.ids)
 
 
-@dataclass
-class Proposal:
-    tokens: list[int] = field(default_factory=list)  # x_1..x_tau
-    q_counts: list[int] = field(default_factory=list)  # sparse
-    q_ids: list[int] = field(default_factory=list)  # sparse
-    q_probs: list[float] = field(default_factory=list)  # sparse (K per token) or dense (V per token)
-    lookup: bool = False  # proposed by prompt lookup (one-hot q)
-
-    def truncated(self, n: int, vocab_size: int) -> "Proposal":
-        """The first n proposals with their q rows."""
-        if n >= len(self.tokens):
-            return self
-        if self.q_counts:  # sparse
-            k = sum(self.q_counts[:n])
-            return Proposal(self.tokens[:n], self.q_counts[:n], self.q_ids[:k], self.q_probs[:k], self.lookup)
-        return Proposal(self.tokens[:n], [], [], self.q_probs[: n * vocab_size] if self.q_probs else [], self.lookup)
-
-    def to_round(self, number: int) -> pb.Round:
-        return pb.Round(round=number, tokens=self.tokens, q_counts=self.q_counts, q_ids=self.q_ids, q_probs=self.q_probs)
-
-
 class Drafter:
     def __init__(self, lm: LM):
         self.lm = lm
-        self.batcher = DraftBatcher(lm.model)
+        self.batcher = StepBatcher(lm.model)
 
-    def new_state(self, params: GenParams) -> DraftState:
-        # the draft's stream must differ from the verifier's (seeded with `seed`) yet follow from it
-        g = torch.Generator().manual_seed((params.seed + 1) % (1 << 64))
-        return DraftState(ids=list(params.prompt_ids), params=params, generator=g)
+    def new_state(self, params: GenParams, max_context: int | None = None) -> DraftState:
+        limit = max_context or self.lm.max_context
+        room = min(len(params.prompt_ids) + params.max_new_tokens + 2 * params.tau + 2, limit)  # pre-drafts look ahead
+        return DraftState(ids=list(params.prompt_ids), params=params, generator=torch.Generator(device=self.lm.device),
+                          cache=KVCache(room))
 
     def prefill(self, st: DraftState) -> None:
         if len(st.ids) > 1:
-            _, st.kv = self.batcher.forward([], st.ids[:-1], logits=False)
+            self.batcher.forward(st.cache, st.ids[:-1], logits=False)
             st.cached = st.ids[:-1]
 
     def _feed(self, st: DraftState, context: list[int]) -> torch.Tensor:
@@ -102,7 +88,9 @@ class Drafter:
         limit = min(len(st.cached), len(context) - 1)  # always feed at least the last token
         while keep < limit and st.cached[keep] == context[keep]:
             keep += 1
-        logits, st.kv = self.batcher.forward(kv_crop(st.kv, keep), context[keep:])
+        st.cache.crop(keep)
+        st.cached = st.cached[:keep]
+        logits = self.batcher.forward(st.cache, context[keep:])
         st.cached = list(context)
         return logits
 
@@ -115,21 +103,28 @@ class Drafter:
                 break
             logits = self._feed(st, context)  # [V]
             greedy = prm.mode == pb.PROPOSAL_MODE_GREEDY  # ids-only: q is the one-hot at the argmax
-            q = torch.softmax(logits, -1) if greedy else probs_from_logits(logits, prm.sampling)  # [V]
-            if i and float(q.max()) < prm.early_stop_p:  # the draft is unsure: end the round here
-                break
-            if greedy:
+            if greedy or prm.sampling.greedy:
+                if i and prm.early_stop_p > 0 and float(torch.softmax(logits, -1).max()) < prm.early_stop_p:
+                    break  # the draft is unsure: end the round here
                 x = int(logits.argmax())
-            elif prm.mode == pb.PROPOSAL_MODE_DENSE:
-                x = sample(q, st.generator)
-                out.q_probs.extend(q.tolist())
+                if greedy:
+                    out.add(x, prm.mode)
+                else:  # greedy sampling: q is the one-hot at the argmax, whatever the mode
+                    out.add(x, prm.mode, *((torch.ones(1), torch.tensor([x])) if prm.mode == pb.PROPOSAL_MODE_SPARSE else
+                                          (torch.nn.functional.one_hot(torch.tensor(x), logits.shape[-1]).float(), None)))
+                context.append(x)
+                continue
+            q = probs_from_logits(logits, prm.sampling)  # [V]
+            if i and float(q.max()) < prm.early_stop_p:
+                break
+            g = keyed_generator(st.generator, prm.seed, len(context), DRAFT)
+            if prm.mode == pb.PROPOSAL_MODE_DENSE:
+                x = sample(q, g)
+                out.add(x, prm.mode, q.cpu())
             else:
                 ids, vals = sparsify(q, prm.sparse_k)  # [k'], [k'] renormalized q~
-                x = int(ids[sample(vals, st.generator)])
-                out.q_counts.append(len(ids))
-                out.q_ids.extend(ids.tolist())
-                out.q_probs.extend(vals.tolist())
-            out.tokens.append(x)
+                x = int(ids[sample(vals, g)])
+                out.add(x, prm.mode, vals.cpu(), ids.cpu())
             context.append(x)
         return out
 
@@ -142,13 +137,4 @@ class Drafter:
 
     def lookup(self, st: DraftState, tau: int, min_ngram: int = 1) -> Proposal:
         """Prompt-lookup proposal with one-hot q in the session's mode ([] tokens if no match)."""
-        tokens = lookup(st.ids, tau, min_ngram=min_ngram)
-        out = Proposal(tokens=tokens, lookup=True)
-        if st.params.mode == pb.PROPOSAL_MODE_SPARSE:
-            out.q_counts, out.q_ids, out.q_probs = [1] * len(tokens), list(tokens), [1.0] * len(tokens)
-        elif st.params.mode == pb.PROPOSAL_MODE_DENSE:
-            for t in tokens:
-                row = [0.0] * self.lm.vocab_size
-                row[t] = 1.0
-                out.q_probs.extend(row)
-        return out
+        return Proposal.one_hot(lookup(st.ids, tau, min_ngram=min_ngram), st.params.mode, self.lm.vocab_size)

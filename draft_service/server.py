@@ -6,13 +6,16 @@ to the client as text chunks (specdec/textstream.py).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 
+from draft_service import calibrate
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
 from specdec import metrics, serving, validation
+from specdec.costmodel import Costs
 from specdec.lm import LM
 from specdec.textstream import Chunks
 from specdec.v1 import specdec_pb2 as pb
@@ -24,12 +27,25 @@ SERVICE = "draft"
 
 class DraftServicer(pb_grpc.DraftServicer):
     def __init__(self, lm: LM, verify: pb_grpc.VerifyStub, target: pb.ModelInfo | None = None,
-                 adaptive: bool = False, predraft: bool = False):
+                 adaptive: bool = False, predraft: bool = False, costs: Costs | None = None):
         self.lm = lm
         self.drafter = Drafter(lm)
         self.verify = verify
         self.max_context = min(lm.max_context, target.max_context) if target else lm.max_context
         self.adaptive, self.predraft = adaptive, predraft
+        self._costs, self._calibrating = costs, asyncio.Lock()
+
+    async def costs(self) -> Costs:
+        """The costs adaptive tau plans with: pinned (--costs-ms), else calibrated once, at the
+        first call (the draft's step, and probe rounds with the verify service)."""
+        async with self._calibrating:
+            if self._costs is None:
+                step = await asyncio.to_thread(calibrate.draft_step_seconds, self.drafter)
+                base, per_token = await calibrate.verify_round_seconds(self.verify, self.lm.fingerprint, self.lm.vocab_size, self.max_context)
+                self._costs = Costs(step, base, per_token)
+                log.info("calibrated", extra={"fields": {"draft_step_ms": round(step * 1e3, 3), "verify_base_ms": round(base * 1e3, 3),
+                                                        "verify_per_token_ms": round(per_token * 1e3, 3)}})
+            return self._costs
 
     async def Info(self, request, context):
         return serving.model_info(self.lm)
@@ -39,23 +55,23 @@ class DraftServicer(pb_grpc.DraftServicer):
         call = None
         metrics.LIVE_SESSIONS.labels(SERVICE).inc()
         try:
-            with serving.timed(SERVICE, "Generate"):
-                g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
-                g.request_id = serving.request_id(context, g.request_id)
-                loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
-                                  adaptive=self.adaptive if g.adaptive is None else g.adaptive,
-                                  predraft=self.predraft if g.predraft is None else g.predraft)
-                call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
-                out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
-                async with contextlib.aclosing(loop.rounds(call)) as rounds:  # closing it stops a pre-draft
-                    async for new, finish in rounds:
-                        chunk, finish = out.push(new, finish)
-                        if not finish:
-                            if chunk:
-                                yield chunk
-                            continue
-                        yield out.last(chunk, loop.summary(), g.seed, SERVICE, t0)
-                        return
+            g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
+            g.request_id = serving.request_id(context, g.request_id)
+            adaptive = self.adaptive if g.adaptive is None else g.adaptive
+            loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
+                              costs=await self.costs() if adaptive else None,
+                              predraft=self.predraft if g.predraft is None else g.predraft)
+            call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
+            out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
+            async with contextlib.aclosing(loop.rounds(call)) as rounds:  # closing it stops a pre-draft
+                async for new, finish in rounds:
+                    chunk, finish = out.push(new, finish)
+                    if not finish:
+                        if chunk:
+                            yield chunk
+                        continue
+                    yield out.last(chunk, loop.summary(), g.seed, t0)
+                    return
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Generate", e, upstream=call)  # the verify call's status explains a failed write
         finally:

@@ -1,5 +1,5 @@
 """The speculative-sampling acceptance rule (Leviathan et al. 2023, arXiv 2211.17192, §2.3;
-Chen et al. 2023, arXiv 2302.01318, Alg. 2), as one pure function over tensors.
+Chen et al. 2023, arXiv 2302.01318, Alg. 2), as pure functions over tensors on any device.
 
 Vocabulary used here (after vLLM's rejection sampler):
   accepted tokens  - the prefix x_1..x_n of the proposals the target keeps;
@@ -7,39 +7,39 @@ Vocabulary used here (after vLLM's rejection sampler):
   bonus token      - when all tau proposals are accepted, a draw from p_{tau+1}.
 Either the recovered or the bonus token is the round's "next token", so a round always yields
 n + 1 tokens. The rule is exact for ANY proposal distribution q as long as q is the very
-distribution the draft sampled x_i from.
+distribution the draft sampled x_i from. Writing q_{tau+1} = 0, the next token is always a draw
+from normalize(max(0, p_n - q_n)) at n = the number accepted, which is how it is computed.
+
+Both functions return 0-dim tensors on the inputs' device and never sync with the host: the
+scheduler moves the verdicts of a whole batch to the host at once.
 """
 from __future__ import annotations
 
 import torch
 
-from specdec.sampling import sample
+from specdec.sampling import sample_with
 
 
-def accept(
-    p: torch.Tensor,  # [tau+1, V] target probabilities T(target logits), float32
-    tokens: torch.Tensor,  # [tau] proposed ids x_1..x_tau, int64
-    q: torch.Tensor | None,  # [tau, V] proposal q~ (one-hot for ids-only); None when greedy
-    generator: torch.Generator | None,
-) -> tuple[int, int]:
-    """Returns (n accepted, next token). q=None selects the greedy rule."""
+def accept_greedy(target: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """target [tau+1] = argmax of the target's logits (first index on ties); tokens [tau].
+    Accept while x_i is the target's argmax; the next token is the argmax at the first miss
+    (or the bonus position). Returns (n accepted, next token)."""
     tau = tokens.shape[0]
-    if q is None:
-        # greedy: accept while x_i is the target argmax; next = argmax at the first miss / bonus
-        target = p.argmax(-1)  # [tau+1]
-        miss = (tokens != target[:tau]).nonzero()
-        n = int(miss[0]) if miss.numel() else tau
-        return n, int(target[n])
+    n = (tokens == target[:tau]).long().cumprod(0).sum()  # [] length of the matching prefix
+    return n, target[n]
 
+
+def accept(p: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """p [tau+1, V] target probabilities T(target logits); tokens [tau] proposed ids; q [tau, V]
+    the proposal distributions (one-hot for ids-only); u [tau+1] float64 uniforms in [0, 1):
+    u_i decides x_i, u_{tau+1} draws the next token. Returns (n accepted, next token)."""
+    tau = tokens.shape[0]
     px = p[:tau].gather(1, tokens[:, None]).squeeze(1).double()  # [tau]
     qx = q.gather(1, tokens[:, None]).squeeze(1).double()  # [tau]
-    u = torch.rand(tau, generator=generator, dtype=torch.float64)  # [tau], float64: never exactly 0 issues
-    ok = (qx > 0) & (u * qx <= px)  # u <= p/q without dividing
-    miss = (~ok).nonzero()
-    if not miss.numel():
-        return tau, sample(p[tau], generator)
-    j = int(miss[0])
-    residual = (p[j].double() - q[j].double()).clamp_(min=0)  # [V]
-    if residual.sum() <= 0:  # p_j <= q_j everywhere: only possible via q~(x)=0; fall back to p
-        residual = p[j].double()
-    return j, sample(residual, generator)
+    ok = (qx > 0) & (u[:tau] * qx <= px)  # [tau]: u <= p/q without dividing
+    n = ok.long().cumprod(0).sum()  # [] accepted prefix
+    qn = torch.cat([q, q.new_zeros(1, q.shape[1])]).index_select(0, n.view(1))[0].double()  # [V] q_n, 0 past tau
+    pn = p.index_select(0, n.view(1))[0].double()  # [V]
+    residual = (pn - qn).clamp_(min=0)  # [V]
+    residual = torch.where(residual.sum() > 0, residual, pn)  # all mass cancelled (only via q~(x)=0): fall back to p_n
+    return n, sample_with(residual, u[tau])

@@ -18,6 +18,8 @@ all use these functions, so every number the project reports comes from one form
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def expected_tokens(alpha: float, gamma: int) -> float:
     """E(gamma) = (1 - alpha^(gamma+1)) / (1 - alpha): expected tokens per verify round."""
@@ -45,3 +47,42 @@ def speedup(alpha: float, gamma: int, c: float, rho: float = 0.0, predraft: bool
 def best_gamma(alpha: float, c: float, gammas=range(1, 9), rho: float = 0.0, predraft: bool = False) -> int:
     """The gamma in `gammas` with the highest expected speed-up (the smallest on ties)."""
     return max(gammas, key=lambda g: (speedup(alpha, g, c, rho, predraft), -g))
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured costs in seconds, as the draft service sees them (calibrated once at start-up,
+    draft_service/calibrate.py, or pinned by flags): one draft step, and a verify round of gamma
+    proposals as seen from the draft, network and RPC included: verify_base + gamma * verify_per_token."""
+
+    draft_step: float
+    verify_base: float
+    verify_per_token: float
+
+    def verify(self, gamma: int) -> float:
+        return self.verify_base + gamma * self.verify_per_token
+
+
+def round_seconds(costs: Costs, alpha: float, gamma: int, predraft: bool) -> float:
+    """Expected wall time of one round of gamma proposals.
+
+    Without pre-drafting the draft proposes gamma tokens, then waits for the verdict:
+    gamma * t_d + V(gamma). With it, round k+1 (a bonus guess plus gamma steps) is drafted while
+    round k is verified; it is used when all gamma proposals were accepted and the guessed bonus
+    was right (probability about alpha^(gamma+1)), and then the round costs
+    max(V(gamma), (gamma+1) * t_d); otherwise it is drafted again after the verdict."""
+    v, d = costs.verify(gamma), gamma * costs.draft_step
+    if not predraft:
+        return d + v
+    hit = alpha ** (gamma + 1)
+    return hit * max(v, d + costs.draft_step) + (1 - hit) * (v + d)
+
+
+def tokens_per_second(costs: Costs, alpha: float, gamma: int, predraft: bool) -> float:
+    """The model's prediction for one session: E(gamma) / expected round time."""
+    return expected_tokens(alpha, gamma) / round_seconds(costs, alpha, gamma, predraft)
+
+
+def choose_gamma(costs: Costs, alpha: float, max_gamma: int, predraft: bool) -> int:
+    """The gamma in 1..max_gamma with the highest predicted tokens/s (the smallest on ties)."""
+    return max(range(1, max_gamma + 1), key=lambda g: (tokens_per_second(costs, alpha, g, predraft), -g))

@@ -1,14 +1,72 @@
-"""A causal LM loaded from a local Hugging Face directory, with what the services report about it
-(vocabulary fingerprint, context limit, EOS id). Forward passes go through specdec/batching.py."""
+"""A causal LM loaded from a local Hugging Face directory onto a device in a dtype, with what the
+services report about it (vocabulary fingerprint, context limit, end-of-sequence ids). Forward
+passes go through specdec/kvcache.py; `check_supported` refuses, at start-up, an architecture
+that pass cannot serve exactly (specdec/architectures.py)."""
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.utils import logging as hf_logging
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Unsupported(Exception):
+    """The model cannot be served as asked (no such device, an architecture the engine refuses)."""
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=os.environ.get("SPECDEC_DEVICE") or "auto",
+                   help="auto (cuda if present, else cpu), cpu, cuda or cuda:N [env SPECDEC_DEVICE]")
+    p.add_argument("--dtype", default=os.environ.get("SPECDEC_DTYPE") or "auto", choices=["auto", *DTYPES],
+                   help="auto: the checkpoint's dtype on CUDA; on the CPU bfloat16 where it has native bf16 "
+                        "instructions (avx512_bf16 / AMX), else float32 [env SPECDEC_DTYPE]")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise Unsupported(f"--device {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise Unsupported(f"--device {name}: CUDA is not available on this machine (torch {torch.__version__}, "
+                              f"built with CUDA {torch.version.cuda or 'none'})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise Unsupported(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present")
+    elif dev.type != "cpu":
+        raise Unsupported(f"--device {name}: only cpu and cuda are supported")
+    return dev
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    """`auto`: the checkpoint's dtype on CUDA (float32 if it names none); on the CPU bfloat16 where
+    the CPU has bf16 instructions (measured fastest there: bench/results), else float32."""
+    if name != "auto":
+        dt = DTYPES[name]
+        if device.type == "cpu" and dt == torch.float16:
+            raise Unsupported("--dtype float16 on the CPU: use bfloat16 or float32")
+        return dt
+    if device.type == "cuda":
+        return checkpoint_dtype if checkpoint_dtype in DTYPES.values() else torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 def vocab_fingerprint(tokenizer, vocab_size: int) -> str:
@@ -24,6 +82,17 @@ def vocab_fingerprint(tokenizer, vocab_size: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def eos_ids(*sources) -> frozenset[int]:
+    """The union of the end-of-sequence ids named by config, generation_config and tokenizer."""
+    out: set[int] = set()
+    for src in sources:
+        v = getattr(src, "eos_token_id", None) if src is not None else None
+        if v is None:
+            continue
+        out.update(int(x) for x in (v if isinstance(v, (list, tuple)) else [v]))
+    return frozenset(out)
+
+
 @dataclass
 class LM:
     model: torch.nn.Module
@@ -31,29 +100,59 @@ class LM:
     name: str
     vocab_size: int
     max_context: int
-    eos_token_id: int | None
+    eos: frozenset[int]
     fingerprint: str
     num_parameters: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """One EOS id (the smallest), for reports; `eos` holds all of them."""
+        return min(self.eos) if self.eos else None
 
     @classmethod
-    def load(cls, path: str) -> "LM":
+    def load(cls, path: str, device: str = "cpu", dtype: str = "float32", check: bool = True) -> "LM":
+        """Loads the model, refusing (Unsupported) what the engine cannot serve exactly."""
+        from specdec import architectures  # noqa: PLC0415 - it imports this module
+
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist")
+        dev = resolve_device(device)
+        hf_logging.disable_progress_bar()  # no "Loading weights" bars on stderr: a refusal is one line there
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        cfg_dtype = _checkpoint_dtype(path)
+        dt = resolve_dtype(dtype, dev, cfg_dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(dev)
         model.eval()
         cfg = model.config
+        try:
+            gen = GenerationConfig.from_pretrained(path)
+        except OSError:
+            gen = None
         vocab = model.get_output_embeddings().weight.shape[0]
-        eos = cfg.eos_token_id if cfg.eos_token_id is not None else tok.eos_token_id
-        if isinstance(eos, list):
-            eos = eos[0]
-        return cls(
+        lm = cls(
             model=model,
             tokenizer=tok,
             name=os.path.basename(os.path.normpath(path)),
             vocab_size=vocab,
-            max_context=int(getattr(cfg, "max_position_embeddings", 0) or 2048),
-            eos_token_id=eos,
+            max_context=architectures.context_limit(cfg),
+            eos=eos_ids(cfg, gen) or eos_ids(tok),
             fingerprint=vocab_fingerprint(tok, vocab),
             num_parameters=sum(p.numel() for p in model.parameters()),
+            device=dev,
+            dtype=dt,
         )
+        if check:
+            architectures.check_supported(lm)  # raises Unsupported; switches to the packed attention
+        return lm
+
+
+def _checkpoint_dtype(path: str) -> torch.dtype | None:
+    try:
+        with open(os.path.join(path, "config.json")) as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return DTYPES.get(name) if isinstance(name, str) else None

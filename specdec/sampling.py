@@ -2,7 +2,11 @@
 
 Both services call exactly this code: the draft samples from T(draft logits) and reports it,
 the verifier compares against T(target logits). Any difference between the two sides would
-silently change the output distribution (DESIGN.md §2).
+silently change the output distribution (DESIGN.md §3).
+
+Random numbers are keyed, not streamed: every draw comes from a generator seeded with
+(request seed, absolute position, purpose) (`keyed_generator`), so the same request gives the
+same tokens however its rounds were timed, batched or pre-drafted (DESIGN.md §8).
 """
 from __future__ import annotations
 
@@ -52,6 +56,38 @@ def sparsify(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, vals / vals.sum()
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from probs [V] (float64 uniforms, so a token with mass is never skipped)."""
-    return int(torch.multinomial(probs.double(), 1, generator=generator))
+# purposes of a keyed draw
+VERIFY = 0  # the verifier's uniforms of one round
+DRAFT = 1  # the draft's sample at one position
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix(seed: int, position: int, purpose: int) -> int:
+    """A 63-bit generator seed from (seed, position, purpose): SplitMix64's finalizer over their sum
+    with odd multipliers, so nearby positions give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + purpose * 0xABC98388FB8FAC03 + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def keyed_generator(generator: torch.Generator, seed: int, position: int, purpose: int) -> torch.Generator:
+    """Re-seeds `generator` (on the tensors' device) for the draws at (seed, position, purpose)."""
+    return generator.manual_seed(mix(seed, position, purpose))
+
+
+def sample_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: probs [..., V], u [...] uniforms in [0, 1) -> ids [...] (int64, on the
+    device, no host sync). float64 sums, and a token with no mass is never returned."""
+    c = probs.double().cumsum(-1)  # [..., V]
+    total = c[..., -1:]  # [..., 1]
+    x = torch.minimum(u.double().unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))  # [..., 1], < total
+    # the first index whose cdf exceeds x: its own mass is > 0, so a token with no mass never comes out
+    return torch.searchsorted(c, x, right=True).squeeze(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from probs [V] with a uniform from `generator` (a host sync: draft side)."""
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)
+    return int(sample_with(probs, u))

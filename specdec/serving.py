@@ -1,6 +1,7 @@
-"""gRPC server plumbing shared by both services: options, TLS, bearer-token auth, health,
-reflection, errors, per-request log lines, the `listening on HOST:PORT` line, and a graceful
-drain on SIGTERM/SIGINT.
+"""gRPC server plumbing shared by both services: options, TLS, health, reflection, errors, the
+interceptors (per-request observability from specdec/observe.py first, then bearer-token auth
+from specdec/auth.py when configured), the `listening on HOST:PORT` line, and a graceful drain
+on SIGTERM/SIGINT.
 
 TLS file flags also read environment variables (a flag wins): SPECDEC_TLS_CERT, SPECDEC_TLS_KEY,
 SPECDEC_TLS_CLIENT_CA on both servers. Messages larger than --max-message-bytes are refused by
@@ -9,26 +10,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import hmac
 import logging
 import os
 import signal
-import time
-import uuid
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from specdec import metrics, tracing
+from specdec import architectures, metrics, observe, tracing
 from specdec.errors import RequestError
+from specdec.observe import REQUEST_ID_KEY, RequestObserver  # noqa: F401 - REQUEST_ID_KEY: the servicers use it
 from specdec.v1 import specdec_pb2 as pb
 
 log = logging.getLogger("specdec.serving")
 
-REQUEST_ID_KEY = "x-request-id"
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata on RESOURCE_EXHAUSTED: when to try again
 RETRY_AFTER_MS = 1000
 MODES = [pb.PROPOSAL_MODE_GREEDY, pb.PROPOSAL_MODE_SPARSE, pb.PROPOSAL_MODE_DENSE]
@@ -43,6 +40,10 @@ def model_info(lm) -> pb.ModelInfo:
         proposal_modes=MODES,
         num_parameters=lm.num_parameters,
         eos_token_id=-1 if lm.eos_token_id is None else lm.eos_token_id,
+        eos_token_ids=sorted(lm.eos),
+        device=str(lm.device),
+        dtype=str(lm.dtype).removeprefix("torch."),
+        supported_architectures=architectures.TESTED,
     )
 
 
@@ -109,10 +110,7 @@ def server_options(args) -> list[tuple[str, int]]:
 
 
 def request_id(context: grpc.aio.ServicerContext, fallback: str = "") -> str:
-    for k, v in context.invocation_metadata() or ():
-        if k == REQUEST_ID_KEY:
-            return v
-    return fallback
+    return observe.request_id(context.invocation_metadata(), fallback)
 
 
 async def upstream_error(e: Exception, call) -> Exception:
@@ -133,7 +131,8 @@ async def upstream_error(e: Exception, call) -> Exception:
 
 async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: Exception, upstream=None):
     """Ends the RPC with the status an exception stands for (INTERNAL for the unexpected).
-    `upstream`: the call this handler made, whose status explains a failed write or read."""
+    `upstream`: the call this handler made, whose status explains a failed write or read.
+    (The error is counted and logged by the request observer, specdec/observe.py.)"""
     e = await upstream_error(e, upstream)
     if context.cancelled() and not isinstance(e, RequestError):
         # the caller is gone (cancelled, deadline, connection lost): a write to it failed; no one to tell
@@ -146,125 +145,18 @@ async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: 
     else:
         log.exception("internal error in %s", method)
         code, msg = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
-    metrics.REQUEST_ERRORS.labels(service, method, code.name).inc()
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
     await context.abort(code, msg)
 
 
-# ---- bearer-token authentication ---------------------------------------------------------------
-
-AUTH_EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # orchestrators and tooling need no token
-
-
-def read_token(path: str) -> str:
-    with open(path) as f:
-        token = f.read().strip()
-    if not token:
-        raise SystemExit(f"error: token file {path} is empty")
-    return token
-
-
-class BearerTokenAuth(grpc.aio.ServerInterceptor):
-    """Rejects calls without `authorization: Bearer <token>` metadata with UNAUTHENTICATED
-    (health checking and reflection are exempt). Tokens are compared in constant time."""
-
-    def __init__(self, token: str, service: str):
-        self._want = f"Bearer {token}".encode()
-        self._service = service
-
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        if details.method.startswith(AUTH_EXEMPT):
-            return await continuation(details)
-        got = b""
-        for k, v in details.invocation_metadata or ():
-            if k == "authorization":
-                got = v.encode() if isinstance(v, str) else v
-        if hmac.compare_digest(got, self._want):
-            return await continuation(details)
-        handler = await continuation(details)
-        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
-            return None
-        method = details.method.rsplit("/", 1)[-1]
-        reason = "missing bearer token" if not got else "invalid bearer token"
-
-        async def deny(request, context):
-            metrics.REQUEST_ERRORS.labels(self._service, method, grpc.StatusCode.UNAUTHENTICATED.name).inc()
-            log.warning("unauthenticated", extra={"fields": {"method": details.method, "peer": context.peer(), "reason": reason}})
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-
-        # a coroutine handler of the same kind (and codecs) as the real one, which only aborts
-        kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-        return kind[handler.request_streaming, handler.response_streaming](
-            deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-
-
-# ---- per-request log lines ------------------------------------------------------------------------
-
-def code_name(context, exc: BaseException | None) -> str:
-    """The status a handler ended with, for the log line."""
-    if exc is None:
-        return "OK"
-    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) or context.cancelled():
-        return "CANCELLED"
-    code = context.code()
-    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
-
-
-def logged_generate(handler, service: str, logger: logging.Logger):
-    """Wraps a server-streaming Generate handler: fixes the request id first (x-request-id
-    metadata, else the request's field, else a new one) so every hop logs the same id, and logs
-    one `request done` line per request with its outcome, tokens, rounds and duration."""
-
-    async def wrapper(request, context):
-        t0 = time.perf_counter()
-        rid = request_id(context, request.request_id)
-        if not rid:
-            rid = request.request_id = uuid.uuid4().hex
-        last, tokens, exc = None, 0, None
-        span = contextlib.ExitStack()
-        set_attrs = span.enter_context(tracing.server_span(f"specdec.{service}/Generate", context, request_id=rid))
-        try:
-            async for chunk in handler(request, context):
-                last = chunk
-                tokens += len(chunk.token_ids)
-                yield chunk
-        except BaseException as e:
-            exc = e
-            raise
-        finally:
-            fields = {"service": service, "method": "Generate", "request_id": rid, "code": code_name(context, exc),
-                      "tokens": tokens, "duration_s": round(time.perf_counter() - t0, 6)}
-            if exc is not None and not isinstance(exc, (asyncio.CancelledError, GeneratorExit)) and context.details():
-                fields["error"] = context.details()
-            if last is not None and last.finish_reason:
-                fields["finish_reason"] = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
-                fields["rounds"] = last.stats.rounds
-                fields["prompt_tokens"] = last.stats.prompt_tokens
-                if last.stats.drafted:
-                    fields["accepted"], fields["drafted"] = last.stats.accepted, last.stats.drafted
-            logger.info("request done", extra={"fields": fields})
-            set_attrs(**{f"specdec.{k}": v for k, v in fields.items() if k not in ("service", "method")})
-            span.close()
-
-    return wrapper
-
-
-@contextlib.contextmanager
-def timed(service: str, method: str):
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        metrics.REQUEST_LATENCY.labels(service, method).observe(time.perf_counter() - t0)
-
-
 async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=None) -> None:
-    """Starts the server, prints `listening on HOST:PORT`, runs until SIGTERM/SIGINT, drains."""
+    """Starts the server, prints `listening on HOST:PORT`, runs until SIGTERM/SIGINT, drains.
+    `interceptors` (None entries skipped) run after the request observer, which sees every call."""
     if getattr(args, "trace", "off") != "off" and not tracing.enabled():
         tracing.setup(service_name, args.trace)
-    server = grpc.aio.server(options=server_options(args), interceptors=list(interceptors))
+    observer = RequestObserver(service_name.rsplit(".", 1)[-1].lower())
+    server = grpc.aio.server(options=server_options(args), interceptors=[observer, *(i for i in interceptors if i is not None)])
     add_servicer(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

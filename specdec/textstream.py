@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-from specdec import metrics
 from specdec.v1 import specdec_pb2 as pb
 
 
@@ -85,11 +84,11 @@ class Chunks:
         self._first = False
         return chunk, finish
 
-    def last(self, chunk: pb.GenerateResponse, stats: pb.Stats, seed: int, service: str, t0: float) -> pb.GenerateResponse:
-        """Completes the final chunk: stats (generated tokens, server time since t0) and seed."""
+    def last(self, chunk: pb.GenerateResponse, stats: pb.Stats, seed: int, t0: float) -> pb.GenerateResponse:
+        """Completes the final chunk: stats (generated tokens, server time since t0) and seed.
+        (The tokens returned are counted in the metrics by the request observer.)"""
         stats.generated_tokens = self.generated
         stats.server_s = time.perf_counter() - t0
-        metrics.GENERATED_TOKENS.labels(service).inc(self.generated)
         chunk.stats.CopyFrom(stats)
         chunk.seed = seed
         return chunk

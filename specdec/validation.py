@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import struct
 import uuid
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ MAX_SPARSE_K = 1024
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 MIN_TEMPERATURE = 1e-4  # below this logits / temperature can overflow float32 (and it is greedy in all but name)
+_MIN_TEMPERATURE_F32 = struct.unpack("f", struct.pack("f", MIN_TEMPERATURE))[0]  # what the wire carries for 1e-4
 MAX_REQUEST_ID_CHARS = 128
 
 
@@ -43,10 +45,10 @@ class GenParams:
 def parse_sampling(s: pb.SamplingParams) -> Sampling:
     if not math.isfinite(s.temperature) or s.temperature < 0:
         raise invalid(f"sampling.temperature must be finite and >= 0, got {s.temperature}")
-    if 0 < s.temperature < MIN_TEMPERATURE:
+    if 0 < s.temperature < _MIN_TEMPERATURE_F32:  # float32 fields: 1e-4 arrives as 9.99999975e-05
         raise invalid(f"sampling.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {s.temperature}")
     top_p = s.top_p if s.top_p != 0 else 1.0
-    if not (0 < top_p <= 1):  # also rejects NaN
+    if not (0 < top_p <= 1):  # also rejects NaN; 1 is exact in float32, the next float32 up is refused
         raise invalid(f"sampling.top_p must be in (0, 1], got {s.top_p}")
     return Sampling(temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(top_p))
 

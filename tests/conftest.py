@@ -1,12 +1,16 @@
 """Shared fixtures: tiny models on disk, and real service processes on loopback."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 
-from specdec.testing import tinymodels
-from specdec.testing.launch import ENV, ROOT, Service  # noqa: F401 - re-exported to the test modules
+# the tests compare with transformers in float32; services would pick bfloat16 on a CPU with bf16 instructions
+os.environ.setdefault("SPECDEC_DTYPE", "float32")
+
+from specdec.testing import tinymodels  # noqa: E402
+from specdec.testing.launch import ENV, ROOT, Service  # noqa: E402,F401 - re-exported to the test modules
 
 
 def wait_for(cond, timeout: float = 10.0) -> bool:

@@ -6,9 +6,20 @@ import pytest
 import torch
 
 from reference import chi_square_p
-from specdec.acceptance import accept
+from specdec import acceptance
 
 T = torch.tensor
+
+
+def accept(p, tokens, q, g):
+    """The rule as the scheduler calls it, with ints out: greedy when q is None, else tau+1
+    float64 uniforms drawn from g."""
+    if q is None:
+        n, nxt = acceptance.accept_greedy(p.argmax(-1), tokens)
+    else:
+        u = torch.rand(tokens.shape[0] + 1, generator=g, dtype=torch.float64)
+        n, nxt = acceptance.accept(p, tokens, q, u)
+    return int(n), int(nxt)
 
 
 def onehot_rows(*idx, V=4):
@@ -107,3 +118,15 @@ def test_rule_output_has_target_distribution(seed):
     assert chi_square_p(counts, {i: float(p[0, i]) for i in range(V)}) > 1e-3
     beta = float(torch.minimum(p[0], q[0]).sum())
     assert abs(accepted / N - beta) < 4 * np.sqrt(beta * (1 - beta) / N)
+
+
+def test_the_next_token_is_drawn_with_the_last_uniform():
+    """u_{tau+1} alone decides the next token: the inverse CDF of the residual (or bonus) row."""
+    p = T([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    q = T([[1.0, 0.0, 0.0, 0.0]])
+    x = T([0])  # p(x) = 0: always rejected; residual = p_1
+    assert [int(v) for v in acceptance.accept(p, x, q, T([0.5, 0.1], dtype=torch.float64))] == [0, 1]
+    assert [int(v) for v in acceptance.accept(p, x, q, T([0.5, 0.9], dtype=torch.float64))] == [0, 2]
+    q2 = T([[0.0, 1.0, 0.0, 0.0]])  # x = 1, p/q = 0.5: accepted iff u_1 <= 0.5; the bonus from p_2
+    assert [int(v) for v in acceptance.accept(p, T([1]), q2, T([0.4, 0.99], dtype=torch.float64))] == [1, 3]
+    assert [int(v) for v in acceptance.accept(p, T([1]), q2, T([0.6, 0.99], dtype=torch.float64))] == [0, 2]

@@ -13,31 +13,61 @@ from conftest import Service, metric
 from specdec.lm import LM
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from specdec.batching import forward_batch, kv_len, use_isolated_attention
+from specdec.kvcache import KVCache, forward_packed
 
 
-@pytest.fixture(scope="module")
-def isolated(model_dir):
-    lm = LM.load(model_dir("target"))
-    use_isolated_attention(lm.model)
-    return lm.model
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def packed(request, model_dir):
+    """The tiny target loaded as the services load it (packed attention), in both CPU dtypes."""
+    torch.set_num_threads(1)  # the services' setting: GEMM row results are invariant only within one thread
+    return LM.load(model_dir("target"), "cpu", request.param)
 
 
-def test_batched_pass_is_bitwise_equal_to_each_session_alone(isolated, model_dir):
-    reference = AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=torch.float32).eval()
+def test_batched_pass_is_bitwise_equal_to_each_session_alone(packed, model_dir):
+    reference = AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=packed.dtype).eval()
+    model = packed.model
     r = random.Random(0)
     seqs = [[r.randrange(1, 16) for _ in range(r.randint(2, 40))] for _ in range(7)]
     cut = [r.randint(0, len(s) - 1) for s in seqs]  # cached prefix lengths, 0 included
-    kvs = [forward_batch(isolated, [s[:c]], [[]], logits=False)[1][0] if c else [] for s, c in zip(seqs, cut)]
+
+    def cached(s, c):
+        kv = KVCache(len(s))
+        if c:
+            forward_packed(model, [s[:c]], [kv], logits=False)
+        return kv
+
+    batch = [cached(s, c) for s, c in zip(seqs, cut)]
     news = [s[c:] for s, c in zip(seqs, cut)]
-    logits, new_kvs = forward_batch(isolated, news, kvs)
-    for s, c, new, kv, lg, nkv in zip(seqs, cut, news, kvs, logits, new_kvs):
-        alone, alone_kv = forward_batch(isolated, [new], [kv])
-        assert torch.equal(alone[0], lg)  # bitwise: the batch does not change a session's numbers
-        assert kv_len(nkv) == len(s) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(alone_kv[0], nkv))
+    logits = forward_packed(model, news, batch)
+    for s, c, new, kv, lg in zip(seqs, cut, news, batch, logits):
+        alone_kv = cached(s, c)
+        (alone,) = forward_packed(model, [new], [alone_kv])
+        assert torch.equal(alone, lg)  # bitwise: the batch does not change a session's numbers
+        assert kv.length == len(s) and all(torch.equal(a[:, : len(s)], b[:, : len(s)]) for a, b in zip(alone_kv.k + alone_kv.v, kv.k + kv.v))
         with torch.no_grad():
-            full = reference(torch.tensor([s])).logits[0, c:]
-        torch.testing.assert_close(lg, full, atol=1e-5, rtol=1e-4)
+            full = reference(torch.tensor([s])).logits[0, c:].float()
+        tol = dict(atol=1e-5, rtol=1e-4) if packed.dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+        torch.testing.assert_close(lg, full, **tol)
+
+
+def test_caches_are_written_in_place_and_sessions_never_copy_each_other(packed):
+    """A session's buffers are allocated once, at its first pass, and stay put while others join,
+    share passes, leave, and while it is cropped and extended."""
+    model = packed.model
+    a = KVCache(30)
+    forward_packed(model, [[3, 4, 5, 6]], [a], logits=False)
+    ptrs = [t.data_ptr() for t in a.k + a.v]
+    before = [t[:, :4].clone() for t in a.k]
+    b, c = KVCache(20), KVCache(20)
+    forward_packed(model, [[7, 8], [9, 10, 11], [12]], [a, b, c])
+    b.release()
+    a.crop(5)  # a rejection: only the length moves
+    forward_packed(model, [[13, 14], [15]], [a, c])
+    assert [t.data_ptr() for t in a.k + a.v] == ptrs and a.length == 7
+    assert all(torch.equal(t[:, :4], x) for t, x in zip(a.k, before))  # earlier entries untouched
+    with pytest.raises(ValueError, match="cache overflow"):
+        forward_packed(model, [[1] * 30], [a])
+    assert a.length == 7  # a failed pass commits nothing
 
 
 REQS = [dict(prompt_ids=[3 + i % 5, 4, 5 + i % 3], max_new_tokens=20 + 3 * i, temperature=[0.0, 1.0, 0.7][i % 3], top_k=[0, 0, 6][i % 3],
@@ -145,12 +175,11 @@ def test_idle_session_times_out_and_frees_its_cache(model_dir):
         v.stop()
 
 
-def test_cache_budget_is_sized_from_the_model_and_memory(isolated, model_dir):
-    from verify_service.engine import default_cache_budget, kv_bytes_per_token
+def test_cache_budget_is_sized_from_the_model_and_memory(packed):
+    from verify_service.capacity import default_cache_budget, kv_bytes_per_token
 
-    lm = LM.load(model_dir("target"))
-    _, (kv,) = forward_batch(isolated, [[3, 4, 5, 6, 7]], [[]], logits=False)
-    actual = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv) / 5
-    assert kv_bytes_per_token(lm.model.config) == actual
-    budget = default_cache_budget(lm, max_sessions=8)
-    assert lm.max_context <= budget <= 8 * lm.max_context
+    kv = KVCache(5)
+    forward_packed(packed.model, [[3, 4, 5, 6, 7]], [kv], logits=False)
+    assert kv_bytes_per_token(packed.model.config, packed.dtype) == kv.nbytes() / 5  # the real dtype's size
+    budget = default_cache_budget(packed, max_sessions=8)
+    assert packed.max_context <= budget <= 8 * packed.max_context

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import Client
+from specdec.costmodel import Costs
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
 from specdec.errors import RequestError
@@ -132,7 +133,7 @@ def test_greedy_loop_equals_target_generate(drafters, target, draft, features):
     for i, prompt in enumerate(prompts(6, seed=5)):
         n = [1, 4, 9, 20, 33, 40][i]
         g = request(d, prompt_ids=prompt, max_new_tokens=n, num_draft_tokens=4, **features)
-        loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, adaptive=adaptive, predraft=predraft)
+        loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, costs=Costs(0.002, 0.01, 0.0005) if adaptive else None, predraft=predraft)
         verifier = GreedyVerifier(target, d.lm.max_context)
         ids, finish = asyncio.run(run(loop, verifier))
         ref = hf_greedy(target, prompt, n)

@@ -4,6 +4,7 @@ import pytest
 
 from client import Client
 from draft_service.adaptive import TauController
+from specdec.costmodel import Costs
 from draft_service.lookup import lookup
 from test_greedy import hf_greedy, prompts, target  # noqa: F401 - fixture reused
 
@@ -26,20 +27,41 @@ def test_lookup_min_ngram():
 
 
 def test_tau_controller_follows_acceptance_and_costs():
-    c = TauController(max_tau=8)
-    assert c.choose() == 8  # no measurements yet: the maximum
+    cheap = Costs(draft_step=0.001, verify_base=0.02, verify_per_token=0.0005)
+    c = TauController(max_tau=8, costs=cheap)
     for _ in range(30):
-        c.observe(drafted=8, accepted=8, draft_s=8 * 0.001, round_s=0.02)  # cheap draft, all accepted
+        c.observe(drafted=8, accepted=8)  # cheap draft, all accepted
     assert c.choose() == 8
-    low = TauController(max_tau=8)
+    low = TauController(max_tau=8, costs=Costs(0.01, 0.02, 0.001))
     for _ in range(30):
-        low.observe(drafted=4, accepted=0, draft_s=4 * 0.01, round_s=0.02)  # costly draft, all rejected
+        low.observe(drafted=4, accepted=0)  # costly draft, all rejected
     assert low.estimate() < 0.3 and low.choose() == 1
-    # pipelined: drafting is hidden behind the round trip up to gamma * t_draft = t_round
-    mid = TauController(max_tau=8)
-    for _ in range(30):
-        mid.observe(drafted=4, accepted=3, draft_s=4 * 0.005, round_s=0.02)
-    assert mid.choose(pipelined=True) >= mid.choose(pipelined=False)
+    # pre-drafting hides drafting behind the round trip: it never wants a shorter round
+    for alpha_obs in (1, 2, 3):
+        a, b = (TauController(max_tau=8, costs=Costs(0.005, 0.02, 0.001), predraft=p) for p in (False, True))
+        for ctl in (a, b):
+            for _ in range(30):
+                ctl.observe(drafted=4, accepted=alpha_obs)
+        assert b.choose() >= a.choose()
+    # a slower network (larger verify_base) favours longer rounds
+    near, far = (TauController(max_tau=8, costs=Costs(0.005, base, 0.001)) for base in (0.01, 0.1))
+    for ctl in (near, far):
+        for _ in range(30):
+            ctl.observe(drafted=4, accepted=3)
+    assert far.choose() > near.choose()
+
+
+def test_tau_choice_reads_no_clock():
+    """Same history, same costs: same taus, however the rounds were timed (seeds reproduce)."""
+    runs = []
+    for _ in range(2):
+        ctl = TauController(max_tau=8, costs=Costs(0.004, 0.03, 0.0008), predraft=True)
+        taus = []
+        for accepted in [4, 0, 2, 8, 8, 1, 3, 5, 0, 7]:
+            taus.append(ctl.choose())
+            ctl.observe(drafted=taus[-1], accepted=min(accepted, taus[-1]))
+        runs.append(taus)
+    assert runs[0] == runs[1]
 
 
 FEATURES = [

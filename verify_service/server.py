@@ -2,30 +2,27 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
 import grpc
-import torch
-
-from specdec import serving, tracing, validation
+from specdec import serving, validation
 from specdec.errors import RequestError, invalid
+from specdec.proposal import decode_round
 from specdec.textstream import Chunks
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from verify_service.engine import Engine
+from verify_service.scheduler import Scheduler
 
 log = logging.getLogger("specdec.verify")
 SERVICE = "verify"
 
 
 class VerifyServicer(pb_grpc.VerifyServicer):
-    def __init__(self, engine: Engine, idle_timeout_s: float = 60.0):
+    def __init__(self, engine: Scheduler, idle_timeout_s: float = 60.0):
         self.engine = engine
         self.lm = engine.lm
         self.idle_timeout_s = idle_timeout_s
-        self.Generate = serving.logged_generate(self.Generate, SERVICE, log)  # one `request done` line each
 
     async def Info(self, request, context):
         return serving.model_info(self.lm)
@@ -51,28 +48,22 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             raise invalid(f"start.proposal_mode: unknown value {st.proposal_mode}")
         sampling = validation.parse_sampling(st.sampling)
         seed = validation.parse_seed(st.sampling)
-        return self.engine.open(st, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE)
+        return self.engine.open(list(st.prompt_ids), st.max_new_tokens, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE, st.request_id)
 
     def _check_round(self, s, r: pb.Round):
-        """parse_round plus: every proposed token must have mass in the q it was sampled from."""
-        tokens, q = self.engine.parse_round(s, r)
-        if q is not None and len(tokens) and not (q[torch.arange(len(tokens)), tokens] > 0).all():
-            raise invalid("round.q_probs: a proposed token has no probability in its q (it cannot have been sampled from it)")
-        return tokens, q
+        """The round's proposals as (token ids, q on the model's device or None), every wire rule checked."""
+        tokens, q = decode_round(r, expected=s.next_round, room=self.engine.room(s), vocab_size=self.lm.vocab_size,
+                                 mode=s.mode, greedy=s.sampling.greedy, device=self.lm.device)
+        return r.tokens, q
 
     async def Session(self, request_iterator, context):
-        t0 = time.perf_counter()
-        s, exc, rounds = None, None, 0
-        rid = serving.request_id(context)
-        span = contextlib.ExitStack()
-        set_attrs = span.enter_context(tracing.server_span("specdec.verify/Session", context, request_id=rid))
+        s = None
         try:
             first = await self._read(context)
             if first is grpc.aio.EOF:
                 return
             if first.WhichOneof("kind") != "start":
                 raise invalid("start: the first message of a session must be `start`")
-            rid = rid or first.start.request_id
             s = self._open(first.start)
             await self.engine.prefill(s)
             while not s.finish:
@@ -86,57 +77,38 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                     raise invalid("round: a message with neither `start` nor `round` set")
                 tokens, q = self._check_round(s, req.round)
                 v = await self.engine.step(s, tokens, q)
-                rounds += 1
                 await context.write(pb.VerifyResponse(
                     round=req.round.round, num_accepted=v.num_accepted, next_token=v.next_token,
                     finish_reason=v.finish, forward_s=v.forward_s, queue_s=v.queue_s, seed=s.seed))
-        except BaseException as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
-            exc = e
-            if not isinstance(e, Exception):
-                raise
+        except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Session", e)
         finally:
             if s is not None:
                 self.engine.close(s)
-            fields = {"service": SERVICE, "method": "Session", "request_id": rid, "code": serving.code_name(context, exc),
-                      "rounds": rounds, "duration_s": round(time.perf_counter() - t0, 6)}
-            if s is not None:
-                fields.update(tokens=s.generated, prompt_tokens=s.prompt_len)
-                if s.finish:
-                    fields["finish_reason"] = pb.FinishReason.Name(s.finish).removeprefix("FINISH_REASON_").lower()
-            if isinstance(exc, Exception):
-                fields["error"] = str(exc)
-            log.info("session done", extra={"fields": fields})
-            set_attrs(**{f"specdec.{k}": v for k, v in fields.items() if k not in ("service", "method")})
-            span.close()
 
     async def Generate(self, request, context):
         """Target-only generation: rounds with no proposals (each yields the next token)."""
         t0 = time.perf_counter()
         s = None
         try:
-            with serving.timed(SERVICE, "Generate"):
-                g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
-                start = pb.SessionStart(prompt_ids=g.prompt_ids, max_new_tokens=g.max_new_tokens, request_id=g.request_id)
-                s = self.engine.open(start, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY)
-                stats = pb.Stats(prompt_tokens=len(g.prompt_ids))
-                stats.prefill_s = await self.engine.prefill(s)
-                out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
-                no_tokens = torch.empty(0, dtype=torch.long)
-                q = None if g.sampling.greedy else torch.empty(0, self.lm.vocab_size)
-                while True:
-                    t1 = time.perf_counter()
-                    v = await self.engine.step(s, no_tokens, q)
-                    stats.verify_s += time.perf_counter() - t1
-                    stats.verify_forward_s += v.forward_s
-                    stats.rounds += 1
-                    chunk, finish = out.push([v.next_token] if v.next_token is not None else [], v.finish)
-                    if not finish:
-                        if chunk:
-                            yield chunk
-                        continue
-                    yield out.last(chunk, stats, g.seed, SERVICE, t0)
-                    return
+            g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
+            s = self.engine.open(g.prompt_ids, g.max_new_tokens, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY, g.request_id)
+            stats = pb.Stats(prompt_tokens=len(g.prompt_ids))
+            stats.prefill_s = await self.engine.prefill(s)
+            out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
+            while True:
+                t1 = time.perf_counter()
+                v = await self.engine.step(s, [], None)  # no proposals: the next token only
+                stats.verify_s += time.perf_counter() - t1
+                stats.verify_forward_s += v.forward_s
+                stats.rounds += 1
+                chunk, finish = out.push([v.next_token] if v.next_token is not None else [], v.finish)
+                if not finish:
+                    if chunk:
+                        yield chunk
+                    continue
+                yield out.last(chunk, stats, g.seed, t0)
+                return
         except Exception as e:  # noqa: BLE001
             await serving.fail(context, SERVICE, "Generate", e)
         finally:

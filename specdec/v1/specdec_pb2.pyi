@@ -47,7 +47,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_fingerprint", "vocab_size", "max_context", "proposal_modes", "num_parameters", "eos_token_id")
+    __slots__ = ("model_name", "vocab_fingerprint", "vocab_size", "max_context", "proposal_modes", "num_parameters", "eos_token_id", "eos_token_ids", "device", "dtype", "supported_architectures")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,10 @@ class ModelInfo(_message.Message):
     PROPOSAL_MODES_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTED_ARCHITECTURES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_fingerprint: str
     vocab_size: int
@@ -62,7 +66,11 @@ class ModelInfo(_message.Message):
     proposal_modes: _containers.RepeatedScalarFieldContainer[ProposalMode]
     num_parameters: int
     eos_token_id: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., proposal_modes: _Optional[_Iterable[_Union[ProposalMode, str]]] = ..., num_parameters: _Optional[int] = ..., eos_token_id: _Optional[int] = ...) -> None: ...
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    device: str
+    dtype: str
+    supported_architectures: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., vocab_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., proposal_modes: _Optional[_Iterable[_Union[ProposalMode, str]]] = ..., num_parameters: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., supported_architectures: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")

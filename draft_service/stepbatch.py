@@ -1,0 +1,84 @@
+"""Batched draft steps: the forward steps that sessions ask for at the same time run as ONE packed
+pass of the draft model (specdec/kvcache.py: per-session caches, the same numbers alone or
+batched).
+
+No thread of its own: each session drafts in its own worker thread and calls `forward()`. The
+first caller to find the model idle becomes the leader: it takes every step queued so far, runs
+them as one pass, hands out the results, and repeats while steps are waiting; the others wait
+for their result. A session drafting alone therefore runs its step in its own thread with no
+hand-off at all. Prompts go in chunks of PREFILL_CHUNK tokens, alone in their pass (beside
+decode steps they would hold them up).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from specdec import metrics
+from specdec.kvcache import KVCache, forward_packed
+
+PREFILL_CHUNK = 256
+STEP_TOKENS = 8  # a forward over at most this many tokens counts as a decode step
+MAX_BATCH = 128  # decode steps per pass
+
+
+class _Step:
+    __slots__ = ("cache", "tokens", "logits", "result", "error", "done")
+
+    def __init__(self, cache: KVCache, tokens: list[int], logits: bool):
+        self.cache, self.tokens, self.logits = cache, tokens, logits
+        self.result: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self.done = False
+
+
+class StepBatcher:
+    def __init__(self, model):
+        self.model = model
+        self._cv = threading.Condition()
+        self._waiting: list[_Step] = []
+        self._busy = False
+
+    def forward(self, cache: KVCache, tokens: list[int], logits: bool = True) -> torch.Tensor | None:
+        """Runs `tokens` after `cache` (written in place); returns the logits after the last token [V]
+        (float32, on the model's device) or None."""
+        out = None
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = tokens[start : start + PREFILL_CHUNK]
+            out = self._one(_Step(cache, chunk, logits and start + len(chunk) == len(tokens)))
+        return out
+
+    def _one(self, step: _Step) -> torch.Tensor | None:
+        with self._cv:
+            self._waiting.append(step)
+            while not step.done and self._busy:
+                self._cv.wait()
+            lead = not step.done
+            self._busy = self._busy or lead
+        while lead:  # run passes until nothing waits (this step included)
+            self._pass()
+            with self._cv:
+                if not self._waiting:
+                    self._busy = lead = False
+                    self._cv.notify_all()
+        if step.error is not None:
+            raise step.error
+        return step.result
+
+    def _pass(self) -> None:
+        with self._cv:
+            steps = [s for s in self._waiting if len(s.tokens) <= STEP_TOKENS][:MAX_BATCH] or self._waiting[:1]
+            self._waiting = [s for s in self._waiting if all(s is not b for b in steps)]
+        metrics.DRAFT_BATCH_SIZE.observe(len(steps))
+        try:
+            outs = forward_packed(self.model, [s.tokens for s in steps], [s.cache for s in steps], [s.logits for s in steps])
+            for s, o in zip(steps, outs):
+                s.result = None if o is None else o[-1]
+        except Exception as e:  # noqa: BLE001 - handed to the waiting sessions
+            for s in steps:
+                s.error = e
+        with self._cv:
+            for s in steps:
+                s.done = True
+            self._cv.notify_all()

@@ -1,0 +1,206 @@
+"""Per-session KV caches and the packed forward pass that reads and writes them in place.
+
+A session's cache (`KVCache`) is, per layer, one K and one V buffer [H_kv, capacity, D] on the
+model's device, allocated at the session's first pass with room for its whole reservation
+(prompt + max_new_tokens, capped at the context). Tokens are written in place at their
+positions; a rejection only moves `length` back. Nothing is copied when sessions join, leave or
+share a pass, and nothing allocated per round grows with the context.
+
+A pass (`forward_packed`) runs the new tokens of many sessions as ONE packed sequence
+[1, T]: the sessions' tokens one after another, each with its own absolute positions, padded
+to at least MIN_ROWS rows. Through transformers' attention interface the model's attention
+layers call `packed_attention`, which attends each session's queries to that session's own
+cache slice (a view, no copy): causal, with the layer's sliding window and logit soft-cap, in
+exactly the shapes the session would have alone. The model's own CausalLM head runs on the
+real rows only, so whatever an architecture does after lm_head (soft-capping, scaling) is kept.
+
+Isolation (same numbers alone or batched), on the CPU:
+  * attention is the only op that mixes tokens, and it runs per session on its own keys;
+  * every other op works row by row, and CPU GEMM kernels give row-invariant results once a
+    matmul has MIN_ROWS rows or more (M=1 and M=2 use other kernels and differ in the last
+    bits), so every pass, and the head's matmul, has at least MIN_ROWS rows.
+tests/test_batching.py checks this bitwise. GPU kernels may choose another algorithm for
+another batch shape, so there only near-ties can differ (DESIGN.md §7).
+
+Why not transformers' own caches: DynamicCache appends with torch.cat (a copy of the layer's
+cache per step) and is one batch for all its rows; StaticCache and the paged cache of
+continuous batching hold a batch whose rows are positions of one padded tensor or pages read
+through a paged kernel, and neither crops one session on a rejection or keeps a session's
+attention independent of its batch-mates. See DESIGN.md §6.
+"""
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, Cache
+
+MIN_ROWS = 4  # token rows per matmul, so CPU GEMMs stay on their row-invariant kernels
+ATTN = "specdec_packed"
+
+
+class KVCache:
+    """One session's cache: per layer K and V [H_kv, capacity, D], written in place."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.length = 0  # tokens held
+        self.k: list[torch.Tensor] = []  # per layer [H_kv, capacity, D]
+        self.v: list[torch.Tensor] = []
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def release(self) -> None:
+        self.k, self.v, self.length = [], [], 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+@dataclass
+class _Pass:
+    """The layout of one packed pass: session i's n_i new tokens are rows off_i..off_i+n_i."""
+
+    caches: list[KVCache]
+    offsets: list[int]
+    counts: list[int]
+    starts: list[int]  # tokens each cache held before the pass
+    rows: int  # T, with padding
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, i: int, lo: int, window: int | None, device) -> torch.Tensor | None:
+        """[n_i, L_i + n_i - lo] bool: query j (position L_i + j) sees key position p iff
+        lo <= p <= L_i + j and (no window or p > L_i + j - window). None for a single query,
+        which sees every key from lo on (lo already starts the window)."""
+        L, n = self.starts[i], self.counts[i]
+        if n == 1:
+            return None
+        key = (i, lo, window)
+        if key not in self._masks:
+            qpos = L + torch.arange(n, device=device)[:, None]  # [n, 1]
+            kpos = lo + torch.arange(L + n - lo, device=device)[None, :]  # [1, L+n-lo]
+            m = kpos <= qpos
+            if window:
+                m &= kpos > qpos - window
+            self._masks[key] = m
+        return self._masks[key]
+
+
+_current: contextvars.ContextVar[_Pass] = contextvars.ContextVar("specdec_pass")
+
+
+class _PassCache(Cache):
+    """What the model sees as `past_key_values` during a pass: `update` writes each session's
+    new keys and values into its own buffers; attention reads them there (packed_attention)."""
+
+    def __init__(self, p: _Pass):
+        super().__init__(layers=[])
+        self.p = p
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # [1, H_kv, T, D]
+        p = self.p
+        for c, off, n, L in zip(p.caches, p.offsets, p.counts, p.starts):
+            if len(c.k) == layer_idx:  # first write: allocate the whole reservation
+                shape = (key_states.shape[1], c.capacity, key_states.shape[3])
+                c.k.append(key_states.new_empty(shape))
+                c.v.append(value_states.new_empty((value_states.shape[1], c.capacity, value_states.shape[3])))
+            c.k[layer_idx][:, L : L + n] = key_states[0, :, off : off + n]
+            c.v[layer_idx][:, L : L + n] = value_states[0, :, off : off + n]
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """query [1, H, T, D] -> ([1, T, H, D], None); keys and values come from each session's cache."""
+    if s_aux is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported")
+    p = _current.get()
+    layer = module.layer_idx
+    H, D = query.shape[1], query.shape[3]
+    out = query.new_zeros(1, p.rows, H, value.shape[3])
+    for i, c in enumerate(p.caches):
+        off, n, L = p.offsets[i], p.counts[i], p.starts[i]
+        lo = max(0, L - sliding_window + 1) if sliding_window else 0
+        q = query[:, :, off : off + n]  # [1, H, n, D]
+        k = c.k[layer][None, :, lo : L + n]  # [1, H_kv, L+n-lo, D], a view
+        v = c.v[layer][None, :, lo : L + n]
+        mask = p.mask(i, lo, sliding_window, query.device)
+        if softcap:
+            o = _eager(q, k, v, mask, scaling if scaling is not None else D**-0.5, softcap)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != H)
+        out[0, off : off + n] = o[0].transpose(0, 1)
+    return out, None
+
+
+def _eager(q, k, v, mask, scaling: float, softcap: float) -> torch.Tensor:
+    """Attention with tanh logit soft-capping (Gemma 2), in transformers' eager order of ops."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    w = torch.matmul(q, k.transpose(2, 3)) * scaling  # [1, H, n, L+n-lo]
+    w = torch.tanh(w / softcap) * softcap
+    if mask is not None:
+        w = w.masked_fill(~mask, torch.finfo(w.dtype).min)
+    w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(w, v)
+
+
+AttentionInterface.register(ATTN, packed_attention)  # no mask function: masks are built per session
+
+
+def use_packed_attention(model) -> None:
+    model.set_attn_implementation(ATTN)
+
+
+@torch.inference_mode()
+def forward_packed(model, inputs: list[list[int]], caches: list[KVCache], logits: bool | list[bool] = True) -> list[torch.Tensor | None]:
+    """Runs inputs[i] after caches[i] for every i in one pass, writing the new keys and values in
+    place. Returns, per input, its logits [n_i, V] (float32, on the model's device) where
+    logits (or logits[i]) is true, else None. A failed pass leaves every cache's length as it was."""
+    device = model.device
+    want = [logits] * len(inputs) if isinstance(logits, bool) else list(logits)
+    counts = [len(x) for x in inputs]
+    starts = [c.length for c in caches]
+    real = sum(counts)
+    T = max(real, MIN_ROWS)
+    offsets = [sum(counts[:i]) for i in range(len(counts))]
+    for c, L, n in zip(caches, starts, counts):
+        if L + n > c.capacity:
+            raise ValueError(f"cache overflow: {L} + {n} tokens > capacity {c.capacity}")
+    flat = [t for x in inputs for t in x] + [0] * (T - real)  # padding rows: token 0 at position 0, never attended
+    pos = [L + j for L, n in zip(starts, counts) for j in range(n)] + [0] * (T - real)
+    ids = torch.tensor([flat], dtype=torch.long, device=device)  # [1, T]
+    position_ids = torch.tensor([pos], dtype=torch.long, device=device)  # [1, T]
+    keep = [r for i, n in enumerate(counts) if want[i] for r in range(offsets[i], offsets[i] + n)]  # rows that need logits
+    p = _Pass(caches, offsets, counts, starts, T)
+    token = _current.set(p)
+    try:
+        cache = _PassCache(p)
+        if keep:
+            rows = torch.tensor(keep + [keep[-1]] * (MIN_ROWS - len(keep)), device=device)  # >= MIN_ROWS rows for the head too
+            out = model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=rows).logits[0]
+        else:
+            model.base_model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
+    finally:
+        _current.reset(token)
+    for c, n in zip(caches, counts):
+        c.length += n
+    res: list[torch.Tensor | None] = []
+    at = 0
+    for i, n in enumerate(counts):
+        if want[i]:
+            res.append(out[at : at + n].float())
+            at += n
+        else:
+            res.append(None)
+    return res

@@ -1,0 +1,189 @@
+"""Per-request observability in one place: a grpc.aio server interceptor that gives every
+specdec RPC (health and reflection aside) on either service
+
+  - a request id: `x-request-id` metadata, else the request's own `request_id` (a Generate
+    request, or a session's `start`), else a new one (written into a Generate request, so the
+    handler, the reply and the next hop all use it);
+  - one server span (OpenTelemetry, when tracing is on), a child of the caller's span;
+  - one JSON log line when it ends: `request done` (`session done` for Verify.Session) with
+    the service, method, request id, status code, tokens, rounds, finish reason, duration and,
+    on failure, the error; refusals by authentication are logged at WARNING with the peer;
+  - the request metrics: latency, errors by status code, tokens returned to callers.
+
+It reads what it needs from the messages going through (requests read, responses written or
+yielded), so the servicers hold no observability code. The rest of the metrics (verify rounds,
+caches, batches, acceptance) belong to the engines and stay there."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+import uuid
+
+import grpc
+
+from specdec import metrics, tracing
+from specdec.v1 import specdec_pb2 as pb
+
+REQUEST_ID_KEY = "x-request-id"
+OBSERVED = "/specdec.v1."  # the services' own RPCs; health checks and reflection are not logged
+REFUSALS = ("UNAUTHENTICATED", "PERMISSION_DENIED")
+
+
+def request_id(metadata, fallback: str = "") -> str:
+    for k, v in metadata or ():
+        if k == REQUEST_ID_KEY:
+            return v
+    return fallback
+
+
+def _finish_name(finish: int) -> str:
+    return pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
+
+
+def code_name(context, exc: BaseException | None) -> str:
+    """The status a handler ended with."""
+    if exc is None:
+        return "OK"
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) or context.cancelled():
+        return "CANCELLED"
+    code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+
+
+class _Call:
+    """What one RPC did, gathered from the messages it read and wrote."""
+
+    def __init__(self, method: str, metadata):
+        self.method = method
+        self.request_id = request_id(metadata)
+        self.tokens = 0  # tokens this RPC returned (Generate) or committed (Session)
+        self.rounds = 0
+        self.fields: dict = {}
+        self.generated = 0  # tokens returned to a caller in GenerateResponse chunks
+
+    def received(self, msg) -> None:
+        if isinstance(msg, pb.GenerateRequest):
+            if not self.request_id:
+                self.request_id = msg.request_id or uuid.uuid4().hex
+                msg.request_id = self.request_id  # the handler and the next hop use the same id
+        elif isinstance(msg, pb.VerifyRequest) and msg.WhichOneof("kind") == "start":
+            self.request_id = self.request_id or msg.start.request_id
+            self.fields["prompt_tokens"] = len(msg.start.prompt_ids)
+
+    def sent(self, msg) -> None:
+        if isinstance(msg, pb.GenerateResponse):
+            self.tokens += len(msg.token_ids)
+            self.generated += len(msg.token_ids)
+            if msg.finish_reason:
+                st = msg.stats
+                self.rounds = st.rounds
+                self.fields.update(finish_reason=_finish_name(msg.finish_reason), prompt_tokens=st.prompt_tokens)
+                if st.drafted:
+                    self.fields.update(accepted=st.accepted, drafted=st.drafted)
+        elif isinstance(msg, pb.VerifyResponse):  # one per verification round
+            self.rounds += 1
+            self.tokens += msg.num_accepted + msg.HasField("next_token")
+            if msg.finish_reason:
+                self.fields["finish_reason"] = _finish_name(msg.finish_reason)
+
+
+class _ObservedContext:
+    """The servicer context, with the messages a reader/writer handler reads and writes seen
+    on the way."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, call: _Call):
+        self._context, self._call = context, call
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    async def read(self):
+        msg = await self._context.read()
+        if msg is not grpc.aio.EOF:
+            self._call.received(msg)
+        return msg
+
+    async def write(self, msg) -> None:
+        await self._context.write(msg)
+        self._call.sent(msg)
+
+
+class RequestObserver(grpc.aio.ServerInterceptor):
+    """Put it first in the server's interceptors, so it also sees calls that later
+    interceptors (authentication) refuse."""
+
+    def __init__(self, service: str, logger: logging.Logger | None = None):
+        self.service = service
+        self.log = logger or logging.getLogger(f"specdec.{service}")
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(OBSERVED):
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        kind = {(False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+                (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+                (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+                (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler)}
+        attr, make = kind[handler.request_streaming, handler.response_streaming]
+        behavior = getattr(handler, attr)
+        observe = self._observe
+        metadata = details.invocation_metadata
+
+        if inspect.isasyncgenfunction(behavior):  # the handler yields its responses
+            async def wrapped(request, context):
+                call = _Call(method, metadata)
+                if not handler.request_streaming:
+                    call.received(request)
+                with observe(call, context):
+                    # aclosing: a caller that goes away ends the handler's generator now (its finally runs)
+                    async with contextlib.aclosing(behavior(request, _ObservedContext(context, call))) as responses:
+                        async for msg in responses:
+                            call.sent(msg)
+                            yield msg
+        else:  # a coroutine: returns its (unary) response, or writes with context.write()
+            async def wrapped(request, context):
+                call = _Call(method, metadata)
+                if not handler.request_streaming:
+                    call.received(request)
+                with observe(call, context):
+                    response = await behavior(request, _ObservedContext(context, call))
+                    if response is not None:
+                        call.sent(response)
+                    return response
+
+        return make(wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+    @contextlib.contextmanager
+    def _observe(self, call: _Call, context: grpc.aio.ServicerContext):
+        t0 = time.perf_counter()
+        exc = None
+        with tracing.server_span(f"specdec.{self.service}/{call.method}", context, request_id=call.request_id or None) as set_attrs:
+            try:
+                yield
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                duration = time.perf_counter() - t0
+                code = code_name(context, exc)
+                fields = {"service": self.service, "method": call.method, "request_id": call.request_id or uuid.uuid4().hex,
+                          "code": code, "tokens": call.tokens, "duration_s": round(duration, 6)}
+                if call.rounds or call.method == "Session":
+                    fields["rounds"] = call.rounds
+                fields.update(call.fields)
+                if code not in ("OK", "CANCELLED") and context.details():
+                    fields["error"] = context.details()
+                if code in REFUSALS:  # never the token itself
+                    fields["peer"] = context.peer()
+                msg = "session done" if call.method == "Session" else "request done"
+                self.log.log(logging.WARNING if code in REFUSALS else logging.INFO, msg, extra={"fields": fields})
+                set_attrs(**{f"specdec.{k}": v for k, v in fields.items() if k not in ("service", "method")})
+                metrics.REQUEST_LATENCY.labels(self.service, call.method).observe(duration)
+                if code not in ("OK", "CANCELLED"):
+                    metrics.REQUEST_ERRORS.labels(self.service, call.method, code).inc()
+                if call.generated:
+                    metrics.GENERATED_TOKENS.labels(self.service).inc(call.generated)

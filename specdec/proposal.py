@@ -1,0 +1,106 @@
+"""The proposal codec: a round's proposed tokens and the distributions q they were drawn from,
+as the draft builds them (`Proposal`) and as the wire carries them (`pb.Round`), in the three
+proposal modes (DESIGN.md §4):
+
+  greedy (ids-only)  tokens only; q is the one-hot at each token
+  sparse (default)   per token, the top-K ids of q and their renormalized probabilities:
+                     q_counts[i] entries of q_ids / q_probs belong to token i
+  dense              per token, all V probabilities of q in q_probs
+
+`Proposal.to_round` encodes; `decode_round` checks every wire rule and decodes to tensors on the
+verifier's device. Both sides use this module, and tests/test_proposal.py round-trips it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.errors import invalid
+from specdec.v1 import specdec_pb2 as pb
+
+MAX_ROUND_TOKENS = 64  # proposals per round the verifier accepts
+PROB_TOL = 1e-3  # how far a row of q may sum from 1
+
+
+@dataclass
+class Proposal:
+    tokens: list[int] = field(default_factory=list)  # x_1..x_tau
+    q_counts: list[int] = field(default_factory=list)  # sparse
+    q_ids: list[int] = field(default_factory=list)  # sparse
+    q_probs: list[float] = field(default_factory=list)  # sparse (K per token) or dense (V per token)
+    lookup: bool = False  # proposed by prompt lookup (one-hot q)
+
+    def to_round(self, number: int) -> pb.Round:
+        return pb.Round(round=number, tokens=self.tokens, q_counts=self.q_counts, q_ids=self.q_ids, q_probs=self.q_probs)
+
+    def add(self, token: int, mode: int, q: torch.Tensor | None = None, q_ids: torch.Tensor | None = None) -> None:
+        """Appends one proposal: dense mode takes q [V]; sparse mode q [k] (renormalized) with q_ids [k]."""
+        self.tokens.append(token)
+        if mode == pb.PROPOSAL_MODE_DENSE:
+            self.q_probs.extend(q.tolist())
+        elif mode == pb.PROPOSAL_MODE_SPARSE:
+            self.q_counts.append(len(q_ids))
+            self.q_ids.extend(q_ids.tolist())
+            self.q_probs.extend(q.tolist())
+
+    @classmethod
+    def one_hot(cls, tokens: list[int], mode: int, vocab_size: int) -> "Proposal":
+        """Proposals with q = one-hot (prompt lookup), encoded in the session's mode."""
+        out = cls(tokens=list(tokens), lookup=True)
+        if mode == pb.PROPOSAL_MODE_SPARSE:
+            out.q_counts, out.q_ids, out.q_probs = [1] * len(tokens), list(tokens), [1.0] * len(tokens)
+        elif mode == pb.PROPOSAL_MODE_DENSE:
+            for t in tokens:
+                row = [0.0] * vocab_size
+                row[t] = 1.0
+                out.q_probs.extend(row)
+        return out
+
+
+def decode_round(r: pb.Round, *, expected: int, room: int, vocab_size: int, mode: int, greedy: bool,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Checks a Round against its session (the round number expected next, the room left in the
+    context, the vocabulary, the session's mode) and returns (tokens [tau] int64, q [tau, V]
+    float32, or None when the session is greedy: q plays no part in the greedy rule).
+    Raises RequestError(INVALID_ARGUMENT) naming the field on any violation."""
+    V = vocab_size
+    if r.round != expected:
+        raise invalid(f"round: expected {expected}, got {r.round} (out of order or repeated)")
+    tau = len(r.tokens)
+    if tau > min(MAX_ROUND_TOKENS, room):
+        raise invalid(f"round.tokens: {tau} proposals; at most {min(MAX_ROUND_TOKENS, room)} fit")
+    bad = [t for t in r.tokens if not 0 <= t < V]
+    if bad:
+        raise invalid(f"round.tokens: token id {bad[0]} is outside the vocabulary [0, {V})")
+    tokens = torch.tensor(list(r.tokens), dtype=torch.long)
+    if mode == pb.PROPOSAL_MODE_GREEDY:
+        if r.q_ids or r.q_probs or r.q_counts:
+            raise invalid("round.q_*: greedy (ids-only) mode sends no probabilities")
+        return tokens.to(device), None if greedy else torch.nn.functional.one_hot(tokens, V).float().to(device)
+    if greedy:  # q plays no part in the greedy rule
+        return tokens.to(device), None
+    probs = torch.tensor(list(r.q_probs), dtype=torch.float32)
+    if mode == pb.PROPOSAL_MODE_DENSE:
+        if r.q_ids or r.q_counts or probs.numel() != tau * V:
+            raise invalid(f"round.q_probs: dense mode needs tau*V = {tau * V} values and no q_ids/q_counts, got {probs.numel()}")
+        q = probs.view(tau, V)
+    else:
+        if len(r.q_counts) != tau or sum(r.q_counts) != len(r.q_ids) or len(r.q_ids) != probs.numel():
+            raise invalid("round.q_counts/q_ids/q_probs: lengths disagree (one count per token, one prob per id)")
+        ids = torch.tensor(list(r.q_ids), dtype=torch.long)
+        if ids.numel() and (ids.min() < 0 or ids.max() >= V):
+            raise invalid(f"round.q_ids: an id is outside the vocabulary [0, {V})")
+        rows = torch.repeat_interleave(torch.arange(tau), torch.tensor(list(r.q_counts), dtype=torch.long))
+        if torch.unique(rows * V + ids).numel() != ids.numel():
+            raise invalid("round.q_ids: an id repeats within one position")
+        q = torch.zeros(tau, V)
+        q.index_put_((rows, ids), probs)
+    if not torch.isfinite(probs).all() or (probs < 0).any() or (probs > 1 + PROB_TOL).any():
+        raise invalid("round.q_probs: probabilities must be finite and in [0, 1]")
+    sums = q.sum(-1)
+    if tau and ((sums - 1).abs() > PROB_TOL).any():
+        raise invalid(f"round.q_probs: each position must sum to 1 (got {sums.tolist()})")
+    if tau and not (q[torch.arange(tau), tokens] > 0).all():
+        raise invalid("round.q_probs: a proposed token has no probability in its q (it cannot have been sampled from it)")
+    return tokens.to(device), q.to(device)

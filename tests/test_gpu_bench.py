@@ -1,0 +1,22 @@
+"""bench/gpu.py runs end to end on the CPU with tiny shapes (the GPU run uses the same code)."""
+import json
+import subprocess
+import sys
+
+from conftest import ENV, ROOT
+
+
+def test_gpu_bench_smoke_on_cpu(tmp_path):
+    out = tmp_path / "gpu"
+    p = subprocess.run([sys.executable, "-m", "bench.gpu", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "20",
+                        "--prompt-len", "12", "--sessions", "1,3", "--out", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads((out / "gpu.json").read_text())
+    assert res["target_only_equals_generate"] is True
+    assert res["generate_tok_s"] > 0 and res["target_only_tok_s"] > 0
+    assert set(res["speculative"]) == {"0.5", "0.7", "0.9"}
+    assert all(r["equals_generate"] and r["tokens_per_round"] >= 1 for r in res["speculative"].values())
+    # more acceptance, more tokens per round: the synthetic proposer really controls alpha
+    assert res["speculative"]["0.9"]["tokens_per_round"] > res["speculative"]["0.5"]["tokens_per_round"]
+    assert set(res["batch"]) == {"1", "3"} and all(r["all_equal_generate"] for r in res["batch"].values())
+    assert "| scheduler target-only |" in (out / "GPU.md").read_text()

@@ -1,0 +1,77 @@
+"""Admission: how many sessions and cached tokens the verify service takes, and the refusal
+(RESOURCE_EXHAUSTED, with a retry hint from the server) when it is full.
+
+Every session reserves room for its whole run at admission, min(prompt + max_new_tokens,
+context), and its cache buffers are that size (specdec/kvcache.py), so the token budget is
+the memory budget: tokens x kv_bytes_per_token in the model's real dtype.
+"""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import torch
+
+from specdec import metrics
+from specdec.errors import RequestError
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one cached token costs: K and V, every layer, in the cache's dtype."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def available_memory_bytes(device: torch.device | None = None) -> int | None:
+    """Free memory where the caches live: the CUDA device's free memory, or the host's MemAvailable."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def default_cache_budget(lm, max_sessions: int, memory_fraction: float | None = None) -> int:
+    """Tokens all sessions may reserve: room for every session at full context, capped by a share
+    of the memory free at start-up (after the model is loaded): 90% on a GPU, 50% of the host's."""
+    full = max_sessions * lm.max_context
+    mem = available_memory_bytes(lm.device)
+    if mem is None:
+        return full
+    share = memory_fraction if memory_fraction is not None else (0.9 if lm.device.type == "cuda" else 0.5)
+    return max(lm.max_context, min(full, int(mem * share / kv_bytes_per_token(lm.model.config, lm.dtype))))
+
+
+class Capacity:
+    def __init__(self, max_sessions: int, max_cached_tokens: int):
+        self.max_sessions = max_sessions
+        self.max_cached_tokens = max_cached_tokens
+        self.sessions = 0
+        self.reserved = 0
+        self._lock = threading.Lock()
+
+    def admit(self, need: int) -> None:
+        """Reserves `need` cache tokens for a new session, or raises RESOURCE_EXHAUSTED."""
+        with self._lock:
+            if self.sessions >= self.max_sessions:
+                metrics.CAPACITY_REJECTIONS.labels("sessions").inc()
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verify service is at its limit of {self.max_sessions} sessions; retry later")
+            if self.reserved + need > self.max_cached_tokens:
+                metrics.CAPACITY_REJECTIONS.labels("cached_tokens").inc()
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verify service cache is full ({self.reserved}/{self.max_cached_tokens} tokens reserved, {need} asked); retry later")
+            self.sessions += 1
+            self.reserved += need
+            self._report()
+
+    def release(self, need: int) -> None:
+        with self._lock:
+            self.sessions -= 1
+            self.reserved -= need
+            self._report()
+
+    def _report(self) -> None:
+        metrics.LIVE_SESSIONS.labels("verify").set(self.sessions)
+        metrics.RESERVED_TOKENS.set(self.reserved)

@@ -1,0 +1,247 @@
+"""The verify scheduler: one thread owns the target model; each iteration it runs ONE packed pass
+(specdec/kvcache.py) over every round waiting across sessions plus the next chunk of one
+prompt, applies the acceptance rule to each session on the model's device, and moves the
+verdicts of the whole batch to the host at once (a few integers per session).
+
+Sessions talk to it from the asyncio event loop: `prefill` and `step` put a job on the queue
+and await a future that the thread resolves with `call_soon_threadsafe`. Prompts are prefilled
+in chunks whose boundaries depend only on the prompt (multiples of PREFILL_CHUNK), so a long
+prompt does not stall the sessions already decoding, and a session's numbers never depend on
+what else is running. A failed batched pass is retried session by session (nothing is
+committed by a failed pass), so one session's failure fails that session only.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from specdec import metrics
+from specdec.acceptance import accept, accept_greedy
+from specdec.errors import RequestError
+from specdec.kvcache import KVCache, forward_packed
+from specdec.lm import LM
+from specdec.sampling import VERIFY, Sampling, keyed_generator, probs_from_logits
+from specdec.v1 import specdec_pb2 as pb
+from verify_service.capacity import Capacity, default_cache_budget
+from verify_service.session import Session, Verdict, commit
+
+log = logging.getLogger("specdec.verify")
+
+PREFILL_CHUNK = 256  # prompt tokens per prefill chunk
+MAX_BATCH_TOKENS = 1024  # new tokens per pass
+
+
+@dataclass
+class _Job:
+    session: Session
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    tokens: list[int] | None = None  # a round: the proposals; None: a prefill
+    q: torch.Tensor | None = None  # [tau, V] on the device, or None (greedy sampling)
+    enqueued: float = field(default_factory=time.perf_counter)
+    finished: bool = False
+
+    def resolve(self, ok: bool, result) -> None:
+        self.finished = True
+        self.loop.call_soon_threadsafe(_resolve, self.future, ok, result)
+
+
+class Scheduler:
+    def __init__(self, lm: LM, max_sessions: int = 64, max_cached_tokens: int | None = None):
+        self.lm = lm
+        self.capacity = Capacity(max_sessions, max_cached_tokens or default_cache_budget(lm, max_sessions))
+        self.sessions: dict[int, Session] = {}
+        self._next_sid = 1
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name="verify-scheduler", daemon=True)
+        self._worker.start()
+
+    @property
+    def max_sessions(self) -> int:
+        return self.capacity.max_sessions
+
+    @property
+    def max_cached_tokens(self) -> int:
+        return self.capacity.max_cached_tokens
+
+    # ---- sessions ---------------------------------------------------------------------------
+
+    def open(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, seed: int, mode: int,
+             request_id: str = "") -> Session:
+        """Admits a session (its arguments already validated); reserves its cache room."""
+        need = min(len(prompt_ids) + max_new_tokens, self.lm.max_context)
+        self.capacity.admit(need)
+        with self._lock:
+            sid, self._next_sid = self._next_sid, self._next_sid + 1
+            s = Session(sid=sid, request_id=request_id, ids=list(prompt_ids), prompt_len=len(prompt_ids),
+                        max_new_tokens=max_new_tokens, sampling=sampling, mode=mode, seed=seed,
+                        generator=torch.Generator(device=self.lm.device), cache=KVCache(need), reserved=need)
+            self.sessions[sid] = s
+        return s
+
+    def close(self, s: Session) -> None:
+        with self._lock:
+            if s.closed:
+                return
+            s.closed = True
+            del self.sessions[s.sid]
+        s.cache.release()  # a pass in flight holds its own references until it returns
+        self.capacity.release(s.reserved)
+        metrics.CACHED_TOKENS.set(self.cached_tokens())
+
+    def cached_tokens(self) -> int:
+        return sum(s.cache.length for s in list(self.sessions.values()))
+
+    def room(self, s: Session) -> int:
+        """Proposals the session's next round may carry without passing the context limit."""
+        return self.lm.max_context - len(s.ids)
+
+    async def prefill(self, s: Session) -> float:
+        """Puts prompt[:-1] into the session's cache; returns the seconds it took."""
+        t0 = time.perf_counter()
+        if len(s.ids) > 1:
+            await self._submit(s)
+        return time.perf_counter() - t0
+
+    async def step(self, s: Session, tokens: list[int], q: torch.Tensor | None) -> Verdict:
+        """One round: a pass over [pending, tokens] (batched with other sessions), acceptance, commit."""
+        s.next_round += 1
+        left = s.max_new_tokens - s.generated  # proposals past max_new_tokens could never be emitted
+        if len(tokens) > left:
+            tokens, q = tokens[:left], None if q is None else q[:left]
+        return await self._submit(s, list(tokens), q)
+
+    async def _submit(self, s: Session, tokens=None, q=None):
+        loop = asyncio.get_running_loop()
+        job = _Job(s, loop.create_future(), loop, tokens, q)
+        self._queue.put(job)
+        return await job.future
+
+    def shutdown(self) -> None:
+        self._queue.put(_STOP)
+        self._worker.join(timeout=5)
+
+    # ---- the scheduler thread ---------------------------------------------------------------
+
+    def _work(self) -> None:
+        rounds: list[_Job] = []
+        prefills: collections.deque[_Job] = collections.deque()
+        while True:
+            job = self._queue.get() if not rounds and not prefills else None  # idle: block
+            while True:
+                if job is None:
+                    try:
+                        job = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                if job is _STOP:
+                    return
+                if job.session.closed:
+                    job.resolve(False, RequestError(grpc.StatusCode.CANCELLED, "session closed"))
+                else:
+                    (prefills if job.tokens is None else rounds).append(job)
+                job = None
+            batch, used = [], 0
+            while rounds and (not batch or used + len(rounds[0].tokens) + 1 <= MAX_BATCH_TOKENS):
+                used += len(rounds[0].tokens) + 1
+                batch.append(rounds.pop(0))
+            self._run(batch, prefills[0] if prefills else None)
+            if prefills and prefills[0].finished:
+                prefills.popleft()
+            metrics.CACHED_TOKENS.set(self.cached_tokens())
+
+    def _run(self, batch: list[_Job], prefill: _Job | None) -> None:
+        """One pass over the rounds in `batch` and the next chunk of `prefill`; resolves every job
+        it finishes (a prefill once its last chunk is in)."""
+        t0 = time.perf_counter()
+        jobs = [j for j in batch if not self._dropped(j)]
+        if prefill is not None and self._dropped(prefill):
+            prefill = None
+        inputs = [[j.session.ids[-1], *j.tokens] for j in jobs]
+        if prefill is not None:
+            s = prefill.session
+            have, goal = s.cache.length, len(s.ids) - 1
+            inputs.append(s.ids[have : min(goal, have - have % PREFILL_CHUNK + PREFILL_CHUNK)])  # boundaries fixed by position
+        everyone = jobs + ([prefill] if prefill is not None else [])
+        if not everyone:
+            return
+        proposals = torch.tensor([t for j in jobs for t in j.tokens], dtype=torch.long).to(self.lm.device, non_blocking=True)  # all sessions'
+        try:
+            logits = forward_packed(self.lm.model, inputs, [j.session.cache for j in everyone], [True] * len(jobs) + [False] * (prefill is not None))
+        except Exception as e:  # noqa: BLE001 - nothing was committed: retry alone to find whose it is
+            if len(everyone) == 1:
+                everyone[0].resolve(False, e)
+                return
+            log.warning("batched pass failed (%s: %s); retrying its %d sessions one by one", type(e).__name__, e, len(everyone))
+            for j in jobs:
+                self._run([j], None)
+            if prefill is not None:
+                self._run([], prefill)
+            return
+        forward_s = time.perf_counter() - t0
+        if jobs:
+            metrics.BATCH_SIZE.observe(len(jobs))
+            metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
+            metrics.FORWARD_TIME.observe(forward_s)
+            try:
+                self._verdicts(jobs, logits[: len(jobs)], proposals, t0, forward_s)
+            except Exception as e:  # noqa: BLE001
+                for j in jobs:
+                    j.resolve(False, e)
+        if prefill is not None and prefill.session.cache.length >= len(prefill.session.ids) - 1:
+            prefill.resolve(True, None)
+
+    def _verdicts(self, jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor, t0: float, forward_s: float) -> None:
+        """Acceptance for every session on the device, then one transfer of all (n, next)."""
+        results = []
+        at = 0
+        for j, lg in zip(jobs, logits):  # lg [tau+1, V]
+            s = j.session
+            tokens = proposals[at : at + len(j.tokens)]  # [tau]
+            at += len(j.tokens)
+            if s.sampling.greedy:
+                results.append(torch.stack(accept_greedy(lg.argmax(-1), tokens)))
+                continue
+            p = probs_from_logits(lg, s.sampling)  # [tau+1, V]
+            q = j.q if j.q is not None else p.new_zeros(0, p.shape[1])  # target-only: no proposals
+            g = keyed_generator(s.generator, s.seed, len(s.ids), VERIFY)  # draws keyed by (seed, position)
+            u = torch.rand(len(j.tokens) + 1, generator=g, dtype=torch.float64, device=lg.device)  # [tau+1]
+            results.append(torch.stack(accept(p, tokens, q, u)))
+        host = torch.stack(results).tolist()  # [B, 2]: the only host sync of the round
+        for j, (n, nxt) in zip(jobs, host):
+            s = j.session
+            try:
+                v = commit(s, j.tokens[:n] + [nxt], n, self.lm.eos, self.lm.max_context)
+                v.forward_s, v.queue_s = forward_s, t0 - j.enqueued
+                metrics.QUEUE_WAIT.observe(t0 - j.enqueued)
+                j.resolve(True, v)
+            except Exception as e:  # noqa: BLE001
+                j.resolve(False, e)
+
+    @staticmethod
+    def _dropped(j: _Job) -> bool:
+        if j.session.closed:
+            j.resolve(False, RequestError(grpc.StatusCode.CANCELLED, "session closed"))
+            return True
+        return False
+
+
+_STOP = object()
+
+
+def _resolve(fut: asyncio.Future, ok: bool, result) -> None:
+    if fut.done():  # the awaiting stream was cancelled meanwhile
+        return
+    if ok:
+        fut.set_result(result)
+    else:
+        fut.set_exception(result)

@@ -1,0 +1,70 @@
+"""A verify session and its commit rule.
+
+A session's committed sequence is `ids` (prompt + generated). Its cache always holds ids[:-1]:
+the last committed token is "pending" and is the first input of the next pass. A round with
+proposals x_1..x_tau therefore runs ONE forward over [pending, x_1..x_tau] (tau+1 logits: one
+per proposal plus the bonus position), the acceptance rule keeps n of them, and `commit`
+appends the accepted prefix and the next token, stops at the first end condition, and crops
+the cache back to len(ids) - 1 (a rejection only moves the cache's length back).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.kvcache import KVCache
+from specdec.sampling import Sampling
+from specdec.v1 import specdec_pb2 as pb
+
+
+@dataclass
+class Session:
+    sid: int
+    request_id: str
+    ids: list[int]
+    prompt_len: int
+    max_new_tokens: int
+    sampling: Sampling
+    mode: int  # pb.ProposalMode
+    seed: int
+    generator: torch.Generator  # on the model's device; re-seeded per round from (seed, position)
+    cache: KVCache
+    reserved: int  # cache tokens reserved at admission
+    next_round: int = 1
+    finish: int = pb.FINISH_REASON_UNSPECIFIED
+    closed: bool = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+
+@dataclass
+class Verdict:
+    num_accepted: int
+    next_token: int | None
+    finish: int
+    forward_s: float = 0.0
+    queue_s: float = 0.0
+
+
+def commit(s: Session, new: list[int], n: int, eos: frozenset[int], max_context: int) -> Verdict:
+    """Appends new = accepted + [next] up to the first end condition (EOS, max_new_tokens, the
+    context limit: tokens past it are never emitted); crops the cache to len(ids) - 1."""
+    out: list[int] = []
+    finish = pb.FINISH_REASON_UNSPECIFIED
+    for t in new:
+        out.append(t)
+        if t in eos:
+            finish = pb.FINISH_REASON_EOS
+        elif s.generated + len(out) >= s.max_new_tokens:
+            finish = pb.FINISH_REASON_LENGTH
+        elif len(s.ids) + len(out) >= max_context:
+            finish = pb.FINISH_REASON_CONTEXT
+        if finish:
+            break
+    s.ids.extend(out)
+    s.finish = finish
+    s.cache.crop(len(s.ids) - 1)
+    return Verdict(num_accepted=min(n, len(out)), next_token=out[n] if len(out) > n else None, finish=finish)
