@@ -20,7 +20,7 @@ Isolation (same numbers alone or batched), on the CPU:
     matmul has MIN_ROWS rows or more (M=1 and M=2 use other kernels and differ in the last
     bits), so every pass, and the head's matmul, has at least MIN_ROWS rows.
 tests/test_batching.py checks this bitwise. GPU kernels may choose another algorithm for
-another batch shape, so there only near-ties can differ (DESIGN.md §7).
+another batch shape, so there only near-ties can differ (DESIGN.md §9).
 
 Why not transformers' own caches: DynamicCache appends with torch.cat (a copy of the layer's
 cache per step) and is one batch for all its rows; StaticCache and the paged cache of
