@@ -440,8 +440,16 @@ async def run(args) -> dict:
                   f"ITL p50 {_ms(s['itl_s']['p50'])} ms, e2e p95 {_ms(s['e2e_s']['p95'])} ms", file=sys.stderr)
     meta = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "server": args.server,
             "draft_model": info.model_name, "prompts": args.prompts, "num_prompts": len(prompts),
-            "args": {k: v for k, v in vars(args).items() if k not in ("tag", "token")}}  # never a secret in the report
+            "args": {k: _in_repo(v) if k == "out" else v for k, v in vars(args).items() if k not in ("tag", "token")}}  # never a secret in the report
     return {"meta": meta, "cells": cells}
+
+
+def _in_repo(path: str | None) -> str | None:
+    """A path inside the repository as relative to its root, so results name no machine's paths."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if path and os.path.abspath(path).startswith(repo + os.sep):
+        return os.path.relpath(os.path.abspath(path), repo)
+    return path
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,5 @@
 """The benchmark suite: speculative decoding through the services against its baselines, its
-in-process anchors and the bound of DESIGN.md §5, in one run.
+in-process anchors and the bound of DESIGN.md §7, in one run.
 
     python -m bench.run [--target DIR --draft DIR --prompts 6 --max-new-tokens 128 --out bench/results]
 
@@ -222,7 +222,7 @@ def render(res: dict, files: list[str]) -> str:
         f"* per-token latency in-process: target {res['t_target_ms']:.2f} ms, draft {res['t_draft_ms']:.2f} ms → **c = {res['c']:.3f}**",
         f"* acceptance per position (greedy, from the fixed-τ runs): **α = {res['alpha']:.3f}**",
         "* ρ = (verify wait − target forward time) per round / target step: gRPC, scheduling and Python per round",
-        "* S = E/(γc+1) with E = (1−α^(γ+1))/(1−α) (DESIGN.md §5); S_net adds ρ; efficiency = measured speed-up / S",
+        "* S = E/(γc+1) with E = (1−α^(γ+1))/(1−α) (DESIGN.md §7); S_net adds ρ; efficiency = measured speed-up / S",
         "* speed-up is against target-only through the verify service (greedy rows) or its T=1 run (sampled rows); "
         "`vs hf generate` is against transformers' own `generate()` in-process, which pays no RPC and, for single-token "
         "steps, no batch-invariance padding (the service pads every matmul to 4 rows; see specdec/batching.py)", "",

@@ -13,7 +13,7 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from client.core import MODES, PROPOSERS, Client, add_credential_args, credential_kwargs, make_request
+from .core import MODES, PROPOSERS, Client, add_credential_args, credential_kwargs, make_request
 
 
 def _ids(s: str) -> list[int]:

@@ -27,8 +27,8 @@ from typing import AsyncIterator, Protocol
 import grpc
 
 from draft_service.adaptive import TauController
+from draft_service.drafter import Drafter, PredraftControl, Proposal
 from specdec.costmodel import Costs
-from draft_service.drafter import Drafter, DraftState, PredraftControl, Proposal
 from specdec import metrics
 from specdec.errors import RequestError
 from specdec.validation import GenParams

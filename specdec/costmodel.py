@@ -1,4 +1,4 @@
-"""The cost model of speculative decoding and the speed-up bound it implies (DESIGN.md §5).
+"""The cost model of speculative decoding and the speed-up bound it implies (DESIGN.md §7).
 
 Terms (per session, in units of one target forward step):
   alpha - the chance that a proposal is accepted, assumed the same at every position;

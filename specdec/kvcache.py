@@ -23,7 +23,7 @@ Isolation (same numbers alone or batched), on the CPU:
     padded, and a one-token target-only step costs what transformers' own step costs.
 tests/test_batching.py checks this bitwise in both dtypes, with one torch thread (GEMMs split
 across threads by rows, so more threads can break it). GPU kernels may choose another algorithm for
-another batch shape, so there only near-ties can differ (DESIGN.md §7).
+another batch shape, so there only near-ties can differ (DESIGN.md §9).
 
 Why not transformers' own caches: DynamicCache appends with torch.cat (a copy of the layer's
 cache per step) and is one batch for all its rows; StaticCache and the paged cache of
@@ -44,7 +44,7 @@ MIN_ROWS = 4  # token rows per float32 matmul on the CPU, so GEMMs stay on their
 
 def min_rows(model) -> int:
     """Rows a pass is padded to: MIN_ROWS for float32 on the CPU, else 1 (bf16 CPU kernels are
-    row-invariant at every M; on a GPU padding would not buy invariance, DESIGN.md §7)."""
+    row-invariant at every M; on a GPU padding would not buy invariance, DESIGN.md §9)."""
     return MIN_ROWS if model.device.type == "cpu" and model.dtype == torch.float32 else 1
 ATTN = "specdec_packed"
 

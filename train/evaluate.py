@@ -14,7 +14,7 @@ Everything is measured in float32 with batch-1 KV-cache decoding, the way the se
   and the unbiased path estimate E[Π_j min(1, p(x_j)/q(x_j))];
 * per-token decoding latency of each model and c = draft / target (alternating runs; the
   minimum over runs is reported as the latency, the median is kept too);
-* the expected speed-up of DESIGN.md §5, S = E / (γ·c + 1) with E = (1 − α^(γ+1)) / (1 − α),
+* the expected speed-up of DESIGN.md §7, S = E / (γ·c + 1) with E = (1 − α^(γ+1)) / (1 − α),
   for γ = 1..8, and the best γ.
 """
 

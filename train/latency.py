@@ -1,6 +1,6 @@
 """Per-token decoding latency of a causal LM: batch 1, KV cache, float32, in transformers.
 
-This is the cost model of DESIGN.md §5: c = latency(draft) / latency(target).  A step is one
+This is the cost model of DESIGN.md §7: c = latency(draft) / latency(target).  A step is one
 forward pass over one new token with the cache of the previous ones, timed after a warm-up,
 and the median over several runs is reported.
 """

@@ -158,7 +158,7 @@ Held-out set: {ev['heldout_files']} files, {ev['heldout_tokens']:,} tokens.
   Tokens per round at T=1: product form 1 + Σ_k Π_{{j≤k}} β_j = {prod['4']:.2f} (γ=4), {prod['8']:.2f} (γ=8);
   unbiased path estimate 1 + Σ_k E[Π_{{j≤k}} min(1, p(x_j)/q(x_j))] = {path['4']:.2f} (γ=4), {path['8']:.2f} (γ=8).
 
-## Expected speed-up (DESIGN.md §5)
+## Expected speed-up (DESIGN.md §7)
 
 c = {lat['draft']:.2f} / {lat['target']:.2f} = **{c:.3f}** (from the medians of the runs instead of the best:
 {lat['draft_median']:.2f} / {lat['target_median']:.2f} = {lat['c_median']:.3f}; the machine is shared, so runs vary). S = E / (γ·c + 1) with E = (1 − α^(γ+1)) / (1 − α)
