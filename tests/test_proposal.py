@@ -1,0 +1,67 @@
+"""The proposal codec round-trips in every mode, and decode_round refuses what the wire must not carry."""
+import pytest
+import torch
+
+from specdec.errors import RequestError
+from specdec.proposal import Proposal, decode_round
+from specdec.sampling import sparsify
+from specdec.v1 import specdec_pb2 as pb
+
+V = 7
+
+
+def _q(seed):
+    return torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 2, -1)
+
+
+def _decode(r, mode, greedy=False, expected=1, room=100):
+    return decode_round(r, expected=expected, room=room, vocab_size=V, mode=mode, greedy=greedy)
+
+
+@pytest.mark.parametrize("mode", [pb.PROPOSAL_MODE_DENSE, pb.PROPOSAL_MODE_SPARSE, pb.PROPOSAL_MODE_GREEDY])
+def test_round_trip(mode):
+    prop, want = Proposal(), []
+    for i, x in enumerate([3, 1, 5]):
+        q = _q(i)
+        if mode == pb.PROPOSAL_MODE_DENSE:
+            prop.add(x, mode, q)
+            want.append(q)
+        elif mode == pb.PROPOSAL_MODE_SPARSE:
+            ids, vals = sparsify(q, 4)
+            x = int(ids[0])
+            prop.add(x, mode, vals, ids)
+            want.append(torch.zeros(V).index_put_((ids,), vals))
+        else:
+            prop.add(x, mode)
+            want.append(torch.nn.functional.one_hot(torch.tensor(x), V).float())
+    r = prop.to_round(1)
+    tokens, q = _decode(pb.Round.FromString(r.SerializeToString()), mode)  # through the wire bytes
+    assert tokens.tolist() == prop.tokens
+    torch.testing.assert_close(q, torch.stack(want), rtol=0, atol=1e-7)  # float32 on the wire
+    assert _decode(r, mode, greedy=True)[1] is None  # greedy sessions never build q
+
+
+def test_one_hot_lookup_proposals_in_every_mode():
+    for mode in (pb.PROPOSAL_MODE_DENSE, pb.PROPOSAL_MODE_SPARSE, pb.PROPOSAL_MODE_GREEDY):
+        tokens, q = _decode(Proposal.one_hot([2, 6], mode, V).to_round(1), mode)
+        assert tokens.tolist() == [2, 6] and torch.equal(q, torch.nn.functional.one_hot(torch.tensor([2, 6]), V).float())
+
+
+BAD = [
+    (pb.Round(round=2, tokens=[1]), pb.PROPOSAL_MODE_GREEDY, "round: expected 1"),
+    (pb.Round(round=1, tokens=[1, 2, 3]), pb.PROPOSAL_MODE_GREEDY, "at most 2 fit"),  # room=2 below
+    (pb.Round(round=1, tokens=[V]), pb.PROPOSAL_MODE_GREEDY, "outside the vocabulary"),
+    (pb.Round(round=1, tokens=[1], q_probs=[1.0]), pb.PROPOSAL_MODE_GREEDY, "sends no probabilities"),
+    (pb.Round(round=1, tokens=[1], q_probs=[1.0] * (V - 1)), pb.PROPOSAL_MODE_DENSE, "dense mode needs"),
+    (pb.Round(round=1, tokens=[1], q_counts=[2], q_ids=[1], q_probs=[1.0]), pb.PROPOSAL_MODE_SPARSE, "lengths disagree"),
+    (pb.Round(round=1, tokens=[1], q_counts=[2], q_ids=[1, 1], q_probs=[0.5, 0.5]), pb.PROPOSAL_MODE_SPARSE, "repeats"),
+    (pb.Round(round=1, tokens=[1], q_counts=[1], q_ids=[1], q_probs=[0.5]), pb.PROPOSAL_MODE_SPARSE, "sum to 1"),
+    (pb.Round(round=1, tokens=[1], q_counts=[1], q_ids=[2], q_probs=[1.0]), pb.PROPOSAL_MODE_SPARSE, "no probability in its q"),
+    (pb.Round(round=1, tokens=[1], q_counts=[1], q_ids=[1], q_probs=[float("nan")]), pb.PROPOSAL_MODE_SPARSE, "finite"),
+]
+
+
+@pytest.mark.parametrize("r,mode,why", BAD)
+def test_bad_rounds_are_refused_naming_the_field(r, mode, why):
+    with pytest.raises(RequestError, match=why):
+        _decode(r, mode, room=2)
