@@ -299,3 +299,16 @@ def test_manifests_keep_tokens_in_secret_files_and_fence_the_verify(overlay):
     assert {"ports": [{"port": "grpc", "protocol": "TCP"}]} in draft_rules  # clients from anywhere, with the client token
     assert [r for r in draft_rules if r.get("ports", [{}])[0].get("port") == "metrics"][0]["from"] == \
         [{"podSelector": {"matchLabels": {"specdec.io/metrics-scraper": "true"}}}]
+
+
+@pytest.mark.parametrize("overlay,verify_device", [("local-cpu", "cpu"), ("gpu", "cuda"), ("gpu-mtls", "cuda")])
+def test_manifests_place_each_model(overlay, verify_device):
+    """--device/--dtype reach the services as SPECDEC_DEVICE / SPECDEC_DTYPE from the config map:
+    the verify on its GPU in the GPU overlays, the drafts on the CPU everywhere."""
+    docs = render(overlay)
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("specdec-config"))["data"]
+    for name, prefix, device in (("specdec-verify", "VERIFY", verify_device), ("specdec-draft", "DRAFT", "cpu")):
+        (c,) = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name)["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e["valueFrom"]["configMapKeyRef"]["key"] for e in c["env"] if "configMapKeyRef" in e.get("valueFrom", {})}
+        assert config[env["SPECDEC_DEVICE"]] == device and env["SPECDEC_DEVICE"] == f"{prefix}_DEVICE"
+        assert config[env["SPECDEC_DTYPE"]] == "auto"
