@@ -187,21 +187,20 @@ class Scheduler:
             if prefill is not None:
                 self._run([], prefill)
             return
-        forward_s = time.perf_counter() - t0
         if jobs:
             metrics.BATCH_SIZE.observe(len(jobs))
             metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
-            metrics.FORWARD_TIME.observe(forward_s)
             try:
-                self._verdicts(jobs, logits[: len(jobs)], proposals, t0, forward_s)
+                self._verdicts(jobs, logits[: len(jobs)], proposals, t0)
             except Exception as e:  # noqa: BLE001
                 for j in jobs:
                     j.resolve(False, e)
         if prefill is not None and prefill.session.cache.length >= len(prefill.session.ids) - 1:
             prefill.resolve(True, None)
 
-    def _verdicts(self, jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor, t0: float, forward_s: float) -> None:
-        """Acceptance for every session on the device, then one transfer of all (n, next)."""
+    def _verdicts(self, jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor, t0: float) -> None:
+        """Acceptance for every session on the device, then one transfer of all (n, next); the
+        pass's time (forward + acceptance) is taken after that transfer, when a GPU is done."""
         results = []
         at = 0
         for j, lg in zip(jobs, logits):  # lg [tau+1, V]
@@ -217,6 +216,8 @@ class Scheduler:
             u = torch.rand(len(j.tokens) + 1, generator=g, dtype=torch.float64, device=lg.device)  # [tau+1]
             results.append(torch.stack(accept(p, tokens, q, u)))
         host = torch.stack(results).tolist()  # [B, 2]: the only host sync of the round
+        forward_s = time.perf_counter() - t0
+        metrics.FORWARD_TIME.observe(forward_s)
         for j, (n, nxt) in zip(jobs, host):
             s = j.session
             try:
