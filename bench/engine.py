@@ -18,23 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.prompts import CODE_PROMPTS
 from specdec.testing.launch import ENV, ROOT, Service
 from client import Client
 
-# code from outside the standard library, written for this benchmark
-PROMPTS = [
-    "import numpy as np\n\n\ndef moving_average(x, window):\n    \"\"\"Mean of each window of x.\"\"\"\n",
-    "from flask import Flask, jsonify, request\n\napp = Flask(__name__)\n\n\n@app.route('/users/<int:user_id>')\ndef get_user(user_id):\n",
-    "import torch\nimport torch.nn as nn\n\n\nclass MLP(nn.Module):\n    def __init__(self, dim, hidden):\n        super().__init__()\n",
-    "import requests\n\n\ndef fetch_json(url, retries=3, timeout=5.0):\n    for attempt in range(retries):\n",
-]
 
 
 def hf_runs(target: str, draft: str, dtype: str, n: int) -> dict:
@@ -45,7 +41,7 @@ def hf_runs(target: str, draft: str, dtype: str, n: int) -> dict:
     d = AutoModelForCausalLM.from_pretrained(draft, dtype=dt).eval()
     out: dict = {"generate": [], "assisted": [], "prompt lookup": [], "ids": []}
     with torch.inference_mode():
-        for p in PROMPTS:
+        for p in CODE_PROMPTS:
             ids = tok(p, return_tensors="pt").input_ids
             kw = dict(max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=tok.pad_token_id)
             for name, extra in [("generate", {}), ("assisted", dict(assistant_model=d)), ("prompt lookup", dict(prompt_lookup_num_tokens=8))]:
@@ -57,16 +53,19 @@ def hf_runs(target: str, draft: str, dtype: str, n: int) -> dict:
     return out
 
 
-def service_runs(target: str, draft: str, dtype: str, n: int) -> dict:
+def service_runs(target: str, draft: str, dtype: str, n: int, prompts: list[list[int]] | None = None) -> dict:
+    """Both services on the pair (one thread each): target-only and speculative runs of the code
+    prompts (or of `prompts`, as ids), with each speculative request's per-round split."""
     env = dict(ENV, SPECDEC_DTYPE=dtype)
     v = Service("verify_service", "--model", target, "--threads", "1", env=env)
     d = Service("draft_service", "--model", draft, "--verify", v.address, "--threads", "1", env=env)
     out: dict = {"target-only": [], "speculative": [], "ids_target": [], "ids_spec": [], "overhead_ms": []}
     try:
-        tok = AutoTokenizer.from_pretrained(target)
+        if prompts is None:
+            tok = AutoTokenizer.from_pretrained(target)
+            prompts = [tok(p).input_ids for p in CODE_PROMPTS]
         with Client(v.address, timeout=300, target_only=True) as cv, Client(d.address, timeout=300) as cd:
-            for p in PROMPTS:
-                ids = tok(p).input_ids
+            for ids in prompts:
                 cv.generate(prompt_ids=ids, max_new_tokens=4)  # warm-up
                 r = cv.generate(prompt_ids=ids, max_new_tokens=n)
                 out["target-only"].append((len(r.token_ids), r.stats["wall_s"]))
@@ -77,12 +76,29 @@ def service_runs(target: str, draft: str, dtype: str, n: int) -> dict:
                 s = r.stats
                 spent = s.get("draft_s", 0) + s.get("verify_forward_s", 0) + s.get("prefill_s", 0)
                 out["overhead_ms"].append(1e3 * (s["wall_s"] - spent) / max(1, s["rounds"]))
+                out.setdefault("draft_ms", []).append(1e3 * s.get("draft_s", 0) / max(1, s["rounds"]))
+                out.setdefault("forward_ms", []).append(1e3 * s.get("verify_forward_s", 0) / max(1, s["rounds"]))
                 out.setdefault("acceptance", []).append(s.get("acceptance_rate", 0.0))
                 out.setdefault("rounds", []).append(s["rounds"])
     finally:
         d.stop()
         v.stop()
     return out
+
+
+def tiny_round(n: int) -> dict:
+    """The services' own cost per round, with models that cost almost nothing: a 2-layer, 64-wide
+    target and a 1-layer, 32-wide draft (random weights)."""
+    from specdec.testing import tinymodels  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="specdec-engine-") as tmp:
+        t = tinymodels.build(os.path.join(tmp, "target"), vocab_size=256, hidden=64, layers=2, max_context=1024, seed=0)
+        d = tinymodels.build(os.path.join(tmp, "draft"), vocab_size=256, hidden=32, layers=1, max_context=1024, seed=1)
+        r = random.Random(0)
+        runs = service_runs(t, d, "float32", n, [[r.randrange(2, 256) for _ in range(24)] for _ in range(8)])
+    return {"target": "2-layer 64-wide", "draft": "1-layer 32-wide", "requests": len(runs["overhead_ms"]),
+            **{k: statistics.median(runs[k]) for k in ("overhead_ms", "draft_ms", "forward_ms")},
+            "target_only_tok_s": rate(runs["target-only"]), "speculative_tok_s": rate(runs["speculative"])}
 
 
 def rate(pairs) -> float:
@@ -99,7 +115,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    results: dict = {"max_new_tokens": a.max_new_tokens, "prompts": len(PROMPTS), "dtypes": {}}
+    results: dict = {"max_new_tokens": a.max_new_tokens, "prompts": len(CODE_PROMPTS), "dtypes": {}}
     for dtype in a.dtypes.split(","):
         runs: dict = {}
         for rep in range(a.repeats):  # alternate in-process and service runs
@@ -122,10 +138,11 @@ def main(argv=None) -> None:
         row["overhead_ms_per_round"] = statistics.median(x for r in runs["overhead_ms"] for x in r)
         row["acceptance"] = statistics.mean(x for r in runs["acceptance"] for x in r)
         results["dtypes"][dtype] = row
+    results["tiny"] = tiny_round(a.max_new_tokens)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "engine.json"), "w") as fh:
         json.dump(results, fh, indent=1)
-    lines = [f"# Engine vs transformers generate() ({len(PROMPTS)} non-stdlib code prompts, greedy, "
+    lines = [f"# Engine vs transformers generate() ({len(CODE_PROMPTS)} non-stdlib code prompts, greedy, "
              f"{a.max_new_tokens} tokens, 1 torch thread per process, median of {a.repeats} alternating repeats)", "",
              "| dtype | what | tok/s | vs generate() |", "|---|---|---|---|"]
     for dtype, row in results["dtypes"].items():
@@ -136,6 +153,11 @@ def main(argv=None) -> None:
     for dtype, row in results["dtypes"].items():
         same = ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in row["identical"].items())
         lines.append(f"| {dtype} | {same} | {row['overhead_ms_per_round']:.2f} | {row['acceptance']:.3f} |")
+    t = results["tiny"]
+    lines += ["", f"Per round with tiny models (a {t['target']} target, a {t['draft']} draft, float32, median over "
+              f"{t['requests']} requests): draft steps {t['draft_ms']:.2f} ms, target pass {t['forward_ms']:.2f} ms, "
+              f"everything else (gRPC, scheduling, Python) **{t['overhead_ms']:.2f} ms**; target-only "
+              f"{t['target_only_tok_s']:.0f} tok/s, speculative {t['speculative_tok_s']:.0f} tok/s."]
     with open(os.path.join(a.out, "ENGINE.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))

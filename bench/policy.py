@@ -26,7 +26,7 @@ import sys
 
 from bench import split
 from bench.demo import PROMPT as DEMO_PROMPT
-from bench.engine import PROMPTS as CODE_PROMPTS
+from bench.prompts import CODE_PROMPTS
 from bench.run import alpha_from
 from specdec.costmodel import Costs, expected_tokens, tokens_per_second
 from specdec.testing.launch import ENV, ROOT, Service

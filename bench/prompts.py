@@ -5,7 +5,9 @@ trained on: the held-out split of the CPython standard library (train/corpus.py)
   first body line, one per held-out file, in a fixed order (bench.run, bench.concurrency);
 * `stdlib_snippets`: snippets that START at a `def`/`class` line and stop at a line boundary,
   shuffled (bench.loadtest `--prompts stdlib`);
-* `load_prompts`: the load tester's `--prompts` choice: `stdlib`, `builtin` or a file.
+* `load_prompts`: the load tester's `--prompts` choice: `stdlib`, `builtin` or a file;
+* `CODE_PROMPTS`: code that uses libraries from outside the standard library, written for the
+  benchmarks (bench.engine, bench.policy) and the model card's quality figures (train.evaluate).
 """
 from __future__ import annotations
 
@@ -27,6 +29,14 @@ BUILTIN_PROMPTS = [
     "def quote(s):\n    \"\"\"Return s with special characters escaped.\"\"\"\n",
     "def chunks(seq, n):\n    \"\"\"Yield successive n-sized chunks from seq.\"\"\"\n",
     "async def fetch_all(urls):\n    results = []\n    for url in urls:\n",
+]
+
+CODE_PROMPTS = [
+    "import numpy as np\n\n\ndef moving_average(x, window):\n    \"\"\"Mean of each window of x.\"\"\"\n",
+    "from flask import Flask, jsonify, request\n\napp = Flask(__name__)\n\n\n@app.route('/users/<int:user_id>')\ndef get_user(user_id):\n",
+    "import torch\nimport torch.nn as nn\n\n\nclass MLP(nn.Module):\n    def __init__(self, dim, hidden):\n        super().__init__()\n",
+    "import requests\n\n\ndef fetch_json(url, retries=3, timeout=5.0):\n    for attempt in range(retries):\n",
+    "import pandas as pd\n\n\ndef load_sales(path):\n    \"\"\"Read the sales CSV and return totals per region.\"\"\"\n    df = pd.read_csv(path)\n",
 ]
 
 _DEF = re.compile(r"^(\s*)def \w+\(.*\):\s*$", re.M)

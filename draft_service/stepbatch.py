@@ -16,9 +16,8 @@ import threading
 import torch
 
 from specdec import metrics
-from specdec.kvcache import KVCache, forward_packed
+from specdec.kvcache import PREFILL_CHUNK, KVCache, forward_packed
 
-PREFILL_CHUNK = 256
 STEP_TOKENS = 8  # a forward over at most this many tokens counts as a decode step
 MAX_BATCH = 128  # decode steps per pass
 

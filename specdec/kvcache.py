@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface, Cache
 
+PREFILL_CHUNK = 256  # prompt tokens per prefill pass, on both services (boundaries depend only on the prompt)
 MIN_ROWS = 4  # token rows per float32 matmul on the CPU, so GEMMs stay on their row-invariant kernels
 
 

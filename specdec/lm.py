@@ -123,7 +123,14 @@ class LM:
         tok = AutoTokenizer.from_pretrained(path)
         cfg_dtype = _checkpoint_dtype(path)
         dt = resolve_dtype(dtype, dev, cfg_dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(dev)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(dev)
+        except ValueError as e:  # encoder-only / encoder-decoder configs: no causal-LM class at all
+            if "Unrecognized configuration class" not in str(e):
+                raise
+            kind = json.load(open(os.path.join(path, "config.json"))).get("model_type", "?")
+            raise Unsupported(f"{kind}: transformers has no causal-LM class for it; only decoder-only language models "
+                              "are served") from None
         model.eval()
         cfg = model.config
         try:

@@ -6,7 +6,7 @@ silently change the output distribution (DESIGN.md §3).
 
 Random numbers are keyed, not streamed: every draw comes from a generator seeded with
 (request seed, absolute position, purpose) (`keyed_generator`), so the same request gives the
-same tokens however its rounds were timed, batched or pre-drafted (DESIGN.md §8).
+same tokens however its rounds were timed, batched or pre-drafted (DESIGN.md §3).
 """
 from __future__ import annotations
 

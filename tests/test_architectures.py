@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 import archmodels
 from archmodels import CTX, EOS, SPECS, TRANSFORMED, V, WINDOW
 from client import AsyncClient, Client
-from conftest import ENV, ROOT, Service
+from conftest import ENV, ROOT, Service, metric
 from reference import chi_square_p
 
 LLAMA_EOS_PROMPT = list(range(3, 20))  # the prompt archmodels.build picks the extra llama EOS ids from
@@ -88,26 +88,34 @@ def test_greedy_equals_generate(arch):
             assert vc.generate(prompt_ids=prompt, max_new_tokens=n).token_ids == want, (arch.name, "target-only", prompt)
 
 
+def _to_the_limit(arch, n: int, seed: int, short: int) -> tuple[list[int], list[int]]:
+    """A prompt `short` tokens short of the context limit whose generate() run reaches the limit
+    (no EOS on the way), and that run; bounded to n candidates."""
+    for prompt in prompts(n, seed=seed, lo=CTX - short, hi=CTX - short):
+        want = hf_generate(arch.model, prompt, short)
+        if len(want) == short:
+            return prompt, want
+    raise AssertionError(f"{arch.name}: none of {n} prompts ran to the context limit without EOS")
+
+
 def test_run_to_the_context_limit(arch):
     """A prompt 10 short of the context limit and max_new_tokens past it: generate()'s tokens,
-    then CONTEXT (or EOS where generate() stops first); the service stays up."""
-    for prompt in prompts(4, seed=2, lo=CTX - 10, hi=CTX - 10):  # bounded: the first whose run reaches the limit
-        want = hf_generate(arch.model, prompt, CTX - len(prompt))
-        if len(want) == CTX - len(prompt):
-            break
+    then CONTEXT; the service stays up."""
+    prompt, want = _to_the_limit(arch, 8, seed=2, short=10)
     with Client(arch.draft.address, timeout=120) as c:
         got = c.generate(prompt_ids=prompt, max_new_tokens=CTX, num_draft_tokens=4)
     assert got.token_ids == want, (arch.name, got.stats)
-    assert got.finish_reason == ("context" if len(want) == CTX - len(prompt) else "eos")
+    assert got.finish_reason == "context"
     with Client(arch.verify.address, target_only=True, timeout=120) as c:
         got = c.generate(prompt_ids=prompt, max_new_tokens=CTX)
     assert got.token_ids == want and len(prompt) + len(got.token_ids) <= CTX
 
 
 def test_batch_mates_are_isolated(arch):
-    """Concurrent requests (one running into the context limit) each equal their solo output."""
+    """Concurrent requests (one running into the context limit) each equal their solo output,
+    and they really shared verify passes."""
     reqs = [dict(prompt_ids=p, max_new_tokens=16, num_draft_tokens=tau) for p, tau in zip(prompts(4, seed=3), (1, 2, 4, 6))]
-    reqs.append(dict(prompt_ids=prompts(1, seed=4, lo=CTX - 6, hi=CTX - 6)[0], max_new_tokens=16, num_draft_tokens=4))
+    reqs.append(dict(prompt_ids=_to_the_limit(arch, 8, seed=4, short=6)[0], max_new_tokens=16, num_draft_tokens=4))
     with Client(arch.draft.address, timeout=120) as c:
         solo = [c.generate(**r).token_ids for r in reqs]
 
@@ -115,8 +123,16 @@ def test_batch_mates_are_isolated(arch):
         async with AsyncClient(arch.draft.address, timeout=120) as c:
             return await asyncio.gather(*(c.generate(**r) for r in reqs))
 
+    def shared_passes():  # verify passes so far that carried more than one session
+        text = arch.verify.metrics()
+        return metric(text, "specdec_verify_batch_size_count") - metric(text, "specdec_verify_batch_size_bucket", le="1.0")
+
+    before = shared_passes()
     for _ in range(2):  # bounded: two rounds of the same set, interleaved differently
-        assert [r.token_ids for r in asyncio.run(together())] == solo, arch.name
+        got = asyncio.run(together())
+        assert [r.token_ids for r in got] == solo, arch.name
+        assert got[-1].finish_reason == "context", arch.name
+    assert shared_passes() - before >= 2, f"{arch.name}: the requests never shared a verify pass"
     for r, s in zip(reqs, solo):  # and the solo outputs are the model's own
         assert s == hf_generate(arch.model, r["prompt_ids"], r["max_new_tokens"]), arch.name
 
@@ -194,9 +210,23 @@ def _lfm2(path: str) -> str:
     return path
 
 
+def _t5(path: str) -> str:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from specdec.testing.tinymodels import word_tokenizer
+
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, eos_token_id=EOS, pad_token_id=1,
+                   decoder_start_token_id=1)
+    T5ForConditionalGeneration(cfg).save_pretrained(path)
+    word_tokenizer(V).save_pretrained(path)
+    return path
+
+
 @pytest.mark.parametrize("build,names", [
     (_bloom, ("BloomForCausalLM", "bloom", "attention interface")),  # attends through its own alibi code
     (_lfm2, ("Lfm2ForCausalLM", "lfm2", "conv", "recurrent state")),  # short-convolution layers keep a state
+    (_t5, ("t5", "decoder-only")),  # encoder-decoder: transformers has no causal-LM class for it
 ])
 @pytest.mark.parametrize("module", ["verify_service", "draft_service"])
 def test_unservable_architecture_is_refused_at_start_up(tmp_path, build, names, module):

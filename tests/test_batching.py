@@ -185,3 +185,66 @@ def test_cache_budget_is_sized_from_the_model_and_memory(packed):
     assert kv_bytes_per_token(packed.model.config, packed.dtype) == kv.nbytes() / 5  # the real dtype's size
     budget = default_cache_budget(packed, max_sessions=8)
     assert packed.max_context <= budget <= 8 * packed.max_context
+
+
+def _run_batch(eng, spec):
+    """Runs the rounds [(session, proposals, q)] as ONE scheduler pass (no queue, so the batch is
+    exactly this), returning each session's Verdict or exception."""
+    from verify_service.scheduler import _Job
+
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = [_Job(s, loop.create_future(), loop, toks, q) for s, toks, q in spec]
+        eng._run(jobs, None)
+        return loop.run_until_complete(asyncio.gather(*(j.future for j in jobs), return_exceptions=True))
+    finally:
+        loop.close()
+
+
+def _prefilled(eng, prompts, sampling=None):
+    from specdec.sampling import Sampling
+    from verify_service.scheduler import _Job
+
+    out = []
+    for p in prompts:
+        s = eng.open(p, 8, sampling or Sampling(), seed=3, mode=pb.PROPOSAL_MODE_GREEDY)
+        loop = asyncio.new_event_loop()
+        try:
+            job = _Job(s, loop.create_future(), loop)
+            eng._run([], job)
+            loop.run_until_complete(job.future)
+        finally:
+            loop.close()
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("where", ["pass", "acceptance"])
+def test_a_failing_session_fails_alone_and_its_batch_mates_get_their_solo_verdicts(packed, where):
+    """One session of a batched pass raises, in the forward pass (its cache cannot take the round)
+    or in the acceptance rule (a q of the wrong shape): that session gets the error, the others
+    get exactly the verdicts they get alone."""
+    from specdec.sampling import Sampling
+    from verify_service.scheduler import Scheduler
+
+    prompts = [[3, 4, 5, 6], [7, 8, 9], [4, 4, 5, 9, 10]]
+    rounds = [[5, 6, 7], [8, 9], [6, 6, 6, 6]]
+    eng = Scheduler(packed, max_sessions=8)
+    try:
+        solo = [_run_batch(eng, [(s, r, None)])[0] for s, r in zip(_prefilled(eng, prompts), rounds)]
+        assert all(not isinstance(v, Exception) for v in solo), solo
+        if where == "pass":
+            ss = _prefilled(eng, prompts)
+            ss[1].cache = KVCache(1)  # room for one token: its round's writes fail inside the pass
+            spec = [(s, r, None) for s, r in zip(ss, rounds)]
+        else:
+            ss = _prefilled(eng, prompts[:1]) + _prefilled(eng, prompts[1:2], Sampling(temperature=1.0)) + _prefilled(eng, prompts[2:])
+            bad_q = torch.full((len(rounds[1]), 3), 1 / 3)  # 3 columns for a vocabulary of 16
+            spec = [(s, r, bad_q if i == 1 else None) for i, (s, r) in enumerate(zip(ss, rounds))]
+        got = _run_batch(eng, spec)
+        assert isinstance(got[1], Exception), got
+        for v, w in ((got[0], solo[0]), (got[2], solo[2])):
+            assert not isinstance(v, Exception), got
+            assert (v.num_accepted, v.next_token, v.finish) == (w.num_accepted, w.next_token, w.finish)
+    finally:
+        eng.shutdown()

@@ -6,13 +6,17 @@ their path relative to the corpus root, and each file is assigned to the held-ou
 hash of that relative path, so the split is the same on every machine and every run and the
 training code never sees a held-out file.
 
-Users can also give their own corpus: any mix of files and directories (all text files found
-under a directory are used).
+A wider corpus adds the Python source of installed packages (``package:NAME``, found without
+importing them, only ``.py`` files); ``package_license`` reads each one's declared license so the
+model card can list them.  Users can also give their own corpus: any mix of files and
+directories (all text files found under a directory are used).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import importlib.util
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -88,12 +92,12 @@ def stdlib_documents(split: str = "train", include_tests: bool = True) -> List[D
     return _select(root, stdlib_files(include_tests), split)
 
 
-def _select(root: Path, names: Iterable[str], split: str) -> List[Document]:
+def _select(root: Path, names: Iterable[str], split: str, prefix: str = "") -> List[Document]:
     if split not in ("train", "heldout", "all"):
         raise ValueError(f"unknown split {split!r}")
     docs = []
     for name in names:
-        if split != "all" and is_heldout(name) != (split == "heldout"):
+        if split != "all" and is_heldout(prefix + name) != (split == "heldout"):
             continue
         text = _read_text(root / name)
         if text:
@@ -131,4 +135,53 @@ def user_documents(paths: Sequence[str], split: str = "train") -> List[Document]
     if not docs and split == "train":
         # A tiny corpus may hash every file into the held-out split; train on all of it then.
         return user_documents(paths, "all")
+    return docs
+
+
+def package_root(name: str) -> Path:
+    """Directory of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"no installed package named {name!r}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def package_documents(name: str, split: str = "train") -> List[Document]:
+    """The ``.py`` files of an installed package, named ``<name>/<relative path>`` (the held-out
+    split is chosen by that name, so it does not depend on where the package is installed)."""
+    root = package_root(name)
+    names = sorted(n for n in _walk_text_files(root) if n.endswith(".py"))
+    return [Document(f"{name}/{d.name}", d.text) for d in _select(root, names, split, prefix=f"{name}/")]
+
+
+def package_license(name: str) -> str:
+    """The license an installed package declares (SPDX expression, License field or classifier)."""
+    dists = importlib.metadata.packages_distributions().get(name.split(".")[0], [])
+    for dist in dists:
+        meta = importlib.metadata.metadata(dist)
+        lic = meta.get("License-Expression") or ""
+        if not lic:
+            field = (meta.get("License") or "").strip()
+            lic = field.splitlines()[0] if field and len(field) < 100 else ""
+        if not lic:
+            lic = "; ".join(c.split("::")[-1].strip() for c in meta.get_all("Classifier") or [] if c.startswith("License ::"))
+        if lic:
+            return f"{lic} ({dist})"
+    return "unknown"
+
+
+def documents(specs: Sequence[str], split: str = "train", include_tests: bool = True) -> List[Document]:
+    """A corpus from specs: ``stdlib`` (the standard library), ``package:NAME`` (an installed
+    package's Python source), or any file or directory path."""
+    docs: List[Document] = []
+    paths = []
+    for spec in specs:
+        if spec == "stdlib":
+            docs += stdlib_documents(split, include_tests)
+        elif spec.startswith("package:"):
+            docs += package_documents(spec.split(":", 1)[1], split)
+        else:
+            paths.append(spec)
+    if paths:
+        docs += user_documents(paths, split)
     return docs

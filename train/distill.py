@@ -11,8 +11,9 @@ without gradients and the loss is the KL divergence ``KL(p_target || q_draft)`` 
 mixed with the ordinary cross-entropy on the corpus, ``--ce-weight``).  Matching the whole
 distribution, not only the corpus token, is what raises the acceptance rate.
 
-The corpus is any mix of files and directories (every text file under a directory), or the
-word ``stdlib`` for the training split of the Python standard library.  About 5% of the files
+The corpus is any mix of files and directories (every text file under a directory), the
+word ``stdlib`` for the training split of the Python standard library, and ``package:NAME`` for
+an installed package's Python source.  About 5% of the files
 (chosen by a hash of their path) are held out and never trained on.
 
 Running the same command again resumes from ``RUN_DIR/checkpoint.pt`` (default
@@ -37,12 +38,6 @@ from train.pretrain import seed_everything
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
-
-
-def load_corpus(paths, split: str = "train"):
-    if list(paths) == ["stdlib"]:
-        return corpus.stdlib_documents(split)
-    return corpus.user_documents(paths, split)
 
 
 def copy_tokenizer(target_dir: Path, out_dir: Path, tokenizer) -> None:
@@ -84,7 +79,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m train.distill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="local Hugging Face causal LM directory")
-    ap.add_argument("--corpus", required=True, nargs="+", help="files and/or directories, or 'stdlib'")
+    ap.add_argument("--corpus", required=True, nargs="+", help="files and/or directories, 'stdlib', or 'package:NAME'")
+    ap.add_argument("--init-from", default=None, help="start from this draft directory instead of random weights")
     ap.add_argument("--out", required=True, help="output directory of the draft model")
     ap.add_argument("--run-dir", default=None, help="checkpoints and loss log (default runs/distill-<out name>)")
     ap.add_argument("--layers", type=int, default=1)
@@ -120,14 +116,14 @@ def main(argv=None) -> dict:
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, args.target_dtype))
     target.eval().requires_grad_(False)
 
-    docs = load_corpus(args.corpus, "train")
+    docs = corpus.documents(args.corpus, "train")
     tokens = tokenize_documents(tokenizer, docs)
     print(f"corpus: {len(docs)} files, {tokens.numel():,} tokens", flush=True)
 
     torch.manual_seed(args.seed)
     cfg = draft_config(target.config, args.hidden, args.layers, args.heads,
                        args.intermediate or 4 * args.hidden, not args.untie, args.max_positions)
-    draft = LlamaForCausalLM(cfg)
+    draft = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32) if args.init_from else LlamaForCausalLM(cfg)
     n_t = sum(p.numel() for p in target.parameters())
     n_d = sum(p.numel() for p in draft.parameters())
     print(f"target {n_t:,} parameters, draft {n_d:,} ({n_d / n_t:.3f} of the target)", flush=True)

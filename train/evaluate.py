@@ -12,6 +12,10 @@ Everything is measured in float32 with batch-1 KV-cache decoding, the way the se
 * T=1 acceptance: along the draft's own sampled 8-token proposals, β_k = Σ_x min(p(x), q(x))
   at proposal position k = 1..8; the mean β, the product-form estimate of tokens per round,
   and the unbiased path estimate E[Π_j min(1, p(x_j)/q(x_j))];
+* on code from outside the standard library (bench/prompts.py CODE_PROMPTS): the distinct-3-gram
+  ratio of the target's greedy 128-token continuations (a loop scores near 0, real code about
+  0.8) and α along them;
+* α on out-of-domain code (``--ood-corpus``: packages the pair never trained on);
 * per-token decoding latency of each model and c = draft / target (alternating runs; the
   minimum over runs is reported as the latency, the median is kept too);
 * the expected speed-up of DESIGN.md §7, S = E / (γ·c + 1) with E = (1 − α^(γ+1)) / (1 − α),
@@ -111,6 +115,32 @@ def greedy_acceptance(target, draft, prompts: torch.Tensor, steps: int, batch: i
     return {"alpha": alpha, "positions": agree.numel(), "tokens_per_round_measured": per_round}
 
 
+def distinct_ngrams(ids: list[int], n: int = 3) -> float:
+    """Distinct n-grams / n-grams of a token sequence (1.0: no n-gram repeats)."""
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+@torch.no_grad()
+def code_prompts_quality(target, draft, tokenizer, prompts: list[str], steps: int) -> dict:
+    """The target's greedy continuations of `prompts` (cut at EOS, as generate() stops): their
+    distinct-3-gram ratio and text, and the draft's greedy α along them."""
+    eos = tokenizer.eos_token_id
+    rows, agree, positions = [], 0.0, 0
+    for text in prompts:
+        ids = torch.tensor([tokenizer(text).input_ids])
+        cont = greedy_continue(target, ids, steps)[0].tolist()
+        if eos in cont:
+            cont = cont[:cont.index(eos) + 1]
+        g = greedy_acceptance(target, draft, ids, len(cont), 1)
+        agree += g["alpha"] * g["positions"]
+        positions += g["positions"]
+        rows.append({"prompt": text, "completion": tokenizer.decode(cont), "tokens": len(cont),
+                     "distinct_3": round(distinct_ngrams(cont), 4)})
+    return {"mean_distinct_3": round(sum(r["distinct_3"] for r in rows) / len(rows), 4),
+            "alpha": round(agree / positions, 4), "positions": positions, "max_new_tokens": steps, "prompts": rows}
+
+
 @torch.no_grad()
 def sampled_acceptance(target, draft, prompts: torch.Tensor, gamma: int, batch: int, seed: int) -> dict:
     """T=1 acceptance per proposal position along the draft's own samples."""
@@ -161,7 +191,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", required=True)
     ap.add_argument("--corpus", nargs="+", default=["stdlib"],
-                    help="held-out split of these files/dirs, or 'stdlib' (default)")
+                    help="held-out split of these: 'stdlib' (default), 'package:NAME', files or directories")
+    ap.add_argument("--ood-corpus", nargs="*", default=[],
+                    help="out-of-domain code the pair never trained on (all of it), e.g. package:rich")
+    ap.add_argument("--code-tokens", type=int, default=128, help="greedy tokens per code prompt")
     ap.add_argument("--out", default=None, help="JSON file to write")
     ap.add_argument("--loss-seq-len", type=int, default=512)
     ap.add_argument("--loss-windows", type=int, default=48)
@@ -180,10 +213,7 @@ def main(argv=None) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target, draft = load(args.target), load(args.draft)
-    if list(args.corpus) == ["stdlib"]:
-        docs = corpus.stdlib_documents("heldout")
-    else:
-        docs = corpus.user_documents(args.corpus, "heldout")
+    docs = corpus.documents(args.corpus, "heldout")
     tokens = tokenize_documents(tokenizer, docs)
     print(f"held-out: {len(docs)} files, {tokens.numel():,} tokens", flush=True)
     res: dict = {
@@ -206,6 +236,16 @@ def main(argv=None) -> dict:
     prompts = prompts_from(tokens, args.prompts, args.prompt_len)
     res["greedy"] = greedy_acceptance(target, draft, prompts, args.continuation, args.batch)
     print("greedy", res["greedy"], flush=True)
+    from bench.prompts import CODE_PROMPTS  # noqa: PLC0415 - the benchmarks' prompt set (a checkout tool, like train/)
+
+    res["code_prompts"] = code_prompts_quality(target, draft, tokenizer, CODE_PROMPTS, args.code_tokens)
+    print("code prompts", {k: v for k, v in res["code_prompts"].items() if k != "prompts"}, flush=True)
+    if args.ood_corpus:
+        ood = tokenize_documents(tokenizer, corpus.documents(args.ood_corpus, "all"))
+        res["out_of_domain"] = {"corpus": args.ood_corpus, "tokens": int(ood.numel()),
+                                **greedy_acceptance(target, draft, prompts_from(ood, args.prompts, args.prompt_len),
+                                                    args.continuation, args.batch)}
+        print("out of domain", res["out_of_domain"]["alpha"], flush=True)
     res["sampled_T1"] = sampled_acceptance(target, draft, prompts, 8, args.batch, args.seed)
     print("T=1", res["sampled_T1"], flush=True)
     res["latency_ms_per_token"] = compare_latency(target, draft, args.latency_rounds, args.latency_steps)

@@ -170,7 +170,7 @@ c = {lat['draft']:.2f} / {lat['target']:.2f} = **{c:.3f}** (from the medians of 
 
 Best γ: greedy **γ = {sp['greedy']['best_gamma']}, S = {sp['greedy']['best_speedup']:.2f}×**; T=1 γ = {sp['sampled_T1']['best_gamma']},
 S = {sp['sampled_T1']['best_speedup']:.2f}×. These are the in-process bounds; the services add RPC and scheduling
-costs (ρ in §5). The latencies (and so c) were measured while another developer's services
+costs (ρ in DESIGN.md §7). The latencies (and so c) were measured while another developer's services
 were running on the same two cores; on an idle machine the sizing runs above gave
 14.6 ms vs about 1.1 ms (c ≈ 0.08, 2 threads), so the speed-ups here are conservative. Latencies were measured on an AMD EPYC (AVX512-BF16), 2 cores, torch
 {ev['machine']['torch']}, {ev['machine']['torch_threads']} threads; evaluation took {ev['eval_seconds']:.0f} s.

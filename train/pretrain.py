@@ -1,12 +1,13 @@
 """Pre-training the shipped TARGET model: a Llama-style causal LM on the stdlib corpus.
 
     python -m train.pretrain --out models/stdlib-code-target --run-dir runs/target \
-        --max-minutes 72
+        --max-minutes 72 [--corpus stdlib package:numpy my_code/] [--init-from DIR]
 
 Trains (or reuses, if ``--tokenizer`` already exists) the byte-level BPE tokenizer on the
 training split, builds a ``LlamaForCausalLM`` of the requested size, and trains it with the
 resumable loop in ``train.loop``: running the same command again resumes from
-``RUN_DIR/checkpoint.pt``.  The result is written as a Hugging Face directory (bf16
+``RUN_DIR/checkpoint.pt``.  ``--init-from DIR`` starts from a trained model (and its tokenizer)
+instead of random weights: how the shipped target was trained further on a wider corpus.  The result is written as a Hugging Face directory (bf16
 safetensors, tokenizer, config with EOS and max_position_embeddings).
 """
 
@@ -45,6 +46,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, help="final Hugging Face model directory")
     ap.add_argument("--run-dir", default="runs/target", help="checkpoints and loss log")
     ap.add_argument("--tokenizer", default="runs/tokenizer", help="tokenizer dir (trained if missing)")
+    ap.add_argument("--corpus", nargs="+", default=["stdlib"],
+                    help="'stdlib', 'package:NAME' (an installed package's .py files), files or directories")
+    ap.add_argument("--init-from", default=None, help="continue from this Hugging Face model directory (its tokenizer too)")
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--no-tests", action="store_true", help="leave the stdlib test packages out")
     ap.add_argument("--hidden", type=int, default=512)
@@ -69,8 +73,8 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     seed_everything(args.seed)
     include_tests = not args.no_tests
-    docs = corpus.stdlib_documents("train", include_tests=include_tests)
-    tok_dir = Path(args.tokenizer)
+    docs = corpus.documents(args.corpus, "train", include_tests=include_tests)
+    tok_dir = Path(args.init_from or args.tokenizer)
     if not (tok_dir / "tokenizer.json").exists():
         tok = train_on_documents(docs, args.vocab_size, args.max_positions)
         tok.save_pretrained(tok_dir)
@@ -78,9 +82,11 @@ def main(argv=None) -> None:
     tokens = tokenize_documents(tokenizer, docs)
     print(f"corpus: {len(docs)} training files, {tokens.numel():,} tokens", flush=True)
 
-    cfg = target_config(tokenizer, args.hidden, args.layers, args.heads, args.intermediate,
-                       args.max_positions, args.tie)
-    model = LlamaForCausalLM(cfg)
+    if args.init_from:
+        model = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+    else:
+        model = LlamaForCausalLM(target_config(tokenizer, args.hidden, args.layers, args.heads, args.intermediate,
+                                               args.max_positions, args.tie))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"target: {n_params:,} parameters", flush=True)
 
@@ -91,7 +97,8 @@ def main(argv=None) -> None:
         desc="pretrain"))
     export.save_hf_dir(model, tokenizer, args.out)
     summary.update(parameters=n_params, corpus_tokens=int(tokens.numel()), corpus_files=len(docs),
-                   seq_len=args.seq_len, batch_size=args.batch_size, include_tests=include_tests)
+                   seq_len=args.seq_len, batch_size=args.batch_size, include_tests=include_tests,
+                   corpus=args.corpus, init_from=args.init_from)
     (Path(args.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary), flush=True)
 

@@ -26,7 +26,7 @@ import torch
 from specdec import metrics
 from specdec.acceptance import accept, accept_greedy
 from specdec.errors import RequestError
-from specdec.kvcache import KVCache, forward_packed
+from specdec.kvcache import PREFILL_CHUNK, KVCache, forward_packed
 from specdec.lm import LM
 from specdec.sampling import VERIFY, Sampling, keyed_generator, probs_from_logits
 from specdec.v1 import specdec_pb2 as pb
@@ -35,7 +35,6 @@ from verify_service.session import Session, Verdict, commit
 
 log = logging.getLogger("specdec.verify")
 
-PREFILL_CHUNK = 256  # prompt tokens per prefill chunk
 MAX_BATCH_TOKENS = 1024  # new tokens per pass
 
 
@@ -190,35 +189,29 @@ class Scheduler:
         if jobs:
             metrics.BATCH_SIZE.observe(len(jobs))
             metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
-            try:
-                self._verdicts(jobs, logits[: len(jobs)], proposals, t0)
-            except Exception as e:  # noqa: BLE001
-                for j in jobs:
-                    j.resolve(False, e)
+            self._verdicts(jobs, logits[: len(jobs)], proposals, t0)
         if prefill is not None and prefill.session.cache.length >= len(prefill.session.ids) - 1:
             prefill.resolve(True, None)
 
     def _verdicts(self, jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor, t0: float) -> None:
         """Acceptance for every session on the device, then one transfer of all (n, next); the
         pass's time (forward + acceptance) is taken after that transfer, when a GPU is done."""
-        results = []
+        results, ok = [], []
         at = 0
         for j, lg in zip(jobs, logits):  # lg [tau+1, V]
-            s = j.session
             tokens = proposals[at : at + len(j.tokens)]  # [tau]
             at += len(j.tokens)
-            if s.sampling.greedy:
-                results.append(torch.stack(accept_greedy(lg.argmax(-1), tokens)))
-                continue
-            p = probs_from_logits(lg, s.sampling)  # [tau+1, V]
-            q = j.q if j.q is not None else p.new_zeros(0, p.shape[1])  # target-only: no proposals
-            g = keyed_generator(s.generator, s.seed, len(s.ids), VERIFY)  # draws keyed by (seed, position)
-            u = torch.rand(len(j.tokens) + 1, generator=g, dtype=torch.float64, device=lg.device)  # [tau+1]
-            results.append(torch.stack(accept(p, tokens, q, u)))
+            try:
+                results.append(self._accept(j, lg, tokens))
+                ok.append(j)
+            except Exception as e:  # noqa: BLE001 - fails this session only
+                j.resolve(False, e)
+        if not ok:
+            return
         host = torch.stack(results).tolist()  # [B, 2]: the only host sync of the round
         forward_s = time.perf_counter() - t0
         metrics.FORWARD_TIME.observe(forward_s)
-        for j, (n, nxt) in zip(jobs, host):
+        for j, (n, nxt) in zip(ok, host):
             s = j.session
             try:
                 v = commit(s, j.tokens[:n] + [nxt], n, self.lm.eos, self.lm.max_context)
@@ -227,6 +220,18 @@ class Scheduler:
                 j.resolve(True, v)
             except Exception as e:  # noqa: BLE001
                 j.resolve(False, e)
+
+    @staticmethod
+    def _accept(j: _Job, lg: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """One session's (accepted count, next token) on the device, not yet on the host."""
+        s = j.session
+        if s.sampling.greedy:
+            return torch.stack(accept_greedy(lg.argmax(-1), tokens))
+        p = probs_from_logits(lg, s.sampling)  # [tau+1, V]
+        q = j.q if j.q is not None else p.new_zeros(0, p.shape[1])  # target-only: no proposals
+        g = keyed_generator(s.generator, s.seed, len(s.ids), VERIFY)  # draws keyed by (seed, position)
+        u = torch.rand(len(j.tokens) + 1, generator=g, dtype=torch.float64, device=lg.device)  # [tau+1]
+        return torch.stack(accept(p, tokens, q, u))
 
     @staticmethod
     def _dropped(j: _Job) -> bool:
