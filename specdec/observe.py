@@ -105,8 +105,8 @@ class _ObservedContext:
         return msg
 
     async def write(self, msg) -> None:
-        await self._context.write(msg)
-        self._call.sent(msg)
+        self._call.sent(msg)  # counted when handed to gRPC: the caller may cancel (and so cancel this
+        await self._context.write(msg)  # await) as soon as the message arrives
 
 
 # (request streaming, response streaming) -> the handler's attribute, and how to make one of that kind

@@ -112,12 +112,19 @@ def _start(fp, prompt=(3, 4), max_new=8):
 
 async def _open_session(stub, fp, **kw):
     call = stub.Session()
-    try:
-        await call.write(_start(fp, **kw))
-        await call.write(pb.VerifyRequest(round=pb.Round(round=1, tokens=[])))
-    except asyncio.InvalidStateError:  # refused already: the read below raises the status
-        pass
+    await call.write(_start(fp, **kw))
+    await call.write(pb.VerifyRequest(round=pb.Round(round=1, tokens=[])))
     return call, await call.read()
+
+
+async def _refused_session(stub, fp, **kw) -> grpc.aio.AioRpcError:
+    """Opens a session the verifier must refuse at `start`: writes only the start and reads the
+    status (a second write could race the refusal and lose its status, grpc/grpc#36066)."""
+    call = stub.Session()
+    await call.write(_start(fp, **kw))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await asyncio.wait_for(call.read(), 60)
+    return e.value
 
 
 def test_capacity_limits_answer_resource_exhausted_and_recover(model_dir):
@@ -130,19 +137,17 @@ def test_capacity_limits_answer_resource_exhausted_and_recover(model_dir):
                 a, ra = await _open_session(stub, fp)
                 b, rb = await _open_session(stub, fp)
                 assert ra.round == 1 and rb.round == 1
-                with pytest.raises(grpc.aio.AioRpcError) as e:  # third session: over --max-sessions
-                    await _open_session(stub, fp)
-                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in e.value.details()
-                assert dict(e.value.trailing_metadata()).get("retry-after-ms")
+                e = await _refused_session(stub, fp)  # third session: over --max-sessions
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in e.details()
+                assert dict(e.trailing_metadata()).get("retry-after-ms")
                 a.cancel()
                 b.cancel()
                 for _ in range(100):  # the server frees cancelled sessions promptly; wait for it under load
                     if metric(v.metrics(), "specdec_live_sessions", service="verify") == 0:
                         break
                     await asyncio.sleep(0.05)
-                with pytest.raises(grpc.aio.AioRpcError) as e:  # 2 + 60 tokens > --max-cached-tokens 40
-                    await _open_session(stub, fp, max_new=60)
-                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "cache" in e.value.details()
+                e = await _refused_session(stub, fp, max_new=60)  # 2 + 60 tokens > --max-cached-tokens 40
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "cache" in e.details()
                 c, rc = await _open_session(stub, fp)  # room again
                 assert rc.round == 1
                 c.cancel()
