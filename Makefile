@@ -36,6 +36,7 @@ deploy-check: setup
 	VENV=$(VENV) bash deploy/check.sh
 
 bench: setup
+	$(BIN)/python -m bench.engine
 	$(BIN)/python -m bench.run
 	$(BIN)/python -m bench.concurrency
 

@@ -185,3 +185,17 @@ def documents(specs: Sequence[str], split: str = "train", include_tests: bool = 
     if paths:
         docs += user_documents(paths, split)
     return docs
+
+
+def describe(specs: Sequence[str], tokenizer, split: str = "train") -> List[dict]:
+    """Per corpus spec: its license (for installed packages), files and tokens in `split`."""
+    from train.data import tokenize_documents  # noqa: PLC0415 - train.data imports this module
+
+    rows = []
+    for spec in specs:
+        docs = documents([spec], split)
+        lic = package_license(spec.split(":", 1)[1]) if spec.startswith("package:") else \
+            "PSF-2.0 (CPython)" if spec == "stdlib" else "the user's"
+        rows.append({"spec": spec, "license": lic, "files": len(docs),
+                     "tokens": int(tokenize_documents(tokenizer, docs).numel()) if docs else 0})
+    return rows

@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     export.save_hf_dir(model, tokenizer, args.out)
     summary.update(parameters=n_params, corpus_tokens=int(tokens.numel()), corpus_files=len(docs),
                    seq_len=args.seq_len, batch_size=args.batch_size, include_tests=include_tests,
-                   corpus=args.corpus, init_from=args.init_from)
+                   corpus=args.corpus, init_from=args.init_from, max_steps=args.steps, lr=args.lr, warmup=args.warmup)
     (Path(args.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary), flush=True)
 
