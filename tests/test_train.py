@@ -169,3 +169,25 @@ def test_evaluation_measures_a_pair(tiny_pair_inputs):
     t1o = evaluate.sampled_acceptance(target, other, prompts, gamma=4, batch=2, seed=0)
     assert 0.0 <= t1o["beta_mean"] < 0.999
     assert all(1.0 <= e <= g + 1 for g, e in t1o["tokens_per_round_path_estimate"].items())
+
+
+def test_package_corpus_is_split_by_its_own_names_and_declares_its_license():
+    """`package:NAME` reads an installed package's .py files (named NAME/relative path), split by
+    the same hash as every corpus; its declared license is found for the model card."""
+    train_docs = corpus.documents(["package:packaging"], "train")
+    held = corpus.documents(["package:packaging"], "heldout")
+    everything = corpus.documents(["package:packaging"], "all")
+    assert train_docs and all(d.name.startswith("packaging/") and d.name.endswith(".py") for d in everything)
+    assert sorted(d.name for d in train_docs + held) == sorted(d.name for d in everything)
+    assert all(corpus.is_heldout(d.name) for d in held) and not any(corpus.is_heldout(d.name) for d in train_docs)
+    assert "Apache" in corpus.package_license("packaging") or "BSD" in corpus.package_license("packaging")
+    with pytest.raises(FileNotFoundError):
+        corpus.documents(["package:no_such_package_here"])
+
+
+def test_code_prompt_quality_scores_loops_low():
+    from train.evaluate import distinct_ngrams
+
+    assert distinct_ngrams([1, 2, 3, 4, 5, 6]) == 1.0
+    assert distinct_ngrams([7, 8] * 20) == pytest.approx(2 / 38)  # a loop: two distinct 3-grams
+    assert distinct_ngrams([1, 2]) == 1.0
