@@ -69,3 +69,45 @@ def test_same_seed_same_tokens_with_predrafting_alone_and_under_load(services):
     assert sum(r.stats.get("predraft_hits", 0) + r.stats.get("predraft_misses", 0) for r in loaded) > 0  # pre-drafting ran
     with Client(d.address, timeout=120) as c:
         assert [c.generate(**r).token_ids for r in SAMPLED] == alone
+
+
+ADAPTIVE = [dict(prompt_ids=[3 + i, 5, 4 + i], max_new_tokens=36, temperature=1.0, seed=900 + i, num_draft_tokens=6,
+                 adaptive=True, predraft=bool(i % 2)) for i in range(6)]
+
+
+def test_same_seed_same_tokens_with_adaptive_tau_under_load_and_across_restarts(model_dir):
+    """Adaptive tau (pre-drafting on and off) chooses from acceptance history and the costs, never
+    from a clock: a seeded request gives the same tokens alone, beside five others, and after both
+    services restart with the same flags (costs pinned with --costs-ms)."""
+    def start():
+        v = Service("verify_service", "--model", model_dir("target"))
+        d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--costs-ms", "1.0,3.0,0.2")
+        return v, d
+
+    def alone(d):
+        with Client(d.address, timeout=120) as c:
+            return [c.generate(**r) for r in ADAPTIVE]
+
+    async def together(d):
+        async with AsyncClient(d.address, timeout=120) as c:
+            return await asyncio.gather(*(c.generate(**r) for r in ADAPTIVE))
+
+    v, d = start()
+    try:
+        first = alone(d)
+        loaded = asyncio.run(together(d))
+    finally:
+        d.stop()
+        v.stop()
+    v, d = start()
+    try:
+        restarted = alone(d)
+    finally:
+        d.stop()
+        v.stop()
+    ids = [r.token_ids for r in first]
+    assert [r.token_ids for r in loaded] == ids
+    assert [r.token_ids for r in restarted] == ids
+    # adaptive tau really adapted: rounds before the last (which the token budget may cut) drafted fewer than 6
+    assert any(r.stats["drafted"] < 6 * (r.stats["rounds"] - 1) for r in first), [r.stats for r in first]
+    assert any(r.stats.get("predraft_hits", 0) + r.stats.get("predraft_misses", 0) for r in first)  # pre-drafting ran
