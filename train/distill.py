@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
     summary.update(target_parameters=n_t, draft_parameters=n_d, ratio=n_d / n_t,
                    corpus_tokens=int(tokens.numel()), corpus_files=len(docs),
                    seq_len=sampler.seq_len, batch_size=args.batch_size, max_steps=args.steps, lr=args.lr,
-                   warmup=args.warmup, corpus=args.corpus, init_from=args.init_from)
+                   warmup=args.warmup, max_minutes=args.max_minutes, corpus=args.corpus, init_from=args.init_from)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary), flush=True)
     return summary

@@ -38,7 +38,8 @@ nohup nice -n 19 .venv/bin/python -m train.pretrain --init-from runs/stage1-targ
 nohup nice -n 19 .venv/bin/python -m train.distill --target models/stdlib-code-target \\
     --init-from runs/stage1-draft --corpus {corpus} \\
     --out models/stdlib-code-draft --run-dir runs/draft2 --seq-len {d_seq} --batch-size {d_batch} \\
-    --steps {d_steps} --lr {d_lr} --warmup {d_warmup} --ce-weight 0.1 --threads 2 > runs/draft2.log 2>&1 &
+    --steps {d_steps} --max-minutes {d_minutes} --lr {d_lr} --warmup {d_warmup} --ce-weight 0.1 \\
+    --target-dtype bfloat16 --threads 2 > runs/draft2.log 2>&1 &
 # Measurements (this file's numbers)
 .venv/bin/python -m train.evaluate --target models/stdlib-code-target \\
     --draft models/stdlib-code-draft --out models/eval.json --threads 1 \\
@@ -62,7 +63,8 @@ TOOL = """\
 * `--target`: any local Hugging Face causal LM directory (`AutoModelForCausalLM` +
   `AutoTokenizer`); nothing is downloaded.
 * `--corpus`: files and/or directories (every text file below a directory, binaries skipped),
-  or the word `stdlib` for the Python standard library. Files are read in sorted order; about
+  the word `stdlib` for the Python standard library, or `package:NAME` for the `.py` files of
+  an installed package. Files are read in sorted order; about
   5% of them, picked by a hash of their path, are held out and never trained on
   (`train.evaluate --corpus ...` measures on exactly those).
 * The draft is a `LlamaForCausalLM` with the target's vocabulary size and special token ids,
@@ -75,7 +77,8 @@ TOOL = """\
 * Resumable: checkpoints every `--checkpoint-minutes` (default 5) and at the end in `--run-dir`
   (default `runs/distill-<name of --out>`); running the same command again continues. Progress
   bar on stderr, loss log in `RUN_DIR/log.jsonl`, summary in `RUN_DIR/summary.json`. Seeded.
-* Stops at `--steps` or `--max-minutes` of training, whichever comes first.
+* Stops at `--steps` or `--max-minutes` of training, whichever comes first. `--init-from DIR`
+  starts from an existing draft (how the shipped draft followed the stage-2 target).
 * Then measure the pair: `python -m train.evaluate --target T --draft D --corpus src/ --out eval.json`.
 
 Keep the draft shallow: on a CPU a batch-1 decoding step of a small model is dominated by
@@ -100,7 +103,7 @@ def _cmd_args(ts: dict, ds: dict, ood: list[str]) -> dict:
     return dict(corpus=corpus, ood=" ".join(ood) or "package:rich", t_seq=ts["seq_len"], t_batch=ts["batch_size"],
                 t_steps=ts.get("max_steps", ts["steps"]), t_lr=ts.get("lr", "6e-4"), t_warmup=ts.get("warmup", 30),
                 d_seq=ds["seq_len"], d_batch=ds["batch_size"], d_steps=ds.get("max_steps", ds["steps"]),
-                d_lr=ds.get("lr", "1e-3"), d_warmup=ds.get("warmup", 20))
+                d_lr=ds.get("lr", "1e-3"), d_warmup=ds.get("warmup", 20), d_minutes=ds.get("max_minutes") or 30)
 
 
 def render(ev: dict, stages: dict, corpus_rows: list[dict], target_dir: Path, draft_dir: Path) -> str:
