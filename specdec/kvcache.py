@@ -8,19 +8,22 @@ share a pass, and nothing allocated per round grows with the context.
 
 A pass (`forward_packed`) runs the new tokens of many sessions as ONE packed sequence
 [1, T]: the sessions' tokens one after another, each with its own absolute positions (padded
-to MIN_ROWS rows for float32 on the CPU, see below). Through transformers' attention interface the model's attention
+to MIN_ROWS rows on the CPU, see below). Through transformers' attention interface the model's attention
 layers call `packed_attention`, which attends each session's queries to that session's own
 cache slice (a view, no copy): causal, with the layer's sliding window and logit soft-cap, in
 exactly the shapes the session would have alone. The model's own CausalLM head runs on the
 real rows only, so whatever an architecture does after lm_head (soft-capping, scaling) is kept.
 
-Isolation (same numbers alone or batched), on the CPU:
-  * attention is the only op that mixes tokens, and it runs per session on its own keys;
-  * every other op works row by row. CPU float32 GEMM kernels give row-invariant results once a
-    matmul has MIN_ROWS rows or more (M=1..3 use other kernels and differ in the last bits), so
-    a float32 pass on the CPU, and its head's matmul, has at least MIN_ROWS rows. The bfloat16
-    kernels here are row-invariant at every M (measured: M=1..128), so bf16 passes are not
-    padded, and a one-token target-only step costs what transformers' own step costs.
+Invariance, on the CPU: a token's numbers are the same alone or batched with other sessions,
+and the same in a one-token step or inside a round of tau + 1 tokens (so greedy speculative
+output is the same service's target-only output, bitwise, in float32 and in bfloat16):
+  * attention is the only op that mixes tokens: it runs per session on its own keys, and a
+    round's queries attend one at a time (up to ROW_BY_ROW tokens; longer prefill chunks take
+    one masked call), in exactly the call a one-token step at that position makes;
+  * every other op works row by row. CPU GEMM kernels give row-invariant results only from
+    MIN_ROWS rows on (float32: 4; bfloat16: 2: a one-row bf16 matmul takes another kernel whose
+    sums round differently now and then), so a pass and its head's matmul have at least MIN_ROWS
+    rows. The padding costs a float32 one-token step about 15-20%; bf16's second row is free.
 tests/test_batching.py checks this bitwise in both dtypes, with one torch thread (GEMMs split
 across threads by rows, so more threads can break it). GPU kernels may choose another algorithm for
 another batch shape, so there only near-ties can differ (DESIGN.md §9).
@@ -39,14 +42,17 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface, Cache
 
+ROW_BY_ROW = 64  # passes of up to this many tokens of a session attend one query at a time (see packed_attention)
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass, on both services (boundaries depend only on the prompt)
-MIN_ROWS = 4  # token rows per float32 matmul on the CPU, so GEMMs stay on their row-invariant kernels
+# Token rows per matmul on the CPU from which GEMM results no longer depend on the row count
+# (measured here: float32 takes other kernels below 4 rows, bfloat16 only at 1 row; DESIGN.md §6).
+MIN_ROWS = {torch.float32: 4, torch.bfloat16: 2}
 
 
 def min_rows(model) -> int:
-    """Rows a pass is padded to: MIN_ROWS for float32 on the CPU, else 1 (bf16 CPU kernels are
-    row-invariant at every M; on a GPU padding would not buy invariance, DESIGN.md §9)."""
-    return MIN_ROWS if model.device.type == "cpu" and model.dtype == torch.float32 else 1
+    """Rows a pass is padded to: MIN_ROWS of the dtype on the CPU, else 1 (on a GPU padding would
+    not buy invariance, DESIGN.md §9)."""
+    return MIN_ROWS.get(model.dtype, 4) if model.device.type == "cpu" else 1
 ATTN = "specdec_packed"
 
 
@@ -137,18 +143,26 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     layer = module.layer_idx
     H, D = query.shape[1], query.shape[3]
     out = query.new_zeros(1, p.rows, H, value.shape[3])
-    for i, c in enumerate(p.caches):
-        off, n, L = p.offsets[i], p.counts[i], p.starts[i]
+
+    def attend(i, c, off, n, L, mask_fn):
         lo = max(0, L - sliding_window + 1) if sliding_window else 0
-        q = query[:, :, off : off + n]  # [1, H, n, D]
+        q = query[:, :, off : off + n].contiguous()  # [1, H, n, D]: one memory layout whatever the pass
         k = c.k[layer][None, :, lo : L + n]  # [1, H_kv, L+n-lo, D], a view
         v = c.v[layer][None, :, lo : L + n]
-        mask = p.mask(i, lo, sliding_window, query.device)
+        mask = mask_fn(lo)
         if softcap:
             o = _eager(q, k, v, mask, scaling if scaling is not None else D**-0.5, softcap)
         else:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != H)
         out[0, off : off + n] = o[0].transpose(0, 1)
+
+    for i, c in enumerate(p.caches):
+        off, n, L = p.offsets[i], p.counts[i], p.starts[i]
+        if n == 1 or n > ROW_BY_ROW:  # one query, or a prefill chunk: one masked call
+            attend(i, c, off, n, L, lambda lo, i=i: p.mask(i, lo, sliding_window, query.device))
+        else:  # a round: each query alone, exactly as a single step at its position computes it
+            for j in range(n):
+                attend(i, c, off + j, 1, L + j, lambda lo: None)
     return out, None
 
 

@@ -253,3 +253,28 @@ def test_a_failing_session_fails_alone_and_its_batch_mates_get_their_solo_verdic
             assert (v.num_accepted, v.next_token, v.finish) == (w.num_accepted, w.next_token, w.finish)
     finally:
         eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    """A random Llama as wide as the shipped target's MLP (1408): one-row bf16 matmuls of this
+    width take a kernel whose sums round differently from two rows up."""
+    from specdec.testing import tinymodels
+
+    return tinymodels.build(str(tmp_path_factory.mktemp("wide")), vocab_size=512, hidden=704, layers=2, heads=8,
+                            max_context=256, seed=5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_token_steps_and_rounds_give_bitwise_equal_logits(wide_dir, dtype):
+    """A position's logits are the same computed in a one-token step or inside a round of tau+1
+    tokens, so greedy speculative output is the service's own target-only output bitwise."""
+    torch.set_num_threads(1)
+    lm = LM.load(wide_dir, "cpu", dtype)
+    ids = torch.randint(3, 512, (80,), generator=torch.Generator().manual_seed(0)).tolist()
+    a, b = KVCache(100), KVCache(100)
+    forward_packed(lm.model, [ids[:40]], [a], logits=False)
+    forward_packed(lm.model, [ids[:40]], [b], logits=False)
+    steps = torch.cat([forward_packed(lm.model, [[t]], [a])[0] for t in ids[40:80]])
+    rounds = torch.cat([forward_packed(lm.model, [ids[i:i + 5]], [b])[0] for i in range(40, 80, 5)])
+    assert torch.equal(steps, rounds), float((steps - rounds).abs().max())
