@@ -153,6 +153,9 @@ def main(argv=None) -> None:
     for dtype, row in results["dtypes"].items():
         same = ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in row["identical"].items())
         lines.append(f"| {dtype} | {same} | {row['overhead_ms_per_round']:.2f} | {row['acceptance']:.3f} |")
+    lines += ["", "In bfloat16, transformers' generate() rounds differently from the engine (one-row matmuls, its own "
+              "attention call), so near-ties can flip between the two; the engine's contract there is speculative == "
+              "target-only of the same service, bitwise (DESIGN.md §9)."]
     t = results["tiny"]
     lines += ["", f"Per round with tiny models (a {t['target']} target, a {t['draft']} draft, float32, median over "
               f"{t['requests']} requests): draft steps {t['draft_ms']:.2f} ms, target pass {t['forward_ms']:.2f} ms, "
