@@ -144,7 +144,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     H, D = query.shape[1], query.shape[3]
     out = query.new_zeros(1, p.rows, H, value.shape[3])
 
-    def attend(i, c, off, n, L, mask_fn):
+    def attend(c, off, n, L, mask_fn):
         lo = max(0, L - sliding_window + 1) if sliding_window else 0
         q = query[:, :, off : off + n].contiguous()  # [1, H, n, D]: one memory layout whatever the pass
         k = c.k[layer][None, :, lo : L + n]  # [1, H_kv, L+n-lo, D], a view
@@ -159,10 +159,10 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     for i, c in enumerate(p.caches):
         off, n, L = p.offsets[i], p.counts[i], p.starts[i]
         if n == 1 or n > ROW_BY_ROW:  # one query, or a prefill chunk: one masked call
-            attend(i, c, off, n, L, lambda lo, i=i: p.mask(i, lo, sliding_window, query.device))
+            attend(c, off, n, L, lambda lo, i=i: p.mask(i, lo, sliding_window, query.device))
         else:  # a round: each query alone, exactly as a single step at its position computes it
             for j in range(n):
-                attend(i, c, off + j, 1, L + j, lambda lo: None)
+                attend(c, off + j, 1, L + j, lambda lo: None)
     return out, None
 
 

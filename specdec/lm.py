@@ -128,7 +128,8 @@ class LM:
         except ValueError as e:  # encoder-only / encoder-decoder configs: no causal-LM class at all
             if "Unrecognized configuration class" not in str(e):
                 raise
-            kind = json.load(open(os.path.join(path, "config.json"))).get("model_type", "?")
+            with open(os.path.join(path, "config.json")) as fh:
+                kind = json.load(fh).get("model_type", "?")
             raise Unsupported(f"{kind}: transformers has no causal-LM class for it; only decoder-only language models "
                               "are served") from None
         model.eval()
