@@ -55,8 +55,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tau", type=int, default=0,
-                   help="fixed draft tokens per round (default: adaptive tau up to 8 with pre-drafting, the measured best: "
-                        "bench/results/POLICY.md)")
+                   help="fixed draft tokens per round (default: the service's default, adaptive tau with pre-drafting)")
     a = p.parse_args(argv)
     tmp = None
     if not (os.path.isdir(a.target) and os.path.isdir(a.draft)):
@@ -68,11 +67,11 @@ def main(argv=None) -> int:
     verify = Service("verify_service", "--model", a.target, "--threads", "1", env=env)
     draft = Service("draft_service", "--model", a.draft, "--verify", verify.address, "--threads", "1", env=env)
     try:
-        policy = dict(num_draft_tokens=a.tau, adaptive=False) if a.tau else dict(num_draft_tokens=8, adaptive=True, predraft=True)
+        policy = dict(num_draft_tokens=a.tau, adaptive=False) if a.tau else {}  # else the service's defaults
         params = dict(prompt=a.prompt, max_new_tokens=a.max_new_tokens, **policy)
         with Client(draft.address, timeout=600) as spec, Client(verify.address, target_only=True, timeout=600) as base:
             info = base.info()
-            spec.generate(**dict(params, max_new_tokens=8))  # warm-up (and adaptive tau's one calibration): first calls pay one-off costs
+            spec.generate(**dict(params, max_new_tokens=8))  # warm-up: first calls pay one-off costs
             base.generate(prompt=a.prompt, max_new_tokens=8)
             print(f"\n--- prompt ---\n{a.prompt}--- speculative completion, greedy (streamed) ---", flush=True)
             ids, last = [], None

@@ -81,8 +81,13 @@ def main(argv=None) -> None:
                    help="send the token in this file to the verify service (its --auth-token-file) "
                         "[env SPECDEC_VERIFY_AUTH_TOKEN_FILE]")
     auth.add_server_args(p)
-    p.add_argument("--adaptive", action="store_true", help="default for requests: choose tau per round from measured acceptance and costs")
-    p.add_argument("--predraft", action="store_true", help="default for requests: draft round k+1 while round k is verified")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=serving.env_flag("SPECDEC_ADAPTIVE", True),
+                   help="default for requests that do not say: choose tau (up to 8 unless the request sets num_draft_tokens) "
+                        "per round from the session's acceptance and the calibrated costs (default: on, the measured best: "
+                        "bench/results/POLICY.md) [env SPECDEC_ADAPTIVE]")
+    p.add_argument("--predraft", action=argparse.BooleanOptionalAction, default=serving.env_flag("SPECDEC_PREDRAFT", True),
+                   help="default for requests that do not say: draft round k+1 while round k is verified (default: on) "
+                        "[env SPECDEC_PREDRAFT]")
     p.add_argument("--costs-ms", default=serving.env("SPECDEC_COSTS_MS"),
                    help="pin adaptive tau's costs as 'draft_step,verify_base,verify_per_token' in ms (default: calibrated once "
                         "at start-up; pinning gives the same taus, and so the same samples, across restarts) [env SPECDEC_COSTS_MS]")

@@ -23,6 +23,7 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 log = logging.getLogger("specdec.draft")
 SERVICE = "draft"
+ADAPTIVE_MAX_TAU = 8  # the cap adaptive tau was measured with (bench/results/POLICY.md)
 
 
 class DraftServicer(pb_grpc.DraftServicer):
@@ -58,6 +59,8 @@ class DraftServicer(pb_grpc.DraftServicer):
             g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
             g.request_id = serving.request_id(context, g.request_id)
             adaptive = self.adaptive if g.adaptive is None else g.adaptive
+            if adaptive and not request.num_draft_tokens:
+                g.tau = ADAPTIVE_MAX_TAU  # adaptive tau picks up to this many per round
             loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
                               costs=await self.costs() if adaptive else None,
                               predraft=self.predraft if g.predraft is None else g.predraft)

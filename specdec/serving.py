@@ -71,6 +71,12 @@ def env(name: str) -> str | None:
     return os.environ.get(name) or None
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean environment variable as a flag default: 0/false/no/off are false, else true."""
+    v = env(name)
+    return default if v is None else v.strip().lower() not in ("0", "false", "no", "off")
+
+
 def _read(path: str | None) -> bytes | None:
     if not path:
         return None

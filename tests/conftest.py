@@ -8,6 +8,10 @@ import pytest
 
 # the tests compare with transformers in float32; services would pick bfloat16 on a CPU with bf16 instructions
 os.environ.setdefault("SPECDEC_DTYPE", "float32")
+# the draft service's request defaults the tests were written for (fixed tau = 4, no pre-drafting);
+# tests/test_engine.py checks the service's own defaults (adaptive tau with pre-drafting)
+os.environ.setdefault("SPECDEC_ADAPTIVE", "0")
+os.environ.setdefault("SPECDEC_PREDRAFT", "0")
 
 from specdec.testing import tinymodels  # noqa: E402
 from specdec.testing.launch import ENV, ROOT, Service  # noqa: E402,F401 - re-exported to the test modules

@@ -111,3 +111,24 @@ def test_same_seed_same_tokens_with_adaptive_tau_under_load_and_across_restarts(
     # adaptive tau really adapted: rounds before the last (which the token budget may cut) drafted fewer than 6
     assert any(r.stats["drafted"] < 6 * (r.stats["rounds"] - 1) for r in first), [r.stats for r in first]
     assert any(r.stats.get("predraft_hits", 0) + r.stats.get("predraft_misses", 0) for r in first)  # pre-drafting ran
+
+
+def test_the_service_defaults_to_adaptive_tau_with_predrafting(model_dir):
+    """Without flags or SPECDEC_ADAPTIVE / SPECDEC_PREDRAFT (which the other tests set to 0), a
+    request that does not choose gets adaptive tau up to 8 with pre-drafting; --no-adaptive
+    --no-predraft gives fixed tau = 4 without it."""
+    env = {k: v for k, v in ENV.items() if k not in ("SPECDEC_ADAPTIVE", "SPECDEC_PREDRAFT")}
+    v = Service("verify_service", "--model", model_dir("target"), env=env)
+    try:
+        for flags, tau, predraft in (((), 8, True), (("--no-adaptive", "--no-predraft"), 4, False)):
+            d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, *flags, env=env)
+            try:
+                with Client(d.address, timeout=120) as c:
+                    r = c.generate(prompt_ids=[3, 4, 5], max_new_tokens=40)
+            finally:
+                d.stop()
+            assert len(r.stats["accepted_per_position"]) == tau, (flags, r.stats)
+            ran = r.stats.get("predraft_hits", 0) + r.stats.get("predraft_misses", 0)
+            assert (ran > 0) == predraft, (flags, r.stats)
+    finally:
+        v.stop()
