@@ -8,7 +8,8 @@ training code never sees a held-out file.
 
 A wider corpus adds the Python source of installed packages (``package:NAME``, found without
 importing them, only ``.py`` files); ``package_license`` reads each one's declared license so the
-model card can list them.  Users can also give their own corpus: any mix of files and
+model card can list them, and ``site:permissive`` stands for every installed package whose
+license is permissive (``expand``).  Users can also give their own corpus: any mix of files and
 directories (all text files found under a directory are used).
 """
 
@@ -146,12 +147,28 @@ def package_root(name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+# Larger package files are generated tables and data, not code anyone writes; they are skipped.
+MAX_PACKAGE_FILE_BYTES = 256_000
+# At most this much source per package and split, so a few giant packages do not make up the
+# corpus: files are taken in the order of a hash of their names until the budget is spent.
+MAX_PACKAGE_BYTES = 16_000_000
+
+
 def package_documents(name: str, split: str = "train") -> List[Document]:
     """The ``.py`` files of an installed package, named ``<name>/<relative path>`` (the held-out
-    split is chosen by that name, so it does not depend on where the package is installed)."""
+    split is chosen by that name, so it does not depend on where the package is installed).
+    Files over ``MAX_PACKAGE_FILE_BYTES`` are left out, and at most ``MAX_PACKAGE_BYTES`` are read."""
     root = package_root(name)
-    names = sorted(n for n in _walk_text_files(root) if n.endswith(".py"))
-    return [Document(f"{name}/{d.name}", d.text) for d in _select(root, names, split, prefix=f"{name}/")]
+    names = sorted(n for n in _walk_text_files(root)
+                   if n.endswith(".py") and (root / n).stat().st_size <= MAX_PACKAGE_FILE_BYTES)
+    docs = [Document(f"{name}/{d.name}", d.text) for d in _select(root, names, split, prefix=f"{name}/")]
+    kept, total = [], 0
+    for d in sorted(docs, key=lambda d: hashlib.sha256(d.name.encode("utf-8")).digest()):
+        total += len(d.text)
+        if total > MAX_PACKAGE_BYTES:
+            break
+        kept.append(d)
+    return sorted(kept, key=lambda d: d.name)
 
 
 def package_license(name: str) -> str:
@@ -170,12 +187,51 @@ def package_license(name: str) -> str:
     return "unknown"
 
 
+# Licenses that let the source be trained on and the weights shipped without conditions on them.
+_PERMISSIVE = ("MIT", "BSD", "APACHE", "PSF", "PYTHON SOFTWARE FOUNDATION", "ISC", "UNLICENSE", "HPND", "ZLIB")
+_COPYLEFT = ("GPL", "MPL", "MOZILLA", "EPL", "CDDL", "PROPRIETARY", "COMMERCIAL")
+
+
+def is_permissive(license_text: str) -> bool:
+    """True for a declared license that is MIT, BSD, Apache, PSF, ISC and the like, and names
+    no copyleft or proprietary terms (an ``OR`` with GPL is refused too: keep it simple)."""
+    text = license_text.upper()
+    return any(p in text for p in _PERMISSIVE) and not any(c in text for c in _COPYLEFT)
+
+
+def permissive_packages(exclude: Sequence[str] = ()) -> List[str]:
+    """The importable top-level packages of this interpreter's installed distributions whose
+    declared license is permissive, sorted; ``exclude`` names packages to leave out (e.g. the
+    out-of-domain evaluation set)."""
+    names = set()
+    for name, _dists in importlib.metadata.packages_distributions().items():
+        if name in exclude or name.startswith("_") or not name.isidentifier():
+            continue
+        try:
+            if package_root(name) and is_permissive(package_license(name)):
+                names.add(name)
+        except (FileNotFoundError, ImportError, ValueError):
+            continue
+    return sorted(names)
+
+
+def expand(specs: Sequence[str], exclude: Sequence[str] = ()) -> List[str]:
+    """Specs with ``site:permissive`` replaced by one ``package:NAME`` per permissive package."""
+    out: List[str] = []
+    for spec in specs:
+        if spec == "site:permissive":
+            out += [f"package:{n}" for n in permissive_packages(exclude) if f"package:{n}" not in specs]
+        else:
+            out.append(spec)
+    return out
+
+
 def documents(specs: Sequence[str], split: str = "train", include_tests: bool = True) -> List[Document]:
     """A corpus from specs: ``stdlib`` (the standard library), ``package:NAME`` (an installed
-    package's Python source), or any file or directory path."""
+    package's Python source), ``site:permissive`` (see ``expand``), or any file or directory path."""
     docs: List[Document] = []
     paths = []
-    for spec in specs:
+    for spec in expand(specs):
         if spec == "stdlib":
             docs += stdlib_documents(split, include_tests)
         elif spec.startswith("package:"):
@@ -189,13 +245,6 @@ def documents(specs: Sequence[str], split: str = "train", include_tests: bool = 
 
 def describe(specs: Sequence[str], tokenizer, split: str = "train") -> List[dict]:
     """Per corpus spec: its license (for installed packages), files and tokens in `split`."""
-    from train.data import tokenize_documents  # noqa: PLC0415 - train.data imports this module
+    from train.data import corpus_tokens  # noqa: PLC0415 - train.data imports this module
 
-    rows = []
-    for spec in specs:
-        docs = documents([spec], split)
-        lic = package_license(spec.split(":", 1)[1]) if spec.startswith("package:") else \
-            "PSF-2.0 (CPython)" if spec == "stdlib" else "the user's"
-        rows.append({"spec": spec, "license": lic, "files": len(docs),
-                     "tokens": int(tokenize_documents(tokenizer, docs).numel()) if docs else 0})
-    return rows
+    return corpus_tokens(tokenizer, list(specs), split)[1]

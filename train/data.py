@@ -7,27 +7,50 @@ the batches an uninterrupted run would have seen.
 
 from __future__ import annotations
 
-from typing import Sequence
+from pathlib import Path
+from typing import List, Sequence, Tuple
 
+import numpy as np
 import torch
 
+from train import corpus
 from train.corpus import Document
 
 
 def tokenize_documents(tokenizer, docs: Sequence[Document], chunk: int = 256) -> torch.Tensor:
     """One 1-D int64 tensor: each document's tokens, each followed by EOS (BOS in front)."""
-    bos = tokenizer.bos_token_id
-    eos = tokenizer.eos_token_id
-    ids = []
+    head = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    tail = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    parts = []
     for i in range(0, len(docs), chunk):
         texts = [d.text for d in docs[i:i + chunk]]
         for toks in tokenizer(texts, add_special_tokens=False)["input_ids"]:
-            if bos is not None:
-                ids.append(bos)
-            ids.extend(toks)
-            if eos is not None:
-                ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
+            parts.append(np.asarray(head + toks + tail, dtype=np.int64))
+    return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def corpus_tokens(tokenizer, specs: Sequence[str], split: str = "train", include_tests: bool = True,
+                  cache: str | None = None) -> Tuple[torch.Tensor, List[dict]]:
+    """The token stream of a corpus (specs as ``corpus.documents`` takes them, already expanded)
+    and one row per spec: its license, files and tokens.  With ``cache``, a stream saved there
+    by an earlier call with the same specs and split is loaded instead of tokenizing again."""
+    if cache and Path(cache).exists():
+        saved = torch.load(cache, weights_only=False)
+        if saved["specs"] == list(specs) and saved["split"] == split:
+            return saved["tokens"], saved["rows"]
+    streams, rows = [], []
+    for spec in specs:
+        docs = corpus.documents([spec], split, include_tests=include_tests)
+        toks = tokenize_documents(tokenizer, docs) if docs else torch.zeros(0, dtype=torch.long)
+        lic = corpus.package_license(spec.split(":", 1)[1]) if spec.startswith("package:") else \
+            "PSF-2.0 (CPython)" if spec == "stdlib" else "the user's"
+        streams.append(toks)
+        rows.append({"spec": spec, "license": lic, "files": len(docs), "tokens": int(toks.numel())})
+    tokens = torch.cat(streams) if streams else torch.zeros(0, dtype=torch.long)
+    if cache:
+        Path(cache).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"specs": list(specs), "split": split, "tokens": tokens, "rows": rows}, cache)
+    return tokens, rows
 
 
 class WindowSampler:

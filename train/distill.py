@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from train import corpus, loop
 from train.architecture import draft_config
-from train.data import WindowSampler, tokenize_documents
+from train.data import WindowSampler, corpus_tokens
 from train.pretrain import seed_everything
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -80,6 +80,9 @@ def main(argv=None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="local Hugging Face causal LM directory")
     ap.add_argument("--corpus", required=True, nargs="+", help="files and/or directories, 'stdlib', or 'package:NAME'")
+    ap.add_argument("--exclude", nargs="*", default=[], help="packages 'site:permissive' leaves out")
+    ap.add_argument("--tokens-cache", default=None, help="save the token stream here, reuse it if present")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--init-from", default=None, help="start from this draft directory instead of random weights")
     ap.add_argument("--out", required=True, help="output directory of the draft model")
     ap.add_argument("--run-dir", default=None, help="checkpoints and loss log (default runs/distill-<out name>)")
@@ -114,16 +117,18 @@ def main(argv=None) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, args.target_dtype))
-    target.eval().requires_grad_(False)
+    target.to(args.device).eval().requires_grad_(False)
 
-    docs = corpus.documents(args.corpus, "train")
-    tokens = tokenize_documents(tokenizer, docs)
-    print(f"corpus: {len(docs)} files, {tokens.numel():,} tokens", flush=True)
+    specs = corpus.expand(args.corpus, args.exclude)
+    tokens, rows = corpus_tokens(tokenizer, specs, "train", cache=args.tokens_cache)
+    n_files = sum(r["files"] for r in rows)
+    print(f"corpus: {len(specs)} sources, {n_files} files, {tokens.numel():,} tokens", flush=True)
 
     torch.manual_seed(args.seed)
     cfg = draft_config(target.config, args.hidden, args.layers, args.heads,
                        args.intermediate or 4 * args.hidden, not args.untie, args.max_positions)
     draft = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32) if args.init_from else LlamaForCausalLM(cfg)
+    draft.to(args.device)
     n_t = sum(p.numel() for p in target.parameters())
     n_d = sum(p.numel() for p in draft.parameters())
     print(f"target {n_t:,} parameters, draft {n_d:,} ({n_d / n_t:.3f} of the target)", flush=True)
@@ -138,12 +143,12 @@ def main(argv=None) -> dict:
 
     draft.generation_config = GenerationConfig.from_dict(target.generation_config.to_dict()) \
         if target.generation_config is not None else GenerationConfig()
-    m = draft.to(getattr(torch, args.save_dtype))
+    m = draft.to("cpu", getattr(torch, args.save_dtype))
     m.config.use_cache = True
     m.save_pretrained(out_dir, safe_serialization=True, max_shard_size="40MB")
     copy_tokenizer(target_dir, out_dir, tokenizer)
     summary.update(target_parameters=n_t, draft_parameters=n_d, ratio=n_d / n_t,
-                   corpus_tokens=int(tokens.numel()), corpus_files=len(docs),
+                   corpus_tokens=int(tokens.numel()), corpus_files=n_files, device=str(args.device),
                    seq_len=sampler.seq_len, batch_size=args.batch_size, max_steps=args.steps, lr=args.lr,
                    warmup=args.warmup, max_minutes=args.max_minutes, corpus=args.corpus, init_from=args.init_from)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

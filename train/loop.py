@@ -1,7 +1,7 @@
 """The resumable training loop shared by pre-training and distillation.
 
 It owns what both need: automatic resume from ``run_dir/checkpoint.pt``, AdamW, warm-up +
-cosine learning rate (see ``schedule``), gradient clipping, optional bf16 autocast, a tqdm
+cosine learning rate (see ``schedule``), gradient clipping, optional bf16 autocast (on the model's device: the CPU or a GPU), a tqdm
 progress bar, a JSON-lines loss log (``run_dir/log.jsonl``), a checkpoint every few minutes
 and at the end, and two limits: a step count and a wall-clock budget (``max_minutes`` counts
 training time across resumed runs).
@@ -52,7 +52,9 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
     """Train ``model`` until ``max_steps`` or the time budget; returns a summary dict."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=device.type == "cuda")
     step, elapsed = 0, 0.0
     state = checkpoint.load(run_dir)
     if state is not None:
@@ -76,9 +78,9 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
             lr = schedule.learning_rate(step, frac, cfg.lr, cfg.warmup_steps)
             for g in opt.param_groups:
                 g["lr"] = lr
-            batch = batch_fn(step)
+            batch = batch_fn(step).to(device, non_blocking=True)
             tokens_per_step = batch[:, 1:].numel()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 loss, metrics = loss_fn(model, batch)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

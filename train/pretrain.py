@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from train import corpus, export, loop
 from train.architecture import target_config
-from train.data import WindowSampler, tokenize_documents
+from train.data import WindowSampler, corpus_tokens
 from train.tokenizer import train_on_documents
 
 
@@ -48,7 +48,11 @@ def main(argv=None) -> None:
     ap.add_argument("--run-dir", default="runs/target", help="checkpoints and loss log")
     ap.add_argument("--tokenizer", default="runs/tokenizer", help="tokenizer dir (trained if missing)")
     ap.add_argument("--corpus", nargs="+", default=["stdlib"],
-                    help="'stdlib', 'package:NAME' (an installed package's .py files), files or directories")
+                    help="'stdlib', 'package:NAME' (an installed package's .py files), 'site:permissive' "
+                         "(every installed package with a permissive license), files or directories")
+    ap.add_argument("--exclude", nargs="*", default=[], help="packages 'site:permissive' leaves out")
+    ap.add_argument("--tokens-cache", default=None, help="save the token stream here, reuse it if present")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--init-from", default=None, help="continue from this Hugging Face model directory (its tokenizer too)")
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--no-tests", action="store_true", help="leave the stdlib test packages out")
@@ -74,20 +78,25 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     seed_everything(args.seed)
     include_tests = not args.no_tests
-    docs = corpus.documents(args.corpus, "train", include_tests=include_tests)
+    specs = corpus.expand(args.corpus, args.exclude)
     tok_dir = Path(args.init_from or args.tokenizer)
     if not (tok_dir / "tokenizer.json").exists():
-        tok = train_on_documents(docs, args.vocab_size, args.max_positions)
+        tok = train_on_documents(corpus.documents(specs, "train", include_tests=include_tests),
+                                 args.vocab_size, args.max_positions)
         tok.save_pretrained(tok_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    tokens = tokenize_documents(tokenizer, docs)
-    print(f"corpus: {len(docs)} training files, {tokens.numel():,} tokens", flush=True)
+    tokens, rows = corpus_tokens(tokenizer, specs, "train", include_tests, args.tokens_cache)
+    n_files = sum(r["files"] for r in rows)
+    print(f"corpus: {len(specs)} sources, {n_files} training files, {tokens.numel():,} tokens", flush=True)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
 
     if args.init_from:
         model = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
     else:
         model = LlamaForCausalLM(target_config(tokenizer, args.hidden, args.layers, args.heads, args.intermediate,
                                                args.max_positions, args.tie))
+    model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"target: {n_params:,} parameters", flush=True)
 
@@ -97,7 +106,8 @@ def main(argv=None) -> None:
         warmup_steps=args.warmup, bf16=not args.no_bf16, checkpoint_minutes=args.checkpoint_minutes,
         desc="pretrain"))
     export.save_hf_dir(model, tokenizer, args.out)
-    summary.update(parameters=n_params, corpus_tokens=int(tokens.numel()), corpus_files=len(docs),
+    summary.update(parameters=n_params, corpus_tokens=int(tokens.numel()), corpus_files=n_files, sources=rows,
+                   device=str(args.device), hardware=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
                    seq_len=args.seq_len, batch_size=args.batch_size, include_tests=include_tests,
                    corpus=args.corpus, init_from=args.init_from, max_steps=args.steps, lr=args.lr, warmup=args.warmup)
     (Path(args.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
