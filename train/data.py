@@ -7,6 +7,8 @@ the batches an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
@@ -29,54 +31,42 @@ def tokenize_documents(tokenizer, docs: Sequence[Document], chunk: int = 256) ->
     return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.long)
 
 
+_WORKER_TOKENIZER = None
+
+
+def _tokenize_spec(args):
+    spec, split, include_tests = args
+    docs = corpus.documents([spec], split, include_tests=include_tests)
+    toks = tokenize_documents(_WORKER_TOKENIZER, docs).numpy().astype(np.int32) if docs else np.zeros(0, np.int32)
+    lic = corpus.package_license(spec.split(":", 1)[1]) if spec.startswith("package:") else \
+        "PSF-2.0 (CPython)" if spec == "stdlib" else "the user's"
+    return toks, {"spec": spec, "license": lic, "files": len(docs), "tokens": int(toks.size)}
+
+
 def corpus_tokens(tokenizer, specs: Sequence[str], split: str = "train", include_tests: bool = True,
-                  cache: str | None = None) -> Tuple[torch.Tensor, List[dict]]:
+                  cache: str | None = None, workers: int | None = None) -> Tuple[torch.Tensor, List[dict]]:
     """The token stream of a corpus (specs as ``corpus.documents`` takes them, already expanded)
-    and one row per spec: its license, files and tokens.  With ``cache``, a stream saved there
+    and one row per spec: its license, files and tokens.  Specs are tokenized in ``workers``
+    processes (default: one per CPU), then joined in order.  With ``cache``, a stream saved there
     by an earlier call with the same specs and split is loaded instead of tokenizing again."""
+    global _WORKER_TOKENIZER
     if cache and Path(cache).exists():
         saved = torch.load(cache, weights_only=False)
         if saved["specs"] == list(specs) and saved["split"] == split:
             return saved["tokens"], saved["rows"]
-    streams, rows = [], []
-    for spec in specs:
-        docs = corpus.documents([spec], split, include_tests=include_tests)
-        toks = tokenize_documents(tokenizer, docs) if docs else torch.zeros(0, dtype=torch.long)
-        lic = corpus.package_license(spec.split(":", 1)[1]) if spec.startswith("package:") else \
-            "PSF-2.0 (CPython)" if spec == "stdlib" else "the user's"
-        streams.append(toks)
-        rows.append({"spec": spec, "license": lic, "files": len(docs), "tokens": int(toks.numel())})
-    tokens = torch.cat(streams) if streams else torch.zeros(0, dtype=torch.long)
+    _WORKER_TOKENIZER = tokenizer
+    jobs = [(spec, split, include_tests) for spec in specs]
+    workers = min(workers or os.cpu_count() or 1, len(jobs))
+    if workers > 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            results = pool.map(_tokenize_spec, jobs, chunksize=1)
+    else:
+        results = [_tokenize_spec(job) for job in jobs]
+    rows = [row for _, row in results]
+    tokens = torch.from_numpy(np.concatenate([t for t, _ in results]).astype(np.int64)) if results \
+        else torch.zeros(0, dtype=torch.long)
     if cache:
         Path(cache).parent.mkdir(parents=True, exist_ok=True)
         torch.save({"specs": list(specs), "split": split, "tokens": tokens, "rows": rows}, cache)
     return tokens, rows
-
-
-class WindowSampler:
-    """Random windows of ``seq_len`` tokens from a token stream, deterministic per step."""
-
-    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int = 0):
-        if tokens.numel() < 2:
-            raise ValueError("corpus is empty after tokenization")
-        self.tokens = tokens
-        self.seq_len = min(seq_len, tokens.numel() - 1)
-        self.batch_size = batch_size
-        self.seed = seed
-
-    def batch(self, step: int) -> torch.Tensor:
-        """``[batch_size, seq_len + 1]`` token ids for training step ``step``."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        high = self.tokens.numel() - self.seq_len - 1
-        starts = torch.randint(0, high + 1, (self.batch_size,), generator=gen)
-        idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]
-        return self.tokens[idx]
-
-    def sequential(self, max_windows: int | None = None):
-        """Non-overlapping windows in order (for evaluation), each ``[1, seq_len + 1]``."""
-        n = (self.tokens.numel() - 1) // self.seq_len
-        if max_windows is not None:
-            n = min(n, max_windows)
-        for i in range(n):
-            s = i * self.seq_len
-            yield self.tokens[s:s + self.seq_len + 1][None, :]
