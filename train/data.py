@@ -70,3 +70,32 @@ def corpus_tokens(tokenizer, specs: Sequence[str], split: str = "train", include
         Path(cache).parent.mkdir(parents=True, exist_ok=True)
         torch.save({"specs": list(specs), "split": split, "tokens": tokens, "rows": rows}, cache)
     return tokens, rows
+
+
+class WindowSampler:
+    """Random windows of ``seq_len`` tokens from a token stream, deterministic per step."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int = 0):
+        if tokens.numel() < 2:
+            raise ValueError("corpus is empty after tokenization")
+        self.tokens = tokens
+        self.seq_len = min(seq_len, tokens.numel() - 1)
+        self.batch_size = batch_size
+        self.seed = seed
+
+    def batch(self, step: int) -> torch.Tensor:
+        """``[batch_size, seq_len + 1]`` token ids for training step ``step``."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        high = self.tokens.numel() - self.seq_len - 1
+        starts = torch.randint(0, high + 1, (self.batch_size,), generator=gen)
+        idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]
+        return self.tokens[idx]
+
+    def sequential(self, max_windows: int | None = None):
+        """Non-overlapping windows in order (for evaluation), each ``[1, seq_len + 1]``."""
+        n = (self.tokens.numel() - 1) // self.seq_len
+        if max_windows is not None:
+            n = min(n, max_windows)
+        for i in range(n):
+            s = i * self.seq_len
+            yield self.tokens[s:s + self.seq_len + 1][None, :]
