@@ -53,10 +53,11 @@ def hf_runs(target: str, draft: str, dtype: str, n: int) -> dict:
     return out
 
 
-def service_runs(target: str, draft: str, dtype: str, n: int, prompts: list[list[int]] | None = None) -> dict:
+def service_runs(target: str, draft: str, dtype: str, n: int, prompts: list[list[int]] | None = None,
+                 env_extra: dict | None = None) -> dict:
     """Both services on the pair (one thread each): target-only and speculative runs of the code
     prompts (or of `prompts`, as ids), with each speculative request's per-round split."""
-    env = dict(ENV, SPECDEC_DTYPE=dtype)
+    env = dict(ENV, SPECDEC_DTYPE=dtype, **(env_extra or {}))
     v = Service("verify_service", "--model", target, "--threads", "1", env=env)
     d = Service("draft_service", "--model", draft, "--verify", v.address, "--threads", "1", env=env)
     out: dict = {"target-only": [], "speculative": [], "ids_target": [], "ids_spec": [], "overhead_ms": []}
@@ -88,14 +89,16 @@ def service_runs(target: str, draft: str, dtype: str, n: int, prompts: list[list
 
 def tiny_round(n: int) -> dict:
     """The services' own cost per round, with models that cost almost nothing: a 2-layer, 64-wide
-    target and a 1-layer, 32-wide draft (random weights)."""
+    target and a 1-layer, 32-wide draft (random weights), at a fixed tau=4 without pre-drafting
+    (the request policy the per-round figures were first measured with)."""
     from specdec.testing import tinymodels  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="specdec-engine-") as tmp:
         t = tinymodels.build(os.path.join(tmp, "target"), vocab_size=256, hidden=64, layers=2, max_context=1024, seed=0)
         d = tinymodels.build(os.path.join(tmp, "draft"), vocab_size=256, hidden=32, layers=1, max_context=1024, seed=1)
         r = random.Random(0)
-        runs = service_runs(t, d, "float32", n, [[r.randrange(2, 256) for _ in range(24)] for _ in range(8)])
+        runs = service_runs(t, d, "float32", n, [[r.randrange(2, 256) for _ in range(24)] for _ in range(8)],
+                            env_extra={"SPECDEC_ADAPTIVE": "0", "SPECDEC_PREDRAFT": "0"})
     return {"target": "2-layer 64-wide", "draft": "1-layer 32-wide", "requests": len(runs["overhead_ms"]),
             **{k: statistics.median(runs[k]) for k in ("overhead_ms", "draft_ms", "forward_ms")},
             "target_only_tok_s": rate(runs["target-only"]), "speculative_tok_s": rate(runs["speculative"])}

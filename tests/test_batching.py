@@ -183,11 +183,14 @@ def test_idle_session_times_out_and_frees_its_cache(model_dir):
 
 
 def test_cache_budget_is_sized_from_the_model_and_memory(packed):
+    from specdec.kvcache import cache_dtype
     from verify_service.capacity import default_cache_budget, kv_bytes_per_token
 
     kv = KVCache(5)
     forward_packed(packed.model, [[3, 4, 5, 6, 7]], [kv], logits=False)
-    assert kv_bytes_per_token(packed.model.config, packed.dtype) == kv.nbytes() / 5  # the real dtype's size
+    assert kv_bytes_per_token(packed.model.config, cache_dtype(packed.dtype, packed.device)) == kv.nbytes() / 5  # the real dtype's size
+    # half-precision models keep a float32 cache on the CPU (fast attention there), their own dtype on a GPU
+    assert cache_dtype(torch.bfloat16, "cpu") == torch.float32 and cache_dtype(torch.bfloat16, "cuda") == torch.bfloat16
     budget = default_cache_budget(packed, max_sessions=8)
     assert packed.max_context <= budget <= 8 * packed.max_context
 

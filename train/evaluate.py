@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.costmodel import round_cost, speedup
+from specdec.costmodel import best_gamma, round_cost, speedup
 from train import corpus
 from train.data import tokenize_documents
 from train.latency import compare_latency
@@ -45,7 +45,7 @@ GAMMAS = range(1, 9)
 def speedup_table(alpha: float, c: float) -> dict:
     """The bound S = E / (γ·c + 1) of specdec/costmodel.py for every γ, and the best γ."""
     table = {g: round(speedup(alpha, g, c), 3) for g in GAMMAS}
-    best = max(table, key=table.get)
+    best = best_gamma(alpha, c, GAMMAS)
     return {"alpha": round(alpha, 4), "by_gamma": table, "best_gamma": best, "best_speedup": table[best]}
 
 
