@@ -68,14 +68,15 @@ def heldout_documents() -> list[tuple[str, str]]:
 
 
 def heldout_prompts(n: int, max_chars: int = 800, min_chars: int = 200) -> list[str]:
-    """n completion prompts, one per held-out file at most, in a fixed order."""
+    """n completion prompts, one per held-out file at most, in a fixed order; each ends at the end
+    of a line, without the newline (see CODE_PROMPTS)."""
     out = []
     for _, text in heldout_documents():
         m = next((m for m in _DEF.finditer(text) if m.start() >= min_chars), None)
         if m is None:
             continue
-        end = text.find("\n", m.end() + 1)  # keep the first body line (often a docstring)
-        out.append(text[: end + 1 if end > 0 else m.end()][-max_chars:])
+        end = text.find("\n", m.end() + 1)  # keep the first body line (often a docstring), not its newline
+        out.append(text[: end if end > 0 else m.end()][-max_chars:])
         if len(out) == n:
             break
     return out

@@ -16,6 +16,8 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from draft_service import calibrate
 from draft_service.server import DraftServicer
 
+PROPOSERS = {name.removeprefix("PROPOSER_").lower(): value for name, value in pb.Proposer.items() if value}
+
 log = logging.getLogger("specdec.draft")
 
 
@@ -56,7 +58,7 @@ async def run(args, token_auth=None) -> None:
         print(f"error: verify service at {args.verify} has vocabulary fingerprint {target.vocab_fingerprint[:12]}, "
               f"this draft has {lm.fingerprint[:12]}: the models do not share a tokenizer", file=sys.stderr)
         sys.exit(2)
-    servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft,
+    servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft, proposer=PROPOSERS[args.proposer],
                              costs=calibrate.parse_costs(args.costs_ms) if args.costs_ms else None)
     if target is not None and args.adaptive:
         await servicer.costs()  # calibrate now, not at the first request
@@ -88,6 +90,9 @@ def main(argv=None) -> None:
     p.add_argument("--predraft", action=argparse.BooleanOptionalAction, default=serving.env_flag("SPECDEC_PREDRAFT", True),
                    help="default for requests that do not say: draft round k+1 while round k is verified (default: on) "
                         "[env SPECDEC_PREDRAFT]")
+    p.add_argument("--proposer", choices=sorted(PROPOSERS), default=serving.env("SPECDEC_PROPOSER") or "hybrid",
+                   help="default for requests that do not say: 'hybrid' (prompt lookup when a 2-gram of the text recurs, else "
+                        "the draft model; the measured best: bench/results/ENGINE.md), 'draft' or 'lookup' [env SPECDEC_PROPOSER]")
     p.add_argument("--costs-ms", default=serving.env("SPECDEC_COSTS_MS"),
                    help="pin adaptive tau's costs as 'draft_step,verify_base,verify_per_token' in ms (default: calibrated once "
                         "at start-up; pinning gives the same taus, and so the same samples, across restarts) [env SPECDEC_COSTS_MS]")

@@ -28,12 +28,13 @@ ADAPTIVE_MAX_TAU = 8  # the cap adaptive tau was measured with (bench/results/PO
 
 class DraftServicer(pb_grpc.DraftServicer):
     def __init__(self, lm: LM, verify: pb_grpc.VerifyStub, target: pb.ModelInfo | None = None,
-                 adaptive: bool = False, predraft: bool = False, costs: Costs | None = None):
+                 adaptive: bool = False, predraft: bool = False, costs: Costs | None = None,
+                 proposer: int = pb.PROPOSER_DRAFT):
         self.lm = lm
         self.drafter = Drafter(lm)
         self.verify = verify
         self.max_context = min(lm.max_context, target.max_context) if target else lm.max_context
-        self.adaptive, self.predraft = adaptive, predraft
+        self.adaptive, self.predraft, self.proposer = adaptive, predraft, proposer
         self._costs, self._calibrating = costs, asyncio.Lock()
 
     async def costs(self) -> Costs:
@@ -58,6 +59,8 @@ class DraftServicer(pb_grpc.DraftServicer):
         try:
             g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
             g.request_id = serving.request_id(context, g.request_id)
+            if not request.proposer:
+                g.proposer = self.proposer  # the service's default
             adaptive = self.adaptive if g.adaptive is None else g.adaptive
             if adaptive and not request.num_draft_tokens:
                 g.tau = ADAPTIVE_MAX_TAU  # adaptive tau picks up to this many per round

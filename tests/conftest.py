@@ -12,6 +12,7 @@ os.environ.setdefault("SPECDEC_DTYPE", "float32")
 # tests/test_engine.py checks the service's own defaults (adaptive tau with pre-drafting)
 os.environ.setdefault("SPECDEC_ADAPTIVE", "0")
 os.environ.setdefault("SPECDEC_PREDRAFT", "0")
+os.environ.setdefault("SPECDEC_PROPOSER", "draft")
 
 from specdec.testing import tinymodels  # noqa: E402
 from specdec.testing.launch import ENV, ROOT, Service  # noqa: E402,F401 - re-exported to the test modules

@@ -113,22 +113,27 @@ def test_same_seed_same_tokens_with_adaptive_tau_under_load_and_across_restarts(
     assert any(r.stats.get("predraft_hits", 0) + r.stats.get("predraft_misses", 0) for r in first)  # pre-drafting ran
 
 
-def test_the_service_defaults_to_adaptive_tau_with_predrafting(model_dir):
-    """Without flags or SPECDEC_ADAPTIVE / SPECDEC_PREDRAFT (which the other tests set to 0), a
-    request that does not choose gets adaptive tau up to 8 with pre-drafting; --no-adaptive
-    --no-predraft gives fixed tau = 4 without it."""
-    env = {k: v for k, v in ENV.items() if k not in ("SPECDEC_ADAPTIVE", "SPECDEC_PREDRAFT")}
+def test_the_service_defaults_to_adaptive_tau_with_predrafting_and_hybrid_proposals(model_dir):
+    """Without flags or SPECDEC_ADAPTIVE / SPECDEC_PREDRAFT / SPECDEC_PROPOSER (which the other
+    tests set), a request that does not choose gets adaptive tau up to 8 with pre-drafting and
+    hybrid proposals (prompt lookup on a recurring 2-gram, else the draft); --no-adaptive
+    --no-predraft --proposer draft gives fixed tau = 4 from the draft model alone."""
+    env = {k: v for k, v in ENV.items() if k not in ("SPECDEC_ADAPTIVE", "SPECDEC_PREDRAFT", "SPECDEC_PROPOSER")}
+    repeating = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]  # its last 2-gram recurs: lookup proposes "5 6 3 4 ..."
     v = Service("verify_service", "--model", model_dir("target"), env=env)
     try:
-        for flags, tau, predraft in (((), 8, True), (("--no-adaptive", "--no-predraft"), 4, False)):
+        for flags, tau, predraft, lookup in (((), 8, True, True),
+                                             (("--no-adaptive", "--no-predraft", "--proposer", "draft"), 4, False, False)):
             d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, *flags, env=env)
             try:
                 with Client(d.address, timeout=120) as c:
-                    r = c.generate(prompt_ids=[3, 4, 5], max_new_tokens=40)
+                    r = c.generate(prompt_ids=[3, 4, 5], max_new_tokens=40, proposer="draft")  # the draft model: pre-drafts run
+                    rep = c.generate(prompt_ids=repeating, max_new_tokens=8)  # the service's default proposer
             finally:
                 d.stop()
             assert len(r.stats["accepted_per_position"]) == tau, (flags, r.stats)
             ran = r.stats.get("predraft_hits", 0) + r.stats.get("predraft_misses", 0)
             assert (ran > 0) == predraft, (flags, r.stats)
+            assert (rep.stats.get("lookup_rounds", 0) > 0) == lookup, (flags, rep.stats)
     finally:
         v.stop()
