@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     from bench.prompts import heldout_prompts
 
     prompts = heldout_prompts(max(levels), max_chars=400)
-    env = dict(ENV, OMP_NUM_THREADS="1")
+    env = dict(ENV, OMP_NUM_THREADS="1", SPECDEC_PROPOSER="draft")  # the draft model unless a config says (the service default is hybrid)
     verify = Service("verify_service", "--model", os.path.abspath(a.target), "--threads", "1", "--metrics-port", "0", env=env)
     drafts = [Service("draft_service", "--model", os.path.abspath(a.draft), "--verify", verify.address, "--threads", "1", env=env)
               for _ in range(a.drafts)]

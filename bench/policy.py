@@ -43,7 +43,7 @@ def configs() -> list[tuple[str, dict]]:
 
 
 def run_rtt(a, rtt: float, prompt_sets: dict, n: dict) -> dict:
-    env = dict(ENV, OMP_NUM_THREADS="1")
+    env = dict(ENV, OMP_NUM_THREADS="1", SPECDEC_PROPOSER="draft")  # the draft model unless a config says (the service default is hybrid)
     in_d, in_v = ("ip", "netns", "exec", n["ns_draft"]), ("ip", "netns", "exec", n["ns_verify"])
     verify = Service("verify_service", "--model", a.target, "--threads", "1", host=split.VERIFY_IP, env=env, prefix=in_v)
     proxy = subprocess.Popen([*in_d, sys.executable, "-m", "bench.proxy", "--listen", "127.0.0.1:0", "--target", verify.address,

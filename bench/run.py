@@ -112,7 +112,7 @@ def rtt_section(a, prompts, max_new: int, t_target: float, bar) -> list[dict]:
         print(f"[bench] skipping RTT emulation: {why}", file=sys.stderr)
         return []
     n = split.names(f"b{os.getpid()}")
-    env = dict(ENV, OMP_NUM_THREADS="1")
+    env = dict(ENV, OMP_NUM_THREADS="1", SPECDEC_PROPOSER="draft")  # the draft model unless a config says (the service default is hybrid)
     in_d, in_v = ("ip", "netns", "exec", n["ns_draft"]), ("ip", "netns", "exec", n["ns_verify"])
     rows, procs = [], []
     try:
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
     configs = spec_configs(a.quick)
     anchors = ["hf generate", "hf assisted (assistant_model)", "hf prompt lookup"]
     bar = tqdm(total=len(configs) + len(anchors) + 2 * len(a.rtts), desc="bench", unit="config")
-    env = dict(ENV, OMP_NUM_THREADS="1")
+    env = dict(ENV, OMP_NUM_THREADS="1", SPECDEC_PROPOSER="draft")  # the draft model unless a config says (the service default is hybrid)
     verify = Service("verify_service", "--model", a.target, "--threads", "1", env=env)
     draft_svc = Service("draft_service", "--model", a.draft, "--verify", verify.address, "--threads", "1", env=env)
     rows = []

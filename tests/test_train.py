@@ -191,3 +191,45 @@ def test_code_prompt_quality_scores_loops_low():
     assert distinct_ngrams([1, 2, 3, 4, 5, 6]) == 1.0
     assert distinct_ngrams([7, 8] * 20) == pytest.approx(2 / 38)  # a loop: two distinct 3-grams
     assert distinct_ngrams([1, 2]) == 1.0
+
+
+def test_only_permissive_licenses_count_as_permissive():
+    for lic in ("MIT", "BSD-3-Clause", "Apache-2.0 AND BSD-2-Clause", "PSF-2.0", "ISC License", "Apache Software License"):
+        assert corpus.is_permissive(lic), lic
+    for lic in ("GPL-3.0", "LGPL-2.1-or-later", "MIT OR GPL-2.0", "MPL-2.0", "Other/Proprietary License", "unknown", ""):
+        assert not corpus.is_permissive(lic), lic
+
+
+def test_site_permissive_expands_to_permissive_installed_packages_minus_the_excluded():
+    specs = corpus.expand(["stdlib", "site:permissive"], exclude=["packaging"])
+    packages = [s.split(":", 1)[1] for s in specs if s.startswith("package:")]
+    assert specs[0] == "stdlib" and packages, specs
+    assert "packaging" not in packages and "packaging" in corpus.permissive_packages()  # installed: the exclusion worked
+    assert all(corpus.is_permissive(corpus.package_license(p)) for p in packages)
+    assert packages == sorted(packages)
+
+
+def test_corpus_tokens_are_the_same_in_parallel_and_come_back_from_the_cache(tmp_path):
+    """Sources tokenized in worker processes give the serial stream, in spec order, with one
+    row per source; a cached stream is reused for the same specs and split only."""
+    from train.data import corpus_tokens
+
+    tok = _tiny_tokenizer()
+    dirs = []
+    for i in range(3):
+        d = tmp_path / f"src{i}"
+        d.mkdir()
+        for j, text in enumerate(SNIPPETS[i:] * 3):
+            (d / f"m{j}.py").write_text(text)
+        dirs.append(str(d))
+    serial, rows = corpus_tokens(tok, dirs, "all", workers=1)
+    parallel, rows2 = corpus_tokens(tok, dirs, "all", workers=3)
+    assert torch.equal(serial, parallel) and rows == rows2
+    assert [r["spec"] for r in rows] == dirs and sum(r["tokens"] for r in rows) == serial.numel()
+    cache = tmp_path / "tokens.pt"
+    first, _ = corpus_tokens(tok, dirs, "all", cache=str(cache))
+    (Path(dirs[0]) / "m0.py").write_text("x = 1\n" * 50)  # a changed source: the cache still answers for these specs
+    again, _ = corpus_tokens(tok, dirs, "all", cache=str(cache))
+    assert cache.exists() and torch.equal(first, again) and torch.equal(first, serial)
+    other, _ = corpus_tokens(tok, dirs[:2], "all", cache=str(cache))  # other specs: tokenized afresh
+    assert other.numel() < serial.numel()
