@@ -12,7 +12,7 @@ Per prompt set and dtype, in one run and in alternating order (so machine noise 
   ..., draft model only the same with proposer=draft (no prompt lookup)
 and the per-round overhead of the services (wall time per round not spent in the target's pass
 or the draft's steps), on the shipped pair and on tiny models where the models cost ~nothing.
-Checks that every greedy output equals generate()'s. Writes ENGINE.md and engine.json.
+Reports which greedy outputs equal generate()'s and each other. Writes ENGINE.md and engine.json.
 """
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ delaying TCP proxy (bench/proxy.py) between them (bench/split.py); the client ru
 host. For each RTT and each prompt set (code from outside the standard library; the loop-prone
 demo prompt) it measures greedy tokens/s, one request at a time, for fixed tau = 1..8 without
 pre-drafting, fixed tau = 4 with pre-drafting, and adaptive tau with and without pre-drafting
-(costs calibrated by the draft service at start-up, over the proxy). Configurations alternate
+(costs calibrated by the draft service at start-up, over the proxy), all from the draft model; and
+the service's default, adaptive tau with pre-drafting and hybrid proposals (prompt lookup when a
+2-gram recurs, else the draft model), which the cost model does not predict. Configurations alternate
 between repeats; the median counts.
 
 The prediction for a configuration is specdec/costmodel.tokens_per_second with alpha and the
@@ -38,7 +40,8 @@ def configs() -> list[tuple[str, dict]]:
     out = [(f"tau={t}", dict(num_draft_tokens=t, predraft=False, adaptive=False)) for t in FIXED]
     out += [("tau=4 predraft", dict(num_draft_tokens=4, predraft=True, adaptive=False)),
             ("adaptive", dict(num_draft_tokens=8, predraft=False, adaptive=True)),
-            ("adaptive predraft", dict(num_draft_tokens=8, predraft=True, adaptive=True))]
+            ("adaptive predraft", dict(num_draft_tokens=8, predraft=True, adaptive=True)),
+            ("adaptive predraft hybrid (default)", dict(num_draft_tokens=8, predraft=True, adaptive=True, proposer="hybrid"))]
     return out
 
 
@@ -87,9 +90,11 @@ def summarize(rows: dict) -> dict:
         gamma = r["drafted"] / r["rounds"] if r["rounds"] else 0
         predraft = "predraft" in name
         g = max(1, round(gamma))
-        pred = tokens_per_second(costs, alpha, g, predraft)
+        # the model knows the draft model's rounds only: no prediction for prompt-lookup rounds
+        pred = None if "hybrid" in name else tokens_per_second(costs, alpha, g, predraft)
         out["configs"][name] = {"tok_s": r["tok_s"], "mean_tau": gamma, "tokens_per_round": r["tokens"] / r["rounds"],
                                 "predicted_tok_s": pred, "expected_tokens_per_round": expected_tokens(alpha, g),
+                                "lookup_rounds": r.get("lookup_rounds", 0),
                                 "predraft_hits": r.get("predraft_hits", 0), "ids": r["ids"]}
     best = max((c for c in out["configs"] if c.startswith("tau=") and "predraft" not in c), key=lambda c: out["configs"][c]["tok_s"])
     out["best_fixed"] = best
@@ -140,8 +145,9 @@ def main(argv=None) -> int:
                       f"outputs identical: {summ['identical_outputs']})", "",
                       "| config | mean tau | tokens/round | tok/s | vs best fixed | predicted tok/s | measured/predicted |", "|---|---|---|---|---|---|---|"]
             for name, c in summ["configs"].items():
+                pred = c["predicted_tok_s"]
                 lines.append(f"| {name} | {c['mean_tau']:.2f} | {c['tokens_per_round']:.2f} | {c['tok_s']:.1f} | {c['tok_s'] / best:.2f}x | "
-                             f"{c['predicted_tok_s']:.1f} | {c['tok_s'] / c['predicted_tok_s']:.2f} |")
+                             + (f"{pred:.1f} | {c['tok_s'] / pred:.2f} |" if pred else "— | — |"))
             lines.append("")
     with open(os.path.join(a.out, "POLICY.md"), "w") as fh:
         fh.write("\n".join(lines))

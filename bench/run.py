@@ -63,7 +63,7 @@ def measure(draft_addr: str, verify_addr: str, prompts: list[str], max_new: int,
     params = dict(params)
     target_only = params.pop("target_only", False)
     tot = dict(tokens=0, wall_s=0.0, rounds=0, drafted=0, accepted=0, draft_s=0.0, verify_s=0.0, verify_forward_s=0.0,
-               predraft_hits=0, rounds_fully_accepted=0, ids=[])
+               predraft_hits=0, lookup_rounds=0, rounds_fully_accepted=0, ids=[])
     with Client(verify_addr if target_only else draft_addr, target_only=target_only, timeout=900) as c:
         c.generate(prompt=prompts[0], max_new_tokens=4, **params)  # warm-up
         for p in prompts:
@@ -72,7 +72,7 @@ def measure(draft_addr: str, verify_addr: str, prompts: list[str], max_new: int,
             tot["tokens"] += len(r.token_ids)
             tot["wall_s"] += s["wall_s"]
             tot["ids"].append(r.token_ids)
-            for k in ("rounds", "drafted", "accepted", "draft_s", "verify_s", "verify_forward_s", "predraft_hits"):
+            for k in ("rounds", "drafted", "accepted", "draft_s", "verify_s", "verify_forward_s", "predraft_hits", "lookup_rounds"):
                 tot[k] += s.get(k, 0)
             app = s.get("accepted_per_position") or [0]
             tot["rounds_fully_accepted"] += app[min(len(app), params.get("num_draft_tokens", 1)) - 1] if s.get("drafted") else 0
