@@ -19,6 +19,8 @@ COMMANDS = """\
 ```sh
 # on a machine with one GPU (an H100 took 4.5 + 2.6 minutes of training): target, then draft
 TARGET_MIN=4.5 DRAFT_MIN=2.6 bash train/gpu.sh runs/gpu
+# ship: the weights and configs of runs/gpu/target-out and runs/gpu/draft-out replace those in
+# models/stdlib-code-target and models/stdlib-code-draft (the tokenizer files are the same)
 # measurements (this file's numbers), on the CPU that will serve the pair
 .venv/bin/python -m train.evaluate --target runs/gpu/target-out --draft runs/gpu/draft-out \\
     --corpus stdlib package:numpy package:setuptools package:pip package:networkx package:jinja2 \\
@@ -102,7 +104,20 @@ def _completions(ev: dict, lines: int = 6) -> str:
     return "\n\n".join(out)
 
 
-def render(ev: dict, ts: dict, ds: dict, target_dir: Path, draft_dir: Path) -> str:
+def _engine_rows(engine: dict | None) -> str:
+    if not engine:
+        return "(run `python -m bench.engine` for the services' figures)"
+    rows = ["| prompts | dtype | generate() | speculative (service defaults) | draft model only | target-only | assisted generation | prompt lookup |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, sres in engine.get("sets", {}).items():
+        for dtype, r in sres["dtypes"].items():
+            x = r["ratios"]
+            rows.append(f"| {name} | {dtype} | {r['generate']:.1f} tok/s | **{x['speculative']:.2f}×** | {x['draft model only']:.2f}× | "
+                        f"{x['target-only']:.2f}× | {x['assisted']:.2f}× | {x['prompt lookup']:.2f}× |")
+    return "\n".join(rows)
+
+
+def render(ev: dict, ts: dict, ds: dict, target_dir: Path, draft_dir: Path, engine: dict | None = None) -> str:
     lo = ev["heldout_loss_nats_per_token"]
     g, s, lat, sp = ev["greedy"], ev["sampled_T1"], ev["latency_ms_per_token"], ev["expected_speedup"]
     cp, ood = ev["code_prompts"], ev.get("out_of_domain", {})
@@ -215,7 +230,12 @@ replaced by the measured tokens per round (columns 3 and 5):
 Best γ: greedy **γ = {sp['greedy']['best_gamma']}, S = {sp['greedy']['best_speedup']:.2f}×**; T=1 γ = {sp['sampled_T1']['best_gamma']},
 S = {sp['sampled_T1']['best_speedup']:.2f}×. These are in-process bounds for the draft model alone;
 the services add RPC and scheduling costs, and their default hybrid proposer adds prompt lookup.
-What the services measure against transformers' `generate()` is in bench/results/ENGINE.md.
+
+Measured through both services against transformers' `generate()` in the same run
+(bench/results/ENGINE.md: greedy, 128 tokens, one torch thread per process, this 2-core CPU):
+
+{_engine_rows(engine)}
+
 Latencies were measured on {ev['machine']['processor']}, torch {ev['machine']['torch']},
 {ev['machine']['torch_threads']} thread; evaluation took {ev['eval_seconds']:.0f} s.
 
@@ -246,6 +266,7 @@ def main(argv=None) -> None:
     ap.add_argument("--draft-summary", default="runs/gpu/draft/summary.json")
     ap.add_argument("--target-dir", default="models/stdlib-code-target")
     ap.add_argument("--draft-dir", default="models/stdlib-code-draft")
+    ap.add_argument("--engine", default="bench/results/engine.json", help="bench.engine's results, if present")
     ap.add_argument("--out", default="models/README.md")
     args = ap.parse_args(argv)
     ev = json.loads(Path(args.eval).read_text())
@@ -254,7 +275,8 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     (out.parent / "training.json").write_text(json.dumps({"target": ts, "draft": ds}, indent=2) + "\n")
-    out.write_text(render(ev, ts, ds, Path(args.target_dir), Path(args.draft_dir)))
+    engine = json.loads(Path(args.engine).read_text()) if Path(args.engine).exists() else None
+    out.write_text(render(ev, ts, ds, Path(args.target_dir), Path(args.draft_dir), engine))
     print(f"wrote {out}")
 
 
