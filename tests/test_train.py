@@ -196,7 +196,8 @@ def test_code_prompt_quality_scores_loops_low():
 def test_only_permissive_licenses_count_as_permissive():
     for lic in ("MIT", "BSD-3-Clause", "Apache-2.0 AND BSD-2-Clause", "PSF-2.0", "ISC License", "Apache Software License"):
         assert corpus.is_permissive(lic), lic
-    for lic in ("GPL-3.0", "LGPL-2.1-or-later", "MIT OR GPL-2.0", "MPL-2.0", "Other/Proprietary License", "unknown", ""):
+    for lic in ("GPL-3.0", "LGPL-2.1-or-later", "MIT OR GPL-2.0", "MPL-2.0", "Other/Proprietary License", "unknown", "",
+                "Copyright 2020 Example Limited, all rights reserved"):
         assert not corpus.is_permissive(lic), lic
 
 

@@ -19,6 +19,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import os
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,16 +188,18 @@ def package_license(name: str) -> str:
     return "unknown"
 
 
-# Licenses that let the source be trained on and the weights shipped without conditions on them.
-_PERMISSIVE = ("MIT", "BSD", "APACHE", "PSF", "PYTHON SOFTWARE FOUNDATION", "ISC", "UNLICENSE", "HPND", "ZLIB")
-_COPYLEFT = ("GPL", "MPL", "MOZILLA", "EPL", "CDDL", "PROPRIETARY", "COMMERCIAL")
+# Licenses that let the source be trained on and the weights shipped without conditions on them
+# (whole words: "MIT" in "Limited" does not count), and terms that rule a license out (anywhere:
+# "LGPL" contains "GPL").
+_PERMISSIVE = re.compile(r"\b(MIT|BSD|APACHE|PSF|PYTHON SOFTWARE FOUNDATION|ISC|UNLICENSE|HPND|ZLIB)\b")
+_EXCLUDED = re.compile(r"GPL|MPL|MOZILLA|EPL|CDDL|PROPRIETARY|COMMERCIAL")
 
 
 def is_permissive(license_text: str) -> bool:
     """True for a declared license that is MIT, BSD, Apache, PSF, ISC and the like, and names
     no copyleft or proprietary terms (an ``OR`` with GPL is refused too: keep it simple)."""
     text = license_text.upper()
-    return any(p in text for p in _PERMISSIVE) and not any(c in text for c in _COPYLEFT)
+    return bool(_PERMISSIVE.search(text)) and not _EXCLUDED.search(text)
 
 
 def permissive_packages(exclude: Sequence[str] = ()) -> List[str]:
