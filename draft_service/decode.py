@@ -79,7 +79,10 @@ class DecodeLoop:
     def propose(self, tau: int) -> Proposal:
         st, mode = self.state, self.params.proposer
         if mode in (pb.PROPOSER_LOOKUP, pb.PROPOSER_HYBRID):
-            prop = self.drafter.lookup(st, tau, min_ngram=1 if mode == pb.PROPOSER_LOOKUP else HYBRID_MIN_NGRAM)
+            # a lookup proposal costs no draft steps, so it takes the request's cap (num_draft_tokens;
+            # 8 with adaptive tau), not the tau chosen for the draft model (bench/results/ENGINE.md)
+            prop = self.drafter.lookup(st, min(self.params.tau, self.cap()),
+                                       min_ngram=1 if mode == pb.PROPOSER_LOOKUP else HYBRID_MIN_NGRAM)
             if prop.tokens or mode == pb.PROPOSER_LOOKUP:
                 return prop
         return self.drafter.propose(st, tau)

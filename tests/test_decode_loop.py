@@ -270,3 +270,17 @@ def test_loop_over_a_real_verify_service_equals_the_draft_service(services, draf
                 assert pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower() == r.finish_reason
                 if "sampling" not in case:
                     assert ids == hf_greedy(target, prompt, case["max_new_tokens"])
+
+
+def test_a_lookup_proposal_takes_the_request_cap_not_the_draft_models_tau(drafters):
+    """Prompt lookup costs no draft steps, so a hybrid round that finds a match proposes up to
+    num_draft_tokens, whatever tau adaptive tau chose for the draft model; without a match the
+    draft model proposes exactly that tau."""
+    d = drafters("draft")
+    repeating = list(range(3, 12)) * 2 + [3, 4]  # the last 2-gram recurs: lookup continues 5, 6, ...
+    g = request(d, prompt_ids=repeating, max_new_tokens=30, num_draft_tokens=8, proposer=pb.PROPOSER_HYBRID)
+    prop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context).propose(2)
+    assert prop.lookup and prop.tokens == [5, 6, 7, 8, 9, 10, 11, 3], prop.tokens
+    g = request(d, prompt_ids=list(range(1, 16)), max_new_tokens=30, num_draft_tokens=8, proposer=pb.PROPOSER_HYBRID)
+    prop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context).propose(2)
+    assert not prop.lookup and len(prop.tokens) == 2
