@@ -10,7 +10,8 @@ Measures
   * speculative speed with a synthetic proposer whose acceptance is set exactly (it proposes the
     target's own greedy token with probability alpha, else another token), alpha in 0.5/0.7/0.9,
     draft cost zero: the verify side's share of the speed-up.
-Writes GPU.md, gpu.json and (if matplotlib is there) gpu.png. `--shape tiny` runs on the CPU in
+Writes its report into --out: a markdown table, gpu.json and (if matplotlib is there) gpu.png; no
+GPU run has been committed yet (bench/results/gpu/ is absent). `--shape tiny` runs on the CPU in
 seconds: the test suite runs it as a smoke test.
 """
 from __future__ import annotations

@@ -15,6 +15,7 @@ directories (all text files found under a directory are used).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -172,9 +173,15 @@ def package_documents(name: str, split: str = "train") -> List[Document]:
     return sorted(kept, key=lambda d: d.name)
 
 
+@functools.lru_cache(maxsize=1)
+def _distributions() -> dict:
+    """Top-level import name -> distributions (one scan of the installed metadata per process)."""
+    return importlib.metadata.packages_distributions()
+
+
 def package_license(name: str) -> str:
     """The license an installed package declares (SPDX expression, License field or classifier)."""
-    dists = importlib.metadata.packages_distributions().get(name.split(".")[0], [])
+    dists = _distributions().get(name.split(".")[0], [])
     for dist in dists:
         meta = importlib.metadata.metadata(dist)
         lic = meta.get("License-Expression") or ""
@@ -207,7 +214,7 @@ def permissive_packages(exclude: Sequence[str] = ()) -> List[str]:
     declared license is permissive, sorted; ``exclude`` names packages to leave out (e.g. the
     out-of-domain evaluation set)."""
     names = set()
-    for name, _dists in importlib.metadata.packages_distributions().items():
+    for name in _distributions():
         if name in exclude or name.startswith("_") or not name.isidentifier():
             continue
         try:

@@ -134,7 +134,8 @@ def render(ev: dict, ts: dict, ds: dict, target_dir: Path, draft_dir: Path, engi
     fam: dict = {}
     for r in sources:
         f = _license_family(r["license"])
-        fam[f] = (fam.get(f, (0, 0, 0))[0] + 1, fam.get(f, (0, 0, 0))[1] + r["files"], fam.get(f, (0, 0, 0))[2] + r["tokens"])
+        n, files, tok = fam.get(f, (0, 0, 0))
+        fam[f] = (n + 1, files + r["files"], tok + r["tokens"])
     fam_rows = "\n".join(f"| {f} | {n} | {files:,} | {tok:,} |" for f, (n, files, tok) in sorted(fam.items(), key=lambda x: -x[1][2]))
     top = sorted(sources, key=lambda r: -r["tokens"])[:12]
     top_rows = "\n".join(f"| `{r['spec']}` | {r['license']} | {r['files']:,} | {r['tokens']:,} |" for r in top)
