@@ -8,11 +8,12 @@ Measures
   * per-round overhead: wall time of a round minus the target's pass;
   * verify batch throughput at 1, 8, 32 and 64 concurrent sessions (tau=4, acceptance alpha=0.8);
   * speculative speed with a synthetic proposer whose acceptance is set exactly (it proposes the
-    target's own greedy token with probability alpha, else another token), alpha in 0.5/0.7/0.9,
+    engine's own target-only greedy token with probability alpha, else another token), alpha in 0.5/0.7/0.9,
     draft cost zero: the verify side's share of the speed-up.
-Writes its report into --out: a markdown table, gpu.json and (if matplotlib is there) gpu.png; no
-GPU run has been committed yet (bench/results/gpu/ is absent). `--shape tiny` runs on the CPU in
-seconds: the test suite runs it as a smoke test.
+Every timed run follows an identical untimed one (per-shape kernel set-up is not decoding). Writes
+its report into --out: a markdown table, gpu.json and (if matplotlib is there) gpu.png; the H100
+run is bench/results/gpu/. `--shape tiny` runs on the CPU in seconds: the test suite runs it as a
+smoke test.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from specdec.lm import LM
+from specdec.lm import LM, resolve_device
 from specdec.sampling import Sampling
 from specdec.v1 import specdec_pb2 as pb
 from verify_service.scheduler import Scheduler
@@ -40,7 +41,7 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
 }
 
 
-def build(shape: str, path: str, context: int) -> str:
+def build(shape: str, path: str, context: int, device: torch.device) -> str:
     h, n, heads, kv, inter, vocab = SHAPES[shape]
     cfg = LlamaConfig(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
                       vocab_size=vocab, max_position_embeddings=context, eos_token_id=None, bos_token_id=None, pad_token_id=0,
@@ -48,8 +49,10 @@ def build(shape: str, path: str, context: int) -> str:
     torch.manual_seed(0)
     with torch.device("meta"):
         AutoModelForCausalLM.from_config(cfg)  # fail early on a bad shape, cheaply
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with device:  # random init where the model will run: an 8B init on the host takes minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)
+    del model
     from specdec.testing.tinymodels import word_tokenizer  # noqa: PLC0415 - the bench's tokenizer: ids only
 
     word_tokenizer(vocab).save_pretrained(path)
@@ -105,48 +108,69 @@ def main(argv=None) -> None:
     res: dict = {"shape": a.shape, "dims": SHAPES[a.shape], "dtype": a.dtype, "tokens": a.tokens, "prompt_len": a.prompt_len}
     with tempfile.TemporaryDirectory() as tmp:
         print(f"building a random {a.shape} model ...", file=sys.stderr, flush=True)
-        lm = LM.load(build(a.shape, tmp, context), a.device, a.dtype)
+        t_build = time.perf_counter()
+        lm = LM.load(build(a.shape, tmp, context, resolve_device(a.device)), a.device, a.dtype)
         res["device"] = torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "cpu"
+        res["torch"], res["build_and_load_s"] = torch.__version__, round(time.perf_counter() - t_build, 1)
         prompt = torch.randint(1, lm.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
-        # transformers' generate() on the same weights and dtype, its own attention
-        ref_model = AutoModelForCausalLM.from_pretrained(tmp, dtype=lm.dtype).to(lm.device).eval()
+        # transformers' generate() on the same weights and dtype, with the model's own (sdpa) attention; every
+        # timed run below follows an identical untimed one, so per-shape kernel set-up is paid before timing
+        engine_attn = lm.model.config._attn_implementation
+        lm.model.set_attn_implementation("sdpa")
         ids = torch.tensor([prompt], device=lm.device)
         kw = dict(max_new_tokens=a.tokens, min_new_tokens=a.tokens, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
         with torch.inference_mode():
-            ref_model.generate(ids, **dict(kw, max_new_tokens=4, min_new_tokens=4))  # warm-up
+            lm.model.generate(ids, **kw)  # warm-up
             sync(lm)
             t0 = time.perf_counter()
-            reference = ref_model.generate(ids, **kw)[0, len(prompt):].tolist()
+            reference = lm.model.generate(ids, **kw)[0, len(prompt):].tolist()
             sync(lm)
             res["generate_tok_s"] = a.tokens / (time.perf_counter() - t0)
-        del ref_model
+            checkpoint(res, a.out)
+        lm.model.set_attn_implementation(engine_attn)
         eng = Scheduler(lm, max_sessions=max(int(x) for x in a.sessions.split(",")))
 
         async def bench() -> None:
-            await run_session(eng, prompt, 4, 1, None)  # warm-up
+            await run_session(eng, prompt, a.tokens, 0, None)  # warm-up
             t0 = time.perf_counter()
             n, rounds, fwd, out = await run_session(eng, prompt, a.tokens, 0, None)
             wall = time.perf_counter() - t0
             res["target_only_tok_s"] = n / wall
             res["target_only_equals_generate"] = out == reference
+            res["target_only_first_difference"] = next((i for i, (x, y) in enumerate(zip(out, reference)) if x != y), None)
+            own = out  # the engine's own greedy output: the synthetic proposer's source, so alpha is what it says
             res["overhead_ms_per_round_target_only"] = 1e3 * (wall - fwd) / rounds
+            checkpoint(res, a.out)
             res["speculative"] = {}
             for alpha in (0.5, 0.7, 0.9):
+                await run_session(eng, prompt, a.tokens, 4, Proposer(own, alpha, lm.vocab_size))  # warm-up
                 t0 = time.perf_counter()
-                n, rounds, fwd, out = await run_session(eng, prompt, a.tokens, 4, Proposer(reference, alpha, lm.vocab_size))
+                n, rounds, fwd, out = await run_session(eng, prompt, a.tokens, 4, Proposer(own, alpha, lm.vocab_size))
                 wall = time.perf_counter() - t0
                 res["speculative"][str(alpha)] = {"tok_s": n / wall, "tokens_per_round": n / rounds, "equals_generate": out == reference,
+                                                  "equals_target_only": out == own,
                                                   "overhead_ms_per_round": 1e3 * (wall - fwd) / rounds}
+                checkpoint(res, a.out)
             res["batch"] = {}
             for k in [int(x) for x in a.sessions.split(",")]:
                 t0 = time.perf_counter()
-                outs = await asyncio.gather(*[run_session(eng, prompt, a.tokens, 4, Proposer(reference, 0.8, lm.vocab_size, seed=i)) for i in range(k)])
+                outs = await asyncio.gather(*[run_session(eng, prompt, a.tokens, 4, Proposer(own, 0.8, lm.vocab_size, seed=i)) for i in range(k)])
                 wall = time.perf_counter() - t0
-                res["batch"][str(k)] = {"tok_s": sum(o[0] for o in outs) / wall, "all_equal_generate": all(o[3] == reference for o in outs)}
+                res["batch"][str(k)] = {"tok_s": sum(o[0] for o in outs) / wall, "tokens_per_round": sum(o[0] for o in outs) / sum(o[1] for o in outs), "all_equal_generate": all(o[3] == reference for o in outs),
+                                        "all_equal_target_only": all(o[3] == own for o in outs)}
+                checkpoint(res, a.out)
 
         asyncio.run(bench())
         eng.shutdown()
     write(res, a.out)
+
+
+def checkpoint(res: dict, out: str) -> None:
+    """gpu.json after each stage, so a run cut short still leaves what it measured."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gpu.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    print(json.dumps(res), file=sys.stderr, flush=True)
 
 
 def write(res: dict, out: str) -> None:
@@ -156,15 +180,18 @@ def write(res: dict, out: str) -> None:
     g = res["generate_tok_s"]
     lines = [f"# Engine on {res['device']}: random {res['shape']} {res['dims']}, {res['dtype']}, prompt {res['prompt_len']}, "
              f"{res['tokens']} tokens, greedy", "",
-             "| what | tok/s | vs generate() | identical to generate() |", "|---|---|---|---|",
-             f"| transformers generate() | {g:.1f} | 1.00x | - |",
-             f"| scheduler target-only | {res['target_only_tok_s']:.1f} | {res['target_only_tok_s'] / g:.2f}x | {res['target_only_equals_generate']} |"]
+             "| what | tok/s | vs generate() | identical to generate() | identical to target-only |", "|---|---|---|---|---|",
+             f"| transformers generate() | {g:.1f} | 1.00x | - | - |",
+             f"| scheduler target-only | {res['target_only_tok_s']:.1f} | {res['target_only_tok_s'] / g:.2f}x | {res['target_only_equals_generate']} | - |"]
     for alpha, r in res["speculative"].items():
-        lines.append(f"| speculative tau=4, alpha={alpha} (draft cost 0) | {r['tok_s']:.1f} | {r['tok_s'] / g:.2f}x | {r['equals_generate']} |")
+        lines.append(f"| speculative tau=4, alpha={alpha} (draft cost 0; {r['tokens_per_round']:.2f} tokens/round) | {r['tok_s']:.1f} | {r['tok_s'] / g:.2f}x "
+                     f"| {r['equals_generate']} | {r['equals_target_only']} |")
     lines += ["", f"Overhead per round (wall - target pass): target-only {res['overhead_ms_per_round_target_only']:.2f} ms; "
               + ", ".join(f"alpha={k}: {r['overhead_ms_per_round']:.2f} ms" for k, r in res["speculative"].items()), "",
-              "| concurrent sessions (tau=4, alpha=0.8) | total tok/s | all identical to generate() |", "|---|---|---|"]
-    lines += [f"| {k} | {r['tok_s']:.1f} | {r['all_equal_generate']} |" for k, r in res["batch"].items()]
+              "| concurrent sessions (tau=4, alpha=0.8) | total tok/s | tokens per round | all identical to generate() | all identical to target-only |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {k} | {r['tok_s']:.1f} | {r['tokens_per_round']:.2f} | {r['all_equal_generate']} | {r['all_equal_target_only']} |"
+              for k, r in res["batch"].items()]
     with open(os.path.join(out, "GPU.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     try:

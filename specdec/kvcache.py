@@ -168,7 +168,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
 
     for i, c in enumerate(p.caches):
         off, n, L = p.offsets[i], p.counts[i], p.starts[i]
-        if n == 1 or n > ROW_BY_ROW:  # one query, or a prefill chunk: one masked call
+        if n == 1 or n > ROW_BY_ROW or query.device.type != "cpu":  # one query, a prefill chunk, or a GPU: one masked call
             attend(c, off, n, L, lambda lo, i=i: p.mask(i, lo, sliding_window, query.device))
         else:  # a round: each query alone, exactly as a single step at its position computes it
             for j in range(n):
