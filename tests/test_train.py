@@ -234,3 +234,28 @@ def test_corpus_tokens_are_the_same_in_parallel_and_come_back_from_the_cache(tmp
     assert cache.exists() and torch.equal(first, again) and torch.equal(first, serial)
     other, _ = corpus_tokens(tok, dirs[:2], "all", cache=str(cache))  # other specs: tokenized afresh
     assert other.numel() < serial.numel()
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "broken"])
+def test_compiled_training_step_trains_and_a_failing_compiler_falls_back(tmp_path, tiny_pair_inputs, monkeypatch, capsys, compiler):
+    """--compile runs the step through torch.compile; a compiler that fails at the first step
+    leaves training to eager mode instead of ending the run."""
+    from train import distill
+
+    if compiler == "broken":
+        def broken(fn, *a, **k):
+            def call(*args, **kwargs):
+                raise RuntimeError("no compiler here")
+            return call
+        monkeypatch.setattr(torch, "compile", broken)
+    tdir, cdir, _ = tiny_pair_inputs
+    run = tmp_path / "run"
+    s = distill.main(["--target", str(tdir), "--corpus", str(cdir), "--out", str(tmp_path / "draft"), "--run-dir", str(run),
+                      "--layers", "1", "--hidden", "16", "--heads", "2", "--intermediate", "32", "--seq-len", "32",
+                      "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--seed", "1", "--steps", "12", "--compile"])
+    assert s["steps"] == 12
+    log = _log(run)
+    assert log[-1]["step"] == 12 and all(isinstance(r["kl"], float) for r in log)
+    assert log[-1]["kl"] < log[0]["kl"]
+    fell_back = "torch.compile failed" in capsys.readouterr().out
+    assert fell_back == (compiler == "broken")

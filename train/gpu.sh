@@ -1,28 +1,45 @@
 #!/usr/bin/env bash
-# The shipped pair's recipe on one GPU (an H100 trained the target in 4.5 minutes and the draft in
-# 2.6; with tokenizing and loading, about 9 minutes): pre-train the target from scratch on the
-# standard library plus every permissively licensed installed package, then distill the draft
-# from it, on the same token stream.
+# The shipped pair's recipe on one GPU: pre-train the target on the standard library plus every
+# permissively licensed installed package, then distill the draft from it on the same token stream.
 #
-#     bash train/gpu.sh [RUN_DIR]        # env: DEVICE, TARGET_MIN, DRAFT_MIN, CORPUS
+#     bash train/gpu.sh [RUN_DIR]   # env: DEVICE, STAGES, TARGET_MIN, DRAFT_MIN, TARGET_INIT, DRAFT_INIT,
+#                                   #      TARGET_LR, COMPILE, CORPUS
 #
+# The shipped pair came from two runs on an H100 (the model card has the numbers):
+#   1. from scratch:  TARGET_MIN=4.5 DRAFT_MIN=2.6 bash train/gpu.sh
+#   2. continued:     STAGES=target TARGET_INIT=models/stdlib-code-target TARGET_LR=1e-3 TARGET_MIN=7 COMPILE=1 bash train/gpu.sh
+#                     STAGES=draft TARGET_OUT=models/stdlib-code-target DRAFT_INIT=models/stdlib-code-draft DRAFT_MIN=3 COMPILE=1 bash train/gpu.sh
+# (each stage fits one 10-minute call on the GPU machine, tokenizing and loading included).
 # The tokenizer is the shipped one (models/stdlib-code-target/tokenizer.json), so the pair keeps
 # its vocabulary. The out-of-domain evaluation packages are left out of training.
 set -euo pipefail
 RUN=${1:-runs/gpu}
 DEVICE=${DEVICE:-cuda}
+STAGES=${STAGES:-target draft}
 TARGET_MIN=${TARGET_MIN:-4.5}
 DRAFT_MIN=${DRAFT_MIN:-2.6}
+TARGET_LR=${TARGET_LR:-2e-3}
+TARGET_OUT=${TARGET_OUT:-$RUN/target-out}
 CORPUS=${CORPUS:-stdlib site:permissive}
 OOD="rich click jsonschema anyio"
+EXTRA=()
+[[ "${COMPILE:-0}" == 1 ]] && EXTRA+=(--compile)
 mkdir -p "$RUN"
-# shellcheck disable=SC2086 # CORPUS and OOD are word lists
-python -m train.pretrain --device "$DEVICE" --corpus $CORPUS --exclude $OOD --tokens-cache "$RUN/tokens.pt" \
-    --tokenizer models/stdlib-code-target --hidden 512 --layers 8 --heads 8 --intermediate 1408 --tie \
-    --seq-len 512 --batch-size 64 --lr 2e-3 --warmup 200 --steps 1000000 --max-minutes "$TARGET_MIN" \
-    --checkpoint-minutes 60 --run-dir "$RUN/target" --out "$RUN/target-out"
-# shellcheck disable=SC2086
-python -m train.distill --device "$DEVICE" --corpus $CORPUS --exclude $OOD --tokens-cache "$RUN/tokens.pt" \
-    --target "$RUN/target-out" --target-dtype bfloat16 --layers 1 --hidden 256 --heads 4 \
-    --seq-len 512 --batch-size 64 --lr 3e-3 --warmup 100 --steps 1000000 --max-minutes "$DRAFT_MIN" \
-    --save-dtype bfloat16 --checkpoint-minutes 60 --run-dir "$RUN/draft" --out "$RUN/draft-out"
+if [[ " $STAGES " == *" target "* ]]; then
+    INIT=()
+    [[ -n "${TARGET_INIT:-}" ]] && INIT=(--init-from "$TARGET_INIT")
+    # shellcheck disable=SC2086 # CORPUS and OOD are word lists
+    python -m train.pretrain --device "$DEVICE" --corpus $CORPUS --exclude $OOD --tokens-cache "$RUN/tokens.pt" \
+        --tokenizer models/stdlib-code-target --hidden 512 --layers 8 --heads 8 --intermediate 1408 --tie \
+        --seq-len 512 --batch-size 64 --lr "$TARGET_LR" --warmup 200 --steps 1000000 --max-minutes "$TARGET_MIN" \
+        --checkpoint-minutes 60 --run-dir "$RUN/target" --out "$TARGET_OUT" "${INIT[@]}" "${EXTRA[@]}"
+fi
+if [[ " $STAGES " == *" draft "* ]]; then
+    INIT=()
+    [[ -n "${DRAFT_INIT:-}" ]] && INIT=(--init-from "$DRAFT_INIT")
+    # shellcheck disable=SC2086
+    python -m train.distill --device "$DEVICE" --corpus $CORPUS --exclude $OOD --tokens-cache "$RUN/tokens.pt" \
+        --target "$TARGET_OUT" --target-dtype bfloat16 --layers 1 --hidden 256 --heads 4 \
+        --seq-len 512 --batch-size 64 --lr 3e-3 --warmup 100 --steps 1000000 --max-minutes "$DRAFT_MIN" \
+        --save-dtype bfloat16 --checkpoint-minutes 60 --run-dir "$RUN/draft" --out "$RUN/draft-out" "${INIT[@]}" "${EXTRA[@]}"
+fi

@@ -70,6 +70,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--no-bf16", action="store_true", help="train in float32 (no bf16 autocast)")
     ap.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the training step (pays on a GPU)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -104,7 +105,7 @@ def main(argv=None) -> None:
     summary = loop.run(model, sampler.batch, causal_lm_loss, loop.LoopConfig(
         run_dir=Path(args.run_dir), max_steps=args.steps, max_minutes=args.max_minutes, lr=args.lr,
         warmup_steps=args.warmup, bf16=not args.no_bf16, checkpoint_minutes=args.checkpoint_minutes,
-        desc="pretrain"))
+        desc="pretrain", compile=args.compile))
     export.save_hf_dir(model, tokenizer, args.out)
     summary.update(parameters=n_params, corpus_tokens=int(tokens.numel()), corpus_files=n_files, sources=rows,
                    device=str(args.device), hardware=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
