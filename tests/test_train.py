@@ -259,3 +259,14 @@ def test_compiled_training_step_trains_and_a_failing_compiler_falls_back(tmp_pat
     assert log[-1]["kl"] < log[0]["kl"]
     fell_back = "torch.compile failed" in capsys.readouterr().out
     assert fell_back == (compiler == "broken")
+
+
+def test_model_card_adds_up_a_target_trained_in_several_runs():
+    from train.modelcard import combine_runs
+
+    first = {"steps": 100, "tokens": 3200, "elapsed_s": 60.0, "final_loss": 2.0, "corpus_tokens": 500, "lr": 2e-3}
+    second = {"steps": 50, "tokens": 1600, "elapsed_s": 30.0, "final_loss": 1.5, "corpus_tokens": 500, "lr": 1e-3}
+    ts = combine_runs([first, second])
+    assert (ts["steps"], ts["tokens"], ts["elapsed_s"]) == (150, 4800, 90.0)
+    assert ts["final_loss"] == 1.5 and ts["lr"] == 1e-3 and ts["runs"] == 2 and ts["run_minutes"] == [1.0, 0.5]
+    assert first["steps"] == 100  # the runs themselves are left as they were
