@@ -5,11 +5,11 @@
 #     bash train/gpu.sh [RUN_DIR]   # env: DEVICE, STAGES, TARGET_MIN, DRAFT_MIN, TARGET_INIT, DRAFT_INIT,
 #                                   #      TARGET_LR, COMPILE, CORPUS
 #
-# The shipped pair came from two runs on an H100 (the model card has the numbers):
-#   1. from scratch:  TARGET_MIN=4.5 DRAFT_MIN=2.6 bash train/gpu.sh
-#   2. continued:     STAGES=target TARGET_INIT=models/stdlib-code-target TARGET_LR=1e-3 TARGET_MIN=7 COMPILE=1 bash train/gpu.sh
-#                     STAGES=draft TARGET_OUT=models/stdlib-code-target DRAFT_INIT=models/stdlib-code-draft DRAFT_MIN=3 COMPILE=1 bash train/gpu.sh
-# (each stage fits one 10-minute call on the GPU machine, tokenizing and loading included).
+# The shipped pair came from three commands on an H100 (the model card has the numbers):
+#   1. from scratch:      TARGET_MIN=4.5 DRAFT_MIN=2.6 bash train/gpu.sh runs/gpu
+#   2. target, continued: STAGES=target TARGET_INIT=models/stdlib-code-target TARGET_LR=1e-3 TARGET_MIN=4.2 COMPILE=1 bash train/gpu.sh runs/gpu2
+#   3. draft, afresh:     STAGES=draft TARGET_OUT=runs/gpu2/target-out DRAFT_MIN=1.7 COMPILE=1 bash train/gpu.sh runs/gpu2
+# (each fits one 10-minute call on the GPU machine, tokenizing, compiling and loading included).
 # The tokenizer is the shipped one (models/stdlib-code-target/tokenizer.json), so the pair keeps
 # its vocabulary. The out-of-domain evaluation packages are left out of training.
 set -euo pipefail
