@@ -84,8 +84,11 @@ def main(argv=None) -> int:
                 last = chunk
             spec_s = time.perf_counter() - t0
             base_r = base.generate(prompt=a.prompt, max_new_tokens=a.max_new_tokens)
-            sampled = spec.generate(**dict(params, temperature=0.8, top_p=0.95, seed=7))
-            print(f"\n--- speculative completion, sampled (temperature 0.8, top-p 0.95, seed 7) ---\n{sampled.text}", flush=True)
+            # fixed tau: with adaptive tau the rounds follow costs measured at start-up, and another cut into rounds
+            # is another (equally exact) sample; a fixed tau replays the same text on every run (DESIGN.md §3)
+            sampled = spec.generate(**dict(params, temperature=0.8, top_p=0.95, seed=7, num_draft_tokens=a.tau or 4, adaptive=False))
+            print(f"\n--- speculative completion, sampled (temperature 0.8, top-p 0.95, seed 7, tau {a.tau or 4}) ---\n{sampled.text}",
+                  flush=True)
         hf_ids, hf_s = hf_generate(a.target, info.dtype, _prompt_ids(a.target, a.prompt), a.max_new_tokens)
         s = last.stats
         print("\n--- stats ---")
