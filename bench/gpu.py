@@ -174,9 +174,7 @@ def checkpoint(res: dict, out: str) -> None:
 
 
 def write(res: dict, out: str) -> None:
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "gpu.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
+    checkpoint(res, out)
     g = res["generate_tok_s"]
     lines = [f"# Engine on {res['device']}: random {res['shape']} {res['dims']}, {res['dtype']}, prompt {res['prompt_len']}, "
              f"{res['tokens']} tokens, greedy", "",

@@ -66,7 +66,7 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
               f"({elapsed / 60:.1f} min trained)", flush=True)
     max_s = cfg.max_minutes * 60 if cfg.max_minutes else None
     # the compiled step shares the model's parameters; checkpoints save the model itself
-    step_fn = torch.compile(lambda m, b: loss_fn(m, b)) if cfg.compile else loss_fn
+    step_fn = torch.compile(loss_fn) if cfg.compile else loss_fn
     first_step = step
     model.train()
     log = open(run_dir / "log.jsonl", "a")

@@ -156,7 +156,7 @@ services' `auto` on a CPU with bf16 instructions) or float32. The names are the 
 corpus is now the standard library plus {len(sources) - 1} permissively licensed packages.
 
 Trained on one {hw} (lent to development sessions): the target for {ts['elapsed_s'] / 60:.1f} minutes
-in {ts.get('runs', 1)} run(s) of {' + '.join(f'{m:.1f}' for m in ts.get('run_minutes', [ts['elapsed_s'] / 60]))} minutes, each continuing the last
+in {ts['runs']} run(s) of {' + '.join(f'{m:.1f}' for m in ts['run_minutes'])} minutes, each continuing the last
 ({ts['tokens'] / 1e6:.1f} M tokens, {ts['tokens'] / ts['corpus_tokens']:.1f} passes over a {ts['corpus_tokens'] / 1e6:.1f} M-token corpus), the draft for
 {ds['elapsed_s'] / 60:.1f} minutes, distilled from the final target. The target writes code that reads as code (imports, signatures,
 docstrings, plausible calls), but under **greedy** decoding it still repeats itself within 128
