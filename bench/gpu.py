@@ -2,6 +2,7 @@
 scheduler (the engine without gRPC), against transformers' generate() on the same model.
 
     python -m bench.gpu [--shape llama3-8b|llama-1b|tiny] [--device cuda] [--dtype bfloat16] [--out bench/results/gpu]
+                        [--profile] [--compiled-baseline|--no-compiled-baseline]
 
 Measures
   * target-only tokens/s through the scheduler vs generate() (greedy, same prompt, same dtype);
@@ -9,16 +10,27 @@ Measures
   * verify batch throughput at 1, 8, 32 and 64 concurrent sessions (tau=4, acceptance alpha=0.8);
   * speculative speed with a synthetic proposer whose acceptance is set exactly (it proposes the
     engine's own target-only greedy token with probability alpha, else another token), alpha in 0.5/0.7/0.9,
-    draft cost zero: the verify side's share of the speed-up.
-Every timed run follows an identical untimed one (per-shape kernel set-up is not decoding). Writes
-its report into --out: a markdown table, gpu.json and (if matplotlib is there) gpu.png; the H100
-run is bench/results/gpu/. `--shape tiny` runs on the CPU in seconds: the test suite runs it as a
-smoke test.
+    draft cost zero: the verify side's share of the speed-up;
+  * last, after every other stage (`--compiled-baseline`, on by default on cuda only): generate() with a
+    static KV cache and torch.compile mode "reduce-overhead" (CUDA graphs), what a user chasing GPU
+    latency runs: its warm-up (the first call, compilation included), tokens/s and whether its output is
+    plain generate()'s. On the CPU (no CUDA graphs) it compiles in mode "default", and only when asked
+    for. A failure is recorded in gpu.json ("error"), not raised; the model's attention and compile state
+    are restored afterwards.
+Every timed run follows an identical untimed one (per-shape kernel set-up is not decoding). With
+`--profile`, after the timed stages, torch.profiler runs over one target-only session and one
+generate() of 16 tokens each (prefill included): their op tables (sorted by self CPU time) go to
+--out/profile_target_only.txt and --out/profile_generate.txt, and gpu.json's "host_ops_per_token"
+holds each one's host-side profiler events (every op call, nested ones included, and on cuda the CUDA
+runtime calls) per generated token, which is what launch-bound decoding pays for. Writes its report
+into --out: a markdown table, gpu.json and (if matplotlib is there) gpu.png; the H100 run is
+bench/results/gpu/. `--shape tiny` runs on the CPU in seconds: the test suite runs it as a smoke test.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -64,6 +76,73 @@ def sync(lm: LM) -> None:
         torch.cuda.synchronize(lm.device)
 
 
+@contextlib.contextmanager
+def own_attention(lm: LM):
+    """transformers' own (sdpa) attention for generate(); the engine's attention back afterwards."""
+    engine_attn = lm.model.config._attn_implementation
+    lm.model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        lm.model.set_attn_implementation(engine_attn)
+
+
+def activities(lm: LM) -> list:
+    return [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if lm.device.type == "cuda" else [])
+
+
+def op_table(prof, tokens: int, path: str) -> float:
+    """Writes the profile's op table to path; returns its host-side events (op calls) per generated token."""
+    with open(path, "w") as fh:
+        fh.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+    return sum(e.device_type == torch.autograd.DeviceType.CPU for e in prof.events()) / tokens
+
+
+class ProfiledScheduler(Scheduler):
+    """A scheduler whose thread, the one that runs the model, runs under torch.profiler for its whole life: the
+    profiler records ops on the thread it is started on only (the session's own few ops on the event loop's
+    thread, opening and closing it, are left out)."""
+
+    def __init__(self, lm: LM):
+        self.prof = None
+        super().__init__(lm, max_sessions=1)
+
+    def _work(self) -> None:
+        with torch.profiler.profile(activities=activities(self.lm)) as self.prof:
+            super()._work()
+
+
+def compiled_generate(lm: LM, ids: torch.Tensor, kw: dict, reference: list[int]) -> dict:
+    """generate() with a static KV cache and torch.compile (reduce-overhead: CUDA graphs; on the CPU, default)."""
+    from transformers import CompileConfig  # noqa: PLC0415
+
+    cuda = lm.device.type == "cuda"
+    cc = CompileConfig(mode="reduce-overhead" if cuda else "default")
+    cc._compile_all_devices = not cuda  # generate() compiles on the CPU only when told to
+    kw = dict(kw, cache_implementation="static", compile_config=cc)
+    r = {"mode": cc.mode, "tok_s": None, "warmup_s": None, "second_call_s": None, "equals_generate": None, "error": None}
+    try:
+        with own_attention(lm):  # generate()'s own no_grad, not inference_mode: the documented compile path
+            for key in ("warmup_s", "second_call_s"):  # the first call compiles (and records the graphs), the second is the untimed one
+                t0 = time.perf_counter()
+                lm.model.generate(ids, **kw)
+                sync(lm)
+                r[key] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = lm.model.generate(ids, **kw)[0, ids.shape[1]:].tolist()
+            sync(lm)
+            r["tok_s"] = kw["max_new_tokens"] / (time.perf_counter() - t0)
+            r["equals_generate"] = out == reference
+    except Exception as e:  # noqa: BLE001 - a compile failure is a result, not the end of the run
+        r["error"] = f"{type(e).__name__}: {e}"[:2000]
+    finally:
+        for k in ("_compiled_call", "_last_compile_config", "_previous_max_cache_length"):  # what generate() left on the model
+            if hasattr(lm.model, k):
+                delattr(lm.model, k)
+        torch._dynamo.reset()
+    return r
+
+
 class Proposer:
     """Proposes the target's greedy token with probability alpha, else a wrong one (seeded)."""
 
@@ -103,6 +182,9 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--sessions", default="1,8,32,64")
     p.add_argument("--out", default=os.path.join("bench", "results", "gpu"))
+    p.add_argument("--profile", action="store_true", help="torch.profiler tables of a target-only session and a generate()")
+    p.add_argument("--compiled-baseline", action=argparse.BooleanOptionalAction, default=None,
+                   help="generate() with a static cache and torch.compile, last (default: on for cuda, off for cpu)")
     a = p.parse_args(argv)
     context = a.prompt_len + a.tokens + 64
     res: dict = {"shape": a.shape, "dims": SHAPES[a.shape], "dtype": a.dtype, "tokens": a.tokens, "prompt_len": a.prompt_len}
@@ -115,11 +197,9 @@ def main(argv=None) -> None:
         prompt = torch.randint(1, lm.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
         # transformers' generate() on the same weights and dtype, with the model's own (sdpa) attention; every
         # timed run below follows an identical untimed one, so per-shape kernel set-up is paid before timing
-        engine_attn = lm.model.config._attn_implementation
-        lm.model.set_attn_implementation("sdpa")
         ids = torch.tensor([prompt], device=lm.device)
         kw = dict(max_new_tokens=a.tokens, min_new_tokens=a.tokens, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
-        with torch.inference_mode():
+        with own_attention(lm), torch.inference_mode():
             lm.model.generate(ids, **kw)  # warm-up
             sync(lm)
             t0 = time.perf_counter()
@@ -127,7 +207,6 @@ def main(argv=None) -> None:
             sync(lm)
             res["generate_tok_s"] = a.tokens / (time.perf_counter() - t0)
             checkpoint(res, a.out)
-        lm.model.set_attn_implementation(engine_attn)
         eng = Scheduler(lm, max_sessions=max(int(x) for x in a.sessions.split(",")))
 
         async def bench() -> None:
@@ -161,7 +240,24 @@ def main(argv=None) -> None:
                 checkpoint(res, a.out)
 
         asyncio.run(bench())
+        if a.profile:  # after every timed stage, so the profiler cannot disturb them
+            n = min(16, a.tokens)
+            prof_eng = ProfiledScheduler(lm)
+            asyncio.run(run_session(prof_eng, prompt, n, 0, None))
+            prof_eng.shutdown()
+            prof_eng._worker.join()  # the profiler stops when the thread ends
+            res["host_ops_per_token"] = {"tokens": n,
+                                         "target_only": op_table(prof_eng.prof, n, os.path.join(a.out, "profile_target_only.txt"))}
+            with own_attention(lm), torch.inference_mode(), torch.profiler.profile(activities=activities(lm)) as prof:
+                lm.model.generate(ids, **dict(kw, max_new_tokens=n, min_new_tokens=n))
+                sync(lm)
+            res["host_ops_per_token"]["generate"] = op_table(prof, n, os.path.join(a.out, "profile_generate.txt"))
+            checkpoint(res, a.out)
         eng.shutdown()
+        if a.compiled_baseline if a.compiled_baseline is not None else lm.device.type == "cuda":
+            print("generate() with a static cache and torch.compile ...", file=sys.stderr, flush=True)
+            res["generate_compiled"] = compiled_generate(lm, ids, kw, reference)
+            checkpoint(res, a.out)
     write(res, a.out)
 
 
@@ -179,8 +275,14 @@ def write(res: dict, out: str) -> None:
     lines = [f"# Engine on {res['device']}: random {res['shape']} {res['dims']}, {res['dtype']}, prompt {res['prompt_len']}, "
              f"{res['tokens']} tokens, greedy", "",
              "| what | tok/s | vs generate() | identical to generate() | identical to target-only |", "|---|---|---|---|---|",
-             f"| transformers generate() | {g:.1f} | 1.00x | - | - |",
-             f"| scheduler target-only | {res['target_only_tok_s']:.1f} | {res['target_only_tok_s'] / g:.2f}x | {res['target_only_equals_generate']} | - |"]
+             f"| transformers generate() | {g:.1f} | 1.00x | - | - |"]
+    c = res.get("generate_compiled")
+    if c:  # the compile's own mode: reduce-overhead (CUDA graphs) on cuda, default on the CPU
+        what = f"generate(), static cache + torch.compile {c['mode']}{' (CUDA graphs)' if c['mode'] == 'reduce-overhead' else ''}"
+        error = " ".join((c["error"] or "").split())[:120].replace("|", "/")
+        lines.append(f"| {what}; warm-up {c['warmup_s']:.1f} s | {c['tok_s']:.1f} | {c['tok_s'] / g:.2f}x | {c['equals_generate']} | - |"
+                     if c["error"] is None else f"| {what}: failed ({error}) | - | - | - | - |")
+    lines.append(f"| scheduler target-only | {res['target_only_tok_s']:.1f} | {res['target_only_tok_s'] / g:.2f}x | {res['target_only_equals_generate']} | - |")
     for alpha, r in res["speculative"].items():
         lines.append(f"| speculative tau=4, alpha={alpha} (draft cost 0; {r['tokens_per_round']:.2f} tokens/round) | {r['tok_s']:.1f} | {r['tok_s'] / g:.2f}x "
                      f"| {r['equals_generate']} | {r['equals_target_only']} |")
@@ -190,6 +292,10 @@ def write(res: dict, out: str) -> None:
               "|---|---|---|---|---|"]
     lines += [f"| {k} | {r['tok_s']:.1f} | {r['tokens_per_round']:.2f} | {r['all_equal_generate']} | {r['all_equal_target_only']} |"
               for k, r in res["batch"].items()]
+    if "host_ops_per_token" in res:
+        h = res["host_ops_per_token"]
+        lines += ["", f"Host-side profiler events per token ({h['tokens']} tokens, prefill included): target-only {h['target_only']:.0f}, "
+                  f"generate() {h['generate']:.0f} (tables: profile_target_only.txt, profile_generate.txt)"]
     with open(os.path.join(out, "GPU.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     try:

@@ -152,27 +152,38 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     p = _current.get()
     layer = module.layer_idx
     H, D = query.shape[1], query.shape[3]
-    out = query.new_zeros(1, p.rows, H, value.shape[3])
+    cpu = query.device.type == "cpu"
 
-    def attend(c, off, n, L, mask_fn):
+    def attend(c, off, n, L, mask_fn):  # -> [1, H, n, D]
         lo = max(0, L - sliding_window + 1) if sliding_window else 0
         k = c.k[layer][None, :, lo : L + n]  # [1, H_kv, L+n-lo, D], a view
-        q = query[:, :, off : off + n].to(k.dtype).contiguous()  # [1, H, n, D]: one memory layout whatever the pass
+        q = query[:, :, off : off + n]
         v = c.v[layer][None, :, lo : L + n]
         mask = mask_fn(lo)
+        if cpu:
+            q = q.to(k.dtype).contiguous()  # [1, H, n, D]: one memory layout whatever the pass
+        elif mask is not None:
+            q = q.contiguous()  # a strided query slice with a mask sends CUDA's sdpa to a slow kernel (H100: 2x per round)
         if softcap:
-            o = _eager(q, k, v, mask, scaling if scaling is not None else D**-0.5, softcap)
-        else:
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != H)
-        out[0, off : off + n] = o[0].transpose(0, 1)
+            return _eager(q, k, v, mask, scaling if scaling is not None else D**-0.5, softcap)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != H)
 
+    if not cpu:  # a GPU: one masked call per session, its output stacked without a staging buffer (fewer launches)
+        outs = [attend(c, off, n, L, lambda lo, i=i: p.mask(i, lo, sliding_window, query.device))
+                for i, (c, off, n, L) in enumerate(zip(p.caches, p.offsets, p.counts, p.starts))]
+        pad = p.rows - sum(p.counts)
+        if pad:
+            outs.append(query.new_zeros(1, H, pad, value.shape[3]))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return o.transpose(1, 2), None
+    out = query.new_zeros(1, p.rows, H, value.shape[3])
     for i, c in enumerate(p.caches):
         off, n, L = p.offsets[i], p.counts[i], p.starts[i]
-        if n == 1 or n > ROW_BY_ROW or query.device.type != "cpu":  # one query, a prefill chunk, or a GPU: one masked call
-            attend(c, off, n, L, lambda lo, i=i: p.mask(i, lo, sliding_window, query.device))
+        if n == 1 or n > ROW_BY_ROW:  # one query or a prefill chunk: one masked call
+            out[0, off : off + n] = attend(c, off, n, L, lambda lo, i=i: p.mask(i, lo, sliding_window, query.device))[0].transpose(0, 1)
         else:  # a round: each query alone, exactly as a single step at its position computes it
             for j in range(n):
-                attend(c, off + j, 1, L + j, lambda lo: None)
+                out[0, off + j : off + j + 1] = attend(c, off + j, 1, L + j, lambda lo: None)[0].transpose(0, 1)
     return out, None
 
 
@@ -214,15 +225,15 @@ def forward_packed(model, inputs: list[list[int]], caches: list[KVCache], logits
             raise ValueError(f"cache overflow: {L} + {n} tokens > capacity {c.capacity}")
     flat = [t for x in inputs for t in x] + [0] * (T - real)  # padding rows: token 0 at position 0, never attended
     pos = [L + j for L, n in zip(starts, counts) for j in range(n)] + [0] * (T - real)
-    ids = torch.tensor([flat], dtype=torch.long, device=device)  # [1, T]
-    position_ids = torch.tensor([pos], dtype=torch.long, device=device)  # [1, T]
+    ids, position_ids = torch.tensor([flat, pos], dtype=torch.long, device=device).split(1)  # [1, T] each, one copy to the device
     keep = [r for i, n in enumerate(counts) if want[i] for r in range(offsets[i], offsets[i] + n)]  # rows that need logits
     p = _Pass(caches, offsets, counts, starts, T)
     token = _current.set(p)
     try:
         cache = _PassCache(p)
         if keep:
-            rows = torch.tensor(keep + [keep[-1]] * (pad_to - len(keep)), device=device)  # >= pad_to rows for the head too
+            # >= pad_to rows for the head too; every row (0): no index to copy to the device
+            rows = 0 if len(keep) == T else torch.tensor(keep + [keep[-1]] * (pad_to - len(keep)), device=device)
             out = model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=rows).logits[0]
         else:
             model.base_model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True)

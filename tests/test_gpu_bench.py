@@ -9,7 +9,8 @@ from conftest import ENV, ROOT
 def test_gpu_bench_smoke_on_cpu(tmp_path):
     out = tmp_path / "gpu"
     p = subprocess.run([sys.executable, "-m", "bench.gpu", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "20",
-                        "--prompt-len", "12", "--sessions", "1,3", "--out", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+                        "--prompt-len", "12", "--sessions", "1,3", "--out", str(out),
+                        "--profile"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads((out / "gpu.json").read_text())
     assert res["target_only_equals_generate"] is True
@@ -20,3 +21,7 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     assert res["speculative"]["0.9"]["tokens_per_round"] > res["speculative"]["0.5"]["tokens_per_round"]
     assert set(res["batch"]) == {"1", "3"} and all(r["all_equal_generate"] for r in res["batch"].values())
     assert "| scheduler target-only |" in (out / "GPU.md").read_text()
+    # --profile: op tables of a target-only session and a generate(), and host-side op calls per token for both
+    assert "aten::mm" in (out / "profile_target_only.txt").read_text() and "aten::mm" in (out / "profile_generate.txt").read_text()
+    assert res["host_ops_per_token"]["target_only"] > 0 and res["host_ops_per_token"]["generate"] > 0
+    assert "generate_compiled" not in res  # the compiled baseline is on by default on cuda only

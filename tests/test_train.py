@@ -289,3 +289,48 @@ def test_model_card_adds_up_a_target_trained_in_several_runs():
     assert (ts["steps"], ts["tokens"], ts["elapsed_s"]) == (150, 4800, 90.0)
     assert ts["final_loss"] == 1.5 and ts["lr"] == 1e-3 and ts["runs"] == 2 and ts["run_minutes"] == [1.0, 0.5]
     assert first["steps"] == 100  # the runs themselves are left as they were
+
+
+def test_repeated_ngrams_marks_every_token_of_a_repeat():
+    from train.unlikelihood import repeated_ngrams
+
+    seq = torch.tensor([[1, 2, 3, 1, 2, 3, 4, 5], [7, 7, 7, 7, 8, 9, 10, 11]])
+    got = repeated_ngrams(seq, 3)
+    assert got.tolist() == [[False, False, False, True, True, True, False, False],
+                            [False, True, True, True, False, False, False, False]]
+    assert not repeated_ngrams(torch.arange(12)[None], 2).any()
+
+
+def test_unlikelihood_step_lowers_the_probability_of_repeated_tokens(tiny_pair_inputs):
+    """One SGD step with the unlikelihood term weighted up makes the model less likely to repeat what its
+    own greedy continuation repeated (teacher-forced on that continuation)."""
+    from train.unlikelihood import make_loss, repeated_ngrams
+
+    _, _, model = tiny_pair_inputs
+    torch.manual_seed(3)
+    windows = torch.randint(3, model.config.vocab_size, (4, 24))
+    prefix, new = 8, 32
+    with torch.no_grad():
+        seq = model.generate(windows[:, :prefix], attention_mask=torch.ones(4, prefix, dtype=torch.long), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0)
+    rep = repeated_ngrams(seq[:, prefix:], 4)
+    assert rep.sum() >= 8, "the peaked random model should loop"
+
+    def p_repeated():
+        with torch.no_grad():
+            logits = model(input_ids=seq[:, :-1]).logits[:, prefix - 1 :].float()
+            return torch.softmax(logits, -1).gather(-1, seq[:, prefix:, None])[..., 0][rep].mean().item()
+
+    before = p_repeated()
+    loss_fn = make_loss(weight=20.0, batch=4, prefix=prefix, new=new)
+    model.train()
+    loss, m = loss_fn(model, windows)
+    assert m["repeated"] == rep.float().mean() and m["unlikelihood"] > 0
+    model.zero_grad()
+    loss.backward()
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm -= 0.5 * prm.grad
+    model.eval()
+    after = p_repeated()
+    assert after < 0.8 * before, (before, after)

@@ -71,9 +71,20 @@ def main(argv=None) -> None:
     ap.add_argument("--no-bf16", action="store_true", help="train in float32 (no bf16 autocast)")
     ap.add_argument("--checkpoint-minutes", type=float, default=5.0)
     ap.add_argument("--compile", action="store_true", help="torch.compile the training step (pays on a GPU)")
+    ap.add_argument("--unlikelihood", type=float, default=0.0, metavar="W",
+                    help="add W x the sequence-level unlikelihood of repeated n-grams in greedy continuations "
+                         "(train/unlikelihood.py; a fine-tuning stage, eager only)")
+    ap.add_argument("--ul-batch", type=int, default=32, help="windows whose starts are continued per step")
+    ap.add_argument("--ul-prefix", type=int, default=64, help="tokens of each start")
+    ap.add_argument("--ul-new", type=int, default=96, help="greedy tokens continued from each start")
+    ap.add_argument("--ul-ngram", type=int, default=4, help="n of the repeated n-grams penalized")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.unlikelihood and args.compile:
+        ap.error("--unlikelihood decodes inside the training step: it runs eagerly, without --compile")
+    if args.unlikelihood and not (0 < args.ul_prefix < args.seq_len and 0 < args.ul_batch <= args.batch_size):
+        ap.error("--ul-prefix must be in (0, --seq-len) and --ul-batch in (0, --batch-size]")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,7 +113,12 @@ def main(argv=None) -> None:
     print(f"target: {n_params:,} parameters", flush=True)
 
     sampler = WindowSampler(tokens, args.seq_len, args.batch_size, seed=args.seed)
-    summary = loop.run(model, sampler.batch, causal_lm_loss, loop.LoopConfig(
+    loss_fn = causal_lm_loss
+    if args.unlikelihood:
+        from train.unlikelihood import make_loss  # noqa: PLC0415 - it imports this module
+
+        loss_fn = make_loss(args.unlikelihood, args.ul_batch, args.ul_prefix, args.ul_new, args.ul_ngram, tokenizer.pad_token_id)
+    summary = loop.run(model, sampler.batch, loss_fn, loop.LoopConfig(
         run_dir=Path(args.run_dir), max_steps=args.steps, max_minutes=args.max_minutes, lr=args.lr,
         warmup_steps=args.warmup, bf16=not args.no_bf16, checkpoint_minutes=args.checkpoint_minutes,
         desc="pretrain", compile=args.compile))
@@ -110,7 +126,9 @@ def main(argv=None) -> None:
     summary.update(parameters=n_params, corpus_tokens=int(tokens.numel()), corpus_files=n_files, sources=rows,
                    device=str(args.device), hardware=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
                    seq_len=args.seq_len, batch_size=args.batch_size, include_tests=include_tests,
-                   corpus=args.corpus, init_from=args.init_from, max_steps=args.steps, lr=args.lr, warmup=args.warmup)
+                   corpus=args.corpus, init_from=args.init_from, max_steps=args.steps, lr=args.lr, warmup=args.warmup,
+                   unlikelihood=args.unlikelihood and {"weight": args.unlikelihood, "batch": args.ul_batch, "prefix": args.ul_prefix,
+                                                       "new": args.ul_new, "ngram": args.ul_ngram})
     (Path(args.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary), flush=True)
 
