@@ -17,7 +17,8 @@ Measures
     plain generate()'s. On the CPU (no CUDA graphs) it compiles in mode "default", and only when asked
     for. A failure is recorded in gpu.json ("error"), not raised; the model's attention and compile state
     are restored afterwards.
-Every timed run follows an identical untimed one (per-shape kernel set-up is not decoding). With
+Every timed run follows an identical untimed one (per-shape kernel set-up is not decoding);
+generate() and target-only are timed in `--repeats` alternating pairs, and their medians reported. With
 `--profile`, after the timed stages, torch.profiler runs over one target-only session and one
 generate() of 16 tokens each (prefill included): their op tables (sorted by self CPU time) go to
 --out/profile_target_only.txt and --out/profile_generate.txt, and gpu.json's "host_ops_per_token"
@@ -34,6 +35,7 @@ import contextlib
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -181,6 +183,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--sessions", default="1,8,32,64")
+    p.add_argument("--repeats", type=int, default=3, help="timed generate() / target-only pairs, alternating; the medians are reported")
     p.add_argument("--out", default=os.path.join("bench", "results", "gpu"))
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a target-only session and a generate()")
     p.add_argument("--compiled-baseline", action=argparse.BooleanOptionalAction, default=None,
@@ -199,26 +202,34 @@ def main(argv=None) -> None:
         # timed run below follows an identical untimed one, so per-shape kernel set-up is paid before timing
         ids = torch.tensor([prompt], device=lm.device)
         kw = dict(max_new_tokens=a.tokens, min_new_tokens=a.tokens, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
-        with own_attention(lm), torch.inference_mode():
-            lm.model.generate(ids, **kw)  # warm-up
-            sync(lm)
-            t0 = time.perf_counter()
-            reference = lm.model.generate(ids, **kw)[0, len(prompt):].tolist()
-            sync(lm)
-            res["generate_tok_s"] = a.tokens / (time.perf_counter() - t0)
-            checkpoint(res, a.out)
+
+        def generate() -> tuple[float, list[int]]:
+            with own_attention(lm), torch.inference_mode():
+                t0 = time.perf_counter()
+                out = lm.model.generate(ids, **kw)[0, len(prompt):].tolist()
+                sync(lm)
+                return a.tokens / (time.perf_counter() - t0), out
+
         eng = Scheduler(lm, max_sessions=max(int(x) for x in a.sessions.split(",")))
 
         async def bench() -> None:
-            await run_session(eng, prompt, a.tokens, 0, None)  # warm-up
-            t0 = time.perf_counter()
-            n, rounds, fwd, out = await run_session(eng, prompt, a.tokens, 0, None)
-            wall = time.perf_counter() - t0
-            res["target_only_tok_s"] = n / wall
+            nonlocal reference
+            generate()  # warm-ups
+            await run_session(eng, prompt, a.tokens, 0, None)
+            runs = []
+            for _ in range(a.repeats):  # alternating, so the host's noise hits both alike
+                tok_s, reference = generate()
+                t0 = time.perf_counter()
+                n, rounds, fwd, out = await run_session(eng, prompt, a.tokens, 0, None)
+                wall = time.perf_counter() - t0
+                runs.append((tok_s, n / wall, 1e3 * (wall - fwd) / rounds))
+            res["generate_runs_tok_s"], res["target_only_runs_tok_s"], overheads = (list(x) for x in zip(*runs))
+            res["generate_tok_s"] = statistics.median(res["generate_runs_tok_s"])
+            res["target_only_tok_s"] = statistics.median(res["target_only_runs_tok_s"])
             res["target_only_equals_generate"] = out == reference
             res["target_only_first_difference"] = next((i for i, (x, y) in enumerate(zip(out, reference)) if x != y), None)
             own = out  # the engine's own greedy output: the synthetic proposer's source, so alpha is what it says
-            res["overhead_ms_per_round_target_only"] = 1e3 * (wall - fwd) / rounds
+            res["overhead_ms_per_round_target_only"] = statistics.median(overheads)
             checkpoint(res, a.out)
             res["speculative"] = {}
             for alpha in (0.5, 0.7, 0.9):
@@ -239,6 +250,7 @@ def main(argv=None) -> None:
                                         "all_equal_target_only": all(o[3] == own for o in outs)}
                 checkpoint(res, a.out)
 
+        reference: list[int] = []
         asyncio.run(bench())
         if a.profile:  # after every timed stage, so the profiler cannot disturb them
             n = min(16, a.tokens)
@@ -273,7 +285,7 @@ def write(res: dict, out: str) -> None:
     checkpoint(res, out)
     g = res["generate_tok_s"]
     lines = [f"# Engine on {res['device']}: random {res['shape']} {res['dims']}, {res['dtype']}, prompt {res['prompt_len']}, "
-             f"{res['tokens']} tokens, greedy", "",
+             f"{res['tokens']} tokens, greedy; generate() and target-only: median of {len(res['generate_runs_tok_s'])} alternating runs", "",
              "| what | tok/s | vs generate() | identical to generate() | identical to target-only |", "|---|---|---|---|---|",
              f"| transformers generate() | {g:.1f} | 1.00x | - | - |"]
     c = res.get("generate_compiled")

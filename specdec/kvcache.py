@@ -8,7 +8,7 @@ share a pass, and nothing allocated per round grows with the context.
 
 A pass (`forward_packed`) runs the new tokens of many sessions as ONE packed sequence
 [1, T]: the sessions' tokens one after another, each with its own absolute positions (padded
-to MIN_ROWS rows on the CPU, see below). Through transformers' attention interface the model's attention
+to the model's calibrated minimum row count on the CPU, see below). Through transformers' attention interface the model's attention
 layers call `packed_attention`, which attends each session's queries to that session's own
 cache slice (a view, no copy): causal, with the layer's sliding window and logit soft-cap, in
 exactly the shapes the session would have alone. The model's own CausalLM head runs on the
@@ -20,12 +20,17 @@ output is the same service's target-only output, bitwise, in float32 and in bflo
   * attention is the only op that mixes tokens: it runs per session on its own keys, and a
     round's queries attend one at a time (up to ROW_BY_ROW tokens; longer prefill chunks take
     one masked call), in exactly the call a one-token step at that position makes;
-  * every other op works row by row. CPU GEMM kernels give row-invariant results only from
-    MIN_ROWS rows on (float32: 4; bfloat16: 2: a one-row bf16 matmul takes another kernel whose
-    sums round differently now and then), so a pass and its head's matmul have at least MIN_ROWS
-    rows. The padding costs a float32 one-token step about 15-20%; bf16's second row is free.
-tests/test_batching.py checks this bitwise in both dtypes, with one torch thread (GEMMs split
-across threads by rows, so more threads can break it). GPU kernels may choose another algorithm for
+  * every other op works row by row, but a CPU GEMM gives a row the same numbers only among
+    row counts that take the same kernel: which counts those are depends on the CPU, the dtype
+    and the weight's shape (on this project's machine, the shipped target in float32: 1 row,
+    2-15 rows and 16 or more rows are three classes). So at load (`use_packed_attention`) the
+    model's matmul modules are probed: `calibrate_rows` finds row counts lo..hi that all give
+    every row the same numbers, wherever it sits. A pass is padded to lo rows, and each matmul
+    module cuts a longer input into blocks of lo..hi rows (`_blocked`). lo is at least
+    MIN_ROWS of the dtype (bfloat16: 2, since a one-row bf16 matmul took another kernel whose
+    sums round differently now and then, too rarely for a probe to see).
+tests/test_batching.py checks this bitwise in both dtypes, on tiny models and on the shipped
+target, with one torch thread (GEMMs split across threads by rows, so more threads can break it). GPU kernels may choose another algorithm for
 another batch shape, so there only near-ties can differ (DESIGN.md §9).
 
 Why not transformers' own caches: DynamicCache appends with torch.cat (a copy of the layer's
@@ -37,22 +42,88 @@ attention independent of its batch-mates. See DESIGN.md §6.
 from __future__ import annotations
 
 import contextvars
+import logging
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, Cache
 
+log = logging.getLogger("specdec.kvcache")
+
 ROW_BY_ROW = 64  # passes of up to this many tokens of a session attend one query at a time (see packed_attention)
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass, on both services (boundaries depend only on the prompt)
-# Token rows per matmul on the CPU from which GEMM results no longer depend on the row count
-# (measured here: float32 takes other kernels below 4 rows, bfloat16 only at 1 row; DESIGN.md §6).
-MIN_ROWS = {torch.float32: 4, torch.bfloat16: 2}
+# The fewest token rows per matmul on the CPU, before calibration (DESIGN.md §6): bfloat16 took
+# another kernel at one row, whose sums round differently only now and then.
+MIN_ROWS = {torch.float32: 1, torch.bfloat16: 2}
+ROW_PROBE = 64  # row counts the calibration tries; longer inputs are always cut into blocks
 
 
 def min_rows(model) -> int:
-    """Rows a pass is padded to: MIN_ROWS of the dtype on the CPU, else 1 (on a GPU padding would
-    not buy invariance, DESIGN.md §9)."""
-    return MIN_ROWS.get(model.dtype, 4) if model.device.type == "cpu" else 1
+    """Rows a pass is padded to: on the CPU the calibrated lo (`calibrate_rows`), else 1 (on a GPU
+    padding would not buy invariance, DESIGN.md §9)."""
+    if model.device.type != "cpu":
+        return 1
+    rows = getattr(model, "_specdec_rows", None)
+    return rows[0] if rows else 4
+
+
+def _row_modules(model) -> list[torch.nn.Module]:
+    """The model's matmul modules that work row by row: nn.Linear and transformers' Conv1D (GPT-2)."""
+    from transformers.pytorch_utils import Conv1D  # noqa: PLC0415
+
+    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
+
+
+def _class_top(fwd, x: torch.Tensor, lo: int) -> int:
+    """The largest h <= ROW_PROBE such that fwd gives every row the same numbers in any row count
+    from lo to h, also one position further on."""
+    outs: dict = {}
+
+    def out(k: int, at: int = 0) -> torch.Tensor:
+        if (k, at) not in outs:
+            outs[k, at] = fwd(x[None, at : at + k])[0]
+        return outs[k, at]
+
+    h = lo
+    while h < ROW_PROBE and torch.equal(out(h), out(h + 1)[:h]) and torch.equal(out(h, 1), out(h + 1)[1:]):
+        h += 1
+    return h
+
+
+@torch.inference_mode()
+def calibrate_rows(model, seeds: int = 2) -> tuple[int, int] | None:
+    """(lo, hi): row counts for which every matmul module of the model gives each row the same
+    numbers, whatever the count in lo..hi and wherever the row sits; the smallest lo from the
+    dtype's MIN_ROWS up to 8 with hi >= 2 lo (so any longer input splits into blocks of lo..hi
+    rows). None if there is none."""
+    kinds: dict = {}
+    for m in _row_modules(model):
+        kinds.setdefault((type(m), tuple(m.weight.shape), m.bias is not None), m)
+    g = torch.Generator().manual_seed(0)
+    probes = [(m.forward, [torch.randn(ROW_PROBE + 1, m.weight.shape[1] if isinstance(m, torch.nn.Linear) else m.weight.shape[0],
+                                       generator=g).to(model.dtype) for _ in range(seeds)]) for m in kinds.values()]
+    for lo in range(MIN_ROWS.get(model.dtype, 4), 9):
+        hi = min(_class_top(fwd, x, lo) for fwd, xs in probes for x in xs)
+        if hi >= 2 * lo:
+            return lo, hi
+    return None
+
+
+def _blocked(forward, hi: int):
+    """forward (a row-wise module's) on inputs of more than hi rows, in near-equal blocks of at
+    most hi rows each (at least hi / 2 >= lo)."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows <= hi:
+            return forward(x)
+        n = -(-rows // hi)
+        sizes = [rows // n + (i < rows % n) for i in range(n)]
+        flat = x.reshape(1, rows, x.shape[-1])
+        out = torch.cat([forward(b) for b in flat.split(sizes, dim=1)], dim=1)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return run
 ATTN = "specdec_packed"
 
 
@@ -204,7 +275,20 @@ AttentionInterface.register(ATTN, packed_attention)  # no mask function: masks a
 
 
 def use_packed_attention(model) -> None:
+    """Switches the model to the packed attention; on the CPU, calibrates its row counts once and
+    makes its matmul modules cut long inputs into blocks of them (see the module docstring)."""
     model.set_attn_implementation(ATTN)
+    if model.device.type != "cpu" or hasattr(model, "_specdec_rows"):
+        return
+    rows = calibrate_rows(model)
+    model._specdec_rows = rows
+    if rows is None:
+        log.warning("%s in %s: no row counts give this CPU's matmuls the same numbers per row; a session's numbers may "
+                    "change with its batch-mates (only near-ties can flip)", type(model).__name__, model.dtype)
+        return
+    for m in _row_modules(model):
+        m.forward = _blocked(m.forward, rows[1])
+    log.info("%s in %s: matmuls padded to %d rows, cut into blocks of %d-%d rows", type(model).__name__, model.dtype, rows[0], *rows)
 
 
 @torch.inference_mode()

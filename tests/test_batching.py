@@ -281,3 +281,57 @@ def test_one_token_steps_and_rounds_give_bitwise_equal_logits(wide_dir, dtype):
     steps = torch.cat([forward_packed(lm.model, [[t]], [a])[0] for t in ids[40:80]])
     rounds = torch.cat([forward_packed(lm.model, [ids[i:i + 5]], [b])[0] for i in range(40, 80, 5)])
     assert torch.equal(steps, rounds), float((steps - rounds).abs().max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariance_holds_at_real_widths(dtype, tmp_path):
+    """At the shipped target's widths, CPU GEMM kernels change with the row count (float32 here:
+    1, 2-15 and 16+ rows are three classes), so a pass is padded to the calibrated lo rows and each
+    matmul cuts longer inputs into blocks of lo..hi rows: a session's numbers stay its own in a
+    pass of more than a hundred rows, a prefill chunk among them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.testing.tinymodels import word_tokenizer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    word_tokenizer(8192).save_pretrained(tmp_path)
+    lm = LM.load(str(tmp_path), "cpu", dtype)
+    lo, hi = lm.model._specdec_rows
+    assert lo >= (2 if dtype == "bfloat16" else 1) and hi >= 2 * lo
+    model = lm.model
+    r = random.Random(1)
+    seqs = [[r.randrange(3, 8192) for _ in range(r.randint(8, 60))] for _ in range(10)] + [[r.randrange(3, 8192) for _ in range(100)]]
+    cut = [len(s) - r.randint(1, 5) for s in seqs[:-1]] + [10]  # rounds of 1-5 tokens, and a 90-token prefill chunk
+
+    def cached(s, c):
+        kv = KVCache(len(s))
+        forward_packed(model, [s[:c]], [kv], logits=False)
+        return kv
+
+    batch = [cached(s, c) for s, c in zip(seqs, cut)]
+    news = [s[c:] for s, c in zip(seqs, cut)]
+    assert sum(map(len, news)) > 2 * hi
+    logits = forward_packed(model, news, batch)
+    for s, c, new, kv, lg in zip(seqs, cut, news, batch, logits):
+        alone_kv = cached(s, c)
+        (alone,) = forward_packed(model, [new], [alone_kv])
+        assert torch.equal(alone, lg)
+        assert all(torch.equal(a[:, : len(s)], b[:, : len(s)]) for a, b in zip(alone_kv.k + alone_kv.v, kv.k + kv.v))
+
+
+def test_row_calibration_finds_where_a_kernel_changes():
+    """calibrate_rows' search, on a matmul whose results change at 1 row and from 10 rows on."""
+    from specdec.kvcache import _class_top
+
+    def fwd(x):  # [1, k, 16], row by row (no real GEMM, whose kernels vary too): nudged at 1 row and from 10 rows on
+        k = x.shape[1]
+        return x[..., :8] * 3.0 + (1e-3 if k >= 10 or k == 1 else 0.0)
+
+    x = torch.randn(65, 16)
+    assert _class_top(fwd, x, 1) == 1
+    assert _class_top(fwd, x, 2) == 9
+    assert _class_top(lambda x: x[..., :8] * 3.0, x, 2) == 64

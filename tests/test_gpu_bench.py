@@ -10,10 +10,12 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     out = tmp_path / "gpu"
     p = subprocess.run([sys.executable, "-m", "bench.gpu", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "20",
                         "--prompt-len", "12", "--sessions", "1,3", "--out", str(out),
-                        "--profile"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+                        "--profile", "--repeats", "2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads((out / "gpu.json").read_text())
     assert res["target_only_equals_generate"] is True
+    assert len(res["generate_runs_tok_s"]) == len(res["target_only_runs_tok_s"]) == 2
+    assert min(res["target_only_runs_tok_s"]) <= res["target_only_tok_s"] <= max(res["target_only_runs_tok_s"])
     assert res["generate_tok_s"] > 0 and res["target_only_tok_s"] > 0
     assert set(res["speculative"]) == {"0.5", "0.7", "0.9"}
     assert all(r["equals_generate"] and r["tokens_per_round"] >= 1 for r in res["speculative"].values())
