@@ -26,9 +26,9 @@ output is the same service's target-only output, bitwise, in float32 and in bflo
     2-15 rows and 16 or more rows are three classes). So at load (`use_packed_attention`) the
     model's matmul modules are probed: `calibrate_rows` finds row counts lo..hi that all give
     every row the same numbers, wherever it sits. A pass is padded to lo rows, and each matmul
-    module cuts a longer input into blocks of lo..hi rows (`_blocked`). lo is at least
-    MIN_ROWS of the dtype (bfloat16: 2, since a one-row bf16 matmul took another kernel whose
-    sums round differently now and then, too rarely for a probe to see).
+    module cuts a longer input into blocks of lo..hi rows (`_blocked`). lo is 1 only if a
+    thousand one-row products also match two-row ones (a one-row bf16 kernel that sums in another
+    order differs only where the bf16 rounding flips: it once flipped a greedy token).
 tests/test_batching.py checks this bitwise in both dtypes, on tiny models and on the shipped
 target, with one torch thread (GEMMs split across threads by rows, so more threads can break it). GPU kernels may choose another algorithm for
 another batch shape, so there only near-ties can differ (DESIGN.md §9).
@@ -52,10 +52,11 @@ log = logging.getLogger("specdec.kvcache")
 
 ROW_BY_ROW = 64  # passes of up to this many tokens of a session attend one query at a time (see packed_attention)
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass, on both services (boundaries depend only on the prompt)
-# The fewest token rows per matmul on the CPU, before calibration (DESIGN.md §6): bfloat16 took
-# another kernel at one row, whose sums round differently only now and then.
-MIN_ROWS = {torch.float32: 1, torch.bfloat16: 2}
 ROW_PROBE = 64  # row counts the calibration tries; longer inputs are always cut into blocks
+# One-row products compared with two-row ones before a pass may have a single row: a one-row bf16
+# kernel that sums in another order differs from the others only where the bf16 rounding of the
+# sum flips (measured once on a real model: a greedy token), so it takes many outputs to see.
+ONE_ROW_PROBE = 1024
 
 
 def min_rows(model) -> int:
@@ -64,7 +65,7 @@ def min_rows(model) -> int:
     if model.device.type != "cpu":
         return 1
     rows = getattr(model, "_specdec_rows", None)
-    return rows[0] if rows else 4
+    return rows[0] if rows else 4  # uncalibrated: the old fixed rule
 
 
 def _row_modules(model) -> list[torch.nn.Module]:
@@ -90,21 +91,28 @@ def _class_top(fwd, x: torch.Tensor, lo: int) -> int:
     return h
 
 
+def _one_row_agrees(fwd, x: torch.Tensor) -> bool:
+    """Whether fwd gives each of ONE_ROW_PROBE rows the same numbers alone as beside another row."""
+    return all(torch.equal(fwd(x[None, i : i + 1]), fwd(x[None, i : i + 2])[:, :1]) for i in range(ONE_ROW_PROBE))
+
+
 @torch.inference_mode()
 def calibrate_rows(model, seeds: int = 2) -> tuple[int, int] | None:
     """(lo, hi): row counts for which every matmul module of the model gives each row the same
-    numbers, whatever the count in lo..hi and wherever the row sits; the smallest lo from the
-    dtype's MIN_ROWS up to 8 with hi >= 2 lo (so any longer input splits into blocks of lo..hi
-    rows). None if there is none."""
+    numbers, whatever the count in lo..hi and wherever the row sits; the smallest lo up to 8 with
+    hi >= 2 lo (so any longer input splits into blocks of lo..hi rows); lo = 1 only if one-row
+    products also pass `_one_row_agrees`. None if there is none."""
     kinds: dict = {}
     for m in _row_modules(model):
         kinds.setdefault((type(m), tuple(m.weight.shape), m.bias is not None), m)
     g = torch.Generator().manual_seed(0)
-    probes = [(m.forward, [torch.randn(ROW_PROBE + 1, m.weight.shape[1] if isinstance(m, torch.nn.Linear) else m.weight.shape[0],
-                                       generator=g).to(model.dtype) for _ in range(seeds)]) for m in kinds.values()]
-    for lo in range(MIN_ROWS.get(model.dtype, 4), 9):
+    width = {k: m.weight.shape[1] if isinstance(m, torch.nn.Linear) else m.weight.shape[0] for k, m in kinds.items()}
+    probes = [(m.forward, [torch.randn(ROW_PROBE + 1, width[k], generator=g).to(model.dtype) for _ in range(seeds)])
+              for k, m in kinds.items()]
+    for lo in range(1, 9):
         hi = min(_class_top(fwd, x, lo) for fwd, xs in probes for x in xs)
-        if hi >= 2 * lo:
+        if hi >= 2 * lo and (lo > 1 or all(_one_row_agrees(m.forward, torch.randn(ONE_ROW_PROBE + 1, width[k], generator=g).to(model.dtype))
+                                           for k, m in kinds.items())):
             return lo, hi
     return None
 
