@@ -5,10 +5,12 @@
 #     bash train/gpu.sh [RUN_DIR]   # env: DEVICE, STAGES, TARGET_MIN, DRAFT_MIN, TARGET_INIT, DRAFT_INIT,
 #                                   #      TARGET_LR, TARGET_WARMUP, UNLIKELIHOOD, DRAFT_LAYERS, COMPILE, CORPUS
 #
-# The shipped pair came from three commands on an H100 (the model card has the numbers):
+# The shipped pair came from four commands on an H100 (the model card has the numbers); after each
+# target run its output replaced models/stdlib-code-target, where the next run starts:
 #   1. from scratch:      TARGET_MIN=4.5 DRAFT_MIN=2.6 bash train/gpu.sh runs/gpu
 #   2. target, continued: STAGES=target TARGET_INIT=models/stdlib-code-target TARGET_LR=1e-3 TARGET_MIN=4.2 COMPILE=1 bash train/gpu.sh runs/gpu2
-#   3. draft, afresh:     STAGES=draft TARGET_OUT=runs/gpu2/target-out DRAFT_MIN=1.7 COMPILE=1 bash train/gpu.sh runs/gpu2
+#   3. against repetition: STAGES=target TARGET_INIT=models/stdlib-code-target UNLIKELIHOOD=1 TARGET_LR=3e-4 TARGET_WARMUP=20 TARGET_MIN=3.5 bash train/gpu.sh runs/gpu3
+#   4. draft, afresh:     STAGES=draft TARGET_OUT=runs/gpu3/target-out DRAFT_LAYERS=2 DRAFT_MIN=6.0 COMPILE=1 bash train/gpu.sh runs/gpu4
 # (each fits one 10-minute call on the GPU machine, tokenizing, compiling and loading included).
 # The tokenizer is the shipped one (models/stdlib-code-target/tokenizer.json), so the pair keeps
 # its vocabulary. The out-of-domain evaluation packages are left out of training.
