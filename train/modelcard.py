@@ -81,8 +81,9 @@ TOOL = """\
 Keep the draft shallow: on a CPU a batch-1 decoding step of a small model is dominated by
 per-layer overhead, so one layer is far cheaper than two of half the width, and c (draft cost
 / target cost) matters as much as the acceptance rate in the speed-up E / (γ·c + 1). The shipped
-draft has two layers: with one, a model cannot copy a name it saw earlier in the context (that
-takes two attention layers in sequence), and code copies names all the time."""
+draft has two layers: a one-layer model cannot form an induction head (continuing the way an
+earlier occurrence of the current token went takes two attention layers in sequence), and code
+copies names all the time."""
 
 
 def _mb(d: Path) -> float:
