@@ -189,6 +189,8 @@ def main(argv=None) -> None:
     p.add_argument("--compiled-baseline", action=argparse.BooleanOptionalAction, default=None,
                    help="generate() with a static cache and torch.compile, last (default: on for cuda, off for cpu)")
     a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error("--repeats must be at least 1")
     context = a.prompt_len + a.tokens + 64
     res: dict = {"shape": a.shape, "dims": SHAPES[a.shape], "dtype": a.dtype, "tokens": a.tokens, "prompt_len": a.prompt_len}
     with tempfile.TemporaryDirectory() as tmp:
