@@ -7,7 +7,9 @@ Trains (or reuses, if ``--tokenizer`` already exists) the byte-level BPE tokeniz
 training split, builds a ``LlamaForCausalLM`` of the requested size, and trains it with the
 resumable loop in ``train.loop``: running the same command again resumes from
 ``RUN_DIR/checkpoint.pt``.  ``--init-from DIR`` starts from a trained model (and its tokenizer)
-instead of random weights, to train it further, e.g. on a wider corpus.  The result is written
+instead of random weights, to train it further, e.g. on a wider corpus. ``--unlikelihood W``
+adds the sequence-level unlikelihood of repeated n-grams in the model's own greedy continuations
+(``train/unlikelihood.py``): a fine-tuning stage against greedy repetition.  The result is written
 as a Hugging Face directory (bf16 safetensors, tokenizer, config with EOS and
 max_position_embeddings).
 """
