@@ -59,10 +59,10 @@ ROW_PROBE = 64  # row counts the calibration tries; longer inputs are always cut
 ONE_ROW_PROBE = 1024
 
 
-def min_rows(model) -> int:
-    """Rows a pass is padded to: on the CPU the calibrated lo (`calibrate_rows`), else 1 (on a GPU
-    padding would not buy invariance, DESIGN.md §9)."""
-    if model.device.type != "cpu":
+def min_rows(model, device: torch.device) -> int:
+    """Rows a pass of `model` (on `device`, looked up once per pass) is padded to: on the CPU the
+    calibrated lo (`calibrate_rows`), else 1 (on a GPU padding would not buy invariance, DESIGN.md §9)."""
+    if device.type != "cpu":
         return 1
     rows = getattr(model, "_specdec_rows", None)
     return rows[0] if rows else 4  # uncalibrated: the old fixed rule
@@ -247,12 +247,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
             return _eager(q, k, v, mask, scaling if scaling is not None else D**-0.5, softcap)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != H)
 
-    if not cpu:  # a GPU: one masked call per session, its output stacked without a staging buffer (fewer launches)
+    if not cpu:  # a GPU (never padded: min_rows): one masked call per session, outputs stacked without a staging buffer
         outs = [attend(c, off, n, L, lambda lo, i=i: p.mask(i, lo, sliding_window, query.device))
                 for i, (c, off, n, L) in enumerate(zip(p.caches, p.offsets, p.counts, p.starts))]
-        pad = p.rows - sum(p.counts)
-        if pad:
-            outs.append(query.new_zeros(1, H, pad, value.shape[3]))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return o.transpose(1, 2), None
     out = query.new_zeros(1, p.rows, H, value.shape[3])
@@ -309,7 +306,7 @@ def forward_packed(model, inputs: list[list[int]], caches: list[KVCache], logits
     counts = [len(x) for x in inputs]
     starts = [c.length for c in caches]
     real = sum(counts)
-    pad_to = min_rows(model)
+    pad_to = min_rows(model, device)
     T = max(real, pad_to)
     offsets = [sum(counts[:i]) for i in range(len(counts))]
     for c, L, n in zip(caches, starts, counts):

@@ -23,6 +23,14 @@ def packed(request, model_dir):
     return LM.load(model_dir("target"), "cpu", request.param)
 
 
+def cached(model, s, c):
+    """A cache of len(s) holding s[:c], put there by a pass of its own."""
+    kv = KVCache(len(s))
+    if c:
+        forward_packed(model, [s[:c]], [kv], logits=False)
+    return kv
+
+
 def test_batched_pass_is_bitwise_equal_to_each_session_alone(packed, model_dir):
     reference = AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=packed.dtype).eval()
     model = packed.model
@@ -30,17 +38,11 @@ def test_batched_pass_is_bitwise_equal_to_each_session_alone(packed, model_dir):
     seqs = [[r.randrange(1, 16) for _ in range(r.randint(2, 40))] for _ in range(7)]
     cut = [r.randint(0, len(s) - 1) for s in seqs]  # cached prefix lengths, 0 included
 
-    def cached(s, c):
-        kv = KVCache(len(s))
-        if c:
-            forward_packed(model, [s[:c]], [kv], logits=False)
-        return kv
-
-    batch = [cached(s, c) for s, c in zip(seqs, cut)]
+    batch = [cached(model, s, c) for s, c in zip(seqs, cut)]
     news = [s[c:] for s, c in zip(seqs, cut)]
     logits = forward_packed(model, news, batch)
     for s, c, new, kv, lg in zip(seqs, cut, news, batch, logits):
-        alone_kv = cached(s, c)
+        alone_kv = cached(model, s, c)
         (alone,) = forward_packed(model, [new], [alone_kv])
         assert torch.equal(alone, lg)  # bitwise: the batch does not change a session's numbers
         assert kv.length == len(s) and all(torch.equal(a[:, : len(s)], b[:, : len(s)]) for a, b in zip(alone_kv.k + alone_kv.v, kv.k + kv.v))
@@ -307,17 +309,12 @@ def test_batch_invariance_holds_at_real_widths(dtype, tmp_path):
     seqs = [[r.randrange(3, 8192) for _ in range(r.randint(8, 60))] for _ in range(10)] + [[r.randrange(3, 8192) for _ in range(100)]]
     cut = [len(s) - r.randint(1, 5) for s in seqs[:-1]] + [10]  # rounds of 1-5 tokens, and a 90-token prefill chunk
 
-    def cached(s, c):
-        kv = KVCache(len(s))
-        forward_packed(model, [s[:c]], [kv], logits=False)
-        return kv
-
-    batch = [cached(s, c) for s, c in zip(seqs, cut)]
+    batch = [cached(model, s, c) for s, c in zip(seqs, cut)]
     news = [s[c:] for s, c in zip(seqs, cut)]
     assert sum(map(len, news)) > 2 * hi
     logits = forward_packed(model, news, batch)
     for s, c, new, kv, lg in zip(seqs, cut, news, batch, logits):
-        alone_kv = cached(s, c)
+        alone_kv = cached(model, s, c)
         (alone,) = forward_packed(model, [new], [alone_kv])
         assert torch.equal(alone, lg)
         assert all(torch.equal(a[:, : len(s)], b[:, : len(s)]) for a, b in zip(alone_kv.k + alone_kv.v, kv.k + kv.v))
