@@ -3,7 +3,9 @@ same dtype, one torch thread, same prompts (code from outside the standard libra
 
     python -m bench.engine [--dtypes float32,bfloat16 --sets code,heldout --max-new-tokens 128 --repeats 2 --out bench/results]
 
-Per prompt set and dtype, in one run and in alternating order (so machine noise hits all alike):
+Per prompt set and dtype, in one run, with the models loaded and the services started once; for
+each prompt every kind runs back to back, in an order reversed from one prompt to the next (so
+drift in the machine's speed hits all kinds alike); tok/s is all tokens over all seconds:
   generate()            transformers, in-process (the baseline every ratio divides by)
   assisted              transformers' assisted generation with the draft (assistant_model=)
   prompt lookup         transformers' prompt_lookup_num_tokens=8
@@ -34,60 +36,92 @@ from client import Client
 
 
 
-def hf_runs(target: str, draft: str, dtype: str, n: int, texts: list[str]) -> dict:
-    """tokens/s and outputs of the in-process transformers baselines."""
-    dt = getattr(torch, dtype)
-    tok = AutoTokenizer.from_pretrained(target)
-    t = AutoModelForCausalLM.from_pretrained(target, dtype=dt).eval()
-    d = AutoModelForCausalLM.from_pretrained(draft, dtype=dt).eval()
-    out: dict = {"generate": [], "assisted": [], "prompt lookup": [], "ids": []}
-    with torch.inference_mode():
-        for p in texts:
-            ids = tok(p, return_tensors="pt").input_ids
-            kw = dict(max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=tok.pad_token_id)
-            for name, extra in [("generate", {}), ("assisted", dict(assistant_model=d)), ("prompt lookup", dict(prompt_lookup_num_tokens=8))]:
-                t0 = time.perf_counter()
-                o = t.generate(ids, **kw, **extra)[0, ids.shape[1]:].tolist()
-                out[name].append((len(o), time.perf_counter() - t0))
-                if name == "generate":
-                    out["ids"].append(o)
-    return out
+class InProcess:
+    """transformers, in this process: the target (and the draft, for assisted generation) loaded once."""
+
+    def __init__(self, target: str, draft: str, dtype: str):
+        dt = getattr(torch, dtype)
+        self.tok = AutoTokenizer.from_pretrained(target)
+        self.t = AutoModelForCausalLM.from_pretrained(target, dtype=dt).eval()
+        self.d = AutoModelForCausalLM.from_pretrained(draft, dtype=dt).eval()
+
+    def run(self, kind: str, text: str, n: int) -> tuple[int, float, list[int]]:
+        """(tokens, seconds, token ids) of one greedy generate() of `kind`."""
+        extra = {"generate": {}, "assisted": dict(assistant_model=self.d), "prompt lookup": dict(prompt_lookup_num_tokens=8)}[kind]
+        ids = self.tok(text, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            o = self.t.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
+                                pad_token_id=self.tok.pad_token_id, **extra)[0, ids.shape[1]:].tolist()
+        return len(o), time.perf_counter() - t0, o
 
 
-def service_runs(target: str, draft: str, dtype: str, n: int, prompts: list[list[int]], env_extra: dict | None = None,
-                 draft_only: bool = True) -> dict:
-    """Both services on the pair (one thread each): target-only and speculative runs (the
-    service's defaults, and with `draft_only` the draft model as the only proposer) of `prompts`
-    (ids), with each default speculative request's per-round split."""
-    env = dict(ENV, SPECDEC_DTYPE=dtype, **(env_extra or {}))
-    v = Service("verify_service", "--model", target, "--threads", "1", env=env)
-    d = Service("draft_service", "--model", draft, "--verify", v.address, "--threads", "1", env=env)
-    out: dict = {"target-only": [], "speculative": [], "draft model only": [], "ids_target": [], "ids_spec": [], "overhead_ms": []}
+class Services:
+    """Both services on the pair (one thread each), started once: target-only, speculative at the
+    service's defaults, and speculative with the draft model as the only proposer."""
+
+    def __init__(self, target: str, draft: str, dtype: str, env_extra: dict | None = None):
+        env = dict(ENV, SPECDEC_DTYPE=dtype, **(env_extra or {}))
+        self.v = Service("verify_service", "--model", target, "--threads", "1", env=env)
+        self.d = Service("draft_service", "--model", draft, "--verify", self.v.address, "--threads", "1", env=env)
+        self.cv = Client(self.v.address, timeout=300, target_only=True)
+        self.cd = Client(self.d.address, timeout=300)
+
+    def run(self, kind: str, ids: list[int], n: int):
+        """(tokens, seconds, token ids, stats) of one request of `kind`."""
+        c, extra = {"target-only": (self.cv, {}), "speculative": (self.cd, {}), "draft model only": (self.cd, dict(proposer="draft"))}[kind]
+        r = c.generate(prompt_ids=ids, max_new_tokens=n, **extra)
+        return len(r.token_ids), r.stats["wall_s"], r.token_ids, r.stats
+
+    def close(self) -> None:
+        self.cv.close()
+        self.cd.close()
+        self.d.stop()
+        self.v.stop()
+
+
+def round_split(stats: dict) -> dict:
+    """A speculative request's per-round split: draft steps, target pass, and the rest (overhead)."""
+    rounds = max(1, stats["rounds"])
+    spent = stats.get("draft_s", 0) + stats.get("verify_forward_s", 0) + stats.get("prefill_s", 0)
+    return {"overhead_ms": 1e3 * (stats["wall_s"] - spent) / rounds, "draft_ms": 1e3 * stats.get("draft_s", 0) / rounds,
+            "forward_ms": 1e3 * stats.get("verify_forward_s", 0) / rounds, "acceptance": stats.get("acceptance_rate", 0.0),
+            "rounds": stats["rounds"], "lookup_rounds": stats.get("lookup_rounds", 0)}
+
+
+IN_PROCESS = ("generate", "assisted", "prompt lookup")
+THROUGH_SERVICES = ("target-only", "speculative", "draft model only")
+
+
+def measure(target: str, draft: str, dtype: str, n: int, texts: list[str], ids: list[list[int]], repeats: int,
+            kinds=IN_PROCESS + THROUGH_SERVICES, env_extra: dict | None = None) -> dict:
+    """Every kind on every prompt, `repeats` times, with the models loaded and the services started
+    once: per prompt the kinds run back to back, in an order reversed on every other repeat, so
+    drift in the machine's speed hits all kinds alike. After one untimed short run of each kind.
+    Returns per kind the (tokens, seconds) and the token ids of each run, and the per-round
+    splits of the default speculative runs."""
+    hf = InProcess(target, draft, dtype) if set(kinds) & set(IN_PROCESS) else None
+    svc = Services(target, draft, dtype, env_extra)
+    out: dict = {"runs": {k: [] for k in kinds}, "ids": {k: [] for k in kinds}, "split": []}
     try:
-        with Client(v.address, timeout=300, target_only=True) as cv, Client(d.address, timeout=300) as cd:
-            for ids in prompts:
-                cv.generate(prompt_ids=ids, max_new_tokens=4)  # warm-up
-                r = cv.generate(prompt_ids=ids, max_new_tokens=n)
-                out["target-only"].append((len(r.token_ids), r.stats["wall_s"]))
-                out["ids_target"].append(r.token_ids)
-                r = cd.generate(prompt_ids=ids, max_new_tokens=n)
-                out["speculative"].append((len(r.token_ids), r.stats["wall_s"]))
-                out["ids_spec"].append(r.token_ids)
-                if draft_only:
-                    r2 = cd.generate(prompt_ids=ids, max_new_tokens=n, proposer="draft")
-                    out["draft model only"].append((len(r2.token_ids), r2.stats["wall_s"]))
-                    assert r2.token_ids == r.token_ids, "greedy output depends on the proposer"
-                s = r.stats
-                spent = s.get("draft_s", 0) + s.get("verify_forward_s", 0) + s.get("prefill_s", 0)
-                out["overhead_ms"].append(1e3 * (s["wall_s"] - spent) / max(1, s["rounds"]))
-                out.setdefault("draft_ms", []).append(1e3 * s.get("draft_s", 0) / max(1, s["rounds"]))
-                out.setdefault("forward_ms", []).append(1e3 * s.get("verify_forward_s", 0) / max(1, s["rounds"]))
-                out.setdefault("acceptance", []).append(s.get("acceptance_rate", 0.0))
-                out.setdefault("rounds", []).append(s["rounds"])
-                out.setdefault("lookup_rounds", []).append(s.get("lookup_rounds", 0))
+        def one(kind: str, i: int, tokens: int):
+            if kind in IN_PROCESS:
+                return hf.run(kind, texts[i], tokens) + (None,)
+            return svc.run(kind, ids[i], tokens)
+
+        for k in kinds:  # warm-up
+            one(k, 0, 4)
+        for rep in range(repeats):
+            for i in range(len(ids)):
+                for k in (kinds if (rep + i) % 2 == 0 else kinds[::-1]):
+                    print(f"[{dtype}] repeat {rep + 1}/{repeats}, prompt {i + 1}/{len(ids)}: {k}", file=sys.stderr, flush=True)
+                    got, secs, toks, stats = one(k, i, n)
+                    out["runs"][k].append((got, secs))
+                    out["ids"][k].append(toks)
+                    if k == "speculative":
+                        out["split"].append(round_split(stats))
     finally:
-        d.stop()
-        v.stop()
+        svc.close()
     return out
 
 
@@ -101,11 +135,12 @@ def tiny_round(n: int) -> dict:
         t = tinymodels.build(os.path.join(tmp, "target"), vocab_size=256, hidden=64, layers=2, max_context=1024, seed=0)
         d = tinymodels.build(os.path.join(tmp, "draft"), vocab_size=256, hidden=32, layers=1, max_context=1024, seed=1)
         r = random.Random(0)
-        runs = service_runs(t, d, "float32", n, [[r.randrange(2, 256) for _ in range(24)] for _ in range(8)],
-                            env_extra={"SPECDEC_ADAPTIVE": "0", "SPECDEC_PREDRAFT": "0", "SPECDEC_PROPOSER": "draft"}, draft_only=False)
-    return {"target": "2-layer 64-wide", "draft": "1-layer 32-wide", "requests": len(runs["overhead_ms"]),
-            **{k: statistics.median(runs[k]) for k in ("overhead_ms", "draft_ms", "forward_ms")},
-            "target_only_tok_s": rate(runs["target-only"]), "speculative_tok_s": rate(runs["speculative"])}
+        prompts = [[r.randrange(2, 256) for _ in range(24)] for _ in range(8)]
+        res = measure(t, d, "float32", n, [], prompts, 1, kinds=("target-only", "speculative"),
+                      env_extra={"SPECDEC_ADAPTIVE": "0", "SPECDEC_PREDRAFT": "0", "SPECDEC_PROPOSER": "draft"})
+    return {"target": "2-layer 64-wide", "draft": "1-layer 32-wide", "requests": len(res["split"]),
+            **{k: statistics.median(x[k] for x in res["split"]) for k in ("overhead_ms", "draft_ms", "forward_ms")},
+            "target_only_tok_s": rate(res["runs"]["target-only"]), "speculative_tok_s": rate(res["runs"]["speculative"])}
 
 
 def rate(pairs) -> float:
@@ -133,32 +168,27 @@ def main(argv=None) -> None:
         ids = [tok(t).input_ids for t in texts]
         results["sets"][set_name] = {"prompts": len(texts), "dtypes": {}}
         for dtype in (a.dtypes if set_name == "code" else a.heldout_dtypes).split(","):
-            runs: dict = {}
-            for rep in range(a.repeats):  # alternate in-process and service runs
-                order = [("hf", hf_runs), ("svc", service_runs)] if rep % 2 == 0 else [("svc", service_runs), ("hf", hf_runs)]
-                for name, fn in order:
-                    print(f"[{set_name} {dtype}] repeat {rep + 1}/{a.repeats}: {name}", file=sys.stderr, flush=True)
-                    res = fn(a.target, a.draft, dtype, a.max_new_tokens, texts if name == "hf" else ids)
-                    for k, v in res.items():
-                        runs.setdefault(k, []).append(v)
-            row: dict = {k: statistics.median(rate(r) for r in runs[k]) for k in kinds}  # median over repeats
+            res = measure(a.target, a.draft, dtype, a.max_new_tokens, texts, ids, a.repeats)
+            runs, same = res["runs"], res["ids"]
+            row: dict = {k: rate(runs[k]) for k in kinds}  # all tokens over all seconds, every repeat and prompt
             row["ratios"] = {k: row[k] / row["generate"] for k in kinds}
-            ref = runs["ids"][0]
+            row["per_prompt_ratios"] = {k: [round(x[0] / x[1] / (g[0] / g[1]), 4) for x, g in zip(runs[k], runs["generate"])] for k in kinds}
             row["identical"] = {
-                "target-only == generate()": all(x == ref for x in runs["ids_target"]),
-                "speculative == generate()": all(x == ref for x in runs["ids_spec"]),
-                "speculative == target-only": all(x == y for x, y in zip(runs["ids_spec"], runs["ids_target"])),
+                "target-only == generate()": same["target-only"] == same["generate"],
+                "speculative == generate()": same["speculative"] == same["generate"],
+                "speculative == target-only": same["speculative"] == same["target-only"] == same["draft model only"],
             }
-            row["overhead_ms_per_round"] = statistics.median(x for r in runs["overhead_ms"] for x in r)
-            row["acceptance"] = statistics.mean(x for r in runs["acceptance"] for x in r)
-            row["lookup_rounds_share"] = sum(x for r in runs["lookup_rounds"] for x in r) / max(1, sum(x for r in runs["rounds"] for x in r))
+            split = res["split"]
+            row["overhead_ms_per_round"] = statistics.median(x["overhead_ms"] for x in split)
+            row["acceptance"] = statistics.mean(x["acceptance"] for x in split)
+            row["lookup_rounds_share"] = sum(x["lookup_rounds"] for x in split) / max(1, sum(x["rounds"] for x in split))
             results["sets"][set_name]["dtypes"][dtype] = row
     results["tiny"] = tiny_round(a.max_new_tokens)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "engine.json"), "w") as fh:
         json.dump(results, fh, indent=1)
     lines = [f"# Engine vs transformers generate() (greedy, {a.max_new_tokens} tokens, 1 torch thread per process, "
-             f"median of {a.repeats} alternating repeats)", "",
+             f"{a.repeats} repeats; per prompt every kind back to back, in alternating order; tok/s = all tokens over all seconds)", "",
              "Prompt sets: `code`, the non-stdlib code prompts of bench/prompts.py (CODE_PROMPTS); `heldout`, as many "
              "prompts cut from held-out standard-library files (heldout_prompts). The service's defaults are adaptive "
              "tau with pre-drafting and hybrid proposals (prompt lookup on a recurring 2-gram, else the draft model); "
@@ -170,15 +200,17 @@ def main(argv=None) -> None:
         for dtype, row in sres["dtypes"].items():
             for k in kinds:
                 lines.append(f"| {set_name} | {dtype} | {labels.get(k, k)} | {row[k]:.1f} | {row['ratios'][k]:.2f}x |")
-    lines += ["", "| prompts | dtype | identical outputs | overhead per round (ms) | acceptance | lookup rounds |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| prompts | dtype | identical outputs | target-only / generate() per request: median (range) | overhead per round (ms) | acceptance | lookup rounds |",
+              "|---|---|---|---|---|---|---|"]
     for set_name, sres in results["sets"].items():
         for dtype, row in sres["dtypes"].items():
             same = ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in row["identical"].items())
-            lines.append(f"| {set_name} | {dtype} | {same} | {row['overhead_ms_per_round']:.2f} | {row['acceptance']:.3f} | "
+            per = row["per_prompt_ratios"]["target-only"]
+            lines.append(f"| {set_name} | {dtype} | {same} | {statistics.median(per):.2f}x ({min(per):.2f}-{max(per):.2f}) | "
+                         f"{row['overhead_ms_per_round']:.2f} | {row['acceptance']:.3f} | "
                          f"{row['lookup_rounds_share']:.0%} |")
-    lines += ["", "In bfloat16, transformers' generate() rounds differently from the engine (one-row matmuls; the engine attends in float32 on the CPU, "
-              "its own attention call), so near-ties can flip between the two; the engine's contract there is speculative == "
+    lines += ["", "In bfloat16, transformers' generate() rounds differently from the engine (one-row matmuls; the engine makes "
+              "its own attention calls, a query at a time in a round), so near-ties can flip between the two; the engine's contract there is speculative == "
               "target-only of the same service, bitwise (DESIGN.md §9)."]
     t = results["tiny"]
     lines += ["", f"Per round with tiny models (a {t['target']} target, a {t['draft']} draft, float32, median over "

@@ -18,8 +18,8 @@ Invariance, on the CPU: a token's numbers are the same alone or batched with oth
 and the same in a one-token step or inside a round of tau + 1 tokens (so greedy speculative
 output is the same service's target-only output, bitwise, in float32 and in bfloat16):
   * attention is the only op that mixes tokens: it runs per session on its own keys, and a
-    round's queries attend one at a time (up to ROW_BY_ROW tokens; longer prefill chunks take
-    one masked call), in exactly the call a one-token step at that position makes;
+    round's queries attend one at a time (up to ROW_BY_ROW tokens), in exactly the call a
+    one-token step at that position makes;
   * every other op works row by row, but a CPU GEMM gives a row the same numbers only among
     row counts that take the same kernel: which counts those are depends on the CPU, the dtype
     and the weight's shape (on this project's machine, the shipped target in float32: 1 row,
@@ -28,7 +28,12 @@ output is the same service's target-only output, bitwise, in float32 and in bflo
     every row the same numbers, wherever it sits. A pass is padded to lo rows, and each matmul
     module cuts a longer input into blocks of lo..hi rows (`_blocked`). lo is 1 only if a
     thousand one-row products also match two-row ones (a one-row bf16 kernel that sums in another
-    order differs only where the bf16 rounding flips: it once flipped a greedy token).
+    order differs only where the bf16 rounding flips: it once flipped a greedy token);
+  * a prefill chunk of more than hi tokens (keys and values only, no logits) is the exception:
+    it goes first in its pass, through every matmul in one product of its own and through
+    attention in one masked call. Its numbers then depend only on the chunk, whose bounds depend
+    only on the prompt, and its weights are read once rather than once per block (blocks made a
+    200-token float32 prefill 2.3x transformers' own; now they are level).
 tests/test_batching.py checks this bitwise in both dtypes, on tiny models and on the shipped
 target, with one torch thread (GEMMs split across threads by rows, so more threads can break it). GPU kernels may choose another algorithm for
 another batch shape, so there only near-ties can differ (DESIGN.md §9).
@@ -50,7 +55,7 @@ from transformers import AttentionInterface, Cache
 
 log = logging.getLogger("specdec.kvcache")
 
-ROW_BY_ROW = 64  # passes of up to this many tokens of a session attend one query at a time (see packed_attention)
+ROW_BY_ROW = 64  # a session's inputs of up to this many tokens attend one query at a time, long prefill chunks excepted (see packed_attention)
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass, on both services (boundaries depend only on the prompt)
 ROW_PROBE = 64  # row counts the calibration tries; longer inputs are always cut into blocks
 # One-row products compared with two-row ones before a pass may have a single row: a one-row bf16
@@ -59,13 +64,14 @@ ROW_PROBE = 64  # row counts the calibration tries; longer inputs are always cut
 ONE_ROW_PROBE = 1024
 
 
-def min_rows(model, device: torch.device) -> int:
-    """Rows a pass of `model` (on `device`, looked up once per pass) is padded to: on the CPU the
-    calibrated lo (`calibrate_rows`), else 1 (on a GPU padding would not buy invariance, DESIGN.md §9)."""
+def row_counts(model, device: torch.device) -> tuple[int, int | None]:
+    """(pad_to, top) for a pass of `model` on `device` (looked up once per pass): on the CPU the
+    calibrated lo and hi (`calibrate_rows`); else (1, None): on a GPU padding would not buy
+    invariance (DESIGN.md §9)."""
     if device.type != "cpu":
-        return 1
+        return 1, None
     rows = getattr(model, "_specdec_rows", None)
-    return rows[0] if rows else 4  # uncalibrated: the old fixed rule
+    return rows if rows else (4, None)  # uncalibrated: the old fixed rule
 
 
 def _row_modules(model) -> list[torch.nn.Module]:
@@ -118,31 +124,25 @@ def calibrate_rows(model, seeds: int = 2) -> tuple[int, int] | None:
 
 
 def _blocked(forward, hi: int):
-    """forward (a row-wise module's) on inputs of more than hi rows, in near-equal blocks of at
-    most hi rows each (at least hi / 2 >= lo)."""
+    """forward (a row-wise module's) on inputs of more than hi rows: in a pass, each of its lead
+    rows (long prefill chunks) in one product, then the other rows in near-equal blocks of at most
+    hi rows each (at least hi / 2 >= lo)."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows <= hi:
             return forward(x)
-        n = -(-rows // hi)
-        sizes = [rows // n + (i < rows % n) for i in range(n)]
+        p = _current.get(None)
+        lead = p.lead if p is not None and rows == p.rows else []
+        rest = rows - sum(lead)
+        n = -(-rest // hi)
+        sizes = lead + [rest // n + (i < rest % n) for i in range(n)]
         flat = x.reshape(1, rows, x.shape[-1])
         out = torch.cat([forward(b) for b in flat.split(sizes, dim=1)], dim=1)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     return run
 ATTN = "specdec_packed"
-
-
-def cache_dtype(model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """The dtype the KV cache is stored and attention computed in.  On the CPU a half-precision
-    model keeps float32 keys and values: the CPU's bf16 attention kernel costs about 6x its float32
-    one for a single query (265 vs 41 us over 300 keys, 8 heads of 64, measured here), and the
-    cache is small there.  On a GPU, the model's own dtype (its flash kernels are fast)."""
-    if torch.device(device).type == "cpu" and model_dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return model_dtype
 
 
 class KVCache:
@@ -173,6 +173,7 @@ class _Pass:
     counts: list[int]
     starts: list[int]  # tokens each cache held before the pass
     rows: int  # T, with padding
+    lead: list[int]  # row counts of the prefill chunks that come first, each in a product of its own (_blocked)
     _masks: dict = field(default_factory=dict)
 
     def mask(self, i: int, lo: int, window: int | None, device) -> torch.Tensor | None:
@@ -207,10 +208,9 @@ class _PassCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # [1, H_kv, T, D]
         p = self.p
         for c, off, n, L in zip(p.caches, p.offsets, p.counts, p.starts):
-            if len(c.k) == layer_idx:  # first write: allocate the whole reservation
-                dt = cache_dtype(key_states.dtype, key_states.device)
-                c.k.append(key_states.new_empty((key_states.shape[1], c.capacity, key_states.shape[3]), dtype=dt))
-                c.v.append(value_states.new_empty((value_states.shape[1], c.capacity, value_states.shape[3]), dtype=dt))
+            if len(c.k) == layer_idx:  # first write: allocate the whole reservation, in the model's dtype
+                c.k.append(key_states.new_empty((key_states.shape[1], c.capacity, key_states.shape[3])))
+                c.v.append(value_states.new_empty((value_states.shape[1], c.capacity, value_states.shape[3])))
             c.k[layer_idx][:, L : L + n] = key_states[0, :, off : off + n]
             c.v[layer_idx][:, L : L + n] = value_states[0, :, off : off + n]
         return key_states, value_states
@@ -239,28 +239,25 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         q = query[:, :, off : off + n]
         v = c.v[layer][None, :, lo : L + n]
         mask = mask_fn(lo)
-        if cpu:
-            q = q.to(k.dtype).contiguous()  # [1, H, n, D]: one memory layout whatever the pass
-        elif mask is not None:
-            q = q.contiguous()  # as before: an H100 run with strided masked queries gave half the batch throughput (not isolated)
+        if cpu or mask is not None:
+            # the CPU: one memory layout whatever the pass; a GPU: an H100 run with strided masked
+            # queries gave half the batch throughput (not isolated)
+            q = q.contiguous()  # [1, H, n, D]
         if softcap:
             return _eager(q, k, v, mask, scaling if scaling is not None else D**-0.5, softcap)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != H)
 
-    if not cpu:  # a GPU (never padded: min_rows): one masked call per session, outputs stacked without a staging buffer
-        outs = [attend(c, off, n, L, lambda lo, i=i: p.mask(i, lo, sliding_window, query.device))
-                for i, (c, off, n, L) in enumerate(zip(p.caches, p.offsets, p.counts, p.starts))]
-        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return o.transpose(1, 2), None
-    out = query.new_zeros(1, p.rows, H, value.shape[3])
-    for i, c in enumerate(p.caches):
-        off, n, L = p.offsets[i], p.counts[i], p.starts[i]
-        if n == 1 or n > ROW_BY_ROW:  # one query or a prefill chunk: one masked call
-            out[0, off : off + n] = attend(c, off, n, L, lambda lo, i=i: p.mask(i, lo, sliding_window, query.device))[0].transpose(0, 1)
-        else:  # a round: each query alone, exactly as a single step at its position computes it
-            for j in range(n):
-                out[0, off + j : off + j + 1] = attend(c, off + j, 1, L + j, lambda lo: None)[0].transpose(0, 1)
-    return out, None
+    outs = []
+    for i, (c, off, n, L) in enumerate(zip(p.caches, p.offsets, p.counts, p.starts)):
+        if cpu and 1 < n <= ROW_BY_ROW and i >= len(p.lead):  # a round on the CPU: each query alone, exactly as a single step at its position computes it
+            outs += [attend(c, off + j, 1, L + j, lambda lo: None) for j in range(n)]
+        else:  # one query, a prefill chunk, or a GPU: one masked call per session
+            outs.append(attend(c, off, n, L, lambda lo, i=i: p.mask(i, lo, sliding_window, query.device)))
+    real = sum(p.counts)
+    if p.rows > real:  # padding rows (the CPU's calibrated minimum): zeros, never read
+        outs.append(query.new_zeros(1, H, p.rows - real, value.shape[3]))
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H, T, D]
+    return o.transpose(1, 2), None
 
 
 def _eager(q, k, v, mask, scaling: float, softcap: float) -> torch.Tensor:
@@ -303,11 +300,22 @@ def forward_packed(model, inputs: list[list[int]], caches: list[KVCache], logits
     logits (or logits[i]) is true, else None. A failed pass leaves every cache's length as it was."""
     device = model.device
     want = [logits] * len(inputs) if isinstance(logits, bool) else list(logits)
+    # A prefill chunk longer than the CPU's calibrated top (its keys and values only) goes first,
+    # in one product of its own: its numbers then depend on the chunk alone, which depends on the
+    # prompt alone, and its weights are read once, not once per block (see _blocked).
+    pad_to, top = row_counts(model, device)
+    own = {i for i, x in enumerate(inputs) if top is not None and not want[i] and len(x) > top}
+    order = sorted(range(len(inputs)), key=lambda i: i not in own)
+    inputs, caches, want = [inputs[i] for i in order], [caches[i] for i in order], [want[i] for i in order]
     counts = [len(x) for x in inputs]
-    starts = [c.length for c in caches]
+    starts, ends = [], {}  # a cache may take two inputs (a prompt's last chunk, then a step): the second starts after the first
+    for c, n in zip(caches, counts):
+        starts.append(ends.get(id(c), c.length))
+        ends[id(c)] = starts[-1] + n
+    lead = [counts[i] for i in range(len(own))]  # rows of the own products, first in the pass
     real = sum(counts)
-    pad_to = min_rows(model, device)
-    T = max(real, pad_to)
+    rest = real - sum(lead)  # the other sessions' rows, padded to pad_to
+    T = sum(lead) + (max(rest, pad_to) if rest or not lead else 0)
     offsets = [sum(counts[:i]) for i in range(len(counts))]
     for c, L, n in zip(caches, starts, counts):
         if L + n > c.capacity:
@@ -316,7 +324,7 @@ def forward_packed(model, inputs: list[list[int]], caches: list[KVCache], logits
     pos = [L + j for L, n in zip(starts, counts) for j in range(n)] + [0] * (T - real)
     ids, position_ids = torch.tensor([flat, pos], dtype=torch.long, device=device).split(1)  # [1, T] each, one copy to the device
     keep = [r for i, n in enumerate(counts) if want[i] for r in range(offsets[i], offsets[i] + n)]  # rows that need logits
-    p = _Pass(caches, offsets, counts, starts, T)
+    p = _Pass(caches, offsets, counts, starts, T, lead)
     token = _current.set(p)
     try:
         cache = _PassCache(p)
@@ -330,12 +338,10 @@ def forward_packed(model, inputs: list[list[int]], caches: list[KVCache], logits
         _current.reset(token)
     for c, n in zip(caches, counts):
         c.length += n
-    res: list[torch.Tensor | None] = []
+    res: list[torch.Tensor | None] = [None] * len(inputs)
     at = 0
-    for i, n in enumerate(counts):
-        if want[i]:
-            res.append(out[at : at + n].float())
+    for k, (i, n) in enumerate(zip(order, counts)):  # back to the callers' order
+        if want[k]:
+            res[i] = out[at : at + n].float()
             at += n
-        else:
-            res.append(None)
     return res

@@ -128,10 +128,12 @@ def test_batch_mates_are_isolated(arch):
         return metric(text, "specdec_verify_batch_size_count") - metric(text, "specdec_verify_batch_size_bucket", le="1.0")
 
     before = shared_passes()
-    for _ in range(2):  # bounded: two rounds of the same set, interleaved differently
-        got = asyncio.run(together())
+    for attempt in range(6):  # bounded: at least two rounds of the same set, interleaved differently,
+        got = asyncio.run(together())  # more while tiny requests have happened not to overlap (a loaded machine)
         assert [r.token_ids for r in got] == solo, arch.name
         assert got[-1].finish_reason == "context", arch.name
+        if attempt >= 1 and shared_passes() - before >= 2:
+            break
     assert shared_passes() - before >= 2, f"{arch.name}: the requests never shared a verify pass"
     for r, s in zip(reqs, solo):  # and the solo outputs are the model's own
         assert s == hf_generate(arch.model, r["prompt_ids"], r["max_new_tokens"]), arch.name

@@ -185,14 +185,11 @@ def test_idle_session_times_out_and_frees_its_cache(model_dir):
 
 
 def test_cache_budget_is_sized_from_the_model_and_memory(packed):
-    from specdec.kvcache import cache_dtype
     from verify_service.capacity import default_cache_budget, kv_bytes_per_token
 
     kv = KVCache(5)
     forward_packed(packed.model, [[3, 4, 5, 6, 7]], [kv], logits=False)
-    assert kv_bytes_per_token(packed.model.config, cache_dtype(packed.dtype, packed.device)) == kv.nbytes() / 5  # the real dtype's size
-    # half-precision models keep a float32 cache on the CPU (fast attention there), their own dtype on a GPU
-    assert cache_dtype(torch.bfloat16, "cpu") == torch.float32 and cache_dtype(torch.bfloat16, "cuda") == torch.bfloat16
+    assert kv.k[0].dtype == packed.dtype and kv_bytes_per_token(packed.model.config, packed.dtype) == kv.nbytes() / 5  # the real dtype's size
     budget = default_cache_budget(packed, max_sessions=8)
     assert packed.max_context <= budget <= 8 * packed.max_context
 
@@ -286,11 +283,14 @@ def test_one_token_steps_and_rounds_give_bitwise_equal_logits(wide_dir, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_batch_invariance_holds_at_real_widths(dtype, tmp_path):
+@pytest.mark.parametrize("prefill", [False, True], ids=["chunk-with-logits", "prefill-chunk"])
+def test_batch_invariance_holds_at_real_widths(dtype, prefill, tmp_path):
     """At the shipped target's widths, CPU GEMM kernels change with the row count (float32 here:
     1, 2-15 and 16+ rows are three classes), so a pass is padded to the calibrated lo rows and each
     matmul cuts longer inputs into blocks of lo..hi rows: a session's numbers stay its own in a
-    pass of more than a hundred rows, a prefill chunk among them."""
+    pass of a few hundred rows, a 90-token chunk among them. As a prefill chunk (no logits)
+    that chunk goes first, in one product of its own: its keys and values are those of the chunk
+    prefilled alone, and its batch-mates' numbers are unchanged by it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specdec.testing.tinymodels import word_tokenizer
@@ -306,17 +306,20 @@ def test_batch_invariance_holds_at_real_widths(dtype, tmp_path):
     assert 1 <= lo <= 8 and hi >= 2 * lo
     model = lm.model
     r = random.Random(1)
-    seqs = [[r.randrange(3, 8192) for _ in range(r.randint(8, 60))] for _ in range(10)] + [[r.randrange(3, 8192) for _ in range(100)]]
-    cut = [len(s) - r.randint(1, 5) for s in seqs[:-1]] + [10]  # rounds of 1-5 tokens, and a 90-token prefill chunk
+    n = 60  # sessions in rounds: enough rows for several blocks wherever the CPU's classes end (hi <= ROW_PROBE)
+    seqs = [[r.randrange(3, 8192) for _ in range(r.randint(8, 60))] for _ in range(n)] + [[r.randrange(3, 8192) for _ in range(100)]]
+    cut = [len(s) - r.randint(1, 5) for s in seqs[:-1]] + [10]  # rounds of 1-5 tokens, and a 90-token chunk, last as the scheduler puts it
+    want = [True] * n + [not prefill]
 
     batch = [cached(model, s, c) for s, c in zip(seqs, cut)]
     news = [s[c:] for s, c in zip(seqs, cut)]
-    assert sum(map(len, news)) > 2 * hi
-    logits = forward_packed(model, news, batch)
-    for s, c, new, kv, lg in zip(seqs, cut, news, batch, logits):
+    assert sum(map(len, news[:-1])) > 2 * hi and len(news[-1]) > hi
+    logits = forward_packed(model, news, batch, want)
+    assert (logits[-1] is None) == prefill
+    for s, c, new, kv, lg, w in zip(seqs, cut, news, batch, logits, want):
         alone_kv = cached(model, s, c)
-        (alone,) = forward_packed(model, [new], [alone_kv])
-        assert torch.equal(alone, lg)
+        (alone,) = forward_packed(model, [new], [alone_kv], w)
+        assert (alone is None and lg is None) or torch.equal(alone, lg)
         assert all(torch.equal(a[:, : len(s)], b[:, : len(s)]) for a, b in zip(alone_kv.k + alone_kv.v, kv.k + kv.v))
 
 
@@ -332,3 +335,47 @@ def test_row_calibration_finds_where_a_kernel_changes():
     assert _class_top(fwd, x, 1) == 1
     assert _class_top(fwd, x, 2) == 9
     assert _class_top(lambda x: x[..., :8] * 3.0, x, 2) == 64
+
+
+@pytest.mark.parametrize("n_prompt", [5, 40])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_target_only_stream_takes_its_first_step_in_its_prompts_last_pass(packed, n_prompt, temperature, monkeypatch):
+    """Target-only, the first step runs in the pass of the prompt's last chunk, as a second input
+    of the same session: one pass fewer than a prefill and then steps, and bitwise the same tokens."""
+    import verify_service.scheduler as scheduler
+    from specdec.sampling import Sampling
+
+    passes = []
+
+    def counted(*a, **kw):
+        passes.append(1)
+        return forward_packed(*a, **kw)
+
+    monkeypatch.setattr(scheduler, "forward_packed", counted)
+    r = random.Random(n_prompt)
+    prompt = [r.randrange(3, 16) for _ in range(n_prompt)]
+    eng = scheduler.Scheduler(packed, max_sessions=4)
+
+    async def stepped():  # the Session path: the prefill awaited, then one round per token
+        s = eng.open(prompt, 12, Sampling(temperature=temperature), seed=9, mode=pb.PROPOSAL_MODE_GREEDY)
+        await eng.prefill(s)
+        while not s.finish:
+            await eng.step(s, [], None)
+        eng.close(s)
+        return s.ids
+
+    async def streamed():
+        s = eng.open(prompt, 12, Sampling(temperature=temperature), seed=9, mode=pb.PROPOSAL_MODE_GREEDY)
+        got = [v.next_token async for v in eng.steps(s)]
+        eng.close(s)
+        assert s.prefill_s > 0 and got == s.ids[n_prompt:]
+        return s.ids
+
+    try:
+        a = asyncio.run(stepped())
+        n_stepped, passes[:] = len(passes), []
+        b = asyncio.run(streamed())
+    finally:
+        eng.shutdown()
+    assert a == b and n_prompt < len(a) <= n_prompt + 12  # EOS may end it early
+    assert len(passes) == n_stepped - 1 == len(a) - n_prompt  # a pass per token, the prompt's included

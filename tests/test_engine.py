@@ -4,6 +4,7 @@ pre-drafting on, alone or under load."""
 import asyncio
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -137,3 +138,51 @@ def test_the_service_defaults_to_adaptive_tau_with_predrafting_and_hybrid_propos
             assert (rep.stats.get("lookup_rounds", 0) > 0) == lookup, (flags, rep.stats)
     finally:
         v.stop()
+
+
+def test_a_target_only_stream_ends_with_its_request(services):
+    """Generate on the verify service is a stream that the scheduler thread runs ahead of the
+    handler. A stop string or a client that goes away ends it early: the session and its cache
+    are freed, and no pass runs for it afterwards."""
+    from conftest import metric, wait_for
+
+    v, _ = services("long-target", "long-draft")
+
+    def passes():
+        return metric(v.metrics(), "specdec_verify_batch_size_count")
+
+    def idle():
+        text = v.metrics()
+        return metric(text, "specdec_live_sessions", service="verify") == 0 and metric(text, "specdec_cached_tokens") == 0
+
+    def settled():  # no pass counted for 0.3 s
+        before = passes()
+        time.sleep(0.3)
+        return passes() == before
+
+    prompt = [3, 4, 5]
+    with Client(v.address, target_only=True, timeout=60) as c:
+        p0 = passes()
+        full = c.generate(prompt_ids=prompt, max_new_tokens=300)
+        assert full.finish_reason == "length" and len(full.token_ids) == 300
+        whole = passes() - p0
+        assert whole == 300  # one pass per token
+
+        stop = full.text[len(full.text) // 8 :][:6]  # text from early on
+        p0 = passes()
+        cut = c.generate(prompt_ids=prompt, max_new_tokens=300, stop=[stop])
+        assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)] and len(cut.token_ids) < 100
+        assert wait_for(idle, 10) and wait_for(settled, 10)  # a pass in flight at the close may still be counted
+        after = passes()
+        time.sleep(0.5)
+        assert passes() == after and after - p0 < whole  # the stream stopped with the request
+
+        p0 = passes()
+        it = c.stream(prompt_ids=prompt, max_new_tokens=300)
+        got = [next(it) for _ in range(3)]
+        it.close()  # the client goes away mid-stream: the RPC is cancelled
+        assert sum(len(x.token_ids) for x in got) >= 3
+        assert wait_for(idle, 10) and wait_for(settled, 10)
+        after = passes()
+        time.sleep(0.5)
+        assert passes() == after and after - p0 < whole

@@ -3,7 +3,7 @@
 
 Every session reserves room for its whole run at admission, min(prompt + max_new_tokens,
 context), and its cache buffers are that size (specdec/kvcache.py), so the token budget is
-the memory budget: tokens x kv_bytes_per_token in the cache's real dtype (specdec.kvcache.cache_dtype).
+the memory budget: tokens x kv_bytes_per_token in the model's dtype (the cache's).
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import torch
 
 from specdec import metrics
 from specdec.errors import RequestError
-from specdec.kvcache import cache_dtype
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
@@ -43,7 +42,7 @@ def default_cache_budget(lm, max_sessions: int, memory_fraction: float | None = 
     if mem is None:
         return full
     share = memory_fraction if memory_fraction is not None else (0.9 if lm.device.type == "cuda" else 0.5)
-    return max(lm.max_context, min(full, int(mem * share / kv_bytes_per_token(lm.model.config, cache_dtype(lm.dtype, lm.device)))))
+    return max(lm.max_context, min(full, int(mem * share / kv_bytes_per_token(lm.model.config, lm.dtype))))
 
 
 class Capacity:

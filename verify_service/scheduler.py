@@ -4,7 +4,8 @@ prompt, applies the acceptance rule to each session on the model's device, and m
 verdicts of the whole batch to the host at once (a few integers per session).
 
 Sessions talk to it from the asyncio event loop: `prefill` and `step` put a job on the queue
-and await a future that the thread resolves with `call_soon_threadsafe`. Prompts are prefilled
+and await a future that the thread resolves with `call_soon_threadsafe`; `steps` (target-only)
+puts one job that the thread runs step after step, posting each verdict to the caller's queue. Prompts are prefilled
 in chunks whose boundaries depend only on the prompt (multiples of PREFILL_CHUNK), so a long
 prompt does not stall the sessions already decoding, and a session's numbers never depend on
 what else is running. A failed batched pass is retried session by session (nothing is
@@ -18,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -41,16 +43,21 @@ MAX_BATCH_TOKENS = 1024  # new tokens per pass
 @dataclass
 class _Job:
     session: Session
-    future: asyncio.Future
+    future: asyncio.Future | None  # resolved with the Verdict; None for a stream
     loop: asyncio.AbstractEventLoop
     tokens: list[int] | None = None  # a round: the proposals; None: a prefill
     q: torch.Tensor | None = None  # [tau, V] on the device, or None (greedy sampling)
     enqueued: float = field(default_factory=time.perf_counter)
     finished: bool = False
+    stream: asyncio.Queue | None = None  # target-only steps: gets every (ok, Verdict or error); the thread runs the next step at once
 
     def resolve(self, ok: bool, result) -> None:
-        self.finished = True
-        self.loop.call_soon_threadsafe(_resolve, self.future, ok, result)
+        if self.stream is None:
+            self.finished = True
+            self.loop.call_soon_threadsafe(_resolve, self.future, ok, result)
+            return
+        self.loop.call_soon_threadsafe(self.stream.put_nowait, (ok, result))
+        self.finished, self.enqueued = not ok or bool(result.finish), time.perf_counter()
 
 
 class Scheduler:
@@ -107,7 +114,7 @@ class Scheduler:
     async def prefill(self, s: Session) -> float:
         """Puts prompt[:-1] into the session's cache; returns the seconds it took."""
         t0 = time.perf_counter()
-        if len(s.ids) > 1:
+        if _unfilled(s):
             await self._submit(s)
         return time.perf_counter() - t0
 
@@ -118,6 +125,21 @@ class Scheduler:
         if len(tokens) > left:
             tokens, q = tokens[:left], None if q is None else q[:left]
         return await self._submit(s, list(tokens), q)
+
+    async def steps(self, s: Session) -> AsyncIterator[Verdict]:
+        """Target-only: the prompt's prefill, then one-token steps until the session finishes.
+        The first step shares the pass of the prompt's last chunk (`_run`). The scheduler thread
+        runs each step as soon as the last one is committed, without waiting for the caller to
+        take its verdict (DESIGN.md §6). Stops when the caller closes the session."""
+        verdicts: asyncio.Queue = asyncio.Queue()
+        self._queue.put(_Job(s, None, asyncio.get_running_loop(), [], stream=verdicts))
+        while True:
+            ok, v = await verdicts.get()
+            if not ok:
+                raise v
+            yield v
+            if v.finish:
+                return
 
     async def _submit(self, s: Session, tokens=None, q=None):
         loop = asyncio.get_running_loop()
@@ -146,51 +168,64 @@ class Scheduler:
                     return
                 if job.session.closed:
                     job.resolve(False, RequestError(grpc.StatusCode.CANCELLED, "session closed"))
-                else:
-                    (prefills if job.tokens is None else rounds).append(job)
+                else:  # a stream whose prompt is not in the cache yet takes its prefill's place
+                    (prefills if job.tokens is None or _unfilled(job.session) else rounds).append(job)
                 job = None
             batch, used = [], 0
             while rounds and (not batch or used + len(rounds[0].tokens) + 1 <= MAX_BATCH_TOKENS):
                 used += len(rounds[0].tokens) + 1
                 batch.append(rounds.pop(0))
             self._run(batch, prefills[0] if prefills else None)
-            if prefills and prefills[0].finished:
-                prefills.popleft()
+            rounds += [j for j in batch if not j.finished]  # streams whose sessions go on
+            if prefills and (prefills[0].finished or not _unfilled(prefills[0].session)):
+                j = prefills.popleft()
+                if not j.finished:  # a stream with its prompt in: its steps go on as rounds
+                    rounds.append(j)
             metrics.CACHED_TOKENS.set(self.cached_tokens())
 
     def _run(self, batch: list[_Job], prefill: _Job | None) -> None:
-        """One pass over the rounds in `batch` and the next chunk of `prefill`; resolves every job
-        it finishes (a prefill once its last chunk is in)."""
+        """One pass over the rounds in `batch` and the next chunk of `prefill`'s prompt; resolves
+        every job it finishes (a prefill once its last chunk is in). A stream in `prefill`'s place
+        (target-only) takes its first step in the pass of its prompt's last chunk, as a second
+        input of the same session, so its first token costs no pass of its own."""
         t0 = time.perf_counter()
         jobs = [j for j in batch if not self._dropped(j)]
         if prefill is not None and self._dropped(prefill):
             prefill = None
-        inputs = [[j.session.ids[-1], *j.tokens] for j in jobs]
+        chunk: list[int] = []
+        merged = False  # the prefill is a stream whose first step joins this pass
         if prefill is not None:
             s = prefill.session
             have, goal = s.cache.length, len(s.ids) - 1
-            inputs.append(s.ids[have : min(goal, have - have % PREFILL_CHUNK + PREFILL_CHUNK)])  # boundaries fixed by position
-        everyone = jobs + ([prefill] if prefill is not None else [])
+            chunk = s.ids[have : min(goal, have - have % PREFILL_CHUNK + PREFILL_CHUNK)]  # boundaries fixed by position
+            merged = prefill.stream is not None and have + len(chunk) == goal
+        jobs += [prefill] if merged else []
+        everyone = jobs + ([prefill] if prefill is not None and not merged else [])
         if not everyone:
             return
+        inputs = ([chunk] if chunk else []) + [[j.session.ids[-1], *j.tokens] for j in jobs]  # the chunk first: it precedes its session's step
+        caches = ([prefill.session.cache] if chunk else []) + [j.session.cache for j in jobs]
         proposals = torch.tensor([t for j in jobs for t in j.tokens], dtype=torch.long).to(self.lm.device, non_blocking=True)  # all sessions'
         try:
-            logits = forward_packed(self.lm.model, inputs, [j.session.cache for j in everyone], [True] * len(jobs) + [False] * (prefill is not None))
+            logits = forward_packed(self.lm.model, inputs, caches, ([False] if chunk else []) + [True] * len(jobs))
         except Exception as e:  # noqa: BLE001 - nothing was committed: retry alone to find whose it is
             if len(everyone) == 1:
                 everyone[0].resolve(False, e)
                 return
             log.warning("batched pass failed (%s: %s); retrying its %d sessions one by one", type(e).__name__, e, len(everyone))
             for j in jobs:
-                self._run([j], None)
+                if j is not prefill:  # a merged stream is retried with its chunk, below
+                    self._run([j], None)
             if prefill is not None:
                 self._run([], prefill)
             return
+        if chunk and not _unfilled(prefill.session):
+            prefill.session.prefill_s = time.perf_counter() - prefill.enqueued
         if jobs:
             metrics.BATCH_SIZE.observe(len(jobs))
             metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
-            self._verdicts(jobs, logits[: len(jobs)], proposals, t0)
-        if prefill is not None and prefill.session.cache.length >= len(prefill.session.ids) - 1:
+            self._verdicts(jobs, logits[bool(chunk) :], proposals, t0)
+        if prefill is not None and prefill.stream is None and not _unfilled(prefill.session):
             prefill.resolve(True, None)
 
     def _verdicts(self, jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor, t0: float) -> None:
@@ -242,6 +277,11 @@ class Scheduler:
 
 
 _STOP = object()
+
+
+def _unfilled(s: Session) -> bool:
+    """Whether some of the session's prompt is not in its cache yet (it holds ids[:-1] once filled)."""
+    return s.cache.length < len(s.ids) - 1
 
 
 def _resolve(fut: asyncio.Future, ok: bool, result) -> None:

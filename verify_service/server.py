@@ -94,21 +94,20 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
             s = self.engine.open(g.prompt_ids, g.max_new_tokens, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY, g.request_id)
             stats = pb.Stats(prompt_tokens=len(g.prompt_ids))
-            stats.prefill_s = await self.engine.prefill(s)
             out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
-            while True:
-                t1 = time.perf_counter()
-                v = await self.engine.step(s, [], None)  # no proposals: the next token only
+            t1 = time.perf_counter()
+            async for v in self.engine.steps(s):  # the prefill, then no proposals: the next token only
                 stats.verify_s += time.perf_counter() - t1
                 stats.verify_forward_s += v.forward_s
                 stats.rounds += 1
                 chunk, finish = out.push([v.next_token] if v.next_token is not None else [], v.finish)
-                if not finish:
-                    if chunk:
-                        yield chunk
-                    continue
-                yield out.last(chunk, stats, g.seed, t0)
-                return
+                if finish:
+                    stats.prefill_s = s.prefill_s
+                    yield out.last(chunk, stats, g.seed, t0)
+                    return
+                if chunk:
+                    yield chunk
+                t1 = time.perf_counter()
         except Exception as e:  # noqa: BLE001
             await serving.fail(context, SERVICE, "Generate", e)
         finally:

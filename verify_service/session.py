@@ -32,6 +32,7 @@ class Session:
     cache: KVCache
     reserved: int  # cache tokens reserved at admission
     next_round: int = 1
+    prefill_s: float = 0.0  # from the prefill's queueing to the pass that put the prompt's last chunk in
     finish: int = pb.FINISH_REASON_UNSPECIFIED
     closed: bool = False
 
