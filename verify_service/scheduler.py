@@ -52,12 +52,15 @@ class _Job:
     stream: asyncio.Queue | None = None  # target-only steps: gets every (ok, Verdict or error); the thread runs the next step at once
 
     def resolve(self, ok: bool, result) -> None:
-        if self.stream is None:
+        self.finished = self.stream is None or not ok or bool(result.finish)
+        self.enqueued = time.perf_counter()  # a stream's next step is queued from now
+        try:
+            if self.stream is None:
+                self.loop.call_soon_threadsafe(_resolve, self.future, ok, result)
+            else:
+                self.loop.call_soon_threadsafe(self.stream.put_nowait, (ok, result))
+        except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
             self.finished = True
-            self.loop.call_soon_threadsafe(_resolve, self.future, ok, result)
-            return
-        self.loop.call_soon_threadsafe(self.stream.put_nowait, (ok, result))
-        self.finished, self.enqueued = not ok or bool(result.finish), time.perf_counter()
 
 
 class Scheduler:
@@ -100,7 +103,7 @@ class Scheduler:
                 return
             s.closed = True
             del self.sessions[s.sid]
-        s.cache.release()  # a pass in flight holds its own references until it returns
+        self._queue.put(s.cache)  # the scheduler thread frees the buffers between passes, never under one in flight
         self.capacity.release(s.reserved)
         metrics.CACHED_TOKENS.set(self.cached_tokens())
 
@@ -166,7 +169,9 @@ class Scheduler:
                         break
                 if job is _STOP:
                     return
-                if job.session.closed:
+                if isinstance(job, KVCache):  # a closed session's cache (`close`)
+                    job.release()
+                elif job.session.closed:
                     job.resolve(False, RequestError(grpc.StatusCode.CANCELLED, "session closed"))
                 else:  # a stream whose prompt is not in the cache yet takes its prefill's place
                     (prefills if job.tokens is None or _unfilled(job.session) else rounds).append(job)
@@ -219,8 +224,9 @@ class Scheduler:
             if prefill is not None:
                 self._run([], prefill)
             return
-        if chunk and not _unfilled(prefill.session):
+        if chunk and not _unfilled(prefill.session):  # before the verdicts: a stream's handler reads it with its first
             prefill.session.prefill_s = time.perf_counter() - prefill.enqueued
+            prefill.enqueued = t0  # a merged first step waited for its prompt only, which prefill_s counts
         if jobs:
             metrics.BATCH_SIZE.observe(len(jobs))
             metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
