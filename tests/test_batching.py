@@ -379,3 +379,65 @@ def test_a_target_only_stream_takes_its_first_step_in_its_prompts_last_pass(pack
         eng.shutdown()
     assert a == b and n_prompt < len(a) <= n_prompt + 12  # EOS may end it early
     assert len(passes) == n_stepped - 1 == len(a) - n_prompt  # a pass per token, the prompt's included
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_long_target_only_stream_beside_rounds_gives_its_solo_tokens(model_dir, dtype, monkeypatch):
+    """A stream whose prompt takes three prefill chunks, the last longer than the calibrated block
+    (so in a product of its own, merged with its first step), shares passes with another session's
+    rounds: both get bitwise the tokens they get alone."""
+    import verify_service.scheduler as scheduler
+    from specdec.kvcache import PREFILL_CHUNK
+    from specdec.sampling import Sampling
+
+    passes = []  # per pass: the number of inputs and of distinct caches
+
+    def recorded(model, inputs, caches, logits=True):
+        passes.append((len(inputs), len({id(c) for c in caches})))
+        return forward_packed(model, inputs, caches, logits)
+
+    monkeypatch.setattr(scheduler, "forward_packed", recorded)
+    torch.set_num_threads(1)
+    lm = LM.load(model_dir("long-target"), "cpu", dtype)
+    r = random.Random(3)
+    long_prompt = [r.randrange(3, 16) for _ in range(2 * PREFILL_CHUNK + 104)]
+    assert len(long_prompt) - 1 - 2 * PREFILL_CHUNK > lm.model._specdec_rows[1]  # the last chunk has a product of its own
+    short_prompt = [r.randrange(3, 16) for _ in range(20)]
+    eng = scheduler.Scheduler(lm, max_sessions=4)
+
+    async def stream(after: asyncio.Event | None = None):
+        if after is not None:
+            await after.wait()
+        s = eng.open(long_prompt, 16, Sampling(temperature=0.0), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)
+        try:
+            return [v.next_token async for v in eng.steps(s)]
+        finally:
+            eng.close(s)
+
+    async def rounds(started: asyncio.Event | None = None):  # proposals of three tokens each (the verdicts decide)
+        s = eng.open(short_prompt, 40, Sampling(temperature=0.0), seed=2, mode=pb.PROPOSAL_MODE_GREEDY)
+        try:
+            await eng.prefill(s)
+            while not s.finish:
+                if started is not None:
+                    started.set()  # the stream's prompt goes in while this session runs rounds
+                await eng.step(s, [s.ids[-1]] * 3, None)
+            return s.ids[len(short_prompt):]
+        finally:
+            eng.close(s)
+
+    async def both():
+        started = asyncio.Event()
+        return await asyncio.gather(stream(started), rounds(started))
+
+    try:
+        solo = (asyncio.run(stream()), asyncio.run(rounds()))
+        assert len(solo[0]) == 16 and len(solo[1]) == 40
+        passes.clear()
+        for _ in range(3):  # bounded: until a round has shared the merged pass (timing: the round must be back in the queue)
+            assert tuple(asyncio.run(both())) == solo
+            if (3, 2) in passes:  # a round, the stream's last chunk and its first step in one pass
+                break
+    finally:
+        eng.shutdown()
+    assert (3, 2) in passes, passes
