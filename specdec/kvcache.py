@@ -47,6 +47,7 @@ attention independent of its batch-mates. See DESIGN.md §6.
 from __future__ import annotations
 
 import contextvars
+import time
 import logging
 from dataclasses import dataclass, field
 
@@ -62,6 +63,7 @@ ROW_PROBE = 64  # row counts the calibration tries; longer inputs are always cut
 # kernel that sums in another order differs from the others only where the bf16 rounding of the
 # sum flips (measured once on a real model: a greedy token), so it takes many outputs to see.
 ONE_ROW_PROBE = 1024
+ATTN_FLOAT32_GAIN = 1.5  # a half-precision model attends in float32 on the CPU where that is this much faster
 
 
 def row_counts(model, device: torch.device) -> tuple[int, int | None]:
@@ -174,6 +176,7 @@ class _Pass:
     starts: list[int]  # tokens each cache held before the pass
     rows: int  # T, with padding
     lead: list[int]  # row counts of the prefill chunks that come first, each in a product of its own (_blocked)
+    kv_dtype: torch.dtype  # the dtype the caches are kept and attended in (attention_dtype)
     _masks: dict = field(default_factory=dict)
 
     def mask(self, i: int, lo: int, window: int | None, device) -> torch.Tensor | None:
@@ -208,9 +211,9 @@ class _PassCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # [1, H_kv, T, D]
         p = self.p
         for c, off, n, L in zip(p.caches, p.offsets, p.counts, p.starts):
-            if len(c.k) == layer_idx:  # first write: allocate the whole reservation, in the model's dtype
-                c.k.append(key_states.new_empty((key_states.shape[1], c.capacity, key_states.shape[3])))
-                c.v.append(value_states.new_empty((value_states.shape[1], c.capacity, value_states.shape[3])))
+            if len(c.k) == layer_idx:  # first write: allocate the whole reservation
+                c.k.append(key_states.new_empty((key_states.shape[1], c.capacity, key_states.shape[3]), dtype=p.kv_dtype))
+                c.v.append(value_states.new_empty((value_states.shape[1], c.capacity, value_states.shape[3]), dtype=p.kv_dtype))
             c.k[layer_idx][:, L : L + n] = key_states[0, :, off : off + n]
             c.v[layer_idx][:, L : L + n] = value_states[0, :, off : off + n]
         return key_states, value_states
@@ -242,7 +245,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         if cpu or mask is not None:
             # the CPU: one memory layout whatever the pass; a GPU: an H100 run with strided masked
             # queries gave half the batch throughput (not isolated)
-            q = q.contiguous()  # [1, H, n, D]
+            q = q.to(k.dtype).contiguous()  # [1, H, n, D], in the cache's dtype (attention_dtype)
         if softcap:
             return _eager(q, k, v, mask, scaling if scaling is not None else D**-0.5, softcap)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != H)
@@ -255,9 +258,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
             outs.append(attend(c, off, n, L, lambda lo, i=i: p.mask(i, lo, sliding_window, query.device)))
     real = sum(p.counts)
     if p.rows > real:  # padding rows (the CPU's calibrated minimum): zeros, never read
-        outs.append(query.new_zeros(1, H, p.rows - real, value.shape[3]))
+        outs.append(outs[0].new_zeros(1, H, p.rows - real, value.shape[3]))
     o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H, T, D]
-    return o.transpose(1, 2), None
+    return o.transpose(1, 2).to(query.dtype), None
 
 
 def _eager(q, k, v, mask, scaling: float, softcap: float) -> torch.Tensor:
@@ -276,12 +279,56 @@ def _eager(q, k, v, mask, scaling: float, softcap: float) -> torch.Tensor:
 AttentionInterface.register(ATTN, packed_attention)  # no mask function: masks are built per session
 
 
+def attention_dtype(model) -> torch.dtype:
+    """The dtype the model's KV caches are kept and attended in: its own, except a half-precision
+    model on a CPU whose one-query attention kernel is much faster in float32 (`_faster_attention`)."""
+    return getattr(model, "_specdec_kv_dtype", None) or model.dtype
+
+
+def _faster_attention(model, keys: int = 256, calls: int = 20) -> torch.dtype:
+    """For a half-precision model on the CPU: float32 if one query over `keys` keys, at the model's
+    head shape, attends at least ATTN_FLOAT32_GAIN times faster in float32 (the query cast there and
+    the output cast back included) than in the model's dtype; else the model's dtype. CPU bf16
+    attention kernels differ widely: 14 us against 20 us in float32 on one x86 machine, 135 against
+    22 us on another (200 keys, 8 heads of 64, one thread)."""
+    cfg, dt = model.config.get_text_config(), model.dtype
+    try:
+        H = cfg.num_attention_heads
+        D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+        H_kv = getattr(cfg, "num_key_value_heads", None) or H
+    except AttributeError:
+        return dt
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, D, generator=g) for h, n in ((H, 1), (H_kv, keys), (H_kv, keys)))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    own = best(lambda: sdpa(q.to(dt), k.to(dt), v.to(dt), enable_gqa=H_kv != H))
+    qh = q.to(dt)
+    wide = best(lambda: sdpa(qh.float(), k, v, enable_gqa=H_kv != H).to(dt))
+    return torch.float32 if own > ATTN_FLOAT32_GAIN * wide else dt
+
+
 def use_packed_attention(model) -> None:
     """Switches the model to the packed attention; on the CPU, calibrates its row counts once and
-    makes its matmul modules cut long inputs into blocks of them (see the module docstring)."""
+    makes its matmul modules cut long inputs into blocks of them (see the module docstring), and
+    picks the dtype a half-precision model attends in (`_faster_attention`)."""
     model.set_attn_implementation(ATTN)
     if model.device.type != "cpu" or hasattr(model, "_specdec_rows"):
         return
+    if model.dtype in (torch.bfloat16, torch.float16):
+        with torch.inference_mode():
+            model._specdec_kv_dtype = _faster_attention(model)
+        log.info("%s in %s: KV cache and attention in %s on this CPU", type(model).__name__, model.dtype, model._specdec_kv_dtype)
     rows = calibrate_rows(model)
     model._specdec_rows = rows
     if rows is None:
@@ -324,7 +371,7 @@ def forward_packed(model, inputs: list[list[int]], caches: list[KVCache], logits
     pos = [L + j for L, n in zip(starts, counts) for j in range(n)] + [0] * (T - real)
     ids, position_ids = torch.tensor([flat, pos], dtype=torch.long, device=device).split(1)  # [1, T] each, one copy to the device
     keep = [r for i, n in enumerate(counts) if want[i] for r in range(offsets[i], offsets[i] + n)]  # rows that need logits
-    p = _Pass(caches, offsets, counts, starts, T, lead)
+    p = _Pass(caches, offsets, counts, starts, T, lead, attention_dtype(model))
     token = _current.set(p)
     try:
         cache = _PassCache(p)

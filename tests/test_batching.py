@@ -185,11 +185,14 @@ def test_idle_session_times_out_and_frees_its_cache(model_dir):
 
 
 def test_cache_budget_is_sized_from_the_model_and_memory(packed):
+    from specdec.kvcache import attention_dtype
     from verify_service.capacity import default_cache_budget, kv_bytes_per_token
 
     kv = KVCache(5)
     forward_packed(packed.model, [[3, 4, 5, 6, 7]], [kv], logits=False)
-    assert kv.k[0].dtype == packed.dtype and kv_bytes_per_token(packed.model.config, packed.dtype) == kv.nbytes() / 5  # the real dtype's size
+    dt = attention_dtype(packed.model)  # the model's, or float32 for a half-precision model where this CPU attends faster so
+    assert dt in (packed.dtype, torch.float32)
+    assert kv.k[0].dtype == dt and kv_bytes_per_token(packed.model.config, dt) == kv.nbytes() / 5  # the real dtype's size
     budget = default_cache_budget(packed, max_sessions=8)
     assert packed.max_context <= budget <= 8 * packed.max_context
 
@@ -441,3 +444,24 @@ def test_a_long_target_only_stream_beside_rounds_gives_its_solo_tokens(model_dir
     finally:
         eng.shutdown()
     assert (3, 2) in passes, passes
+
+
+@pytest.mark.parametrize("gain,expect", [(0.0, torch.float32), (1e9, torch.bfloat16)], ids=["float32-attention", "bf16-attention"])
+def test_a_half_precision_model_attends_in_the_dtype_chosen_at_load(wide_dir, gain, expect, monkeypatch):
+    """On the CPU a bf16 model keeps its cache and attends in float32 where that is ATTN_FLOAT32_GAIN
+    times faster (measured at load), else in bf16 (the gain forces either here). Either way a
+    position's logits are bitwise the same in a one-token step and inside a round."""
+    import specdec.kvcache as kvcache
+
+    monkeypatch.setattr(kvcache, "ATTN_FLOAT32_GAIN", gain)
+    torch.set_num_threads(1)
+    lm = LM.load(wide_dir, "cpu", "bfloat16")
+    assert kvcache.attention_dtype(lm.model) == expect
+    ids = torch.randint(3, 512, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    a, b = KVCache(80), KVCache(80)
+    forward_packed(lm.model, [ids[:30]], [a], logits=False)
+    forward_packed(lm.model, [ids[:30]], [b], logits=False)
+    assert a.k[0].dtype == expect
+    steps = torch.cat([forward_packed(lm.model, [[t]], [a])[0] for t in ids[30:60]])
+    rounds = torch.cat([forward_packed(lm.model, [ids[i:i + 5]], [b])[0] for i in range(30, 60, 5)])
+    assert torch.equal(steps, rounds), float((steps - rounds).abs().max())

@@ -3,7 +3,7 @@
 
 Every session reserves room for its whole run at admission, min(prompt + max_new_tokens,
 context), and its cache buffers are that size (specdec/kvcache.py), so the token budget is
-the memory budget: tokens x kv_bytes_per_token in the model's dtype (the cache's).
+the memory budget: tokens x kv_bytes_per_token in the cache's dtype (specdec.kvcache.attention_dtype).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from specdec import metrics
 from specdec.errors import RequestError
+from specdec.kvcache import attention_dtype
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
@@ -42,7 +43,7 @@ def default_cache_budget(lm, max_sessions: int, memory_fraction: float | None = 
     if mem is None:
         return full
     share = memory_fraction if memory_fraction is not None else (0.9 if lm.device.type == "cuda" else 0.5)
-    return max(lm.max_context, min(full, int(mem * share / kv_bytes_per_token(lm.model.config, lm.dtype))))
+    return max(lm.max_context, min(full, int(mem * share / kv_bytes_per_token(lm.model.config, attention_dtype(lm.model)))))
 
 
 class Capacity:
