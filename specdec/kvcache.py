@@ -22,8 +22,8 @@ output is the same service's target-only output, bitwise, in float32 and in bflo
     one-token step at that position makes;
   * every other op works row by row, but a CPU GEMM gives a row the same numbers only among
     row counts that take the same kernel: which counts those are depends on the CPU, the dtype
-    and the weight's shape (on this project's machine, the shipped target in float32: 1 row,
-    2-15 rows and 16 or more rows are three classes). So at load (`use_packed_attention`) the
+    and the weight's shape (the shipped target in float32: 1 row, 2-15 rows and 16 or more rows
+    are three classes on one x86 machine; on an AMD EPYC, 4-64 rows agree and fewer do not). So at load (`use_packed_attention`) the
     model's matmul modules are probed: `calibrate_rows` finds row counts lo..hi that all give
     every row the same numbers, wherever it sits. A pass is padded to lo rows, and each matmul
     module cuts a longer input into blocks of lo..hi rows (`_blocked`). lo is 1 only if a
@@ -47,8 +47,8 @@ attention independent of its batch-mates. See DESIGN.md §6.
 from __future__ import annotations
 
 import contextvars
-import time
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -312,8 +312,8 @@ def _faster_attention(model, keys: int = 256, calls: int = 20) -> torch.dtype:
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    own = best(lambda: sdpa(q.to(dt), k.to(dt), v.to(dt), enable_gqa=H_kv != H))
-    qh = q.to(dt)
+    qh, kh, vh = q.to(dt), k.to(dt), v.to(dt)  # a cache in the model's dtype, or (k, v) one in float32
+    own = best(lambda: sdpa(qh, kh, vh, enable_gqa=H_kv != H))
     wide = best(lambda: sdpa(qh.float(), k, v, enable_gqa=H_kv != H).to(dt))
     return torch.float32 if own > ATTN_FLOAT32_GAIN * wide else dt
 
