@@ -254,7 +254,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     for i, (c, off, n, L) in enumerate(zip(p.caches, p.offsets, p.counts, p.starts)):
         if cpu and 1 < n <= ROW_BY_ROW and i >= len(p.lead):  # a round on the CPU: each query alone, exactly as a single step at its position computes it
             outs += [attend(c, off + j, 1, L + j, lambda lo: None) for j in range(n)]
-        else:  # one query, a prefill chunk, or a GPU: one masked call per session
+        else:  # one query, a long or lead prefill chunk, or a GPU: one masked call per session
             outs.append(attend(c, off, n, L, lambda lo, i=i: p.mask(i, lo, sliding_window, query.device)))
     real = sum(p.counts)
     if p.rows > real:  # padding rows (the CPU's calibrated minimum): zeros, never read
