@@ -137,7 +137,7 @@ def test_a_full_verify_service_is_resource_exhausted_through_the_draft(model_dir
             it = holder.stream(**LONG)
             next(it)  # the one session the verify service admits
             codes = []
-            for _ in range(20):
+            while codes.count("RESOURCE_EXHAUSTED") < 10 and len(codes) < 60:  # bounded; some refusals lose the race below
                 try:
                     c.generate(prompt_ids=[3, 4], max_new_tokens=4)
                     codes.append("OK")
@@ -147,7 +147,9 @@ def test_a_full_verify_service_is_resource_exhausted_through_the_draft(model_dir
                         assert "limit of 1 sessions" in e.details()
                         assert ("retry-after-ms", "1000") in tuple(e.trailing_metadata())
             it.close()
-        assert set(codes) <= {"RESOURCE_EXHAUSTED", "UNAVAILABLE"} and codes.count("RESOURCE_EXHAUSTED") >= 15, codes
+        # UNAVAILABLE: the refusal raced the draft's next write and grpc lost its status (grpc/grpc#36066,
+        # specdec.serving.upstream_error); it comes more often on a loaded machine. Never OK, never INTERNAL.
+        assert set(codes) <= {"RESOURCE_EXHAUSTED", "UNAVAILABLE"} and codes.count("RESOURCE_EXHAUSTED") >= 10, codes
         with Client(d.address, timeout=60, retries=3) as c:  # room again once the holder is gone
 
             def room() -> bool:  # the holder's cancellation reaches the verify service after a hop or two
