@@ -96,7 +96,7 @@ THROUGH_SERVICES = ("target-only", "speculative", "draft model only")
 def measure(target: str, draft: str, dtype: str, n: int, texts: list[str], ids: list[list[int]], repeats: int,
             kinds=IN_PROCESS + THROUGH_SERVICES, env_extra: dict | None = None) -> dict:
     """Every kind on every prompt, `repeats` times, with the models loaded and the services started
-    once: per prompt the kinds run back to back, in an order reversed on every other repeat, so
+    once: per prompt the kinds run back to back, in an order reversed from prompt to prompt and from repeat to repeat, so
     drift in the machine's speed hits all kinds alike. After one untimed short run of each kind.
     Returns per kind the (tokens, seconds) and the token ids of each run, and the per-round
     splits of the default speculative runs."""

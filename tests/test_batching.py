@@ -276,13 +276,20 @@ def test_one_token_steps_and_rounds_give_bitwise_equal_logits(wide_dir, dtype):
     tokens, so greedy speculative output is the service's own target-only output bitwise."""
     torch.set_num_threads(1)
     lm = LM.load(wide_dir, "cpu", dtype)
-    ids = torch.randint(3, 512, (80,), generator=torch.Generator().manual_seed(0)).tolist()
-    a, b = KVCache(100), KVCache(100)
-    forward_packed(lm.model, [ids[:40]], [a], logits=False)
-    forward_packed(lm.model, [ids[:40]], [b], logits=False)
-    steps = torch.cat([forward_packed(lm.model, [[t]], [a])[0] for t in ids[40:80]])
-    rounds = torch.cat([forward_packed(lm.model, [ids[i:i + 5]], [b])[0] for i in range(40, 80, 5)])
+    steps, rounds, _ = steps_and_rounds(lm.model, torch.randint(3, 512, (80,), generator=torch.Generator().manual_seed(0)).tolist())
     assert torch.equal(steps, rounds), float((steps - rounds).abs().max())
+
+
+def steps_and_rounds(model, ids: list[int]):
+    """The logits of ids' second half after its first half in the cache: one token a pass, and
+    five tokens a pass (rounds of tau = 4); and the stepped cache."""
+    half = len(ids) // 2
+    a, b = KVCache(len(ids)), KVCache(len(ids))
+    forward_packed(model, [ids[:half]], [a], logits=False)
+    forward_packed(model, [ids[:half]], [b], logits=False)
+    steps = torch.cat([forward_packed(model, [[t]], [a])[0] for t in ids[half:]])
+    rounds = torch.cat([forward_packed(model, [ids[i:i + 5]], [b])[0] for i in range(half, len(ids), 5)])
+    return steps, rounds, a
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -457,11 +464,6 @@ def test_a_half_precision_model_attends_in_the_dtype_chosen_at_load(wide_dir, ga
     torch.set_num_threads(1)
     lm = LM.load(wide_dir, "cpu", "bfloat16")
     assert kvcache.attention_dtype(lm.model) == expect
-    ids = torch.randint(3, 512, (60,), generator=torch.Generator().manual_seed(1)).tolist()
-    a, b = KVCache(80), KVCache(80)
-    forward_packed(lm.model, [ids[:30]], [a], logits=False)
-    forward_packed(lm.model, [ids[:30]], [b], logits=False)
-    assert a.k[0].dtype == expect
-    steps = torch.cat([forward_packed(lm.model, [[t]], [a])[0] for t in ids[30:60]])
-    rounds = torch.cat([forward_packed(lm.model, [ids[i:i + 5]], [b])[0] for i in range(30, 60, 5)])
+    steps, rounds, cache = steps_and_rounds(lm.model, torch.randint(3, 512, (60,), generator=torch.Generator().manual_seed(1)).tolist())
+    assert cache.k[0].dtype == expect
     assert torch.equal(steps, rounds), float((steps - rounds).abs().max())
