@@ -1,7 +1,6 @@
 """Batched verification: correctness, isolation between sessions, capacity and idle limits."""
 import asyncio
 import random
-import time
 
 import grpc
 import pytest
@@ -9,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import AsyncClient, Client
-from conftest import Service, metric
+from conftest import Service, metric, wait_for
 from specdec.lm import LM
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -154,9 +153,7 @@ def test_capacity_limits_answer_resource_exhausted_and_recover(model_dir):
                 assert rc.round == 1
                 c.cancel()
         asyncio.run(run())
-        deadline = time.monotonic() + 5
-        while metric(v.metrics(), "specdec_live_sessions", service="verify") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: metric(v.metrics(), "specdec_live_sessions", service="verify") == 0, 5)
         text = v.metrics()
         assert metric(text, "specdec_capacity_rejections_total", reason="sessions") == 1
         assert metric(text, "specdec_capacity_rejections_total", reason="cached_tokens") == 1
@@ -178,7 +175,8 @@ def test_idle_session_times_out_and_frees_its_cache(model_dir):
                     await call.read()  # we send nothing more
                 assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "idle" in e.value.details()
         asyncio.run(run())
-        assert metric(v.metrics(), "specdec_live_sessions", service="verify") == 0
+        # the status reaches the client before the handler's cleanup has run: give it a moment
+        assert wait_for(lambda: metric(v.metrics(), "specdec_live_sessions", service="verify") == 0, 5)
         assert metric(v.metrics(), "specdec_cached_tokens") == 0
     finally:
         v.stop()
