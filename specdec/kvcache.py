@@ -47,6 +47,8 @@ attention independent of its batch-mates. See DESIGN.md §6.
 from __future__ import annotations
 
 import contextvars
+import functools
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -147,6 +149,23 @@ def _blocked(forward, hi: int):
 ATTN = "specdec_packed"
 
 
+@functools.cache
+def _cache_kwarg(cls) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """{name: cache}, under the name `model`'s forward takes a KV cache by: `cache` from
+    transformers 5.24 on (which deprecates `past_key_values`, to be removed in 5.40, and pays a
+    warning per call for it), `past_key_values` before."""
+    return {_cache_kwarg(type(model)): cache}
+
+
+def returned_cache(out):
+    """The KV cache a forward returned: `cache` from transformers 5.24 on, `past_key_values` before."""
+    return out["cache"] if "cache" in out else out.past_key_values
+
+
 class KVCache:
     """One session's cache: per layer K and V [H_kv, capacity, D], written in place."""
 
@@ -201,7 +220,7 @@ _current: contextvars.ContextVar[_Pass] = contextvars.ContextVar("specdec_pass")
 
 
 class _PassCache(Cache):
-    """What the model sees as `past_key_values` during a pass: `update` writes each session's
+    """What the model sees as its KV cache (`cache_kwargs`) during a pass: `update` writes each session's
     new keys and values into its own buffers; attention reads them there (packed_attention)."""
 
     def __init__(self, p: _Pass):
@@ -378,9 +397,9 @@ def forward_packed(model, inputs: list[list[int]], caches: list[KVCache], logits
         if keep:
             # >= pad_to rows for the head too; every row (0): no index to copy to the device
             rows = 0 if len(keep) == T else torch.tensor(keep + [keep[-1]] * (pad_to - len(keep)), device=device)
-            out = model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=rows).logits[0]
+            out = model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=rows, **cache_kwargs(model, cache)).logits[0]
         else:
-            model.base_model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
+            model.base_model(input_ids=ids, position_ids=position_ids, use_cache=True, **cache_kwargs(model.base_model, cache))
     finally:
         _current.reset(token)
     for c, n in zip(caches, counts):

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.costmodel import best_gamma, round_cost, speedup
+from specdec.kvcache import cache_kwargs, returned_cache
 from train import corpus
 from train.data import tokenize_documents
 from train.latency import compare_latency
@@ -71,14 +72,14 @@ def prompts_from(tokens: torch.Tensor, n: int, length: int) -> torch.Tensor:
 @torch.no_grad()
 def greedy_continue(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
     out = model(input_ids=ids, use_cache=True)
-    past, new = out.past_key_values, []
+    past, new = returned_cache(out), []
     tok = out.logits[:, -1].argmax(-1, keepdim=True)
     for i in range(steps):
         new.append(tok)
         if i + 1 == steps:
             break
-        out = model(input_ids=tok, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=tok, use_cache=True, **cache_kwargs(model, past))
+        past = returned_cache(out)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
     return torch.cat(new, dim=1)
 
@@ -149,7 +150,7 @@ def sampled_acceptance(target, draft, prompts: torch.Tensor, gamma: int, batch: 
     for i in range(0, len(prompts), batch):
         p = prompts[i:i + batch]
         out = draft(input_ids=p, use_cache=True)
-        past, qs, xs = out.past_key_values, [], []
+        past, qs, xs = returned_cache(out), [], []
         logits = out.logits[:, -1].float()
         for k in range(gamma):
             q = F.softmax(logits, dim=-1)
@@ -157,8 +158,8 @@ def sampled_acceptance(target, draft, prompts: torch.Tensor, gamma: int, batch: 
             qs.append(q)
             xs.append(x)
             if k + 1 < gamma:
-                out = draft(input_ids=x, past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                out = draft(input_ids=x, use_cache=True, **cache_kwargs(draft, past))
+                past = returned_cache(out)
                 logits = out.logits[:, -1].float()
         xs_t = torch.cat(xs, dim=1)
         L = p.size(1)

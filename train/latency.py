@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from specdec.kvcache import cache_kwargs, returned_cache
+
 
 @torch.no_grad()
 def decode_step_seconds(model, steps: int = 64, prompt_len: int = 32, repeats: int = 3,
@@ -24,13 +26,13 @@ def decode_step_seconds(model, steps: int = 64, prompt_len: int = 32, repeats: i
     results = []
     for r in range(repeats + 1):
         out = model(input_ids=prompt, use_cache=True)
-        past = out.past_key_values
+        past = returned_cache(out)
         tok = out.logits[:, -1:].argmax(-1)
         n = warmup if r == 0 else steps
         t0 = time.perf_counter()
         for _ in range(n):
-            out = model(input_ids=tok, past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = model(input_ids=tok, use_cache=True, **cache_kwargs(model, past))
+            past = returned_cache(out)
             tok = out.logits[:, -1:].argmax(-1)
         dt = (time.perf_counter() - t0) / n
         if r > 0:
