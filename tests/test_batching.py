@@ -1,6 +1,7 @@
 """Batched verification: correctness, isolation between sessions, capacity and idle limits."""
 import asyncio
 import random
+import warnings
 
 import grpc
 import pytest
@@ -69,6 +70,16 @@ def test_caches_are_written_in_place_and_sessions_never_copy_each_other(packed):
     with pytest.raises(ValueError, match="cache overflow"):
         forward_packed(model, [[1] * 30], [a])
     assert a.length == 7  # a failed pass commits nothing
+
+
+def test_a_pass_hands_transformers_its_cache_under_the_current_name(packed):
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns on
+    every call and goes in 5.40): a pass, with logits or keys and values only, uses whichever name
+    the installed version's forward takes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        forward_packed(packed.model, [[3, 4, 5]], [KVCache(3)])  # the CausalLM's forward
+        forward_packed(packed.model, [[3, 4, 5]], [KVCache(3)], logits=False)  # the base model's
 
 
 REQS = [dict(prompt_ids=[3 + i % 5, 4, 5 + i % 3], max_new_tokens=20 + 3 * i, temperature=[0.0, 1.0, 0.7][i % 3], top_k=[0, 0, 6][i % 3],
