@@ -29,7 +29,12 @@ output is the same service's target-only output, bitwise, in float32 and in bflo
     module cuts a longer input into blocks of lo..hi rows (`_blocked`). lo is 1 only if a
     thousand one-row products also match two-row ones (a one-row bf16 kernel that sums in another
     order differs only where the bf16 rounding flips: it once flipped a greedy token);
-  * a prefill chunk of more than hi tokens (keys and values only, no logits) is the exception:
+  * where lo > 1, per-row products (`_per_row`: a batched matmul, one row per batch entry) may
+    replace the GEMMs: a row then gets the same numbers at any row count, so nothing is padded.
+    They are kept where a one-token step's matmuls get much faster and a round's not much slower
+    (`_per_row_pays`; the shipped target in float32 on the AMD machine: a step 21 -> 13 ms);
+  * a prefill chunk of more than hi tokens (PER_ROW_LEAD with per-row products; keys and values
+    only, no logits) is the exception:
     it goes first in its pass, through every matmul in one product of its own and through
     attention in one masked call. Its numbers then depend only on the chunk, whose bounds depend
     only on the prompt, and its weights are read once rather than once per block (blocks made a
@@ -46,6 +51,7 @@ attention independent of its batch-mates. See DESIGN.md §6.
 """
 from __future__ import annotations
 
+import collections
 import contextvars
 import functools
 import inspect
@@ -66,16 +72,23 @@ ROW_PROBE = 64  # row counts the calibration tries; longer inputs are always cut
 # sum flips (measured once on a real model: a greedy token), so it takes many outputs to see.
 ONE_ROW_PROBE = 1024
 ATTN_FLOAT32_GAIN = 1.5  # a half-precision model attends in float32 on the CPU where that is this much faster
+PER_ROW_GAIN = 1.5  # per-row products replace padded GEMMs where they make a one-token step's matmuls this much faster
+PER_ROW_ROUND_COST = 1.5  # ... as long as a round's matmuls cost at most this much more (hot-cache timing overstates it)
+ROUND_ROWS = 5  # a round of tau = 4, for that comparison
+PER_ROW_LEAD = 8  # with per-row products, a prefill chunk of more tokens has a GEMM of its own (see use_packed_attention)
 
 
 def row_counts(model, device: torch.device) -> tuple[int, int | None]:
     """(pad_to, top) for a pass of `model` on `device` (looked up once per pass): on the CPU the
-    calibrated lo and hi (`calibrate_rows`); else (1, None): on a GPU padding would not buy
-    invariance (DESIGN.md §9)."""
+    calibrated lo, and the length above which a prefill chunk has a product of its own (the
+    calibrated hi; PER_ROW_LEAD with per-row products); else (1, None): on a GPU padding would not
+    buy invariance (DESIGN.md §9)."""
     if device.type != "cpu":
         return 1, None
     rows = getattr(model, "_specdec_rows", None)
-    return rows if rows else (4, None)  # uncalibrated: the old fixed rule
+    if not rows:
+        return 4, None  # uncalibrated: the old fixed rule
+    return rows[0], getattr(model, "_specdec_lead", rows[1])
 
 
 def _row_modules(model) -> list[torch.nn.Module]:
@@ -106,46 +119,116 @@ def _one_row_agrees(fwd, x: torch.Tensor) -> bool:
     return all(torch.equal(fwd(x[None, i : i + 1]), fwd(x[None, i : i + 2])[:, :1]) for i in range(ONE_ROW_PROBE))
 
 
-@torch.inference_mode()
-def calibrate_rows(model, seeds: int = 2) -> tuple[int, int] | None:
-    """(lo, hi): row counts for which every matmul module of the model gives each row the same
-    numbers, whatever the count in lo..hi and wherever the row sits; the smallest lo up to 8 with
-    hi >= 2 lo (so any longer input splits into blocks of lo..hi rows); lo = 1 only if one-row
-    products also pass `_one_row_agrees`. None if there is none."""
+def _kinds(model) -> dict:
+    """The model's matmul modules by kind (type, weight shape, bias): kind -> [modules]."""
     kinds: dict = {}
     for m in _row_modules(model):
-        kinds.setdefault((type(m), tuple(m.weight.shape), m.bias is not None), m)
+        kinds.setdefault((type(m), tuple(m.weight.shape), m.bias is not None), []).append(m)
+    return kinds
+
+
+def _width(m) -> int:
+    """The width of the rows m multiplies."""
+    return m.weight.shape[1] if isinstance(m, torch.nn.Linear) else m.weight.shape[0]
+
+
+@torch.inference_mode()
+def calibrate_rows(model, seeds: int = 2, forward_of=lambda m: m.forward) -> tuple[int, int] | None:
+    """(lo, hi): row counts for which every matmul module of the model, run as forward_of(module),
+    gives each row the same numbers, whatever the count in lo..hi and wherever the row sits; the
+    smallest lo up to 8 with hi >= 2 lo (so any longer input splits into blocks of lo..hi rows);
+    lo = 1 only if one-row products also pass `_one_row_agrees`. None if there is none."""
+    fwds = [(forward_of(ms[0]), _width(ms[0])) for ms in _kinds(model).values()]  # one module of each kind
     g = torch.Generator().manual_seed(0)
-    width = {k: m.weight.shape[1] if isinstance(m, torch.nn.Linear) else m.weight.shape[0] for k, m in kinds.items()}
-    probes = [(m.forward, [torch.randn(ROW_PROBE + 1, width[k], generator=g).to(model.dtype) for _ in range(seeds)])
-              for k, m in kinds.items()]
+    probes = [(fwd, [torch.randn(ROW_PROBE + 1, w, generator=g).to(model.dtype) for _ in range(seeds)]) for fwd, w in fwds]
     for lo in range(1, 9):
         hi = min(_class_top(fwd, x, lo) for fwd, xs in probes for x in xs)
-        if hi >= 2 * lo and (lo > 1 or all(_one_row_agrees(m.forward, torch.randn(ONE_ROW_PROBE + 1, width[k], generator=g).to(model.dtype))
-                                           for k, m in kinds.items())):
+        if hi >= 2 * lo and (lo > 1 or all(_one_row_agrees(fwd, torch.randn(ONE_ROW_PROBE + 1, w, generator=g).to(model.dtype))
+                                           for fwd, w in fwds)):
             return lo, hi
     return None
 
 
-def _blocked(forward, hi: int):
-    """forward (a row-wise module's) on inputs of more than hi rows: in a pass, each of its lead
-    rows (long prefill chunks) in one product, then the other rows in near-equal blocks of at most
-    hi rows each (at least hi / 2 >= lo)."""
+def _blocked(forward, hi: int, lead_forward=None):
+    """forward (a row-wise module's) on a pass's input: each of its lead rows (long prefill chunks)
+    in one product of lead_forward (default: forward), then the other rows in near-equal blocks of
+    at most hi rows each (at least hi / 2 >= lo)."""
+    lead_forward = lead_forward or forward
 
     def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows <= hi:
-            return forward(x)
         p = _current.get(None)
         lead = p.lead if p is not None and rows == p.rows else []
+        if rows <= hi and not lead:
+            return forward(x)
         rest = rows - sum(lead)
         n = -(-rest // hi)
         sizes = lead + [rest // n + (i < rest % n) for i in range(n)]
         flat = x.reshape(1, rows, x.shape[-1])
-        out = torch.cat([forward(b) for b in flat.split(sizes, dim=1)], dim=1)
+        out = torch.cat([(lead_forward if i < len(lead) else forward)(b) for i, b in enumerate(flat.split(sizes, dim=1))], dim=1)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     return run
+
+
+def _per_row(m, own_weight: bool = False):
+    """m's product (an nn.Linear's or a Conv1D's) with each row in a product of its own: a batched
+    matmul with one row per batch entry and the weight, laid out [in, out], broadcast to every
+    entry. A row then gets the same numbers at any row count, so nothing needs padding; the rows
+    after the first read the weight from cache. An nn.Linear's weight is transposed once: with
+    own_weight (not for a weight shared with another module, such as tied embeddings) the module
+    keeps only the transposed copy, as a view in its usual shape, so memory does not grow."""
+    w = m.weight.detach()
+    if isinstance(m, torch.nn.Linear):
+        w = w.t().contiguous()  # [in, out]
+        if own_weight:
+            m.weight = torch.nn.Parameter(w.t(), requires_grad=False)  # the same storage; F.linear reads it as x @ w
+    b = m.bias
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        r = x.reshape(-1, 1, x.shape[-1])
+        y = torch.bmm(r, w.expand(r.shape[0], *w.shape))
+        if b is not None:
+            y = y + b
+        return y.reshape(*x.shape[:-1], w.shape[1])
+
+    return run
+
+
+@torch.inference_mode()
+def _matmul_seconds(model, forward_of, rows: int, calls: int = 20) -> float:
+    """Seconds the model's matmuls take on inputs of `rows` rows, run as forward_of(module): one
+    module of each kind timed (best of 3), counted as often as the kind occurs."""
+    total = 0.0
+    for ms in _kinds(model).values():
+        fwd, x = forward_of(ms[0]), torch.randn(1, rows, _width(ms[0])).to(model.dtype)
+        fwd(x)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fwd(x)
+            best = min(best, time.perf_counter() - t0)
+        total += best / calls * len(ms)
+    return total
+
+
+def _per_row_pays(model, lo: int) -> bool:
+    """Whether per-row products make a one-token step's matmuls at least PER_ROW_GAIN times faster
+    than lo-row GEMMs, while a round of ROUND_ROWS tokens costs at most PER_ROW_ROUND_COST times
+    its GEMM (timed on this CPU with one module of each kind)."""
+    per_row = {}
+
+    def per(m):
+        return per_row.setdefault(m, _per_row(m))
+
+    step = _matmul_seconds(model, lambda m: m.forward, lo) / _matmul_seconds(model, per, 1)
+    rnd = _matmul_seconds(model, per, ROUND_ROWS) / _matmul_seconds(model, lambda m: m.forward, ROUND_ROWS)
+    log.info("%s in %s: per-row products make a step's matmuls %.2fx faster and cost a %d-row round's %.2fx",
+             type(model).__name__, model.dtype, step, ROUND_ROWS, rnd)
+    return step >= PER_ROW_GAIN and rnd <= PER_ROW_ROUND_COST
+
+
 ATTN = "specdec_packed"
 
 
@@ -337,10 +420,16 @@ def _faster_attention(model, keys: int = 256, calls: int = 20) -> torch.dtype:
     return torch.float32 if own > ATTN_FLOAT32_GAIN * wide else dt
 
 
-def use_packed_attention(model) -> None:
+def use_packed_attention(model, per_row: bool | None = None) -> None:
     """Switches the model to the packed attention; on the CPU, calibrates its row counts once and
     makes its matmul modules cut long inputs into blocks of them (see the module docstring), and
-    picks the dtype a half-precision model attends in (`_faster_attention`)."""
+    picks the dtype a half-precision model attends in (`_faster_attention`).
+
+    Where the calibration pads a one-token step to lo > 1 rows, per-row products (`_per_row`) are
+    tried instead: they need no padding, and are kept if they calibrate to lo = 1 and pay on this
+    CPU (`_per_row_pays`; per_row forces the choice either way, for tests). Prefill chunks of more
+    than PER_ROW_LEAD tokens then keep the GEMM, in a product of their own (their numbers depend on
+    the chunk alone either way)."""
     model.set_attn_implementation(ATTN)
     if model.device.type != "cpu" or hasattr(model, "_specdec_rows"):
         return
@@ -348,13 +437,27 @@ def use_packed_attention(model) -> None:
         with torch.inference_mode():
             model._specdec_kv_dtype = _faster_attention(model)
         log.info("%s in %s: KV cache and attention in %s on this CPU", type(model).__name__, model.dtype, model._specdec_kv_dtype)
-    rows = calibrate_rows(model)
+    mods = _row_modules(model)
+    rows = calibrate_rows(model) if per_row is not True else None
+    if per_row is not False and (per_row or rows is None or rows[0] > 1):
+        per = calibrate_rows(model, forward_of=_per_row)
+        if per is not None and per[0] == 1 and (per_row or rows is None or _per_row_pays(model, rows[0])):
+            shared = collections.Counter(id(p) for mod in model.modules() for p in mod.parameters(recurse=False))
+            gemm = {m: m.forward for m in mods}
+            for m in mods:
+                m.forward = _blocked(_per_row(m, own_weight=shared[id(m.weight)] == 1), per[1], gemm[m])
+            model._specdec_rows, model._specdec_lead = per, PER_ROW_LEAD
+            log.info("%s in %s: per-row matmul products (no padding rows), blocks of up to %d rows",
+                     type(model).__name__, model.dtype, per[1])
+            return
+        if per_row:
+            rows = calibrate_rows(model)
     model._specdec_rows = rows
     if rows is None:
         log.warning("%s in %s: no row counts give this CPU's matmuls the same numbers per row; a session's numbers may "
                     "change with its batch-mates (only near-ties can flip)", type(model).__name__, model.dtype)
         return
-    for m in _row_modules(model):
+    for m in mods:
         m.forward = _blocked(m.forward, rows[1])
     log.info("%s in %s: matmuls padded to %d rows, cut into blocks of %d-%d rows", type(model).__name__, model.dtype, rows[0], *rows)
 

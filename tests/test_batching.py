@@ -13,7 +13,7 @@ from conftest import Service, metric, wait_for
 from specdec.lm import LM
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from specdec.kvcache import KVCache, forward_packed
+from specdec.kvcache import PER_ROW_LEAD, KVCache, forward_packed, use_packed_attention
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -279,12 +279,24 @@ def wide_dir(tmp_path_factory):
                             max_context=256, seed=5)
 
 
+def load_packed(path: str, dtype: str, matmuls: str) -> LM:
+    """The model as the services load it ("calibrated": GEMMs, or per-row products where the
+    calibration says they pay), or with per-row matmul products forced ("per-row")."""
+    if matmuls == "calibrated":
+        return LM.load(path, "cpu", dtype)
+    lm = LM.load(path, "cpu", dtype, check=False)
+    use_packed_attention(lm.model, per_row=True)
+    assert lm.model._specdec_rows[0] == 1 and lm.model._specdec_lead == PER_ROW_LEAD  # kept: no padding rows
+    return lm
+
+
+@pytest.mark.parametrize("matmuls", ["calibrated", "per-row"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_one_token_steps_and_rounds_give_bitwise_equal_logits(wide_dir, dtype):
+def test_one_token_steps_and_rounds_give_bitwise_equal_logits(wide_dir, dtype, matmuls):
     """A position's logits are the same computed in a one-token step or inside a round of tau+1
     tokens, so greedy speculative output is the service's own target-only output bitwise."""
     torch.set_num_threads(1)
-    lm = LM.load(wide_dir, "cpu", dtype)
+    lm = load_packed(wide_dir, dtype, matmuls)
     steps, rounds, _ = steps_and_rounds(lm.model, torch.randint(3, 512, (80,), generator=torch.Generator().manual_seed(0)).tolist())
     assert torch.equal(steps, rounds), float((steps - rounds).abs().max())
 
@@ -301,15 +313,17 @@ def steps_and_rounds(model, ids: list[int]):
     return steps, rounds, a
 
 
+@pytest.mark.parametrize("matmuls", ["calibrated", "per-row"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("prefill", [False, True], ids=["chunk-with-logits", "prefill-chunk"])
-def test_batch_invariance_holds_at_real_widths(dtype, prefill, tmp_path):
+def test_batch_invariance_holds_at_real_widths(dtype, prefill, matmuls, tmp_path):
     """At the shipped target's widths, CPU GEMM kernels change with the row count (float32 here:
     1, 2-15 and 16+ rows are three classes), so a pass is padded to the calibrated lo rows and each
     matmul cuts longer inputs into blocks of lo..hi rows: a session's numbers stay its own in a
     pass of a few hundred rows, a 90-token chunk among them. As a prefill chunk (no logits)
     that chunk goes first, in one product of its own: its keys and values are those of the chunk
-    prefilled alone, and its batch-mates' numbers are unchanged by it."""
+    prefilled alone, and its batch-mates' numbers are unchanged by it. With per-row products
+    nothing is padded, and the prefill chunk still has a GEMM of its own."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specdec.testing.tinymodels import word_tokenizer
@@ -320,7 +334,7 @@ def test_batch_invariance_holds_at_real_widths(dtype, prefill, tmp_path):
                       num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     word_tokenizer(8192).save_pretrained(tmp_path)
-    lm = LM.load(str(tmp_path), "cpu", dtype)
+    lm = load_packed(str(tmp_path), dtype, matmuls)
     lo, hi = lm.model._specdec_rows
     assert 1 <= lo <= 8 and hi >= 2 * lo
     model = lm.model
@@ -354,6 +368,50 @@ def test_row_calibration_finds_where_a_kernel_changes():
     assert _class_top(fwd, x, 1) == 1
     assert _class_top(fwd, x, 2) == 9
     assert _class_top(lambda x: x[..., :8] * 3.0, x, 2) == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_row_products_give_a_row_the_same_numbers_at_any_row_count(dtype):
+    """A per-row product (one row per batch entry) is the module's own product up to rounding,
+    and gives each row bitwise the same numbers whatever the row count and wherever it sits."""
+    from transformers.pytorch_utils import Conv1D
+
+    from specdec.kvcache import _per_row
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 40, 96).to(dtype)
+    for m in (torch.nn.Linear(96, 200), torch.nn.Linear(96, 200, bias=False), Conv1D(200, 96)):
+        m = m.to(dtype)
+        fwd = _per_row(m)
+        full = fwd(x)
+        torch.testing.assert_close(full, m(x), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+        for k in (1, 2, 3, 5, 17):
+            for at in (0, 7, 40 - k):
+                assert torch.equal(fwd(x[:, at : at + k]), full[:, at : at + k])
+
+
+def test_per_row_products_keep_one_copy_of_each_weight(wide_dir):
+    """Switching to per-row products transposes each weight once and keeps only that copy (the
+    original is freed; a weight tied to the embeddings stays, and its transposed copy is the one
+    extra), and the model's own forward still gives its logits."""
+    import gc
+    import weakref
+
+    torch.set_num_threads(1)
+    lm = LM.load(wide_dir, "cpu", "float32", check=False)
+    model = lm.model
+    ids = torch.tensor([[5, 9, 13, 40, 7]])
+    with torch.inference_mode():
+        want = model(ids).logits
+    embedding = model.get_input_embeddings().weight
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    originals = [(weakref.ref(m.weight), m.weight is embedding) for m in linears]
+    use_packed_attention(model, per_row=True)
+    gc.collect()
+    assert [w() is None for w, tied in originals] == [not tied for _, tied in originals]
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("n_prompt", [5, 40])
