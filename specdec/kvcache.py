@@ -195,35 +195,37 @@ def _per_row(m, own_weight: bool = False):
     return run
 
 
+def _best_seconds(fn, calls: int = 20, repeats: int = 3) -> float:
+    """Seconds one call of fn takes: the best of `repeats` timings of `calls` calls, after one untimed."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+    return best / calls
+
+
 @torch.inference_mode()
-def _matmul_seconds(model, forward_of, rows: int, calls: int = 20) -> float:
+def _matmul_seconds(model, forward_of, rows: int) -> float:
     """Seconds the model's matmuls take on inputs of `rows` rows, run as forward_of(module): one
-    module of each kind timed (best of 3), counted as often as the kind occurs."""
+    module of each kind timed, counted as often as the kind occurs."""
     total = 0.0
     for ms in _kinds(model).values():
         fwd, x = forward_of(ms[0]), torch.randn(1, rows, _width(ms[0])).to(model.dtype)
-        fwd(x)
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fwd(x)
-            best = min(best, time.perf_counter() - t0)
-        total += best / calls * len(ms)
+        total += _best_seconds(lambda: fwd(x)) * len(ms)
     return total
 
 
-def _per_row_pays(model, lo: int) -> bool:
-    """Whether per-row products make a one-token step's matmuls at least PER_ROW_GAIN times faster
-    than lo-row GEMMs, while a round of ROUND_ROWS tokens costs at most PER_ROW_ROUND_COST times
-    its GEMM (timed on this CPU with one module of each kind)."""
-    per_row = {}
-
-    def per(m):
-        return per_row.setdefault(m, _per_row(m))
-
-    step = _matmul_seconds(model, lambda m: m.forward, lo) / _matmul_seconds(model, per, 1)
-    rnd = _matmul_seconds(model, per, ROUND_ROWS) / _matmul_seconds(model, lambda m: m.forward, ROUND_ROWS)
+def _per_row_pays(model, lo: int, per_row) -> bool:
+    """Whether per-row products (per_row(module): its per-row forward) make a one-token step's
+    matmuls at least PER_ROW_GAIN times faster than lo-row GEMMs, while a round of ROUND_ROWS
+    tokens costs at most PER_ROW_ROUND_COST times its GEMM (timed on this CPU with one module of
+    each kind)."""
+    gemm = lambda m: m.forward  # noqa: E731
+    step = _matmul_seconds(model, gemm, lo) / _matmul_seconds(model, per_row, 1)
+    rnd = _matmul_seconds(model, per_row, ROUND_ROWS) / _matmul_seconds(model, gemm, ROUND_ROWS)
     log.info("%s in %s: per-row products make a step's matmuls %.2fx faster and cost a %d-row round's %.2fx",
              type(model).__name__, model.dtype, step, ROUND_ROWS, rnd)
     return step >= PER_ROW_GAIN and rnd <= PER_ROW_ROUND_COST
@@ -404,19 +406,9 @@ def _faster_attention(model, keys: int = 256, calls: int = 20) -> torch.dtype:
     q, k, v = (torch.randn(1, h, n, D, generator=g) for h, n in ((H, 1), (H_kv, keys), (H_kv, keys)))
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
     qh, kh, vh = q.to(dt), k.to(dt), v.to(dt)  # a cache in the model's dtype, or (k, v) one in float32
-    own = best(lambda: sdpa(qh, kh, vh, enable_gqa=H_kv != H))
-    wide = best(lambda: sdpa(qh.float(), k, v, enable_gqa=H_kv != H).to(dt))
+    own = _best_seconds(lambda: sdpa(qh, kh, vh, enable_gqa=H_kv != H), calls, repeats=5)
+    wide = _best_seconds(lambda: sdpa(qh.float(), k, v, enable_gqa=H_kv != H).to(dt), calls, repeats=5)
     return torch.float32 if own > ATTN_FLOAT32_GAIN * wide else dt
 
 
@@ -440,8 +432,13 @@ def use_packed_attention(model, per_row: bool | None = None) -> None:
     mods = _row_modules(model)
     rows = calibrate_rows(model) if per_row is not True else None
     if per_row is not False and (per_row or rows is None or rows[0] > 1):
-        per = calibrate_rows(model, forward_of=_per_row)
-        if per is not None and per[0] == 1 and (per_row or rows is None or _per_row_pays(model, rows[0])):
+        probes: dict = {}  # one module of each kind's per-row forward, for calibration and timing alike
+
+        def probe(m):
+            return probes.setdefault(m, _per_row(m))
+
+        per = calibrate_rows(model, forward_of=probe)
+        if per is not None and per[0] == 1 and (per_row or rows is None or _per_row_pays(model, rows[0], probe)):
             shared = collections.Counter(id(p) for mod in model.modules() for p in mod.parameters(recurse=False))
             gemm = {m: m.forward for m in mods}
             for m in mods:
