@@ -437,8 +437,10 @@ def use_packed_attention(model, per_row: bool | None = None) -> None:
         def probe(m):
             return probes.setdefault(m, _per_row(m))
 
-        per = calibrate_rows(model, forward_of=probe)
-        if per is not None and per[0] == 1 and (per_row or rows is None or _per_row_pays(model, rows[0], probe)):
+        # timed first: calibrating per-row products costs far more where they are slow (bf16 here: a minute)
+        pays = per_row or rows is None or _per_row_pays(model, rows[0], probe)
+        per = calibrate_rows(model, forward_of=probe) if pays else None
+        if per is not None and per[0] == 1:
             shared = collections.Counter(id(p) for mod in model.modules() for p in mod.parameters(recurse=False))
             gemm = {m: m.forward for m in mods}
             for m in mods:
