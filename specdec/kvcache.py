@@ -33,6 +33,9 @@ output is the same service's target-only output, bitwise, in float32 and in bflo
     replace the GEMMs: a row then gets the same numbers at any row count, so nothing is padded.
     They are kept where a one-token step's matmuls get much faster and a round's not much slower
     (`_per_row_pays`; the shipped target in float32 on the AMD machine: a step 21 -> 13 ms);
+  * a half-precision model's matmul weights are reordered once into oneDNN's own layout where
+    that pays (`_prepack`): the same kernel and numbers as the module's own product, which reorders
+    the weight on every call (the shipped target in bf16 on the AMD machine: a step 14 -> 10 ms);
   * a prefill chunk of more than hi tokens (PER_ROW_LEAD with per-row products; keys and values
     only, no logits) is the exception:
     it goes first in its pass, through every matmul in one product of its own and through
@@ -76,6 +79,7 @@ PER_ROW_GAIN = 1.5  # per-row products replace padded GEMMs where they make a on
 PER_ROW_ROUND_COST = 1.5  # ... as long as a round's matmuls cost at most this much more (hot-cache timing overstates it)
 ROUND_ROWS = 5  # a round of tau = 4, for that comparison
 PER_ROW_LEAD = 8  # with per-row products, a prefill chunk of more tokens has a GEMM of its own (see use_packed_attention)
+PREPACK_GAIN = 1.2  # a half-precision model's weights are prepacked for oneDNN where that makes its matmuls this much faster
 
 
 def row_counts(model, device: torch.device) -> tuple[int, int | None]:
@@ -193,6 +197,64 @@ def _per_row(m, own_weight: bool = False):
         return y.reshape(*x.shape[:-1], w.shape[1])
 
     return run
+
+
+def _prepacked(m):
+    """m's product (an nn.Linear's or a Conv1D's) through oneDNN with the weight reordered once into
+    the kernel's own layout (torch.ops.mkldnn, what inductor's CPU weight prepacking uses). The same
+    kernel as the module's own half-precision product, so the same numbers (`_prepack` checks), but
+    the plain matmul reorders the weight on every call: for one to a few rows that doubles its time."""
+    w = m.weight.detach()
+    packed = torch.ops.mkldnn._reorder_linear_weight((w if isinstance(m, torch.nn.Linear) else w.t()).contiguous(), 1)
+    b = None if m.bias is None else m.bias.detach()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+    return run
+
+
+@torch.inference_mode()
+def _prepack(model, force: bool = False) -> bool:
+    """For a half-precision model on the CPU: switches every matmul module to `_prepacked` where
+    that gives the module's own numbers and (unless forced) makes the matmuls of a one-token step
+    and of a round of ROUND_ROWS tokens at least PREPACK_GAIN times faster (timed with one module
+    of each kind). Each
+    unshared weight is then kept only in the packed layout: the module's weight becomes a tensor on
+    the meta device (shape and dtype kept, no memory), so anything that reads it directly fails
+    loudly instead of computing with a stale copy. Returns whether it switched."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    probes: dict = {}
+    try:
+        def probe(m):
+            return probes.setdefault(m, _prepacked(m))
+
+        g = torch.Generator().manual_seed(0)
+        for ms in _kinds(model).values():
+            x = torch.randn(1, ROUND_ROWS, _width(ms[0]), generator=g).to(model.dtype)
+            if not torch.equal(probe(ms[0])(x), ms[0].forward(x)):
+                log.info("%s in %s: prepacked matmuls give other numbers on this CPU; not used", type(model).__name__, model.dtype)
+                return False
+        if not force:
+            gemm = lambda m: m.forward  # noqa: E731
+            gains = [_matmul_seconds(model, gemm, n) / _matmul_seconds(model, probe, n) for n in (1, ROUND_ROWS)]
+    except RuntimeError as e:  # this build's oneDNN cannot pack this dtype or shape
+        log.info("%s in %s: prepacked matmuls unavailable (%s)", type(model).__name__, model.dtype, e)
+        return False
+    if not force:
+        log.info("%s in %s: prepacked matmuls are %.2fx as fast for a step, %.2fx for a %d-row round",
+                 type(model).__name__, model.dtype, gains[0], gains[1], ROUND_ROWS)
+        if min(gains) < PREPACK_GAIN:
+            return False
+    shared = collections.Counter(id(p) for mod in model.modules() for p in mod.parameters(recurse=False))
+    first = next(model.parameters())  # transformers reads the model's device and dtype from it
+    for m in _row_modules(model):
+        m.forward = _prepacked(m)
+        if shared[id(m.weight)] == 1 and m.weight is not first:  # a weight tied to the embeddings is still read as it is
+            m.weight = torch.nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
+    model._specdec_prepacked = True
+    return True
 
 
 def _best_seconds(fn, calls: int = 20, repeats: int = 3) -> float:
@@ -412,7 +474,7 @@ def _faster_attention(model, keys: int = 256, calls: int = 20) -> torch.dtype:
     return torch.float32 if own > ATTN_FLOAT32_GAIN * wide else dt
 
 
-def use_packed_attention(model, per_row: bool | None = None) -> None:
+def use_packed_attention(model, per_row: bool | None = None, prepack: bool | None = None) -> None:
     """Switches the model to the packed attention; on the CPU, calibrates its row counts once and
     makes its matmul modules cut long inputs into blocks of them (see the module docstring), and
     picks the dtype a half-precision model attends in (`_faster_attention`).
@@ -421,7 +483,11 @@ def use_packed_attention(model, per_row: bool | None = None) -> None:
     tried instead: they need no padding, and are kept if they calibrate to lo = 1 and pay on this
     CPU (`_per_row_pays`; per_row forces the choice either way, for tests). Prefill chunks of more
     than PER_ROW_LEAD tokens then keep the GEMM, in a product of their own (their numbers depend on
-    the chunk alone either way)."""
+    the chunk alone either way).
+
+    A half-precision model first has its matmul weights prepacked for oneDNN where that gives the
+    same numbers and pays (`_prepack`; prepack forces it either way where it gives the same
+    numbers, for tests); its GEMMs are then calibrated as they are, without per-row products."""
     model.set_attn_implementation(ATTN)
     if model.device.type != "cpu" or hasattr(model, "_specdec_rows"):
         return
@@ -429,6 +495,8 @@ def use_packed_attention(model, per_row: bool | None = None) -> None:
         with torch.inference_mode():
             model._specdec_kv_dtype = _faster_attention(model)
         log.info("%s in %s: KV cache and attention in %s on this CPU", type(model).__name__, model.dtype, model._specdec_kv_dtype)
+        if per_row is not True and prepack is not False and _prepack(model, force=bool(prepack)):
+            per_row = False  # prepacked half-precision GEMMs: per-row products (slower than GEMMs in bf16) cannot use them
     mods = _row_modules(model)
     rows = calibrate_rows(model) if per_row is not True else None
     if per_row is not False and (per_row or rows is None or rows[0] > 1):

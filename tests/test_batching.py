@@ -280,19 +280,25 @@ def wide_dir(tmp_path_factory):
 
 
 def load_packed(path: str, dtype: str, matmuls: str) -> LM:
-    """The model as the services load it ("calibrated": GEMMs, or per-row products where the
-    calibration says they pay), or with per-row matmul products forced ("per-row")."""
+    """The model as the services load it ("calibrated": GEMMs, prepacked ones in half precision,
+    or per-row products where the calibration says they pay), with per-row matmul products forced
+    ("per-row"), or with the module's own GEMMs, not prepacked ("unpacked")."""
     if matmuls == "calibrated":
         return LM.load(path, "cpu", dtype)
     lm = LM.load(path, "cpu", dtype, check=False)
+    if matmuls == "unpacked":
+        use_packed_attention(lm.model, prepack=False)
+        assert not getattr(lm.model, "_specdec_prepacked", False)
+        return lm
     use_packed_attention(lm.model, per_row=True)
     assert lm.model._specdec_rows[0] == 1 and lm.model._specdec_lead == PER_ROW_LEAD  # kept: no padding rows
     return lm
 
 
 # per-row products forced in float32 only: bf16 keeps its GEMMs on CPUs with bf16 instructions
-# (per-row bf16 products were 10x slower there), and forcing them costs minutes of test time
-MATMULS = [("float32", "calibrated"), ("bfloat16", "calibrated"), ("float32", "per-row")]
+# (per-row bf16 products were 10x slower there), and forcing them costs minutes of test time.
+# bf16 "calibrated" is prepacked where that pays (on this project's machines), "unpacked" is not.
+MATMULS = [("float32", "calibrated"), ("bfloat16", "calibrated"), ("float32", "per-row"), ("bfloat16", "unpacked")]
 
 
 @pytest.mark.parametrize("dtype,matmuls", MATMULS)
@@ -415,6 +421,41 @@ def test_per_row_products_keep_one_copy_of_each_weight(wide_dir):
     model.set_attn_implementation("sdpa")
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_prepacked_matmuls_keep_the_numbers_and_one_copy_of_each_weight(wide_dir):
+    """bf16 on the CPU: prepacking reorders each matmul weight once into oneDNN's layout and keeps
+    only that copy (the original is freed and the module's weight is a meta tensor, so a direct
+    read fails loudly; a weight tied to the embeddings stays), the model still reports its device,
+    and its own forward gives bitwise the logits it gave before."""
+    import gc
+    import weakref
+
+    from specdec.kvcache import _prepacked
+
+    torch.set_num_threads(1)
+    lm = LM.load(wide_dir, "cpu", "bfloat16", check=False)
+    model = lm.model
+    ids = torch.tensor([[5, 9, 13, 40, 7]])
+    with torch.inference_mode():
+        want = model(ids).logits
+    embedding = model.get_input_embeddings().weight
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    with torch.inference_mode():  # a row alone, beside others, and with a bias
+        for m in (linears[0], torch.nn.Linear(704, 96).to(torch.bfloat16)):
+            x = torch.randn(1, 7, m.weight.shape[1]).to(torch.bfloat16)
+            if not torch.equal(_prepacked(m)(x), m(x)):
+                pytest.skip("this CPU's oneDNN gives prepacked bf16 products other numbers: the engine keeps its GEMMs")
+    originals = [(weakref.ref(m.weight), m.weight is embedding) for m in linears]
+    use_packed_attention(model, prepack=True)
+    assert model._specdec_prepacked
+    gc.collect()
+    assert [w() is None for w, tied in originals] == [not tied for _, tied in originals]
+    assert [m.weight.device.type for m in linears] == ["cpu" if m.weight is embedding else "meta" for m in linears]
+    assert model.device.type == "cpu" and model.dtype == torch.bfloat16
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, want)
 
 
 @pytest.mark.parametrize("n_prompt", [5, 40])
