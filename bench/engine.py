@@ -62,8 +62,9 @@ class Services:
 
     def __init__(self, target: str, draft: str, dtype: str, env_extra: dict | None = None):
         env = dict(ENV, SPECDEC_DTYPE=dtype, **(env_extra or {}))
-        self.v = Service("verify_service", "--model", target, "--threads", "1", env=env)
-        self.d = Service("draft_service", "--model", draft, "--verify", self.v.address, "--threads", "1", env=env)
+        # INFO: the engine's load-time choices (specdec.kvcache) go into the report
+        self.v = Service("verify_service", "--model", target, "--threads", "1", "--log-level", "INFO", env=env)
+        self.d = Service("draft_service", "--model", draft, "--verify", self.v.address, "--threads", "1", "--log-level", "INFO", env=env)
         self.cv = Client(self.v.address, timeout=300, target_only=True)
         self.cd = Client(self.d.address, timeout=300)
 
@@ -78,6 +79,20 @@ class Services:
         self.cd.close()
         self.d.stop()
         self.v.stop()
+
+    def choices(self) -> dict:
+        """What each service's engine chose at load on this CPU (its specdec.kvcache log lines)."""
+        out = {}
+        for name, svc in (("verify", self.v), ("draft", self.d)):
+            out[name] = []
+            for line in svc.stderr:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and rec.get("logger") == "specdec.kvcache":
+                    out[name].append(rec.get("msg", ""))
+        return out
 
 
 def round_split(stats: dict) -> dict:
@@ -122,6 +137,7 @@ def measure(target: str, draft: str, dtype: str, n: int, texts: list[str], ids: 
                         out["split"].append(round_split(stats))
     finally:
         svc.close()
+        out["choices"] = svc.choices()
     return out
 
 
@@ -182,6 +198,7 @@ def main(argv=None) -> None:
             row["overhead_ms_per_round"] = statistics.median(x["overhead_ms"] for x in split)
             row["acceptance"] = statistics.mean(x["acceptance"] for x in split)
             row["lookup_rounds_share"] = sum(x["lookup_rounds"] for x in split) / max(1, sum(x["rounds"] for x in split))
+            row["choices"] = res["choices"]
             results["sets"][set_name]["dtypes"][dtype] = row
     results["tiny"] = tiny_round(a.max_new_tokens)
     os.makedirs(a.out, exist_ok=True)
@@ -209,6 +226,11 @@ def main(argv=None) -> None:
             lines.append(f"| {set_name} | {dtype} | {same} | {statistics.median(per):.2f}x ({min(per):.2f}-{max(per):.2f}) | "
                          f"{row['overhead_ms_per_round']:.2f} | {row['acceptance']:.3f} | "
                          f"{row['lookup_rounds_share']:.0%} |")
+    lines += ["", "What each service's engine chose when it loaded its model on this CPU (its log):", ""]
+    for set_name, sres in results["sets"].items():
+        for dtype, row in sres["dtypes"].items():
+            for svc_name, msgs in row["choices"].items():
+                lines.append(f"- {set_name}, {dtype}, {svc_name}: " + ("; ".join(msgs) or "nothing logged"))
     lines += ["", "In bfloat16, transformers' generate() rounds differently from the engine (one-row matmuls; the engine makes "
               "its own attention calls, a query at a time in a round), so near-ties can flip between the two; the engine's contract there is speculative == "
               "target-only of the same service, bitwise (DESIGN.md §9)."]

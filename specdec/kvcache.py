@@ -76,7 +76,7 @@ ROW_PROBE = 64  # row counts the calibration tries; longer inputs are always cut
 ONE_ROW_PROBE = 1024
 ATTN_FLOAT32_GAIN = 1.5  # a half-precision model attends in float32 on the CPU where that is this much faster
 PER_ROW_GAIN = 1.5  # per-row products replace padded GEMMs where they make a one-token step's matmuls this much faster
-PER_ROW_ROUND_COST = 1.5  # ... as long as a round's matmuls cost at most this much more (hot-cache timing overstates it)
+PER_ROW_ROUND_COST = 2.0  # ... as long as a round's matmuls cost at most this much more (hot-cache timing overstates it: 1.06-1.33x measured where real 5-row passes cost 1.0-1.1x)
 ROUND_ROWS = 5  # a round of tau = 4, for that comparison
 PER_ROW_LEAD = 8  # with per-row products, a prefill chunk of more tokens has a GEMM of its own (see use_packed_attention)
 PREPACK_GAIN = 1.2  # a half-precision model's weights are prepacked for oneDNN where that makes its matmuls this much faster
@@ -217,12 +217,12 @@ def _prepacked(m):
 @torch.inference_mode()
 def _prepack(model, force: bool = False) -> bool:
     """For a half-precision model on the CPU: switches every matmul module to `_prepacked` where
-    that gives the module's own numbers and (unless forced) makes the matmuls of a one-token step
-    and of a round of ROUND_ROWS tokens at least PREPACK_GAIN times faster (timed with one module
-    of each kind). Each
-    unshared weight is then kept only in the packed layout: the module's weight becomes a tensor on
-    the meta device (shape and dtype kept, no memory), so anything that reads it directly fails
-    loudly instead of computing with a stale copy. Returns whether it switched."""
+    that gives the module's own numbers (one module of each kind probed, at 1 and ROUND_ROWS rows)
+    and, unless forced, makes the matmuls of a one-token step and of a round of ROUND_ROWS tokens
+    at least PREPACK_GAIN times faster (timed with one module of each kind). Each unshared weight is
+    then kept only in the packed layout: the module's weight becomes a tensor on the meta device
+    (shape and dtype kept, no memory), so anything that reads it directly fails loudly instead of
+    computing with a stale copy. Returns whether it switched."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
     probes: dict = {}
@@ -233,7 +233,7 @@ def _prepack(model, force: bool = False) -> bool:
         g = torch.Generator().manual_seed(0)
         for ms in _kinds(model).values():
             x = torch.randn(1, ROUND_ROWS, _width(ms[0]), generator=g).to(model.dtype)
-            if not torch.equal(probe(ms[0])(x), ms[0].forward(x)):
+            if not all(torch.equal(probe(ms[0])(r), ms[0].forward(r)) for r in (x, x[:, :1])):
                 log.info("%s in %s: prepacked matmuls give other numbers on this CPU; not used", type(model).__name__, model.dtype)
                 return False
         if not force:
@@ -250,7 +250,7 @@ def _prepack(model, force: bool = False) -> bool:
     shared = collections.Counter(id(p) for mod in model.modules() for p in mod.parameters(recurse=False))
     first = next(model.parameters())  # transformers reads the model's device and dtype from it
     for m in _row_modules(model):
-        m.forward = _prepacked(m)
+        m.forward = probe(m)
         if shared[id(m.weight)] == 1 and m.weight is not first:  # a weight tied to the embeddings is still read as it is
             m.weight = torch.nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
     model._specdec_prepacked = True

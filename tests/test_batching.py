@@ -444,7 +444,7 @@ def test_prepacked_matmuls_keep_the_numbers_and_one_copy_of_each_weight(wide_dir
     with torch.inference_mode():  # a row alone, beside others, and with a bias
         for m in (linears[0], torch.nn.Linear(704, 96).to(torch.bfloat16)):
             x = torch.randn(1, 7, m.weight.shape[1]).to(torch.bfloat16)
-            if not torch.equal(_prepacked(m)(x), m(x)):
+            if not all(torch.equal(_prepacked(m)(r), m(r)) for r in (x, x[:, :1])):
                 pytest.skip("this CPU's oneDNN gives prepacked bf16 products other numbers: the engine keeps its GEMMs")
     originals = [(weakref.ref(m.weight), m.weight is embedding) for m in linears]
     use_packed_attention(model, prepack=True)
