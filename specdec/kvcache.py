@@ -31,7 +31,7 @@ output is the same service's target-only output, bitwise, in float32 and in bflo
     order differs only where the bf16 rounding flips: it once flipped a greedy token);
   * where lo > 1, per-row products (`_per_row`: a batched matmul, one row per batch entry) may
     replace the GEMMs: a row then gets the same numbers at any row count, so nothing is padded.
-    They are kept where a one-token step's matmuls get much faster and a round's not much slower
+    They are kept where a one-token step's matmuls get much faster and a round's at most twice as slow
     (`_per_row_pays`; the shipped target in float32 on the AMD machine: a step 21 -> 13 ms);
   * a half-precision model's matmul weights are reordered once into oneDNN's own layout where
     that pays (`_prepack`): the same kernel and numbers as the module's own product, which reorders
@@ -76,10 +76,12 @@ ROW_PROBE = 64  # row counts the calibration tries; longer inputs are always cut
 ONE_ROW_PROBE = 1024
 ATTN_FLOAT32_GAIN = 1.5  # a half-precision model attends in float32 on the CPU where that is this much faster
 PER_ROW_GAIN = 1.5  # per-row products replace padded GEMMs where they make a one-token step's matmuls this much faster
-PER_ROW_ROUND_COST = 2.0  # ... as long as a round's matmuls cost at most this much more (hot-cache timing overstates it: 1.06-1.33x measured where real 5-row passes cost 1.0-1.1x)
+PER_ROW_ROUND_COST = 2.0  # ... as long as a round's matmuls cost at most this much more: a judgement call, with room for a
+# loaded machine; the hot-cache probe overstates it (the shipped target: 1.06-1.33x probed, 1.0-1.1x in real five-row passes)
 ROUND_ROWS = 5  # a round of tau = 4, for that comparison
 PER_ROW_LEAD = 8  # with per-row products, a prefill chunk of more tokens has a GEMM of its own (see use_packed_attention)
 PREPACK_GAIN = 1.2  # a half-precision model's weights are prepacked for oneDNN where that makes its matmuls this much faster
+PREPACK_MEMORY_SHARE = 0.25  # ... and where the packed copies take at most this share of the host's free memory
 
 
 def row_counts(model, device: torch.device) -> tuple[int, int | None]:
@@ -214,47 +216,67 @@ def _prepacked(m):
     return run
 
 
-@torch.inference_mode()
-def _prepack(model, force: bool = False) -> bool:
-    """For a half-precision model on the CPU: switches every matmul module to `_prepacked` where
-    that gives the module's own numbers (one module of each kind probed, at 1 and ROUND_ROWS rows)
-    and, unless forced, makes the matmuls of a one-token step and of a round of ROUND_ROWS tokens
-    at least PREPACK_GAIN times faster (timed with one module of each kind). Each unshared weight is
-    then kept only in the packed layout: the module's weight becomes a tensor on the meta device
-    (shape and dtype kept, no memory), so anything that reads it directly fails loudly instead of
-    computing with a stale copy. Returns whether it switched."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        return False
-    probes: dict = {}
-    try:
-        def probe(m):
-            return probes.setdefault(m, _prepacked(m))
+def _holders(model) -> collections.Counter:
+    """How many modules hold each parameter (by id): one held twice (input and output embeddings
+    tied) is read by the other module as it is."""
+    return collections.Counter(id(p) for mod in model.modules() for p in mod.parameters(recurse=False))
 
+
+@torch.inference_mode()
+def _prepack(model, force: bool = False) -> dict | None:
+    """For a half-precision model on the CPU: switches every matmul module's forward to
+    `_prepacked` where that gives the module's own numbers (one module of each kind probed, at 1
+    and ROUND_ROWS rows) and, unless forced, makes the matmuls of a one-token step and of a round
+    of ROUND_ROWS tokens at least PREPACK_GAIN times faster (one module of each kind timed), and
+    the packed copies fit in PREPACK_MEMORY_SHARE of the host's free memory. The plain weights stay
+    (the modules' own attributes: anything that reads them directly still computes with the right
+    numbers), so the matmul weights are held twice. Every module is packed before any is switched,
+    so a failure changes nothing. Returns {module: its plain forward} if it switched, else None."""
+    ops = torch.ops.mkldnn
+    if not torch.backends.mkldnn.is_available() or not all(hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise")):
+        return None
+    name = f"{type(model).__name__} in {model.dtype}"
+    extra, free = sum(m.weight.numel() * m.weight.element_size() for m in _row_modules(model)), available_memory_bytes()
+    if free is not None and extra > PREPACK_MEMORY_SHARE * free:
+        log.info("%s: prepacked matmuls not used: their %.2f GiB would pass %.0f%% of the %.2f GiB free", name, extra / 2**30,
+                 100 * PREPACK_MEMORY_SHARE, free / 2**30)
+        return None
+    try:
+        packed = {m: _prepacked(m) for m in _row_modules(model)}
         g = torch.Generator().manual_seed(0)
         for ms in _kinds(model).values():
             x = torch.randn(1, ROUND_ROWS, _width(ms[0]), generator=g).to(model.dtype)
-            if not all(torch.equal(probe(ms[0])(r), ms[0].forward(r)) for r in (x, x[:, :1])):
-                log.info("%s in %s: prepacked matmuls give other numbers on this CPU; not used", type(model).__name__, model.dtype)
-                return False
+            if not all(torch.equal(packed[ms[0]](r), ms[0].forward(r)) for r in (x, x[:, :1])):
+                log.info("%s: prepacked matmuls give other numbers on this CPU; not used", name)
+                return None
         if not force:
-            gemm = lambda m: m.forward  # noqa: E731
-            gains = [_matmul_seconds(model, gemm, n) / _matmul_seconds(model, probe, n) for n in (1, ROUND_ROWS)]
-    except RuntimeError as e:  # this build's oneDNN cannot pack this dtype or shape
-        log.info("%s in %s: prepacked matmuls unavailable (%s)", type(model).__name__, model.dtype, e)
-        return False
+            gains = [_matmul_seconds(model, _own_forward, n) / _matmul_seconds(model, packed.get, n) for n in (1, ROUND_ROWS)]
+    except (RuntimeError, AttributeError) as e:  # this build's oneDNN cannot pack this dtype or shape
+        log.info("%s: prepacked matmuls unavailable (%s)", name, e)
+        return None
     if not force:
-        log.info("%s in %s: prepacked matmuls are %.2fx as fast for a step, %.2fx for a %d-row round",
-                 type(model).__name__, model.dtype, gains[0], gains[1], ROUND_ROWS)
+        log.info("%s: prepacked matmuls are %.2fx as fast for a step, %.2fx for a %d-row round", name, gains[0], gains[1], ROUND_ROWS)
         if min(gains) < PREPACK_GAIN:
-            return False
-    shared = collections.Counter(id(p) for mod in model.modules() for p in mod.parameters(recurse=False))
-    first = next(model.parameters())  # transformers reads the model's device and dtype from it
-    for m in _row_modules(model):
-        m.forward = probe(m)
-        if shared[id(m.weight)] == 1 and m.weight is not first:  # a weight tied to the embeddings is still read as it is
-            m.weight = torch.nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
-    model._specdec_prepacked = True
-    return True
+            return None
+    former = {}
+    for m, fwd in packed.items():
+        former[m], m.forward = m.forward, fwd
+    return former
+
+
+def available_memory_bytes(device: torch.device | None = None) -> int | None:
+    """Free memory on `device`: the CUDA device's free memory, or the host's MemAvailable."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _own_forward(m):
+    return m.forward
 
 
 def _best_seconds(fn, calls: int = 20, repeats: int = 3) -> float:
@@ -285,9 +307,8 @@ def _per_row_pays(model, lo: int, per_row) -> bool:
     matmuls at least PER_ROW_GAIN times faster than lo-row GEMMs, while a round of ROUND_ROWS
     tokens costs at most PER_ROW_ROUND_COST times its GEMM (timed on this CPU with one module of
     each kind)."""
-    gemm = lambda m: m.forward  # noqa: E731
-    step = _matmul_seconds(model, gemm, lo) / _matmul_seconds(model, per_row, 1)
-    rnd = _matmul_seconds(model, per_row, ROUND_ROWS) / _matmul_seconds(model, gemm, ROUND_ROWS)
+    step = _matmul_seconds(model, _own_forward, lo) / _matmul_seconds(model, per_row, 1)
+    rnd = _matmul_seconds(model, per_row, ROUND_ROWS) / _matmul_seconds(model, _own_forward, ROUND_ROWS)
     log.info("%s in %s: per-row products make a step's matmuls %.2fx faster and cost a %d-row round's %.2fx",
              type(model).__name__, model.dtype, step, ROUND_ROWS, rnd)
     return step >= PER_ROW_GAIN and rnd <= PER_ROW_ROUND_COST
@@ -487,7 +508,8 @@ def use_packed_attention(model, per_row: bool | None = None, prepack: bool | Non
 
     A half-precision model first has its matmul weights prepacked for oneDNN where that gives the
     same numbers and pays (`_prepack`; prepack forces it either way where it gives the same
-    numbers, for tests); its GEMMs are then calibrated as they are, without per-row products."""
+    numbers, for tests; per_row=True wins over it). Its GEMMs are then calibrated as they are, and
+    per-row products are not tried unless no row counts agree (then the prepacking is undone)."""
     model.set_attn_implementation(ATTN)
     if model.device.type != "cpu" or hasattr(model, "_specdec_rows"):
         return
@@ -495,10 +517,18 @@ def use_packed_attention(model, per_row: bool | None = None, prepack: bool | Non
         with torch.inference_mode():
             model._specdec_kv_dtype = _faster_attention(model)
         log.info("%s in %s: KV cache and attention in %s on this CPU", type(model).__name__, model.dtype, model._specdec_kv_dtype)
-        if per_row is not True and prepack is not False and _prepack(model, force=bool(prepack)):
-            per_row = False  # prepacked half-precision GEMMs: per-row products (slower than GEMMs in bf16) cannot use them
+    unpacked = None
+    if model.dtype in (torch.bfloat16, torch.float16) and per_row is not True and prepack is not False:
+        unpacked = _prepack(model, force=bool(prepack))  # {module: plain forward}, or None
     mods = _row_modules(model)
     rows = calibrate_rows(model) if per_row is not True else None
+    if unpacked is not None:
+        if rows is None:  # no row counts agree: back to the plain weights, so per-row products can be tried
+            for m, fwd in unpacked.items():
+                m.forward = fwd
+        else:  # kept, without per-row products (slower than GEMMs in bf16)
+            model._specdec_prepacked = True
+            per_row = False
     if per_row is not False and (per_row or rows is None or rows[0] > 1):
         probes: dict = {}  # one module of each kind's per-row forward, for calibration and timing alike
 
@@ -509,10 +539,10 @@ def use_packed_attention(model, per_row: bool | None = None, prepack: bool | Non
         pays = per_row or rows is None or _per_row_pays(model, rows[0], probe)
         per = calibrate_rows(model, forward_of=probe) if pays else None
         if per is not None and per[0] == 1:
-            shared = collections.Counter(id(p) for mod in model.modules() for p in mod.parameters(recurse=False))
+            holders = _holders(model)
             gemm = {m: m.forward for m in mods}
             for m in mods:
-                m.forward = _blocked(_per_row(m, own_weight=shared[id(m.weight)] == 1), per[1], gemm[m])
+                m.forward = _blocked(_per_row(m, own_weight=holders[id(m.weight)] == 1), per[1], gemm[m])
             model._specdec_rows, model._specdec_lead = per, PER_ROW_LEAD
             log.info("%s in %s: per-row matmul products (no padding rows), blocks of up to %d rows",
                      type(model).__name__, model.dtype, per[1])

@@ -280,15 +280,16 @@ def wide_dir(tmp_path_factory):
 
 
 def load_packed(path: str, dtype: str, matmuls: str) -> LM:
-    """The model as the services load it ("calibrated": GEMMs, prepacked ones in half precision,
-    or per-row products where the calibration says they pay), with per-row matmul products forced
-    ("per-row"), or with the module's own GEMMs, not prepacked ("unpacked")."""
+    """The model as the services load it ("calibrated": GEMMs, or per-row products where the
+    calibration says they pay), with per-row matmul products forced ("per-row"), or in half
+    precision with prepacked GEMMs forced where oneDNN has bf16 ("prepacked") or with the module's
+    own GEMMs ("unpacked")."""
     if matmuls == "calibrated":
         return LM.load(path, "cpu", dtype)
     lm = LM.load(path, "cpu", dtype, check=False)
-    if matmuls == "unpacked":
-        use_packed_attention(lm.model, prepack=False)
-        assert not getattr(lm.model, "_specdec_prepacked", False)
+    if matmuls in ("prepacked", "unpacked"):
+        use_packed_attention(lm.model, prepack=matmuls == "prepacked")
+        assert getattr(lm.model, "_specdec_prepacked", False) == (matmuls == "prepacked" and BF16_ONEDNN)
         return lm
     use_packed_attention(lm.model, per_row=True)
     assert lm.model._specdec_rows[0] == 1 and lm.model._specdec_lead == PER_ROW_LEAD  # kept: no padding rows
@@ -297,8 +298,9 @@ def load_packed(path: str, dtype: str, matmuls: str) -> LM:
 
 # per-row products forced in float32 only: bf16 keeps its GEMMs on CPUs with bf16 instructions
 # (per-row bf16 products were 10x slower there), and forcing them costs minutes of test time.
-# bf16 "calibrated" is prepacked where that pays (on this project's machines), "unpacked" is not.
-MATMULS = [("float32", "calibrated"), ("bfloat16", "calibrated"), ("float32", "per-row"), ("bfloat16", "unpacked")]
+# bf16 runs both with its GEMMs prepacked and with the plain ones (the services prepack where it pays).
+MATMULS = [("float32", "calibrated"), ("bfloat16", "prepacked"), ("float32", "per-row"), ("bfloat16", "unpacked")]
+BF16_ONEDNN = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @pytest.mark.parametrize("dtype,matmuls", MATMULS)
@@ -423,39 +425,86 @@ def test_per_row_products_keep_one_copy_of_each_weight(wide_dir):
         torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
 
 
-def test_prepacked_matmuls_keep_the_numbers_and_one_copy_of_each_weight(wide_dir):
-    """bf16 on the CPU: prepacking reorders each matmul weight once into oneDNN's layout and keeps
-    only that copy (the original is freed and the module's weight is a meta tensor, so a direct
-    read fails loudly; a weight tied to the embeddings stays), the model still reports its device,
-    and its own forward gives bitwise the logits it gave before."""
-    import gc
-    import weakref
+@pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU: the engine keeps its GEMMs")
+def test_prepacked_products_are_the_modules_own_numbers():
+    """A prepacked product (the weight reordered once for oneDNN) gives bitwise the numbers of the
+    module's own bf16 product, at any row count, with and without a bias, and for GPT-2's Conv1D."""
+    from transformers.pytorch_utils import Conv1D
 
     from specdec.kvcache import _prepacked
 
+    torch.manual_seed(0)
+    x = torch.randn(1, 40, 96).to(torch.bfloat16)
+    conv = Conv1D(200, 96)
+    torch.nn.init.normal_(conv.bias)  # zeros by default: a dropped bias would pass unseen
+    with torch.inference_mode():
+        for m in (torch.nn.Linear(96, 200), torch.nn.Linear(96, 200, bias=False), conv):
+            m = m.to(torch.bfloat16)
+            fwd = _prepacked(m)
+            for k in (1, 2, 3, 5, 17, 40):
+                assert torch.equal(fwd(x[:, :k]), m(x[:, :k])), (type(m).__name__, k)
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    """A small random Llama whose output layer is tied to its input embeddings, as the shipped pair's are."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.testing.tinymodels import word_tokenizer
+
+    path = tmp_path_factory.mktemp("tied")
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    word_tokenizer(512).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU: the engine keeps its GEMMs")
+def test_prepacked_matmuls_keep_the_models_numbers_and_its_weights(tied_dir, monkeypatch):
+    """bf16 on the CPU: after prepacking, the model's own forward gives bitwise the logits it gave
+    before, and its plain weights are all still there (whatever reads one directly gets the right
+    numbers). Where the packed copies would not fit in a quarter of the free memory, nothing is packed."""
+    from specdec import kvcache
+
     torch.set_num_threads(1)
-    lm = LM.load(wide_dir, "cpu", "bfloat16", check=False)
-    model = lm.model
+    model = LM.load(tied_dir, "cpu", "bfloat16", check=False).model
     ids = torch.tensor([[5, 9, 13, 40, 7]])
     with torch.inference_mode():
         want = model(ids).logits
-    embedding = model.get_input_embeddings().weight
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    with torch.inference_mode():  # a row alone, beside others, and with a bias
-        for m in (linears[0], torch.nn.Linear(704, 96).to(torch.bfloat16)):
-            x = torch.randn(1, 7, m.weight.shape[1]).to(torch.bfloat16)
-            if not all(torch.equal(_prepacked(m)(r), m(r)) for r in (x, x[:, :1])):
-                pytest.skip("this CPU's oneDNN gives prepacked bf16 products other numbers: the engine keeps its GEMMs")
-    originals = [(weakref.ref(m.weight), m.weight is embedding) for m in linears]
+    weights = {n: p.clone() for n, p in model.named_parameters()}
     use_packed_attention(model, prepack=True)
     assert model._specdec_prepacked
-    gc.collect()
-    assert [w() is None for w, tied in originals] == [not tied for _, tied in originals]
-    assert [m.weight.device.type for m in linears] == ["cpu" if m.weight is embedding else "meta" for m in linears]
-    assert model.device.type == "cpu" and model.dtype == torch.bfloat16
+    assert {n: p for n, p in model.named_parameters()}.keys() == weights.keys()
+    assert all(p.device.type == "cpu" and torch.equal(p, weights[n]) for n, p in model.named_parameters())
     model.set_attn_implementation("sdpa")
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, want)
+
+    monkeypatch.setattr(kvcache, "available_memory_bytes", lambda device=None: 1 << 20)  # 1 MiB free
+    small = LM.load(tied_dir, "cpu", "bfloat16", check=False).model
+    use_packed_attention(small, prepack=True)
+    assert not getattr(small, "_specdec_prepacked", False)
+
+
+def test_prepacking_is_undone_where_no_row_counts_agree(tied_dir, monkeypatch):
+    """If the prepacked GEMMs calibrate to no row counts, the modules go back to their plain
+    forwards, so per-row products can be tried."""
+    from specdec import kvcache
+
+    real = kvcache.calibrate_rows
+    monkeypatch.setattr(kvcache, "calibrate_rows", lambda model, seeds=2, **kw: real(model, seeds, **kw) if kw else None)
+    torch.set_num_threads(1)
+    model = LM.load(tied_dir, "cpu", "bfloat16", check=False).model
+    use_packed_attention(model, prepack=True)
+    assert not getattr(model, "_specdec_prepacked", False)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if model._specdec_rows is None:  # per-row products did not calibrate either: the plain modules serve
+        assert all(m.forward.__func__ is type(m).forward for m in linears)
+    else:  # per-row products were kept
+        assert model._specdec_rows[0] == 1
 
 
 @pytest.mark.parametrize("n_prompt", [5, 40])

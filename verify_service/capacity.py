@@ -14,7 +14,7 @@ import torch
 
 from specdec import metrics
 from specdec.errors import RequestError
-from specdec.kvcache import attention_dtype
+from specdec.kvcache import attention_dtype, available_memory_bytes
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
@@ -22,17 +22,6 @@ def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-
-
-def available_memory_bytes(device: torch.device | None = None) -> int | None:
-    """Free memory where the caches live: the CUDA device's free memory, or the host's MemAvailable."""
-    if device is not None and device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
 
 
 def default_cache_budget(lm, max_sessions: int, memory_fraction: float | None = None) -> int:
