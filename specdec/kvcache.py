@@ -523,7 +523,7 @@ def use_packed_attention(model, per_row: bool | None = None, prepack: bool | Non
     mods = _row_modules(model)
     rows = calibrate_rows(model) if per_row is not True else None
     if unpacked is not None:
-        if rows is None:  # no row counts agree: back to the plain weights, so per-row products can be tried
+        if rows is None:  # no row counts agree: back to the plain forwards, so per-row products can be tried
             for m, fwd in unpacked.items():
                 m.forward = fwd
         else:  # kept, without per-row products (slower than GEMMs in bf16)
