@@ -185,6 +185,22 @@ def test_package_corpus_is_split_by_its_own_names_and_declares_its_license():
         corpus.documents(["package:no_such_package_here"])
 
 
+def test_a_top_level_name_two_distributions_install_takes_its_own_license(monkeypatch):
+    """packages_distributions() can map one import name to several distributions (a wheel that
+    ships a stray top-level directory): the distribution named like the package decides, and
+    where none is, every license is listed, so one copyleft license among them refuses the package."""
+    from train import corpus
+
+    own = corpus.package_license("packaging")
+    monkeypatch.setattr(corpus, "_distributions", lambda: {"packaging": ["torch", "packaging"], "stray": ["torch", "packaging"]})
+    assert corpus.package_license("packaging") == own and "(torch)" not in own
+    both = corpus.package_license("stray")
+    assert "(torch)" in both and "(packaging)" in both
+    monkeypatch.setattr(corpus.importlib.metadata, "metadata", lambda d: {"License-Expression": "GPL-3.0" if d == "torch" else "MIT"})
+    assert not corpus.is_permissive(corpus.package_license("stray"))
+    assert corpus.is_permissive(corpus.package_license("packaging"))
+
+
 def test_code_prompt_quality_scores_loops_low():
     from train.evaluate import distinct_ngrams
 

@@ -179,10 +179,20 @@ def _distributions() -> dict:
     return importlib.metadata.packages_distributions()
 
 
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def package_license(name: str) -> str:
-    """The license an installed package declares (SPDX expression, License field or classifier)."""
-    dists = _distributions().get(name.split(".")[0], [])
-    for dist in dists:
+    """The license an installed package declares (SPDX expression, License field or classifier).
+    Where several distributions install the same top-level name (a wheel that also ships a stray
+    `build/` directory, say), the one named like the package decides; failing that, every one's
+    license is listed, so that `is_permissive` refuses the package if any of them is not."""
+    top = name.split(".")[0]
+    dists = list(dict.fromkeys(_distributions().get(top, [])))
+    own = [d for d in dists if _norm(d) == _norm(top)]
+    found = []
+    for dist in own or dists:
         meta = importlib.metadata.metadata(dist)
         lic = meta.get("License-Expression") or ""
         if not lic:
@@ -190,9 +200,8 @@ def package_license(name: str) -> str:
             lic = field.splitlines()[0] if field and len(field) < 100 else ""
         if not lic:
             lic = "; ".join(c.split("::")[-1].strip() for c in meta.get_all("Classifier") or [] if c.startswith("License ::"))
-        if lic:
-            return f"{lic} ({dist})"
-    return "unknown"
+        found.append(f"{lic or 'unknown'} ({dist})")
+    return "; ".join(found) or "unknown"
 
 
 # Licenses that let the source be trained on and the weights shipped without conditions on them
