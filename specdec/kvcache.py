@@ -230,8 +230,9 @@ def _prepack(model, force: bool = False) -> dict | None:
     of ROUND_ROWS tokens at least PREPACK_GAIN times faster (one module of each kind timed), and
     the packed copies fit in PREPACK_MEMORY_SHARE of the host's free memory. The plain weights stay
     (the modules' own attributes: anything that reads them directly still computes with the right
-    numbers), so the matmul weights are held twice. Every module is packed before any is switched,
-    so a failure changes nothing. Returns {module: its plain forward} if it switched, else None."""
+    numbers), so the matmul weights are held twice. One module of each kind is packed for the
+    checks; the rest only once they pass, and all before any is switched, so a failure changes
+    nothing. Returns {module: its plain forward} if it switched, else None."""
     ops = torch.ops.mkldnn
     if not torch.backends.mkldnn.is_available() or not all(hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise")):
         return None
@@ -241,23 +242,28 @@ def _prepack(model, force: bool = False) -> dict | None:
         log.info("%s: prepacked matmuls not used: their %.2f GiB would pass %.0f%% of the %.2f GiB free", name, extra / 2**30,
                  100 * PREPACK_MEMORY_SHARE, free / 2**30)
         return None
+    packed: dict = {}  # module -> its prepacked forward: one module of each kind until the checks pass
+
+    def pack(m):
+        return packed.setdefault(m, _prepacked(m))
+
     try:
-        packed = {m: _prepacked(m) for m in _row_modules(model)}
         g = torch.Generator().manual_seed(0)
         for ms in _kinds(model).values():
             x = torch.randn(1, ROUND_ROWS, _width(ms[0]), generator=g).to(model.dtype)
-            if not all(torch.equal(packed[ms[0]](r), ms[0].forward(r)) for r in (x, x[:, :1])):
+            if not all(torch.equal(pack(ms[0])(r), ms[0].forward(r)) for r in (x, x[:, :1])):
                 log.info("%s: prepacked matmuls give other numbers on this CPU; not used", name)
                 return None
         if not force:
-            gains = [_matmul_seconds(model, _own_forward, n) / _matmul_seconds(model, packed.get, n) for n in (1, ROUND_ROWS)]
+            gains = [_matmul_seconds(model, _own_forward, n) / _matmul_seconds(model, pack, n) for n in (1, ROUND_ROWS)]
+            log.info("%s: prepacked matmuls are %.2fx as fast for a step, %.2fx for a %d-row round", name, gains[0], gains[1], ROUND_ROWS)
+            if min(gains) < PREPACK_GAIN:
+                return None
+        for m in _row_modules(model):
+            pack(m)
     except (RuntimeError, AttributeError) as e:  # this build's oneDNN cannot pack this dtype or shape
         log.info("%s: prepacked matmuls unavailable (%s)", name, e)
         return None
-    if not force:
-        log.info("%s: prepacked matmuls are %.2fx as fast for a step, %.2fx for a %d-row round", name, gains[0], gains[1], ROUND_ROWS)
-        if min(gains) < PREPACK_GAIN:
-            return None
     former = {}
     for m, fwd in packed.items():
         former[m], m.forward = m.forward, fwd
