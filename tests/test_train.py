@@ -307,6 +307,19 @@ def test_model_card_adds_up_a_target_trained_in_several_runs():
     assert first["steps"] == 100  # the runs themselves are left as they were
 
 
+def test_shipped_model_card_is_the_one_rendered_from_the_shipped_records(tmp_path):
+    """models/README.md is generated: a hand edit would be lost the next time it is rendered."""
+    from train.modelcard import main
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "models" / "README.md"
+    main(["--training", str(root / "models/training.json"), "--eval", str(root / "models/eval.json"),
+          "--engine", str(root / "bench/results/engine.json"), "--target-dir", str(root / "models/stdlib-code-target"),
+          "--draft-dir", str(root / "models/stdlib-code-draft"), "--out", str(out)])
+    assert out.read_text() == (root / "models/README.md").read_text()
+    assert (tmp_path / "models" / "training.json").read_text() == (root / "models/training.json").read_text()
+
+
 def test_repeated_ngrams_marks_every_token_of_a_repeat():
     from train.unlikelihood import repeated_ngrams
 

@@ -6,7 +6,10 @@
 A target trained in several runs (each continuing the last) gives one summary per run, in order.
 
 The training summaries are also copied to ``models/training.json`` so the card's figures stay
-traceable after ``runs/`` (not versioned) is gone.
+traceable after ``runs/`` (not versioned) is gone. After a new ``bench.engine`` run, the card is
+rendered again from them:
+
+    python -m train.modelcard --training models/training.json
 """
 
 from __future__ import annotations
@@ -255,6 +258,9 @@ Measured through both services against transformers' `generate()` in the same ru
 
 {_engine_rows(engine)}
 
+(Compare within a run: this machine's speed drifts with its neighbours. README.md gives the other
+runs and what changed between them; DESIGN.md §6 the engine's choices on this CPU.)
+
 Latencies were measured on {ev['machine']['processor']}, torch {ev['machine']['torch']},
 {ev['machine']['torch_threads']} thread; evaluation took {ev['eval_seconds']:.0f} s.
 
@@ -295,15 +301,21 @@ def main(argv=None) -> None:
     ap.add_argument("--target-summary", nargs="+", default=["runs/gpu/target/summary.json"],
                     help="one summary per training run of the target, in order (each run continues the last)")
     ap.add_argument("--draft-summary", default="runs/gpu/draft/summary.json")
+    ap.add_argument("--training", help="the summaries as shipped (models/training.json), in place of "
+                    "--target-summary and --draft-summary")
     ap.add_argument("--target-dir", default="models/stdlib-code-target")
     ap.add_argument("--draft-dir", default="models/stdlib-code-draft")
     ap.add_argument("--engine", default="bench/results/engine.json", help="bench.engine's results, if present")
     ap.add_argument("--out", default="models/README.md")
     args = ap.parse_args(argv)
     ev = json.loads(Path(args.eval).read_text())
-    runs = [json.loads(Path(p).read_text()) for p in args.target_summary]
+    if args.training:
+        shipped = json.loads(Path(args.training).read_text())
+        runs, ds = shipped["target_runs"], shipped["draft"]
+    else:
+        runs = [json.loads(Path(p).read_text()) for p in args.target_summary]
+        ds = json.loads(Path(args.draft_summary).read_text())
     ts = combine_runs(runs)
-    ds = json.loads(Path(args.draft_summary).read_text())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     (out.parent / "training.json").write_text(json.dumps({"target_runs": runs, "draft": ds}, indent=2) + "\n")
