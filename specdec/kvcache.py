@@ -237,15 +237,20 @@ def _prepack(model, force: bool = False) -> dict | None:
     if not torch.backends.mkldnn.is_available() or not all(hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise")):
         return None
     name = f"{type(model).__name__} in {model.dtype}"
-    extra, free = sum(m.weight.numel() * m.weight.element_size() for m in _row_modules(model)), available_memory_bytes()
+    weights = {id(m.weight): m.weight for m in _row_modules(model)}  # a weight two modules share is packed once
+    extra, free = sum(w.numel() * w.element_size() for w in weights.values()), available_memory_bytes()
     if free is not None and extra > PREPACK_MEMORY_SHARE * free:
         log.info("%s: prepacked matmuls not used: their %.2f GiB would pass %.0f%% of the %.2f GiB free", name, extra / 2**30,
                  100 * PREPACK_MEMORY_SHARE, free / 2**30)
         return None
     packed: dict = {}  # module -> its prepacked forward: one module of each kind until the checks pass
+    by_weight: dict = {}  # (weight, bias) ids -> that forward, so modules that share them share one packed copy
 
     def pack(m):
-        return packed.setdefault(m, _prepacked(m))
+        if m not in packed:
+            key = (type(m), id(m.weight), None if m.bias is None else id(m.bias))
+            packed[m] = by_weight[key] if key in by_weight else by_weight.setdefault(key, _prepacked(m))
+        return packed[m]
 
     try:
         g = torch.Generator().manual_seed(0)

@@ -445,6 +445,35 @@ def test_prepacked_products_are_the_modules_own_numbers():
                 assert torch.equal(fwd(x[:, :k]), m(x[:, :k])), (type(m).__name__, k)
 
 
+@pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU: the engine keeps its GEMMs")
+def test_modules_that_share_a_weight_share_its_packed_copy(monkeypatch):
+    """Two Linear modules holding one weight (and bias) get one packed copy between them, counted
+    once against the memory share; a module with a weight of its own gets its own."""
+    from specdec import kvcache
+
+    class Shared(torch.nn.Module):
+        dtype = torch.bfloat16
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = (torch.nn.Linear(64, 96) for _ in range(3))
+            self.b.weight, self.b.bias = self.a.weight, self.a.bias
+
+    torch.manual_seed(0)
+    model = Shared().to(torch.bfloat16)
+    made = []
+    monkeypatch.setattr(kvcache, "_prepacked", lambda m, real=kvcache._prepacked: made.append(m) or real(m))
+    # two distinct bf16 weights take 24,576 bytes and fit in a quarter of 120,000; three (36,864) would not
+    monkeypatch.setattr(kvcache, "available_memory_bytes", lambda device=None: 120_000)
+    former = kvcache._prepack(model, force=True)
+    assert former is not None and set(former) == {model.a, model.b, model.c}
+    assert len(made) == 2 and model.a.forward is model.b.forward and model.c.forward is not model.a.forward
+    x = torch.randn(1, 3, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        for m in (model.a, model.b, model.c):
+            assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight, m.bias))
+
+
 @pytest.fixture(scope="module")
 def tied_dir(tmp_path_factory):
     """A small random Llama whose output layer is tied to its input embeddings, as the shipped pair's are."""
