@@ -43,7 +43,7 @@ def verify_channel(args) -> grpc.aio.Channel:
 
 async def run(args, token_auth=None) -> None:
     try:
-        lm = LM.load(args.model, args.device, args.dtype)
+        lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices)
     except Unsupported as e:
         print(f"draft_service: {e}", file=sys.stderr)
         sys.exit(2)

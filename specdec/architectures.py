@@ -32,9 +32,9 @@ def context_limit(config) -> int:
     return 2048
 
 
-def check_supported(lm) -> None:
-    """Switches lm.model to the packed attention, or raises Unsupported naming the architecture
-    and the reason."""
+def check_supported(lm, choices: dict | None = None) -> None:
+    """Switches lm.model to the packed attention (with the engine's pinned load-time choices,
+    kvcache.parse_choices), or raises Unsupported naming the architecture and the reason."""
     from specdec.lm import Unsupported  # noqa: PLC0415
 
     model, cfg = lm.model, lm.model.config
@@ -50,7 +50,7 @@ def check_supported(lm) -> None:
         raise Unsupported(f"{arch}: encoder-decoder models are not served")
     reference_impl = cfg._attn_implementation
     try:
-        _probe(lm, reference_impl)
+        _probe(lm, reference_impl, choices or {})
     except Unsupported:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of the engine's pass means: not servable
@@ -58,7 +58,7 @@ def check_supported(lm) -> None:
 
 
 @torch.inference_mode()
-def _probe(lm, reference_impl: str) -> None:
+def _probe(lm, reference_impl: str, choices: dict) -> None:
     from specdec.lm import Unsupported  # noqa: PLC0415
 
     model = lm.model
@@ -67,7 +67,7 @@ def _probe(lm, reference_impl: str) -> None:
     ids = torch.randint(0, lm.vocab_size, (n,), generator=g).tolist()
     other = torch.randint(0, lm.vocab_size, (7,), generator=g).tolist()
     ref = model(input_ids=torch.tensor([ids], device=lm.device)).logits[0].float()  # [n, V], the model's own attention
-    use_packed_attention(model)
+    use_packed_attention(model, **choices)
     a, b = KVCache(n), KVCache(n)
     split = n - 6
     forward_packed(model, [ids[: split - 3]], [a], logits=False)  # prefill

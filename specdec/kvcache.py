@@ -506,7 +506,41 @@ def _faster_attention(model, keys: int = 256, calls: int = 20) -> torch.dtype:
     return torch.float32 if own > ATTN_FLOAT32_GAIN * wide else dt
 
 
-def use_packed_attention(model, per_row: bool | None = None, prepack: bool | None = None) -> None:
+PINS = {"attention": ("float32", "model"), "prepack": ("on", "off"), "per-row": ("on", "off")}
+
+
+def parse_choices(text: str | None) -> dict[str, bool | str]:
+    """--engine-choices ('attention=float32,prepack=on,per-row=off', any of them; '' for none) ->
+    use_packed_attention's keyword arguments. ValueError names what is wrong."""
+    out: dict[str, bool | str] = {}
+    for part in filter(None, (x.strip() for x in (text or "").split(","))):
+        name, _, value = part.partition("=")
+        name, value = name.strip(), value.strip()
+        if name not in PINS or value not in PINS[name]:
+            raise ValueError(f"--engine-choices: {part!r} is not one of " +
+                             ", ".join(f"{n}={'|'.join(v)}" for n, v in PINS.items()))
+        key = name.replace("-", "_")
+        if key in out:
+            raise ValueError(f"--engine-choices: {name} given twice")
+        out[key] = value if name == "attention" else value == "on"
+    return out
+
+
+def engine_choices(model) -> str:
+    """The timed choices use_packed_attention made for a model on the CPU, in --engine-choices'
+    format ('' on a GPU): given back at the next start they are made again without timing (the
+    checks of the numbers still run), so the engine computes the same numbers."""
+    if model.device.type != "cpu" or not hasattr(model, "_specdec_rows"):
+        return ""
+    parts = []
+    if model.dtype in (torch.bfloat16, torch.float16):
+        parts += [f"attention={'float32' if attention_dtype(model) == torch.float32 else 'model'}",
+                  f"prepack={'on' if getattr(model, '_specdec_prepacked', False) else 'off'}"]
+    parts.append(f"per-row={'on' if getattr(model, '_specdec_per_row', False) else 'off'}")
+    return ",".join(parts)
+
+
+def use_packed_attention(model, per_row: bool | None = None, prepack: bool | None = None, attention: str | None = None) -> None:
     """Switches the model to the packed attention; on the CPU, calibrates its row counts once and
     makes its matmul modules cut long inputs into blocks of them (see the module docstring), and
     picks the dtype a half-precision model attends in (`_faster_attention`).
@@ -519,14 +553,29 @@ def use_packed_attention(model, per_row: bool | None = None, prepack: bool | Non
 
     A half-precision model first has its matmul weights prepacked for oneDNN where that gives the
     same numbers and pays (`_prepack`; prepack forces it either way where it gives the same
-    numbers, for tests; per_row=True wins over it). Its GEMMs are then calibrated as they are, and
-    per-row products are not tried unless no row counts agree (then the prepacking is undone)."""
+    numbers; per_row=True wins over it). Its GEMMs are then calibrated as they are, and
+    per-row products are not tried unless no row counts agree (then the prepacking is undone).
+    attention ('float32' or 'model') fixes the dtype a half-precision model attends in.
+
+    per_row, prepack and attention replace the timed choices (`engine_choices` gives them back for
+    the next start: --engine-choices); the checks of the numbers run either way."""
     model.set_attn_implementation(ATTN)
     if model.device.type != "cpu" or hasattr(model, "_specdec_rows"):
         return
+    _choose(model, per_row, prepack, attention)
+    pinned = [k for k, v in (("attention", attention), ("prepack", prepack), ("per-row", per_row)) if v is not None]
+    log.info("%s in %s: engine choices %s (%s; --engine-choices pins them)", type(model).__name__, model.dtype,
+             engine_choices(model), f"pinned: {', '.join(pinned)}" if pinned else "timed")
+
+
+def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | None) -> None:
+    """use_packed_attention's work on the CPU."""
     if model.dtype in (torch.bfloat16, torch.float16):
-        with torch.inference_mode():
-            model._specdec_kv_dtype = _faster_attention(model)
+        if attention is None:
+            with torch.inference_mode():
+                model._specdec_kv_dtype = _faster_attention(model)
+        else:
+            model._specdec_kv_dtype = torch.float32 if attention == "float32" else model.dtype
         log.info("%s in %s: KV cache and attention in %s on this CPU", type(model).__name__, model.dtype, model._specdec_kv_dtype)
     unpacked = None
     if model.dtype in (torch.bfloat16, torch.float16) and per_row is not True and prepack is not False:
@@ -554,7 +603,7 @@ def use_packed_attention(model, per_row: bool | None = None, prepack: bool | Non
             gemm = {m: m.forward for m in mods}
             for m in mods:
                 m.forward = _blocked(_per_row(m, own_weight=holders[id(m.weight)] == 1), per[1], gemm[m])
-            model._specdec_rows, model._specdec_lead = per, PER_ROW_LEAD
+            model._specdec_rows, model._specdec_lead, model._specdec_per_row = per, PER_ROW_LEAD, True
             log.info("%s in %s: per-row matmul products (no padding rows), blocks of up to %d rows",
                      type(model).__name__, model.dtype, per[1])
             return

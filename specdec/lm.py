@@ -27,6 +27,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=os.environ.get("SPECDEC_DTYPE") or "auto", choices=["auto", *DTYPES],
                    help="auto: the checkpoint's dtype on CUDA; on the CPU bfloat16 where it has native bf16 "
                         "instructions (avx512_bf16 / AMX), else float32 [env SPECDEC_DTYPE]")
+    p.add_argument("--engine-choices", type=_choices_arg, default=os.environ.get("SPECDEC_ENGINE_CHOICES") or "",
+                   help="on the CPU, pin the engine's timed load-time choices, e.g. 'attention=float32,prepack=on,per-row=off' "
+                        "(default: timed at start-up; each service logs what it chose in this form; pinned, a restart "
+                        "computes the same numbers, so a seeded request samples the same tokens) [env SPECDEC_ENGINE_CHOICES]")
+
+
+def _choices_arg(text: str) -> dict:
+    from specdec.kvcache import parse_choices  # noqa: PLC0415
+
+    try:
+        return parse_choices(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--engine-choices: ")) from None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -112,8 +125,9 @@ class LM:
         return min(self.eos) if self.eos else None
 
     @classmethod
-    def load(cls, path: str, device: str = "cpu", dtype: str = "float32", check: bool = True) -> "LM":
-        """Loads the model, refusing (Unsupported) what the engine cannot serve exactly."""
+    def load(cls, path: str, device: str = "cpu", dtype: str = "float32", check: bool = True, choices: dict | None = None) -> "LM":
+        """Loads the model, refusing (Unsupported) what the engine cannot serve exactly. choices:
+        the engine's pinned load-time choices (kvcache.parse_choices), else they are timed."""
         from specdec import architectures  # noqa: PLC0415 - it imports this module
 
         if not os.path.isdir(path):
@@ -152,7 +166,7 @@ class LM:
             dtype=dt,
         )
         if check:
-            architectures.check_supported(lm)  # raises Unsupported; switches to the packed attention
+            architectures.check_supported(lm, choices)  # raises Unsupported; switches to the packed attention
         return lm
 
 

@@ -304,7 +304,8 @@ def test_manifests_keep_tokens_in_secret_files_and_fence_the_verify(overlay):
 @pytest.mark.parametrize("overlay,verify_device", [("local-cpu", "cpu"), ("gpu", "cuda"), ("gpu-mtls", "cuda")])
 def test_manifests_place_each_model(overlay, verify_device):
     """--device/--dtype reach the services as SPECDEC_DEVICE / SPECDEC_DTYPE from the config map:
-    the verify on its GPU in the GPU overlays, the drafts on the CPU everywhere."""
+    the verify on its GPU in the GPU overlays, the drafts on the CPU everywhere; the engine's
+    choices (SPECDEC_ENGINE_CHOICES) are there to pin, and timed by default (empty)."""
     docs = render(overlay)
     config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("specdec-config"))["data"]
     for name, prefix, device in (("specdec-verify", "VERIFY", verify_device), ("specdec-draft", "DRAFT", "cpu")):
@@ -312,3 +313,4 @@ def test_manifests_place_each_model(overlay, verify_device):
         env = {e["name"]: e["valueFrom"]["configMapKeyRef"]["key"] for e in c["env"] if "configMapKeyRef" in e.get("valueFrom", {})}
         assert config[env["SPECDEC_DEVICE"]] == device and env["SPECDEC_DEVICE"] == f"{prefix}_DEVICE"
         assert config[env["SPECDEC_DTYPE"]] == "auto"
+        assert env["SPECDEC_ENGINE_CHOICES"] == f"{prefix}_ENGINE_CHOICES" and config[env["SPECDEC_ENGINE_CHOICES"]] == ""

@@ -445,6 +445,50 @@ def test_prepacked_products_are_the_modules_own_numbers():
                 assert torch.equal(fwd(x[:, :k]), m(x[:, :k])), (type(m).__name__, k)
 
 
+def _logits_of_a_session(model) -> torch.Tensor:
+    c = KVCache(48)
+    outs = [forward_packed(model, [[3 + i % 13 for i in range(30)]], [c])[0], forward_packed(model, [[7, 8, 9, 10, 11]], [c])[0],
+            forward_packed(model, [[12]], [c])[0]]
+    return torch.cat(outs)
+
+
+PINS = [("float32", "per-row=on"), ("float32", "per-row=off"), ("bfloat16", "attention=model,prepack=off,per-row=off"),
+        pytest.param("bfloat16", "attention=float32,prepack=on,per-row=off",
+                     marks=pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU"))]
+
+
+@pytest.mark.parametrize("dtype,pin", PINS)
+def test_pinned_engine_choices_are_made_without_timing_and_replay_a_timed_load(model_dir, monkeypatch, dtype, pin):
+    """--engine-choices: each pinned choice is made as given, with no timing at all; pinned to
+    what a timed load chose, a new load computes bitwise that load's logits."""
+    from specdec import kvcache
+    from specdec.kvcache import engine_choices, parse_choices
+
+    torch.set_num_threads(1)
+    timed = LM.load(model_dir("target"), "cpu", dtype)
+    chosen = engine_choices(timed.model)
+    want = _logits_of_a_session(timed.model)
+
+    def clock(*a, **kw):
+        raise AssertionError("a pinned choice was timed")
+
+    monkeypatch.setattr(kvcache, "_best_seconds", clock)
+    for choices in (pin, chosen):
+        lm = LM.load(model_dir("target"), "cpu", dtype, choices=parse_choices(choices))
+        assert engine_choices(lm.model) == choices
+    assert torch.equal(_logits_of_a_session(lm.model), want)  # the last load: pinned to the timed one's choices
+
+
+def test_engine_choices_parse_and_refuse():
+    from specdec.kvcache import parse_choices
+
+    assert parse_choices("") == {} and parse_choices(None) == {}
+    assert parse_choices(" attention=float32 , prepack=off,per-row=on") == {"attention": "float32", "prepack": False, "per_row": True}
+    for bad in ("prepack", "prepack=yes", "attention=bfloat16", "rows=4", "per-row=on,per-row=off"):
+        with pytest.raises(ValueError, match="--engine-choices"):
+            parse_choices(bad)
+
+
 @pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU: the engine keeps its GEMMs")
 def test_modules_that_share_a_weight_share_its_packed_copy(monkeypatch):
     """Two Linear modules holding one weight (and bias) get one packed copy between them, counted

@@ -25,6 +25,14 @@ def test_device_cuda_without_cuda_exits_with_one_line(model_dir, module):
     assert len(lines) == 1 and "CUDA is not available" in lines[0] and "Traceback" not in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("pin", ["prepack=maybe", "per-row", "colour=blue", "per-row=on,per-row=off"])
+def test_a_bad_engine_choice_exits_with_a_usage_line(model_dir, pin):
+    args = [sys.executable, "-m", "verify_service", "--model", model_dir("target"), "--port", "0", "--engine-choices", pin]
+    p = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "--engine-choices" in p.stderr.splitlines()[-1] and "Traceback" not in p.stderr, p.stderr
+
+
 @pytest.fixture(scope="module")
 def bf16(model_dir):
     env = dict(ENV, SPECDEC_DTYPE="bfloat16")
@@ -79,10 +87,19 @@ ADAPTIVE = [dict(prompt_ids=[3 + i, 5, 4 + i], max_new_tokens=36, temperature=1.
 def test_same_seed_same_tokens_with_adaptive_tau_under_load_and_across_restarts(model_dir):
     """Adaptive tau (pre-drafting on and off) chooses from acceptance history and the costs, never
     from a clock: a seeded request gives the same tokens alone, beside five others, and after both
-    services restart with the same flags (costs pinned with --costs-ms)."""
+    services restart with the same flags (costs pinned with --costs-ms, the engine's timed load-time
+    choices with --engine-choices or SPECDEC_ENGINE_CHOICES: on tiny models their timings sit near
+    the thresholds, and a choice that flips changes the numbers a sample is drawn from)."""
     def start():
-        v = Service("verify_service", "--model", model_dir("target"))
-        d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--costs-ms", "1.0,3.0,0.2")
+        v = Service("verify_service", "--model", model_dir("target"), "--log-level", "INFO",
+                    env=dict(ENV, SPECDEC_ENGINE_CHOICES="per-row=off"))
+        d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--costs-ms", "1.0,3.0,0.2",
+                    "--engine-choices", "per-row=on", "--log-level", "INFO")
+        for svc, pin in ((v, "per-row=off"), (d, "per-row=on")):
+            deadline = time.monotonic() + 10  # the log line was written at load; its reader thread may lag
+            while not any(f"engine choices {pin} (pinned: per-row" in line for line in list(svc.stderr)):
+                assert time.monotonic() < deadline, svc.stderr
+                time.sleep(0.05)
         return v, d
 
     def alone(d):

@@ -28,7 +28,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        lm = LM.load(args.model, args.device, args.dtype)
+        lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices)
     except Unsupported as e:
         print(f"verify_service: {e}", file=sys.stderr)
         sys.exit(2)
