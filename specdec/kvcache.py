@@ -201,13 +201,19 @@ def _per_row(m, own_weight: bool = False):
     return run
 
 
-def _prepacked(m):
-    """m's product (an nn.Linear's or a Conv1D's) through oneDNN with the weight reordered once into
-    the kernel's own layout (torch.ops.mkldnn, what inductor's CPU weight prepacking uses). The same
-    kernel as the module's own half-precision product, so the same numbers (`_prepack` checks), but
-    the plain matmul reorders the weight on every call: for one to a few rows that doubles its time."""
+def _packed_weight(m) -> torch.Tensor:
+    """m's weight reordered once into oneDNN's own layout (torch.ops.mkldnn, what inductor's CPU
+    weight prepacking uses)."""
     w = m.weight.detach()
-    packed = torch.ops.mkldnn._reorder_linear_weight((w if isinstance(m, torch.nn.Linear) else w.t()).contiguous(), 1)
+    return torch.ops.mkldnn._reorder_linear_weight((w if isinstance(m, torch.nn.Linear) else w.t()).contiguous(), 1)
+
+
+def _prepacked(m, packed: torch.Tensor | None = None):
+    """m's product (an nn.Linear's or a Conv1D's) through oneDNN with the weight reordered once
+    (`_packed_weight`, or packed: the same weight's, packed for another module). The same kernel
+    as the module's own half-precision product, so the same numbers (`_prepack` checks), but the
+    plain matmul reorders the weight on every call: for one to a few rows that doubles its time."""
+    packed = _packed_weight(m) if packed is None else packed
     b = None if m.bias is None else m.bias.detach()
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -237,19 +243,21 @@ def _prepack(model, force: bool = False) -> dict | None:
     if not torch.backends.mkldnn.is_available() or not all(hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise")):
         return None
     name = f"{type(model).__name__} in {model.dtype}"
-    weights = {id(m.weight): m.weight for m in _row_modules(model)}  # a weight two modules share is packed once
+    weights = {(isinstance(m, torch.nn.Linear), id(m.weight)): m.weight for m in _row_modules(model)}  # a shared weight: packed once
     extra, free = sum(w.numel() * w.element_size() for w in weights.values()), available_memory_bytes()
     if free is not None and extra > PREPACK_MEMORY_SHARE * free:
         log.info("%s: prepacked matmuls not used: their %.2f GiB would pass %.0f%% of the %.2f GiB free", name, extra / 2**30,
                  100 * PREPACK_MEMORY_SHARE, free / 2**30)
         return None
     packed: dict = {}  # module -> its prepacked forward: one module of each kind until the checks pass
-    by_weight: dict = {}  # (weight, bias) ids -> that forward, so modules that share them share one packed copy
+    by_weight: dict = {}  # (layout, weight id) -> the packed weight: modules that share a weight share one packed copy
 
     def pack(m):
         if m not in packed:
-            key = (type(m), id(m.weight), None if m.bias is None else id(m.bias))
-            packed[m] = by_weight[key] if key in by_weight else by_weight.setdefault(key, _prepacked(m))
+            key = (isinstance(m, torch.nn.Linear), id(m.weight))
+            if key not in by_weight:
+                by_weight[key] = _packed_weight(m)
+            packed[m] = _prepacked(m, by_weight[key])
         return packed[m]
 
     try:
@@ -523,13 +531,16 @@ def parse_choices(text: str | None) -> dict[str, bool | str]:
         if key in out:
             raise ValueError(f"--engine-choices: {name} given twice")
         out[key] = value if name == "attention" else value == "on"
+    if out.get("prepack") and out.get("per_row"):
+        raise ValueError("--engine-choices: prepack=on and per-row=on exclude each other (per-row products read the plain weights)")
     return out
 
 
 def engine_choices(model) -> str:
-    """The timed choices use_packed_attention made for a model on the CPU, in --engine-choices'
-    format ('' on a GPU): given back at the next start they are made again without timing (the
-    checks of the numbers still run), so the engine computes the same numbers."""
+    """The engine's state after use_packed_attention on the CPU, in --engine-choices' format ('' on
+    a GPU): each choice that applies to the model's dtype, timed or pinned. Given back at the next
+    start they are made again without timing (the checks still run), so with the same thread count
+    the engine computes the same numbers."""
     if model.device.type != "cpu" or not hasattr(model, "_specdec_rows"):
         return ""
     parts = []
@@ -560,12 +571,25 @@ def use_packed_attention(model, per_row: bool | None = None, prepack: bool | Non
     per_row, prepack and attention replace the timed choices (`engine_choices` gives them back for
     the next start: --engine-choices); the checks of the numbers run either way."""
     model.set_attn_implementation(ATTN)
-    if model.device.type != "cpu" or hasattr(model, "_specdec_rows"):
+    name = f"{type(model).__name__} in {model.dtype}"
+    pins = {k: v for k, v in (("attention", attention), ("prepack", prepack), ("per-row", per_row)) if v is not None}
+    if model.device.type != "cpu":
+        if pins:
+            log.warning("%s: engine choices are made on the CPU only; the pinned %s ignored on %s", name, ", ".join(pins), model.device)
+        return
+    if hasattr(model, "_specdec_rows"):
         return
     _choose(model, per_row, prepack, attention)
-    pinned = [k for k, v in (("attention", attention), ("prepack", prepack), ("per-row", per_row)) if v is not None]
-    log.info("%s in %s: engine choices %s (%s; --engine-choices pins them)", type(model).__name__, model.dtype,
-             engine_choices(model), f"pinned: {', '.join(pinned)}" if pinned else "timed")
+    made = dict(part.split("=") for part in engine_choices(model).split(","))
+    for k, v in pins.items():
+        want = v if k == "attention" else ("on" if v else "off")
+        if k not in made:
+            log.warning("%s: the pinned %s=%s does not apply to this dtype; ignored", name, k, want)
+        elif made[k] != want:
+            log.warning("%s: the pinned %s=%s could not be kept (its check failed: see above); %s=%s instead",
+                        name, k, want, k, made[k])
+    log.info("%s: engine choices %s (%s; --engine-choices pins them)", name, engine_choices(model),
+             f"pinned: {', '.join(pins)}" if pins else "timed")
 
 
 def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | None) -> None:

@@ -39,7 +39,8 @@ def _choices_arg(text: str) -> dict:
     try:
         return parse_choices(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--engine-choices: ")) from None
+        where = " (from SPECDEC_ENGINE_CHOICES)" if text == os.environ.get("SPECDEC_ENGINE_CHOICES") else ""
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--engine-choices: ") + where) from None
 
 
 def resolve_device(name: str) -> torch.device:

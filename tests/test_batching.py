@@ -458,25 +458,61 @@ PINS = [("float32", "per-row=on"), ("float32", "per-row=off"), ("bfloat16", "att
 
 
 @pytest.mark.parametrize("dtype,pin", PINS)
-def test_pinned_engine_choices_are_made_without_timing_and_replay_a_timed_load(model_dir, monkeypatch, dtype, pin):
-    """--engine-choices: each pinned choice is made as given, with no timing at all; pinned to
-    what a timed load chose, a new load computes bitwise that load's logits."""
+def test_pinned_engine_choices_are_made_as_given_without_timing(model_dir, monkeypatch, dtype, pin):
+    """--engine-choices: each pinned choice is made as given (where its checks pass, as they do
+    here), with no timing at all; two loads with the same pins compute bitwise the same logits."""
     from specdec import kvcache
     from specdec.kvcache import engine_choices, parse_choices
-
-    torch.set_num_threads(1)
-    timed = LM.load(model_dir("target"), "cpu", dtype)
-    chosen = engine_choices(timed.model)
-    want = _logits_of_a_session(timed.model)
 
     def clock(*a, **kw):
         raise AssertionError("a pinned choice was timed")
 
     monkeypatch.setattr(kvcache, "_best_seconds", clock)
-    for choices in (pin, chosen):
-        lm = LM.load(model_dir("target"), "cpu", dtype, choices=parse_choices(choices))
-        assert engine_choices(lm.model) == choices
-    assert torch.equal(_logits_of_a_session(lm.model), want)  # the last load: pinned to the timed one's choices
+    torch.set_num_threads(1)
+    lms = [LM.load(model_dir("target"), "cpu", dtype, choices=parse_choices(pin)) for _ in range(2)]
+    assert [engine_choices(lm.model) for lm in lms] == [pin, pin]
+    assert torch.equal(_logits_of_a_session(lms[0].model), _logits_of_a_session(lms[1].model))
+
+
+INF = float("inf")
+OUTCOMES = [  # dtype, attention timed faster in float32, prepack gain needed, per-row products timed to pay, GEMMs calibrate
+    ("float32", None, None, True, True), ("float32", None, None, False, True), ("float32", None, None, True, False),
+    ("bfloat16", True, 0.0, False, True), ("bfloat16", False, INF, True, True), ("bfloat16", False, INF, False, True),
+    ("bfloat16", True, 0.0, True, False),  # prepacking kept, then undone: no GEMM row counts agree
+]
+
+
+@pytest.mark.parametrize("dtype,fp32_attention,gain,pays,gemms", OUTCOMES)
+def test_a_timed_loads_choices_pinned_give_its_numbers(model_dir, monkeypatch, dtype, fp32_attention, gain, pays, gemms):
+    """Whatever the timings decide (forced here, one outcome each), the choices a load logs, pinned
+    at the next load, are made again without timing and give bitwise the same logits."""
+    from specdec import kvcache
+    from specdec.kvcache import engine_choices, parse_choices
+
+    if fp32_attention is not None:
+        monkeypatch.setattr(kvcache, "_faster_attention", lambda model: torch.float32 if fp32_attention else model.dtype)
+    if gain is not None:
+        monkeypatch.setattr(kvcache, "PREPACK_GAIN", gain)
+    monkeypatch.setattr(kvcache, "_per_row_pays", lambda model, lo, per_row: pays)
+    if not gemms:
+        real = kvcache.calibrate_rows
+        monkeypatch.setattr(kvcache, "calibrate_rows", lambda model, seeds=2, **kw: real(model, seeds, **kw) if kw else None)
+    torch.set_num_threads(1)
+    timed = LM.load(model_dir("target"), "cpu", dtype)
+    chosen = engine_choices(timed.model)
+    if dtype == "bfloat16":
+        assert chosen.startswith(f"attention={'float32' if fp32_attention else 'model'},")
+        if BF16_ONEDNN:
+            assert ("prepack=on" in chosen) == (gain == 0.0 and gemms), chosen  # kept, or undone where no GEMM rows agree
+
+    def clock(*a, **kw):
+        raise AssertionError("a pinned choice was timed")
+
+    monkeypatch.setattr(kvcache, "_best_seconds", clock)
+    pinned = LM.load(model_dir("target"), "cpu", dtype, choices=parse_choices(chosen))
+    assert engine_choices(pinned.model) == chosen
+    assert pinned.model._specdec_rows == timed.model._specdec_rows
+    assert torch.equal(_logits_of_a_session(pinned.model), _logits_of_a_session(timed.model))
 
 
 def test_engine_choices_parse_and_refuse():
@@ -484,15 +520,16 @@ def test_engine_choices_parse_and_refuse():
 
     assert parse_choices("") == {} and parse_choices(None) == {}
     assert parse_choices(" attention=float32 , prepack=off,per-row=on") == {"attention": "float32", "prepack": False, "per_row": True}
-    for bad in ("prepack", "prepack=yes", "attention=bfloat16", "rows=4", "per-row=on,per-row=off"):
+    for bad in ("prepack", "prepack=yes", "attention=bfloat16", "rows=4", "per-row=on,per-row=off", "prepack=on,per-row=on"):
         with pytest.raises(ValueError, match="--engine-choices"):
             parse_choices(bad)
 
 
 @pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU: the engine keeps its GEMMs")
 def test_modules_that_share_a_weight_share_its_packed_copy(monkeypatch):
-    """Two Linear modules holding one weight (and bias) get one packed copy between them, counted
-    once against the memory share; a module with a weight of its own gets its own."""
+    """Two Linear modules holding one weight (each with a bias of its own) get one packed copy of
+    it between them, counted once against the memory share; a module with a weight of its own gets
+    its own. Each module keeps its own bias."""
     from specdec import kvcache
 
     class Shared(torch.nn.Module):
@@ -501,17 +538,17 @@ def test_modules_that_share_a_weight_share_its_packed_copy(monkeypatch):
         def __init__(self):
             super().__init__()
             self.a, self.b, self.c = (torch.nn.Linear(64, 96) for _ in range(3))
-            self.b.weight, self.b.bias = self.a.weight, self.a.bias
+            self.b.weight = self.a.weight
 
     torch.manual_seed(0)
     model = Shared().to(torch.bfloat16)
     made = []
-    monkeypatch.setattr(kvcache, "_prepacked", lambda m, real=kvcache._prepacked: made.append(m) or real(m))
+    monkeypatch.setattr(kvcache, "_packed_weight", lambda m, real=kvcache._packed_weight: made.append(m) or real(m))
     # two distinct bf16 weights take 24,576 bytes and fit in a quarter of 120,000; three (36,864) would not
     monkeypatch.setattr(kvcache, "available_memory_bytes", lambda device=None: 120_000)
     former = kvcache._prepack(model, force=True)
     assert former is not None and set(former) == {model.a, model.b, model.c}
-    assert len(made) == 2 and model.a.forward is model.b.forward and model.c.forward is not model.a.forward
+    assert len(made) == 2 and {model.a, model.b} & set(made) and model.c in made
     x = torch.randn(1, 3, 64).to(torch.bfloat16)
     with torch.inference_mode():
         for m in (model.a, model.b, model.c):

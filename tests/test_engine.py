@@ -25,12 +25,17 @@ def test_device_cuda_without_cuda_exits_with_one_line(model_dir, module):
     assert len(lines) == 1 and "CUDA is not available" in lines[0] and "Traceback" not in p.stderr, p.stderr
 
 
-@pytest.mark.parametrize("pin", ["prepack=maybe", "per-row", "colour=blue", "per-row=on,per-row=off"])
-def test_a_bad_engine_choice_exits_with_a_usage_line(model_dir, pin):
-    args = [sys.executable, "-m", "verify_service", "--model", model_dir("target"), "--port", "0", "--engine-choices", pin]
-    p = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("pin", ["prepack=maybe", "per-row", "colour=blue", "per-row=on,per-row=off", "prepack=on,per-row=on"])
+@pytest.mark.parametrize("via", ["flag", "env"])
+def test_a_bad_engine_choice_exits_with_a_usage_line(model_dir, pin, via):
+    args = [sys.executable, "-m", "verify_service", "--model", model_dir("target"), "--port", "0"]
+    env = dict(ENV, SPECDEC_ENGINE_CHOICES=pin) if via == "env" else ENV
+    p = subprocess.run(args + (["--engine-choices", pin] if via == "flag" else []), cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
     assert p.returncode == 2, p.stderr
-    assert "--engine-choices" in p.stderr.splitlines()[-1] and "Traceback" not in p.stderr, p.stderr
+    last = p.stderr.splitlines()[-1]
+    assert "--engine-choices" in last and "Traceback" not in p.stderr, p.stderr
+    assert ("SPECDEC_ENGINE_CHOICES" in last) == (via == "env"), last
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +99,8 @@ def test_same_seed_same_tokens_with_adaptive_tau_under_load_and_across_restarts(
         v = Service("verify_service", "--model", model_dir("target"), "--log-level", "INFO",
                     env=dict(ENV, SPECDEC_ENGINE_CHOICES="per-row=off"))
         d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--costs-ms", "1.0,3.0,0.2",
-                    "--engine-choices", "per-row=on", "--log-level", "INFO")
-        for svc, pin in ((v, "per-row=off"), (d, "per-row=on")):
+                    "--engine-choices", "per-row=off", "--log-level", "INFO")
+        for svc, pin in ((v, "per-row=off"), (d, "per-row=off")):  # padded GEMMs: on every CPU (per-row may not calibrate)
             deadline = time.monotonic() + 10  # the log line was written at load; its reader thread may lag
             while not any(f"engine choices {pin} (pinned: per-row" in line for line in list(svc.stderr)):
                 assert time.monotonic() < deadline, svc.stderr

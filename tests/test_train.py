@@ -316,7 +316,8 @@ def test_shipped_model_card_is_the_one_rendered_from_the_shipped_records(tmp_pat
     main(["--training", str(root / "models/training.json"), "--eval", str(root / "models/eval.json"),
           "--engine", str(root / "bench/results/engine.json"), "--target-dir", str(root / "models/stdlib-code-target"),
           "--draft-dir", str(root / "models/stdlib-code-draft"), "--out", str(out)])
-    assert out.read_text() == (root / "models/README.md").read_text()
+    assert out.read_text() == (root / "models/README.md").read_text(), \
+        "models/README.md is not what its records render: run python -m train.modelcard --training models/training.json"
     assert (tmp_path / "models" / "training.json").read_text() == (root / "models/training.json").read_text()
 
 

@@ -131,6 +131,8 @@ def _engine_rows(engine: dict | None) -> str:
             x = r["ratios"]
             rows.append(f"| {name} | {dtype} | {r['generate']:.1f} tok/s | **{x['speculative']:.2f}×** | {x['draft model only']:.2f}× | "
                         f"{x['target-only']:.2f}× | {x['assisted']:.2f}× | {x['prompt lookup']:.2f}× |")
+    rows += ["", "(Compare within a run: this machine's speed drifts with its neighbours. README.md gives the other",
+             "runs and what changed between them; DESIGN.md §6 the engine's choices on this CPU.)"]
     return "\n".join(rows)
 
 
@@ -258,9 +260,6 @@ Measured through both services against transformers' `generate()` in the same ru
 
 {_engine_rows(engine)}
 
-(Compare within a run: this machine's speed drifts with its neighbours. README.md gives the other
-runs and what changed between them; DESIGN.md §6 the engine's choices on this CPU.)
-
 Latencies were measured on {ev['machine']['processor']}, torch {ev['machine']['torch']},
 {ev['machine']['torch_threads']} thread; evaluation took {ev['eval_seconds']:.0f} s.
 
@@ -298,11 +297,12 @@ def combine_runs(runs: list[dict]) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--eval", default="models/eval.json")
-    ap.add_argument("--target-summary", nargs="+", default=["runs/gpu/target/summary.json"],
-                    help="one summary per training run of the target, in order (each run continues the last)")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--target-summary", nargs="+", default=["runs/gpu/target/summary.json"],
+                     help="one summary per training run of the target, in order (each run continues the last)")
+    src.add_argument("--training", help="the summaries as shipped (models/training.json), in place of "
+                     "--target-summary and --draft-summary")
     ap.add_argument("--draft-summary", default="runs/gpu/draft/summary.json")
-    ap.add_argument("--training", help="the summaries as shipped (models/training.json), in place of "
-                    "--target-summary and --draft-summary")
     ap.add_argument("--target-dir", default="models/stdlib-code-target")
     ap.add_argument("--draft-dir", default="models/stdlib-code-draft")
     ap.add_argument("--engine", default="bench/results/engine.json", help="bench.engine's results, if present")
