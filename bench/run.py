@@ -18,7 +18,8 @@ acceptance alpha from the greedy runs, the gRPC + scheduling overhead per round 
 steps), and reports for every speculative run the bound S = E / (gamma c + 1), S_net = E /
 (gamma c + 1 + rho) and the efficiency measured / S. Writes results.json, REPORT.md and PNG plots.
 Every service runs with one torch thread (the two share this machine's cores); so do the
-in-process anchors.
+in-process anchors, and they run in the services' dtype (--dtype; `auto` resolves as the
+services resolve it: bfloat16 on a CPU with bf16 instructions, else float32).
 """
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def rtt_section(a, prompts, max_new: int, t_target: float, bar) -> list[dict]:
         print(f"[bench] skipping RTT emulation: {why}", file=sys.stderr)
         return []
     n = split.names(f"b{os.getpid()}")
-    env = dict(ENV, OMP_NUM_THREADS="1", SPECDEC_PROPOSER="draft")  # the draft model unless a config says (the service default is hybrid)
+    env = dict(ENV, OMP_NUM_THREADS="1", SPECDEC_PROPOSER="draft", SPECDEC_DTYPE=a.dtype)  # the draft model unless a config says
     in_d, in_v = ("ip", "netns", "exec", n["ns_draft"]), ("ip", "netns", "exec", n["ns_verify"])
     rows, procs = [], []
     try:
@@ -218,8 +219,9 @@ def render(res: dict, files: list[str]) -> str:
         "# specdec benchmark report", "",
         f"Run {res['date']} on {res['machine']}; models `{res['target']}` / `{res['draft']}`; "
         f"{res['n_prompts']} held-out code prompts, {res['max_new_tokens']} new tokens each, one request at a time, "
-        "1 torch thread per process. Command: `" + res["command"] + "`.", "",
-        f"* per-token latency in-process: target {res['t_target_ms']:.2f} ms, draft {res['t_draft_ms']:.2f} ms → **c = {res['c']:.3f}**",
+        f"1 torch thread per process, every model in {res['dtype']} (services and in-process anchors). "
+        "Command: `" + res["command"] + "`.", "",
+        f"* per-token latency in-process (transformers' own forward with its cache): target {res['t_target_ms']:.2f} ms, draft {res['t_draft_ms']:.2f} ms → **c = {res['c']:.3f}**",
         f"* acceptance per position (greedy, from the fixed-τ runs): **α = {res['alpha']:.3f}**",
         "* ρ = (verify wait − target forward time) per round / target step: gRPC, scheduling and Python per round",
         "* S = E/(γc+1) with E = (1−α^(γ+1))/(1−α) (DESIGN.md §7); S_net adds ρ; efficiency = measured speed-up / S",
@@ -233,7 +235,9 @@ def render(res: dict, files: list[str]) -> str:
         lines.append(f"| {r['name']} | {r['tok_s']:.1f} | {1000 / r['tok_s']:.1f} | {r['speedup']:.2f}× | {r['vs_hf_generate']:.2f}× | {f(r.get('gamma'))} | "
                      f"{f(r.get('tokens_per_round'))} | {f(r.get('rho'))} | {f(r.get('bound_S'))} | {f(r.get('bound_S_net'))} | "
                      f"{f(r.get('efficiency'))} | {r.get('exact', '')} |")
-    lines += ["", "`exact`: greedy output identical to target-only for every prompt (sampled rows: n/a).", ""]
+    lines += ["", "`exact`: greedy output identical to target-only for every prompt (sampled rows: n/a). In bfloat16, "
+              "transformers' generate() rounds differently from the engine, so near-ties can flip between the two (the "
+              "engine's contract is speculative == its own target-only, bitwise: DESIGN.md §9).", ""]
     lines += [f"![{x}]({x})" for x in files]
     return "\n".join(lines) + "\n"
 
@@ -256,6 +260,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rtt-ms", default="0,2,10,50")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the services' dtype, and so the in-process anchors' (default: auto, as the services resolve it)")
     p.add_argument("--quick", action="store_true", help="fewer configurations (a smoke run)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     a = p.parse_args(argv)
@@ -268,17 +274,20 @@ def main(argv=None) -> int:
     from bench.prompts import heldout_prompts
     from train.latency import compare_latency
 
+    from specdec.lm import checkpoint_dtype, resolve_dtype
+
+    a.dtype = str(resolve_dtype(a.dtype, torch.device("cpu"), checkpoint_dtype(a.target))).removeprefix("torch.")
     prompts = heldout_prompts(a.prompts)
     tok = AutoTokenizer.from_pretrained(a.target)
-    target = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(a.draft, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(a.target, dtype=getattr(torch, a.dtype)).eval()
+    draft = AutoModelForCausalLM.from_pretrained(a.draft, dtype=getattr(torch, a.dtype)).eval()
     lat = compare_latency(target, draft, rounds=3, steps=32)
     t_target, t_draft = lat["target"] / 1e3, lat["draft"] / 1e3
     c = t_draft / t_target
     configs = spec_configs(a.quick)
     anchors = ["hf generate", "hf assisted (assistant_model)", "hf prompt lookup"]
     bar = tqdm(total=len(configs) + len(anchors) + 2 * len(a.rtts), desc="bench", unit="config")
-    env = dict(ENV, OMP_NUM_THREADS="1", SPECDEC_PROPOSER="draft")  # the draft model unless a config says (the service default is hybrid)
+    env = dict(ENV, OMP_NUM_THREADS="1", SPECDEC_PROPOSER="draft", SPECDEC_DTYPE=a.dtype)  # the draft model unless a config says
     verify = Service("verify_service", "--model", a.target, "--threads", "1", env=env)
     draft_svc = Service("draft_service", "--model", a.draft, "--verify", verify.address, "--threads", "1", env=env)
     rows = []
@@ -318,7 +327,7 @@ def main(argv=None) -> int:
     bar.close()
     res = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=f"{os.cpu_count()} CPU cores, torch {torch.__version__}",
                target=os.path.relpath(a.target, ROOT), draft=os.path.relpath(a.draft, ROOT), n_prompts=len(prompts),
-               max_new_tokens=a.max_new_tokens, command="python -m bench.run " + " ".join(argv), latency=lat,
+               max_new_tokens=a.max_new_tokens, command="python -m bench.run " + " ".join(argv), dtype=a.dtype, latency=lat,
                t_target_ms=t_target * 1e3, t_draft_ms=t_draft * 1e3, c=c, alpha=alpha, rows=rows, rtt_rows=rtt_rows)
     for r in rows + rtt_rows:
         r.pop("ids", None)

@@ -136,7 +136,7 @@ class LM:
         dev = resolve_device(device)
         hf_logging.disable_progress_bar()  # no "Loading weights" bars on stderr: a refusal is one line there
         tok = AutoTokenizer.from_pretrained(path)
-        cfg_dtype = _checkpoint_dtype(path)
+        cfg_dtype = checkpoint_dtype(path)
         dt = resolve_dtype(dtype, dev, cfg_dtype)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(dev)
@@ -171,7 +171,7 @@ class LM:
         return lm
 
 
-def _checkpoint_dtype(path: str) -> torch.dtype | None:
+def checkpoint_dtype(path: str) -> torch.dtype | None:
     try:
         with open(os.path.join(path, "config.json")) as fh:
             cfg = json.load(fh)

@@ -1,0 +1,20 @@
+"""bench/run.py end to end on the shipped pair, cut short: one prompt, a few tokens, no RTT emulation."""
+import json
+import subprocess
+import sys
+
+from conftest import ENV, ROOT
+
+
+def test_bench_run_measures_the_services_and_generate_in_one_dtype(tmp_path):
+    """The in-process anchors run in the services' dtype (they once ran float32 beside bf16
+    services): in float32 the services' greedy tokens are transformers' generate() tokens."""
+    p = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--prompts", "1", "--max-new-tokens", "12", "--rtt-ms", "",
+                        "--dtype", "float32", "--out", str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["dtype"] == "float32"
+    rows = {r["name"]: r for r in res["rows"]}
+    assert rows["target-only"]["tokens"] == 12 and rows["hf generate"]["tokens"] == 12
+    assert rows["hf generate"]["exact"] == "yes" and rows["spec tau=4"]["exact"] == "yes"
+    assert "every model in float32" in (tmp_path / "REPORT.md").read_text()
