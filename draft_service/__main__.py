@@ -85,8 +85,8 @@ def main(argv=None) -> None:
     auth.add_server_args(p)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=serving.env_flag("SPECDEC_ADAPTIVE", True),
                    help="default for requests that do not say: choose tau (up to 8 unless the request sets num_draft_tokens) "
-                        "per round from the session's acceptance and the calibrated costs (default: on, the measured best: "
-                        "bench/results/POLICY.md) [env SPECDEC_ADAPTIVE]")
+                        "per round from the session's acceptance and the calibrated costs (default: on; it matches the best fixed tau "
+                        "without being told it: bench/results/POLICY.md) [env SPECDEC_ADAPTIVE]")
     p.add_argument("--predraft", action=argparse.BooleanOptionalAction, default=serving.env_flag("SPECDEC_PREDRAFT", True),
                    help="default for requests that do not say: draft round k+1 while round k is verified (default: on) "
                         "[env SPECDEC_PREDRAFT]")
