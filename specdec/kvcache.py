@@ -271,7 +271,7 @@ def _prepack(model, force: bool = False) -> dict | None:
                 return None
         if not force:
             for _ in range(PREPACK_TRIES):  # a miss is timed again: once, a loaded machine timed a 1.85x step at 1.02x
-                gains = [own / packed for own, packed in
+                gains = [plain / fast for plain, fast in
                          (_matmul_seconds(model, [(_own_forward, n), (pack, n)]) for n in (1, ROUND_ROWS))]
                 log.info("%s: prepacked matmuls are %.2fx as fast for a step, %.2fx for a %d-row round", name, *gains, ROUND_ROWS)
                 if min(gains) >= PREPACK_GAIN:
