@@ -553,19 +553,25 @@ def parse_choices(text: str | None) -> dict[str, bool | str]:
     return out
 
 
+def _made(model) -> dict[str, str]:
+    """{choice: value} for each choice that applies to the model's dtype, as the engine stands
+    (after use_packed_attention on the CPU; {} on a GPU)."""
+    if model.device.type != "cpu" or not hasattr(model, "_specdec_rows"):
+        return {}
+    out = {}
+    if model.dtype in (torch.bfloat16, torch.float16):
+        out["attention"] = "float32" if attention_dtype(model) == torch.float32 else "model"
+        out["prepack"] = "on" if getattr(model, "_specdec_prepacked", False) else "off"
+    out["per-row"] = "on" if getattr(model, "_specdec_per_row", False) else "off"
+    return out
+
+
 def engine_choices(model) -> str:
     """The engine's state after use_packed_attention on the CPU, in --engine-choices' format ('' on
     a GPU): each choice that applies to the model's dtype, timed or pinned. Given back at the next
     start they are made again without timing (the checks still run), so with the same thread count
     the engine computes the same numbers."""
-    if model.device.type != "cpu" or not hasattr(model, "_specdec_rows"):
-        return ""
-    parts = []
-    if model.dtype in (torch.bfloat16, torch.float16):
-        parts += [f"attention={'float32' if attention_dtype(model) == torch.float32 else 'model'}",
-                  f"prepack={'on' if getattr(model, '_specdec_prepacked', False) else 'off'}"]
-    parts.append(f"per-row={'on' if getattr(model, '_specdec_per_row', False) else 'off'}")
-    return ",".join(parts)
+    return ",".join(f"{k}={v}" for k, v in _made(model).items())
 
 
 def use_packed_attention(model, per_row: bool | None = None, prepack: bool | None = None, attention: str | None = None) -> None:
@@ -597,7 +603,7 @@ def use_packed_attention(model, per_row: bool | None = None, prepack: bool | Non
     if hasattr(model, "_specdec_rows"):
         return
     _choose(model, per_row, prepack, attention)
-    made = dict(part.split("=") for part in engine_choices(model).split(","))
+    made = _made(model)
     for k, v in pins.items():
         want = v if k == "attention" else ("on" if v else "off")
         if k not in made:

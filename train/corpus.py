@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, List, Sequence
 
+from packaging.utils import canonicalize_name  # a transformers dependency
+
 HELDOUT_PERCENT = 5
 
 # Suffixes read when a user gives a directory; anything else is tried and kept if it decodes
@@ -179,10 +181,6 @@ def _distributions() -> dict:
     return importlib.metadata.packages_distributions()
 
 
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def package_license(name: str) -> str:
     """The license an installed package declares (SPDX expression, License field or classifier).
     Where several distributions install the same top-level name (a wheel that also ships a stray
@@ -190,7 +188,7 @@ def package_license(name: str) -> str:
     license is listed, so that `is_permissive` refuses the package if any of them is not."""
     top = name.split(".")[0]
     dists = list(dict.fromkeys(_distributions().get(top, [])))
-    own = [d for d in dists if _norm(d) == _norm(top)]
+    own = [d for d in dists if canonicalize_name(d) == canonicalize_name(top)]
     found = []
     for dist in own or dists:
         meta = importlib.metadata.metadata(dist)
