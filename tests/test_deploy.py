@@ -1,0 +1,196 @@
+"""The Kubernetes manifests as rendered (kubectl kustomize), read as an operator would: tokens
+in Secret files, the network fences, where each model runs, threads against CPU limits, pinned
+engine choices, connection recycling, and the monitoring and autoscaling resources against
+the metrics the services really export. deploy/check.sh validates the same renders against
+the Kubernetes and operator schemas."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+OVERLAYS = ["local-cpu", "gpu", "gpu-mtls"]
+CPU_LIMIT = {"1": 1, "2": 2, "4": 4, "8": 8, "500m": 0.5, "250m": 0.25}
+
+
+def render(overlay: str) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("needs kubectl (deploy/check.sh renders and validates the overlays)")
+    out = subprocess.run([kubectl, "kustomize", os.path.join(ROOT, "deploy", "k8s", "overlays", overlay)],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def by_name(docs):
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def config(docs) -> dict:
+    return next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("specdec-config"))["data"]
+
+
+def container(docs, name) -> dict:
+    (c,) = by_name(docs)["Deployment", name]["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def config_env(c) -> dict:
+    return {e["name"]: e["valueFrom"]["configMapKeyRef"]["key"] for e in c["env"] if "configMapKeyRef" in e.get("valueFrom", {})}
+
+
+def resolve(value: str, c: dict, cfg: dict) -> str:
+    """A container arg or env value with its $(VAR) references resolved as the kubelet does."""
+    env = {e["name"]: e for e in c["env"]}
+
+    def var(m):
+        e = env[m.group(1)]
+        if "value" in e:
+            return resolve(e["value"], c, cfg)
+        ref = e["valueFrom"].get("configMapKeyRef")
+        return cfg[ref["key"]] if ref else m.group(0)  # a field reference: known only in the pod
+    return re.sub(r"\$\((\w+)\)", var, value)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_manifests_keep_tokens_in_secret_files_and_fence_the_verify(overlay):
+    docs = render(overlay)
+    by = by_name(docs)
+    for name in ("specdec-verify", "specdec-draft"):
+        pod = by["Deployment", name]["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        secret_dirs = {m["mountPath"] for m in c["volumeMounts"]
+                       for v in pod["volumes"] if v["name"] == m["name"] and "secret" in v}
+        token_args = [a for a in c["args"] if a.split("=")[0].endswith("-token-file")]
+        assert token_args, name  # authentication is on
+        for a in token_args:  # a file, mounted from a Secret
+            assert os.path.dirname(a.split("=", 1)[1]) in secret_dirs, a
+        assert not [a for a in c["args"] if a.split("=")[0].endswith("-token")], name  # never the token itself
+        assert not [e for e in c.get("env", []) if e["name"].endswith("TOKEN") or "secretKeyRef" in e.get("valueFrom", {})], name
+        assert not [e for e in c.get("envFrom", []) if "secretRef" in e], name
+    verify_args = container(docs, "specdec-verify")["args"]
+    assert ("--client-token-file=/etc/specdec/client-token/token" in verify_args) == (overlay != "local-cpu")
+    scraper = {"matchLabels": {"specdec.io/metrics-scraper": "true"}}
+    rules = by["NetworkPolicy", "specdec-verify"]["spec"]["ingress"]
+    allowed = {(json.dumps(r["from"], sort_keys=True), r["ports"][0]["port"]) for r in rules}
+    want = {(json.dumps([{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "specdec-draft"}}}]), "grpc"),
+            # metrics: labelled scraper pods here, or any pod of a labelled (monitoring) namespace
+            (json.dumps([{"podSelector": scraper}, {"namespaceSelector": scraper}], sort_keys=True), "metrics")}
+    if overlay != "local-cpu":  # the fallback component admits the labelled clients
+        want.add((json.dumps([{"podSelector": {"matchLabels": {"specdec.io/verify-client": "true"}}}]), "grpc"))
+    assert allowed == want and all(len(r["ports"]) == 1 for r in rules)
+    draft_rules = by["NetworkPolicy", "specdec-draft"]["spec"]["ingress"]
+    assert {"ports": [{"port": "grpc", "protocol": "TCP"}]} in draft_rules  # clients from anywhere, with the client token
+    assert [r for r in draft_rules if r.get("ports", [{}])[0].get("port") == "metrics"][0]["from"] == \
+        [{"podSelector": scraper}, {"namespaceSelector": scraper}]
+
+
+@pytest.mark.parametrize("overlay,verify_device", [("local-cpu", "cpu"), ("gpu", "cuda"), ("gpu-mtls", "cuda")])
+def test_manifests_place_each_model_and_pin_its_engine(overlay, verify_device):
+    """--device/--dtype reach the services as SPECDEC_DEVICE / SPECDEC_DTYPE from the config map:
+    the verify on its GPU in the GPU overlays, the drafts on the CPU everywhere. Every service on
+    a CPU has its engine choices pinned (SPECDEC_ENGINE_CHOICES), so its replicas make the same
+    ones; a GPU has none to pin."""
+    docs = render(overlay)
+    cfg = config(docs)
+    for name, prefix, device in (("specdec-verify", "VERIFY", verify_device), ("specdec-draft", "DRAFT", "cpu")):
+        env = config_env(container(docs, name))
+        assert cfg[env["SPECDEC_DEVICE"]] == device and env["SPECDEC_DEVICE"] == f"{prefix}_DEVICE"
+        assert cfg[env["SPECDEC_DTYPE"]] == "auto"
+        assert env["SPECDEC_ENGINE_CHOICES"] == f"{prefix}_ENGINE_CHOICES"
+        choices = cfg[env["SPECDEC_ENGINE_CHOICES"]]
+        assert (choices == "") == (device == "cuda"), (name, choices)
+        if choices:
+            from specdec.kvcache import parse_choices  # the services' own parser: the pin must start
+            assert set(parse_choices(choices)) == {"attention", "prepack", "per_row"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_manifests_match_threads_to_cpu_limits_and_recycle_client_connections(overlay):
+    docs = render(overlay)
+    cfg = config(docs)
+    for name in ("specdec-verify", "specdec-draft"):
+        c = container(docs, name)
+        args = dict(a.split("=", 1) for a in (resolve(a, c, cfg) for a in c["args"]) if "=" in a)
+        omp = resolve(next(e["value"] for e in c["env"] if e["name"] == "OMP_NUM_THREADS"), c, cfg)
+        limit = CPU_LIMIT[c["resources"]["limits"]["cpu"]]
+        assert int(args["--threads"]) == int(omp) == limit, (name, args["--threads"], omp, limit)
+    draft_args = [resolve(a, container(docs, "specdec-draft"), cfg) for a in container(docs, "specdec-draft")["args"]]
+    age = [float(a.split("=", 1)[1]) for a in draft_args if a.startswith("--max-connection-age-s=")]
+    assert age and 0 < age[0] <= 600  # long-lived client channels move to new draft pods within minutes
+
+
+def exported_metrics() -> set[str]:
+    """The names the services' Prometheus registry exposes (histogram and counter suffixes included)."""
+    suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}
+    out = subprocess.run([sys.executable, "-c", "import specdec.metrics, prometheus_client as p; "
+                          "print('\\n'.join(f'{m.name} {m.type}' for m in p.REGISTRY.collect()))"],
+                         capture_output=True, text=True, check=True, cwd=ROOT, timeout=120).stdout.splitlines()
+    return {name + s for name, kind in (line.split() for line in out) if name.startswith("specdec_") for s in suffixes[kind]}
+
+
+def test_monitoring_and_autoscaling_use_exported_metrics():
+    """The gpu overlay's PodMonitor, alert rules, dashboard and KEDA triggers query only metrics
+    the services export, in the overlay's own namespace; the CPU-based draft HPA is gone and KEDA
+    owns both tiers' replica counts."""
+    docs = render("gpu")
+    by = by_name(docs)
+    ns = by["Deployment", "specdec-verify"]["metadata"]["namespace"]
+    known = exported_metrics()
+    assert {"specdec_verify_forward_seconds_sum", "specdec_live_sessions"} <= known
+    rules = by["PrometheusRule", "specdec"]["spec"]["groups"]
+    recorded = {r["record"] for g in rules for r in g["rules"] if "record" in r}
+    alerts = {r["alert"] for g in rules for r in g["rules"] if "alert" in r}
+    assert {"SpecdecVerifySaturated", "SpecdecErrors", "SpecdecAcceptanceCollapse"} <= alerts
+    dashboard = json.loads(by["ConfigMap", "specdec-dashboard"]["data"]["dashboard.json"])
+    queries = [r["expr"] for g in rules for r in g["rules"]]
+    queries += [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    scaled = {n: d for (k, n), d in by.items() if k == "ScaledObject"}
+    assert set(scaled) == {"specdec-draft", "specdec-verify"}
+    for name, so in scaled.items():
+        assert so["spec"]["scaleTargetRef"]["name"] == name and so["metadata"]["namespace"] == ns
+        for t in so["spec"]["triggers"]:
+            assert t["type"] == "prometheus" and f'namespace="{ns}"' in t["metadata"]["query"], t
+            queries.append(t["metadata"]["query"])
+    assert len(queries) > 20
+    for q in queries:
+        names = set(re.findall(r"\bspecdec[_:][a-z0-9_:]+", q))
+        assert names or "up{" in q, q  # every query reads the services' metrics (or the scrape's own `up`)
+        assert names <= known | recorded, (q, names - known - recorded)
+    assert ("HorizontalPodAutoscaler", "specdec-draft") not in by  # no CPU-based scaling of the draft
+    assert "replicas" not in by["Deployment", "specdec-verify"]["spec"]  # KEDA's HPA owns it
+    monitor = by["PodMonitor", "specdec"]["spec"]
+    assert monitor["selector"]["matchLabels"] == {"app.kubernetes.io/part-of": "specdec"}
+    ports = {p["name"] for d in ("specdec-verify", "specdec-draft") for p in container(docs, d)["ports"]}
+    assert {e["port"] for e in monitor["podMetricsEndpoints"]} <= ports
+
+
+def test_custom_resource_check_catches_unknown_and_mistyped_fields(tmp_path):
+    """deploy/crds.py (run by deploy/check.sh) passes the rendered custom resources and fails a
+    misspelt field or a wrong type, naming it."""
+    docs = render("gpu")
+    src, core = tmp_path / "in.yaml", tmp_path / "core.yaml"
+    crds = [sys.executable, os.path.join(ROOT, "deploy", "crds.py"), str(src), str(core)]
+    src.write_text(yaml.safe_dump_all(docs))
+    ok = subprocess.run(crds, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "4 custom resources valid" in ok.stdout
+    assert {d["kind"] for d in yaml.safe_load_all(core.read_text())} >= {"Deployment", "NetworkPolicy"}
+    assert not {d["kind"] for d in yaml.safe_load_all(core.read_text())} & {"ScaledObject", "PodMonitor", "PrometheusRule"}
+    for mutate, error in ((lambda so: so["spec"].__setitem__("minReplicas", 2), "unknown field spec.minReplicas"),
+                          (lambda so: so["spec"].__setitem__("maxReplicaCount", "many"), "spec.maxReplicaCount")):
+        bad = [dict(d) for d in docs]
+        so = next(d for d in bad if d["kind"] == "ScaledObject")
+        so["spec"] = dict(so["spec"])
+        mutate(so)
+        src.write_text(yaml.safe_dump_all(bad))
+        r = subprocess.run(crds, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and error in r.stderr, r.stderr
