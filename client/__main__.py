@@ -28,7 +28,8 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-only", action="store_true", help="--server is a verify service: generate with the target alone")
     p.add_argument("--fallback", help="verify service HOST:PORT to use when the draft service is unavailable")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    p.add_argument("--retries", type=int, default=0, help="retries on UNAVAILABLE before the first token")
+    p.add_argument("--retries", type=int, default=0, help="retries (at most 4, gRPC's retry policy) on UNAVAILABLE or RESOURCE_EXHAUSTED before the first token, "
+                   "after the server's pushback")
     add_credential_args(p)
 
 

@@ -1,14 +1,20 @@
 """specdec client library: sync and asyncio, streaming chunks or one-shot results.
 
 Needs grpcio and protobuf only. Point it at a draft service for speculative generation, or at
-a verify service with target_only=True for target-only generation. With `fallback` set to a
-verify address, a request the draft service cannot take (UNAVAILABLE before any token) is
-served target-only there: same output distribution, no speed-up. `token` is sent as
+a verify service with target_only=True for target-only generation. `retries` > 0 turns on
+gRPC's own retry policy for Generate: a call refused with UNAVAILABLE or RESOURCE_EXHAUSTED
+before its first token is tried again (at most 4 retries, gRPC's cap), after an exponential
+backoff or, when the server says when (`grpc-retry-pushback-ms`, sent beside `retry-after-ms`),
+after that; gRPC never retries a call once a response has arrived, so no token is streamed
+twice. With `fallback` set to a verify address, a request the draft service still cannot take
+(UNAVAILABLE before any token) is then served target-only there: same output distribution, no
+speed-up. `token` is sent as
 `authorization: Bearer <token>` to the server, and to the fallback too unless `fallback_token`
 is given."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -20,7 +26,17 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 MODES = {"greedy": pb.PROPOSAL_MODE_GREEDY, "sparse": pb.PROPOSAL_MODE_SPARSE, "dense": pb.PROPOSAL_MODE_DENSE}
 PROPOSERS = {"draft": pb.PROPOSER_DRAFT, "lookup": pb.PROPOSER_LOOKUP, "hybrid": pb.PROPOSER_HYBRID}
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+FALLBACK_ON = (grpc.StatusCode.UNAVAILABLE,)
+MAX_ATTEMPTS = 5  # gRPC's own cap on a retry policy's attempts
+
+
+def retry_service_config(retries: int) -> str:
+    """gRPC service config: Generate on both services retried `retries` times (1..4) on
+    UNAVAILABLE and RESOURCE_EXHAUSTED, before any response (gRPC's rule)."""
+    return json.dumps({"methodConfig": [{
+        "name": [{"service": "specdec.v1.Draft", "method": "Generate"}, {"service": "specdec.v1.Verify", "method": "Generate"}],
+        "retryPolicy": {"maxAttempts": min(retries + 1, MAX_ATTEMPTS), "initialBackoff": "0.1s", "maxBackoff": "2s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]}}]})
 
 
 @dataclass
@@ -88,21 +104,19 @@ class _Target:
 
 
 class _Attempts:
-    """The retry policy, shared by the blocking and the asyncio client: the primary 1 + retries
-    times, then the fallback. Iterating yields (delay before the attempt, target); `failed(e)`
-    re-raises the error unless it is retryable and another attempt is left."""
+    """The primary, then the fallback (retries on one target are gRPC's own: retry_service_config).
+    Iterating yields each target; `failed(e)` re-raises the error unless the fallback is left and
+    the error is one it is for."""
 
-    def __init__(self, targets: list[_Target], retries: int):
-        primary, *fallback = targets
-        self.plan = [primary] * (retries + 1) + fallback
-        self.attempt = -1
+    def __init__(self, targets: list[_Target]):
+        self.plan, self.attempt = targets, -1
 
     def __iter__(self):
         for self.attempt, target in enumerate(self.plan):
-            yield (min(0.1 * 2 ** (self.attempt - 1), 2.0) if self.attempt else 0.0), target
+            yield target
 
     def failed(self, e: grpc.RpcError) -> None:
-        if e.code() not in RETRYABLE or self.attempt + 1 >= len(self.plan):
+        if e.code() not in FALLBACK_ON or self.attempt + 1 >= len(self.plan):
             raise e
 
 
@@ -116,6 +130,8 @@ class _Base:
         self.timeout, self.retries = timeout, retries
         self._creds = _credentials(tls_ca, tls_cert, tls_key)
         self._opts = [("grpc.max_receive_message_length", max_message_bytes)]
+        if retries > 0:
+            self._opts += [("grpc.enable_retries", 1), ("grpc.service_config", retry_service_config(retries))]
         self._metadata = _auth(token)
         self._fallback_metadata = _auth(fallback_token or token)
 
@@ -188,9 +204,8 @@ class Client(_Base):
         yield from self._stream(request or make_request(**params))[1]
 
     def _stream(self, request):
-        attempts = _Attempts(self._targets, self.retries)
-        for delay, target in attempts:
-            time.sleep(delay)
+        attempts = _Attempts(self._targets)
+        for target in attempts:
             it = target.stub.Generate(request, timeout=self.timeout, metadata=target.metadata)
             try:
                 first = next(it)
@@ -241,9 +256,8 @@ class AsyncClient(_Base):
             yield c
 
     async def _stream(self, request):
-        attempts = _Attempts(self._targets, self.retries)
-        for delay, target in attempts:
-            await asyncio.sleep(delay)
+        attempts = _Attempts(self._targets)
+        for target in attempts:
             call = target.stub.Generate(request, timeout=self.timeout, metadata=target.metadata)
             try:
                 first = await call.read()

@@ -27,6 +27,7 @@ from specdec.v1 import specdec_pb2 as pb
 log = logging.getLogger("specdec.serving")
 
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata on RESOURCE_EXHAUSTED: when to try again
+PUSHBACK_KEY = "grpc-retry-pushback-ms"  # the same, read by gRPC's own retry policy (client.core.retry_service_config)
 RETRY_AFTER_MS = 1000
 MODES = [pb.PROPOSAL_MODE_GREEDY, pb.PROPOSAL_MODE_SPARSE, pb.PROPOSAL_MODE_DENSE]
 
@@ -152,7 +153,8 @@ async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: 
         log.exception("internal error in %s", method)
         code, msg = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
+        # retry-after-ms for people and our own tools; grpc-retry-pushback-ms for gRPC's retry policy
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)), (PUSHBACK_KEY, str(RETRY_AFTER_MS))))
     await context.abort(code, msg)
 
 

@@ -1,47 +1,85 @@
-"""The retry policy shared by the blocking and the asyncio client (client/core.py), in-process."""
+"""The client library's retries (client/core.py) against a real verify service that is full:
+gRPC's own retry policy retries RESOURCE_EXHAUSTED before the first token, waiting as long as
+the server's pushback says, and never once a token has been streamed."""
+import asyncio
+import time
+
 import grpc
 import pytest
 
-from client.core import _Attempts, _Target
+from client import AsyncClient, Client
+from conftest import Service, metric, wait_for
+from specdec import serving
+
+LONG = dict(prompt_ids=[3, 4], max_new_tokens=3000)  # greedy: no EOS on long-target, runs for many seconds
 
 
-class Err(grpc.RpcError):
-    def __init__(self, code):
-        self._code = code
-
-    def code(self):
-        return self._code
-
-
-def targets(fallback=True):
-    out = [_Target("draft", "draft-stub", [("authorization", "Bearer c")])]
-    return out + ([_Target("verify", "verify-stub", [("authorization", "Bearer f")])] if fallback else [])
+@pytest.fixture(scope="module")
+def full(model_dir):
+    """A verify service that admits one session, and a client holding it."""
+    v = Service("verify_service", "--model", model_dir("long-target"), "--max-sessions", "1", "--threads", "1", "--metrics-port", "0")
+    try:
+        yield v
+    finally:
+        v.stop()
 
 
-def test_primary_retried_then_fallback_with_its_own_metadata_and_growing_delays():
-    attempts = _Attempts(targets(), retries=2)
-    seen = []
-    for delay, t in attempts:
-        seen.append((delay, t.label, t.metadata[0][1]))
-        if t.label == "draft":
-            attempts.failed(Err(grpc.StatusCode.UNAVAILABLE))
-    assert seen == [(0.0, "draft", "Bearer c"), (0.1, "draft", "Bearer c"), (0.2, "draft", "Bearer c"), (0.4, "verify", "Bearer f")]
+def refusals(v: Service) -> float:
+    return metric(v.metrics(), "specdec_capacity_rejections_total", reason="sessions")
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED])
-def test_other_errors_are_not_retried(code):
-    attempts = _Attempts(targets(), retries=3)
-    for _, t in attempts:
-        with pytest.raises(Err):
-            attempts.failed(Err(code))
-        break
+def test_retries_wait_for_the_servers_pushback_then_give_up(full):
+    with Client(full.address, target_only=True, timeout=60) as holder, \
+            Client(full.address, target_only=True, timeout=60, retries=2) as c:
+        it = holder.stream(**LONG)
+        next(it)  # the one session the service admits
+        before, t0 = refusals(full), time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(prompt_ids=[3], max_new_tokens=2)
+        took = time.monotonic() - t0
+        it.close()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refusals(full) - before == 3  # the call and its 2 retries, each refused by the server
+    # the retries waited for the server's pushback (1 s each), not gRPC's own 0.1-0.2 s backoff
+    assert took >= 2 * serving.RETRY_AFTER_MS / 1000 * 0.95, took
 
 
-def test_the_last_attempt_raises():
-    attempts = _Attempts(targets(fallback=False), retries=1)
-    labels = []
-    with pytest.raises(Err):
-        for _, t in attempts:
-            labels.append(t.label)
-            attempts.failed(Err(grpc.StatusCode.UNAVAILABLE))
-    assert labels == ["draft", "draft"]
+def test_a_retry_gets_the_slot_once_it_is_free(full):
+    """The first attempt is refused; the holder lets go meanwhile; a retry is served in full."""
+    assert wait_for(lambda: metric(full.metrics(), "specdec_live_sessions", service="verify") == 0, 10)
+    with Client(full.address, target_only=True, timeout=60) as holder:
+        it = holder.stream(**LONG)
+        next(it)
+        before = refusals(full)
+
+        async def run():
+            async with AsyncClient(full.address, target_only=True, timeout=60, retries=4) as c:
+                task = asyncio.ensure_future(c.generate(prompt_ids=[3], max_new_tokens=5))
+                for _ in range(200):  # bounded: until the first refusal (then 1 s before the retry)
+                    if refusals(full) > before or task.done():
+                        break
+                    await asyncio.sleep(0.02)
+                it.close()  # frees the slot before the retry
+                return await task
+
+        r = asyncio.run(run())
+    assert len(r.token_ids) == 5 and r.finish_reason == "length"
+    assert refusals(full) - before >= 1
+
+
+def test_no_retry_once_tokens_have_streamed(model_dir):
+    """A call that has streamed tokens and then fails is not replayed (the caller would see the
+    tokens twice): the verify service is killed mid-stream, and UNAVAILABLE reaches the caller."""
+    v = Service("verify_service", "--model", model_dir("long-target"), "--threads", "1")
+    try:
+        with Client(v.address, target_only=True, timeout=60, retries=4) as c:
+            it = c.stream(**LONG)
+            ids = list(next(it).token_ids)
+            v.proc.kill()
+            with pytest.raises(grpc.RpcError) as e:
+                for chunk in it:  # bounded: the stream ends with the killed server
+                    ids += chunk.token_ids
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert 0 < len(ids) < LONG["max_new_tokens"]
+    finally:
+        v.stop()
