@@ -20,6 +20,8 @@ BATCH_SIZE = Histogram("specdec_verify_batch_size", "Sessions per target forward
 BATCH_TOKENS = Histogram("specdec_verify_batch_tokens", "Tokens per target forward pass", buckets=(1, 4, 16, 64, 256, 1024, 4096))
 QUEUE_WAIT = Histogram("specdec_verify_queue_wait_seconds", "Time a job waited for the target", buckets=_FAST)
 FORWARD_TIME = Histogram("specdec_verify_forward_seconds", "Time of one target forward pass (+ acceptance)", buckets=_FAST)
+PASS_UTILISATION = Gauge("specdec_verify_pass_utilisation", "Share of recent wall time the verifier spent in passes")
+ROW_PRICE = Gauge("specdec_verify_row_price", "Expected tokens of goodput one more proposal row costs the verifier now")
 CAPACITY_REJECTIONS = Counter("specdec_capacity_rejections_total", "Sessions refused with RESOURCE_EXHAUSTED", ["reason"])
 
 # draft side

@@ -651,6 +651,7 @@ def test_a_target_only_stream_takes_its_first_step_in_its_prompts_last_pass(pack
     r = random.Random(n_prompt)
     prompt = [r.randrange(3, 16) for _ in range(n_prompt)]
     eng = scheduler.Scheduler(packed, max_sessions=4)
+    passes.clear()  # the pass-cost probe's, at start-up
 
     async def stepped():  # the Session path: the prefill awaited, then one round per token
         s = eng.open(prompt, 12, Sampling(temperature=temperature), seed=9, mode=pb.PROPOSAL_MODE_GREEDY)

@@ -56,6 +56,13 @@ class Capacity:
             self.reserved += need
             self._report()
 
+    def free(self) -> dict[str, int]:
+        """What is left to admit (the fields of the Info response's Capacity)."""
+        with self._lock:
+            return dict(free_sessions=max(0, self.max_sessions - self.sessions),
+                        free_cached_tokens=max(0, self.max_cached_tokens - self.reserved),
+                        max_sessions=self.max_sessions, max_cached_tokens=self.max_cached_tokens)
+
     def release(self, need: int) -> None:
         with self._lock:
             self.sessions -= 1

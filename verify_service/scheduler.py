@@ -33,6 +33,7 @@ from specdec.lm import LM
 from specdec.sampling import VERIFY, Sampling, keyed_generator, probs_from_logits
 from specdec.v1 import specdec_pb2 as pb
 from verify_service.capacity import Capacity, default_cache_budget
+from verify_service.passcost import PassCost, probe
 from verify_service.session import Session, Verdict, commit
 
 log = logging.getLogger("specdec.verify")
@@ -71,6 +72,7 @@ class Scheduler:
         self._next_sid = 1
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
+        self.cost = PassCost(probe(self._timed_pass, lm.vocab_size))  # before the scheduler thread owns the model
         self._worker = threading.Thread(target=self._work, name="verify-scheduler", daemon=True)
         self._worker.start()
 
@@ -149,6 +151,20 @@ class Scheduler:
         job = _Job(s, loop.create_future(), loop, tokens, q)
         self._queue.put(job)
         return await job.future
+
+    def _timed_pass(self, contexts: list[list[int]], inputs: list[list[int]]) -> float:
+        """Seconds of one pass over `inputs`, each after its context in a fresh cache (PassCost's
+        start-up probe), through the same engine and host sync as a round's."""
+        caches = [KVCache(len(c) + len(x)) for c, x in zip(contexts, inputs)]
+        try:
+            forward_packed(self.lm.model, contexts, caches, False)
+            t0 = time.perf_counter()
+            logits = forward_packed(self.lm.model, inputs, caches)
+            torch.stack([lg[-1].argmax() for lg in logits]).tolist()
+            return time.perf_counter() - t0
+        finally:
+            for c in caches:
+                c.release()
 
     def shutdown(self) -> None:
         self._queue.put(_STOP)
@@ -230,13 +246,15 @@ class Scheduler:
         if jobs:
             metrics.BATCH_SIZE.observe(len(jobs))
             metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
-            self._verdicts(jobs, logits[bool(chunk) :], proposals, t0)
+            self._verdicts(jobs, logits[bool(chunk) :], proposals, t0, (sum(len(x) for x in inputs), len(inputs)))
         if prefill is not None and prefill.stream is None and not _unfilled(prefill.session):
             prefill.resolve(True, None)
 
-    def _verdicts(self, jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor, t0: float) -> None:
+    def _verdicts(self, jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor, t0: float,
+                  layout: tuple[int, int]) -> None:
         """Acceptance for every session on the device, then one transfer of all (n, next); the
-        pass's time (forward + acceptance) is taken after that transfer, when a GPU is done."""
+        pass's time (forward + acceptance) is taken after that transfer, when a GPU is done, and
+        feeds the pass cost model with the pass's layout (rows, inputs)."""
         results, ok = [], []
         at = 0
         for j, lg in zip(jobs, logits):  # lg [tau+1, V]
@@ -252,11 +270,15 @@ class Scheduler:
         host = torch.stack(results).tolist()  # [B, 2]: the only host sync of the round
         forward_s = time.perf_counter() - t0
         metrics.FORWARD_TIME.observe(forward_s)
+        self.cost.observe(*layout, sum(n + 1 for n, _ in host), forward_s, t0)
+        metrics.PASS_UTILISATION.set(self.cost.utilisation)
+        metrics.ROW_PRICE.set(self.cost.price)
         for j, (n, nxt) in zip(ok, host):
             s = j.session
             try:
                 v = commit(s, j.tokens[:n] + [nxt], n, self.lm.eos, self.lm.max_context)
                 v.forward_s, v.queue_s = forward_s, t0 - j.enqueued
+                v.row_cost_s, v.row_price = self.cost.per_row_s, self.cost.price
                 metrics.QUEUE_WAIT.observe(t0 - j.enqueued)
                 j.resolve(True, v)
             except Exception as e:  # noqa: BLE001

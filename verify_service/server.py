@@ -25,7 +25,9 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         self.idle_timeout_s = idle_timeout_s
 
     async def Info(self, request, context):
-        return serving.model_info(self.lm)
+        info = serving.model_info(self.lm)
+        info.capacity.CopyFrom(pb.Capacity(**self.engine.capacity.free()))
+        return info
 
     async def _read(self, context):
         try:
@@ -79,7 +81,8 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                 v = await self.engine.step(s, tokens, q)
                 await context.write(pb.VerifyResponse(
                     round=req.round.round, num_accepted=v.num_accepted, next_token=v.next_token,
-                    finish_reason=v.finish, forward_s=v.forward_s, queue_s=v.queue_s, seed=s.seed))
+                    finish_reason=v.finish, forward_s=v.forward_s, queue_s=v.queue_s, seed=s.seed,
+                    row_cost_s=v.row_cost_s, row_price=v.row_price))
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Session", e)
         finally:

@@ -48,6 +48,8 @@ class Verdict:
     finish: int
     forward_s: float = 0.0
     queue_s: float = 0.0
+    row_cost_s: float = 0.0  # the verifier's load after the pass (passcost.PassCost)
+    row_price: float = 0.0
 
 
 def commit(s: Session, new: list[int], n: int, eos: frozenset[int], max_context: int) -> Verdict:

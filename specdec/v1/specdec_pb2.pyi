@@ -47,7 +47,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_fingerprint", "vocab_size", "max_context", "proposal_modes", "num_parameters", "eos_token_id", "eos_token_ids", "device", "dtype", "supported_architectures")
+    __slots__ = ("model_name", "vocab_fingerprint", "vocab_size", "max_context", "proposal_modes", "num_parameters", "eos_token_id", "eos_token_ids", "device", "dtype", "supported_architectures", "capacity")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SUPPORTED_ARCHITECTURES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_fingerprint: str
     vocab_size: int
@@ -70,7 +71,20 @@ class ModelInfo(_message.Message):
     device: str
     dtype: str
     supported_architectures: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., proposal_modes: _Optional[_Iterable[_Union[ProposalMode, str]]] = ..., num_parameters: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., supported_architectures: _Optional[_Iterable[str]] = ...) -> None: ...
+    capacity: Capacity
+    def __init__(self, model_name: _Optional[str] = ..., vocab_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., proposal_modes: _Optional[_Iterable[_Union[ProposalMode, str]]] = ..., num_parameters: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., supported_architectures: _Optional[_Iterable[str]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ...) -> None: ...
+
+class Capacity(_message.Message):
+    __slots__ = ("free_sessions", "free_cached_tokens", "max_sessions", "max_cached_tokens")
+    FREE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    FREE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    free_sessions: int
+    free_cached_tokens: int
+    max_sessions: int
+    max_cached_tokens: int
+    def __init__(self, free_sessions: _Optional[int] = ..., free_cached_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -205,7 +219,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[SessionStart, _Mapping]] = ..., round: _Optional[_Union[Round, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("round", "num_accepted", "next_token", "finish_reason", "forward_s", "queue_s", "seed")
+    __slots__ = ("round", "num_accepted", "next_token", "finish_reason", "forward_s", "queue_s", "seed", "row_cost_s", "row_price")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +227,8 @@ class VerifyResponse(_message.Message):
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    ROW_COST_S_FIELD_NUMBER: _ClassVar[int]
+    ROW_PRICE_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_accepted: int
     next_token: int
@@ -220,4 +236,6 @@ class VerifyResponse(_message.Message):
     forward_s: float
     queue_s: float
     seed: int
-    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., forward_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    row_cost_s: float
+    row_price: float
+    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., forward_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., seed: _Optional[int] = ..., row_cost_s: _Optional[float] = ..., row_price: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,140 @@
+"""The verify replicas a draft service opens its sessions on.
+
+`--verify` names one verify service (`HOST:PORT`), a list of them (`A:P,B:P`), or a DNS name
+whose every address is a replica (`dns:///NAME:PORT`, e.g. a Kubernetes headless Service,
+resolved again at every poll, so replicas that come and go are followed). Each replica gets a
+channel of its own, and every `poll_s` its Info: whether it answers, and its free capacity.
+
+A session goes to the reachable replica with the most free sessions (ties in turn); a replica
+that refuses it (RESOURCE_EXHAUSTED) or cannot be reached (UNAVAILABLE) before the session's
+first verdict is passed over for the next (draft_service/server.py). The draft is ready
+(health SERVING) while at least one replica answers.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+log = logging.getLogger("specdec.draft")
+
+
+@dataclass
+class Replica:
+    address: str
+    channel: grpc.aio.Channel
+    stub: pb_grpc.VerifyStub = field(init=False)
+    info: pb.ModelInfo | None = None  # its last Info answer; None until it answers
+    reachable: bool = False
+
+    def __post_init__(self):
+        self.stub = pb_grpc.VerifyStub(self.channel)
+
+    @property
+    def free_sessions(self) -> int:
+        return self.info.capacity.free_sessions if self.info is not None and self.info.HasField("capacity") else 0
+
+    def refused(self) -> None:
+        """It said it is full: rank it last until its next Info says otherwise."""
+        if self.info is not None:
+            self.info.capacity.free_sessions = 0
+
+
+def parse_target(target: str) -> tuple[str | None, list[str]]:
+    """(DNS name:port to resolve, or None; the fixed addresses) of a --verify value."""
+    if target.startswith("dns:"):
+        return target.removeprefix("dns:").lstrip("/"), []
+    return None, [a.strip() for a in target.split(",") if a.strip()]
+
+
+async def resolve(name: str) -> list[str]:
+    """Every address of HOST:PORT, as gRPC targets (IPv6 in brackets)."""
+    host, _, port = name.rpartition(":")
+    infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    return sorted({f"[{i[4][0]}]:{port}" if i[0] == socket.AF_INET6 else f"{i[4][0]}:{port}" for i in infos})
+
+
+class Replicas:
+    """`make_channel(address, authority)` opens a channel to one replica (authority: the DNS name
+    the replica was found under, for TLS name checks; None for a fixed address)."""
+
+    def __init__(self, target: str, make_channel: Callable[[str, str | None], grpc.aio.Channel], timeout_s: float = 2.0):
+        self.target = target
+        self.name, self.fixed = parse_target(target)
+        self.make_channel, self.timeout_s = make_channel, timeout_s
+        self.replicas: dict[str, Replica] = {}
+        self._turn = itertools.count()
+
+    async def _addresses(self) -> list[str]:
+        if self.name is None:
+            return self.fixed
+        try:
+            return await resolve(self.name)
+        except (OSError, ValueError) as e:
+            log.warning("verify name does not resolve", extra={"fields": {"verify": self.target, "error": str(e)}})
+            return []
+
+    async def refresh(self) -> None:
+        """Resolves the replicas again and asks each for its Info."""
+        addresses = await self._addresses()
+        authority = self.name.rpartition(":")[0] if self.name else None
+        for gone in set(self.replicas) - set(addresses):
+            await self.replicas.pop(gone).channel.close()
+        for a in addresses:
+            if a not in self.replicas:
+                self.replicas[a] = Replica(a, self.make_channel(a, authority))
+        await asyncio.gather(*(self._poll(r) for r in list(self.replicas.values())))
+
+    async def _poll(self, r: Replica) -> None:
+        try:
+            r.info = await r.stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
+            r.reachable = True
+        except grpc.aio.AioRpcError:
+            r.reachable = False
+
+    @property
+    def ready(self) -> bool:
+        return any(r.reachable for r in self.replicas.values())
+
+    def ranked(self) -> list[Replica]:
+        """Reachable replicas first, most free sessions first, ties in turn; then the others (an
+        Info poll can miss a replica that is up: a session may still find it)."""
+        rs = list(self.replicas.values())
+        if not rs:
+            return []
+        k = next(self._turn) % len(rs)
+        rs = rs[k:] + rs[:k]
+        return sorted(rs, key=lambda r: (not r.reachable, -r.free_sessions))
+
+    async def wait_ready(self, timeout_s: float, poll_s: float = 0.25) -> bool:
+        """Polls until a replica answers, for at most timeout_s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            await self.refresh()
+            if self.ready or loop.time() >= deadline:
+                return self.ready
+            await asyncio.sleep(min(poll_s, max(0.0, deadline - loop.time())))
+
+    async def watch(self, poll_s: float, on_change: Callable[[bool], object]) -> None:
+        """Refreshes every poll_s for ever; calls on_change(ready) when readiness flips."""
+        was = self.ready
+        while True:
+            await asyncio.sleep(poll_s)
+            await self.refresh()
+            if self.ready != was:
+                was = self.ready
+                on_change(was)
+
+    async def close(self) -> None:
+        for r in self.replicas.values():
+            await r.channel.close()
+        self.replicas.clear()

@@ -1,0 +1,47 @@
+"""The verifier's pass cost model (verify_service/passcost.py): the fit, the busy share and the
+price of a proposal row, on synthetic passes whose true costs are known."""
+import pytest
+
+from verify_service.passcost import PassCost
+
+BASE, ROW, SESSION = 0.004, 0.0005, 0.0002
+
+
+def run(pc: PassCost, layouts, gap: float = 0.0) -> None:
+    """Passes back to back (gap 0) or with `gap` idle seconds after each, two tokens a session."""
+    t = 100.0
+    for rows, sessions in layouts:
+        s = BASE + ROW * rows + SESSION * sessions
+        pc.observe(rows, sessions, 2 * sessions, s, t)
+        t += s + gap
+
+
+def test_the_fit_recovers_the_costs_and_forgets_old_hardware():
+    slow = [(r, s, 2 * (BASE + 2 * ROW * r + SESSION * s)) for r, s in [(1, 1), (9, 1), (8, 8), (40, 8)]]
+    pc = PassCost(slow)  # probed while the machine was busier
+    assert pc.per_row_s == pytest.approx(4 * ROW, rel=0.01)
+    run(pc, [(r, s) for r, s in [(5, 1), (20, 4), (80, 16), (40, 16), (9, 3)] * 40])
+    assert pc.base_s == pytest.approx(BASE, rel=0.15)  # the probe still pulls a little (it is never forgotten)
+    assert pc.per_row_s == pytest.approx(ROW, rel=0.05)
+    assert pc.per_session_s == pytest.approx(SESSION, rel=0.2)
+
+
+def test_all_passes_alike_keep_the_probes_slope():
+    """Passes of one layout only cannot tell rows from base: the start-up probe keeps the slope."""
+    pc = PassCost([(1, 1, BASE + ROW + SESSION), (9, 1, BASE + 9 * ROW + SESSION), (8, 8, BASE + 8 * ROW + 8 * SESSION)])
+    run(pc, [(5, 1)] * 200)
+    assert pc.per_row_s == pytest.approx(ROW, rel=0.05)
+
+
+def test_price_is_row_cost_times_goodput_times_busy_share():
+    busy, idle = PassCost(), PassCost()
+    layouts = [(r, s) for r, s in [(5, 1), (20, 4), (80, 16)] * 30]
+    run(busy, layouts)
+    run(idle, layouts, gap=0.2)
+    assert busy.utilisation == pytest.approx(1.0)
+    assert idle.utilisation < 0.25
+    for pc in (busy, idle):
+        assert pc.price == pytest.approx(pc.per_row_s * pc.tokens_per_s * pc.utilisation)
+    assert busy.price > 0.1 and idle.price < busy.price / 4
+    # a verifier that has not run yet asks nothing
+    assert PassCost().price == 0.0
