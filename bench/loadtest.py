@@ -242,12 +242,22 @@ def _log_x(ax, levels) -> None:
     ax.minorticks_off()
 
 
+def _log_y(ax) -> None:
+    """A log y axis with readable ticks: 1-2-5 in every decade, so a panel whose data span less
+    than a decade still shows several, written as plain numbers."""
+    import matplotlib.ticker
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
 def plot(cells: list[dict], out_dir: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     made = []
     for mode, xkey, xlabel, name in (("closed", "concurrency", "concurrent sessions (closed loop)", "closed"),
@@ -286,9 +296,7 @@ def plot(cells: list[dict], out_dir: str) -> list[str]:
                     ys = [1000 * c["summary"][metric][q] if c["summary"][metric][q] is not None else math.nan for c in cs]
                     ax.plot(xs, ys, style, color=color, marker="o", markersize=3, label=f"{g} {q}")
             _log_x(ax, sorted({c[xkey] for c in sel}))
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            _log_y(ax)
             ax.set_xlabel(xlabel)
             ax.set_ylabel("ms")
             ax.set_title(title)
@@ -337,6 +345,34 @@ def sizing(cells: list[dict], itl_target_ms: float) -> list[str]:
     return out + [""]
 
 
+def capacity(cells: list[dict], session_tok_s: float) -> list[str]:
+    """Markdown: per group (speculative paths beside the target-only baseline, cells tagged
+    path=target-only), the most concurrent sessions measured that each still get session_tok_s
+    (closed loop: aggregate output tok/s / sessions), and the aggregate there."""
+    groups: dict[str, list[dict]] = {}
+    for c in cells:
+        if c["mode"] == "closed" and c["summary"]["completed"]:
+            groups.setdefault(_group_key(c), []).append(c)
+    if len(groups) < 2 and not any(c.get("tags", {}).get("path") == "target-only" for c in cells):
+        return []
+    out = [f"## Capacity at {session_tok_s:g} tokens/s per session", "",
+           "The most concurrent sessions measured whose per-session rate (aggregate output tok/s / sessions, closed loop) "
+           "still meets the target, per path: what one verifier sustains, speculative beside target-only.", "",
+           "| path / tags | sessions sustained | aggregate tok/s there | per-session tok/s there | highest aggregate tok/s (at sessions) |",
+           "|---|---|---|---|---|"]
+    for g, cs in sorted(groups.items(), key=lambda kv: _group_order(kv[1][0])):
+        cs = sorted(cs, key=lambda c: c["concurrency"])
+        ok = [c for c in cs if c["summary"]["output_tokens_per_s"] / c["concurrency"] >= session_tok_s and c["summary"]["errors"] == 0]
+        top = max(cs, key=lambda c: c["summary"]["output_tokens_per_s"])
+        peak = f"{top['summary']['output_tokens_per_s']:.1f} ({top['concurrency']})"
+        if ok:
+            s = ok[-1]["summary"]
+            out.append(f"| {g} | {ok[-1]['concurrency']} | {s['output_tokens_per_s']:.1f} | {s['output_tokens_per_s'] / ok[-1]['concurrency']:.1f} | {peak} |")
+        else:
+            out.append(f"| {g} | none | – | – | {peak} |")
+    return out + [""]
+
+
 def render(results: dict, out_dir: str, json_name: str = "loadtest.json") -> str:
     """Write OUT/REPORT.md (and the PNGs) from a results dict; returns the markdown."""
     cells = sorted(results["cells"], key=lambda c: (_group_order(c), c["mode"], c.get("concurrency") or 0, c.get("rate") or 0))
@@ -382,6 +418,7 @@ def render(results: dict, out_dir: str, json_name: str = "loadtest.json") -> str
     for p in pngs:
         lines += [f"![{p}]({p})", ""]
     lines += sizing(cells, m.get("itl_target_ms", 100.0))
+    lines += capacity(cells, m.get("session_tok_s", 20.0))
     if m.get("notes"):
         lines += ["## Notes", ""] + [f"* {n}" for n in m["notes"]] + [""]
     md = "\n".join(lines)
@@ -420,9 +457,9 @@ async def run(args) -> dict:
     cells_spec = [("closed", c) for c in _floats(args.concurrency)] + [("open", r) for r in _floats(args.rate)]
     if not cells_spec:
         raise SystemExit("give --concurrency and/or --rate")
-    tags = dict(_tag(t) for t in args.tag)
+    tags = dict(_tag(t) for t in args.tag) | ({"path": "target-only"} if args.target_only else {})
     cells = []
-    async with AsyncClient(args.server, timeout=args.timeout_s, **credential_kwargs(args)) as client:
+    async with AsyncClient(args.server, target_only=args.target_only, timeout=args.timeout_s, **credential_kwargs(args)) as client:
         info = await client.info()
         for _ in range(args.warmup):  # first requests pay one-off costs (allocations, lazy init)
             await client.generate(prompt=prompts[0], max_new_tokens=min(8, args.max_new_tokens))
@@ -456,7 +493,9 @@ def main(argv=None) -> int:
     from client.core import add_credential_args
 
     p = argparse.ArgumentParser(prog="python -m bench.loadtest", description=__doc__.split("\n\n")[0])
-    p.add_argument("--server", required=True, help="draft service HOST:PORT")
+    p.add_argument("--server", required=True, help="draft service HOST:PORT (a verify service with --target-only)")
+    p.add_argument("--target-only", action="store_true",
+                   help="the baseline: --server is a verify service, generating target-only; cells are tagged path=target-only")
     add_credential_args(p)
     p.add_argument("--concurrency", default="", help="closed-loop cells: comma-separated session counts, e.g. 1,4,16,64")
     p.add_argument("--rate", default="", help="open-loop cells: comma-separated request rates (req/s, Poisson arrivals)")
@@ -479,6 +518,8 @@ def main(argv=None) -> int:
     p.add_argument("--setup", action="append", default=[], help="KEY=VALUE row for the report's set-up table; repeatable")
     p.add_argument("--note", action="append", default=[], help="a note for the report; repeatable")
     p.add_argument("--itl-target-ms", type=float, default=100.0, help="p95 inter-token latency target for the report's sizing table")
+    p.add_argument("--session-tok-s", type=float, default=20.0,
+                   help="per-session tokens/s target for the report's capacity table (sessions one verifier sustains)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--fail-on-error", action="store_true", help="exit 1 if any request failed")
     args = p.parse_args(argv)
@@ -498,6 +539,7 @@ def main(argv=None) -> int:
         if args.title:
             results["meta"]["title"] = args.title
         results["meta"]["itl_target_ms"] = args.itl_target_ms
+        results["meta"]["session_tok_s"] = args.session_tok_s
         results["meta"]["notes"] = list(dict.fromkeys(results["meta"].get("notes", []) + args.note))
         with open(path, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,0 +1,122 @@
+"""Goodput of a shared verifier: N concurrent greedy requests through the draft service
+(speculative, the service's defaults) against the same N through the verify service alone
+(target-only), in one run, with the load-steered tau on and off.
+
+    python -m bench.goodput [--levels 1,4,8,16 --max-new-tokens 64 --repeats 2 --out bench/results]
+
+Level 1 runs four prompts one after another; level n runs n requests on different code prompts
+from outside the standard library (bench/prompts.py CODE_PROMPTS, repeated as needed) together.
+Each configuration is measured `--repeats` times in alternating order (target-only, steered,
+unsteered, then the reverse), and the median aggregate tok/s (all tokens / wall time) counts.
+Two draft services share the verify service: one with the load-steered tau
+(`--goodput`, the default) and one with it off (`--no-goodput`), so before and after come from
+the same run, on the same verify process. Everything runs with one torch thread per process.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+from bench.concurrency import scrape
+from bench.prompts import CODE_PROMPTS
+from client import AsyncClient
+from specdec.testing.launch import ENV, ROOT, Service
+
+KINDS = ("target-only", "steered", "unsteered")
+
+
+async def run_batch(address: str, target_only: bool, prompts: list[str], max_new: int, together: bool) -> dict:
+    async with AsyncClient(address, target_only=target_only, timeout=1800) as c:
+        async def one(p: str):
+            r = await c.generate(prompt=p, max_new_tokens=max_new)
+            return len(r.token_ids), r.stats
+
+        t0 = time.perf_counter()
+        if together:
+            res = await asyncio.gather(*(one(p) for p in prompts))
+        else:
+            res = [await one(p) for p in prompts]
+        wall = time.perf_counter() - t0
+    tokens = sum(n for n, _ in res)
+    rounds = sum(s.get("rounds", 0) for _, s in res)
+    drafted = sum(s.get("drafted", 0) for _, s in res)
+    plain = sum(s.get("target_only_rounds", 0) for _, s in res)
+    return dict(tokens=tokens, wall_s=wall, tok_s=tokens / wall, rounds=rounds, mean_tau=drafted / max(rounds, 1),
+                target_only_share=plain / max(rounds, 1))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.goodput")
+    p.add_argument("--target", default=os.path.join(ROOT, "models", "stdlib-code-target"))
+    p.add_argument("--draft", default=os.path.join(ROOT, "models", "stdlib-code-draft"))
+    p.add_argument("--levels", default="1,4,8,16")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    a = p.parse_args(argv)
+    levels = [int(x) for x in a.levels.split(",")]
+    os.makedirs(a.out, exist_ok=True)
+    env = dict(ENV, OMP_NUM_THREADS="1")
+    verify = Service("verify_service", "--model", os.path.abspath(a.target), "--threads", "1", "--metrics-port", "0",
+                     "--max-sessions", str(max(64, max(levels))), env=env)
+    drafts = {kind: Service("draft_service", "--model", os.path.abspath(a.draft), "--verify", verify.address, "--threads", "1",
+                            "--goodput" if kind == "steered" else "--no-goodput", env=env) for kind in KINDS[1:]}
+    address = {"target-only": verify.address, **{k: d.address for k, d in drafts.items()}}
+    rows = []
+    try:
+        for kind in KINDS:  # warm-up
+            asyncio.run(run_batch(address[kind], kind == "target-only", CODE_PROMPTS[:1], 8, False))
+        for n in levels:
+            prompts = (CODE_PROMPTS * (1 + max(n, 4) // len(CODE_PROMPTS)))[: max(n, 4)]
+            runs: dict[str, list[dict]] = {k: [] for k in KINDS}
+            for rep in range(a.repeats):
+                for kind in (KINDS if rep % 2 == 0 else KINDS[::-1]):
+                    b0 = scrape(verify, "specdec_verify_batch_size_sum"), scrape(verify, "specdec_verify_batch_size_count")
+                    r = asyncio.run(run_batch(address[kind], kind == "target-only", prompts, a.max_new_tokens, together=n > 1))
+                    b1 = scrape(verify, "specdec_verify_batch_size_sum"), scrape(verify, "specdec_verify_batch_size_count")
+                    r["mean_batch"] = (b1[0] - b0[0]) / max(b1[1] - b0[1], 1)
+                    runs[kind].append(r)
+            med = {k: sorted(v, key=lambda r: r["tok_s"])[len(v) // 2] for k, v in runs.items()}
+            base = statistics.median(r["tok_s"] for r in runs["target-only"])
+            rows.append(dict(sessions=n, prompts=len(prompts), runs=runs, median=med,
+                             ratio={k: statistics.median(r["tok_s"] for r in runs[k]) / base for k in KINDS}))
+            print(n, {k: round(v, 2) for k, v in rows[-1]["ratio"].items()}, flush=True)
+    finally:
+        for d in drafts.values():
+            d.stop()
+        verify.stop()
+    res = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), target=os.path.relpath(a.target, ROOT),
+               draft=os.path.relpath(a.draft, ROOT), max_new_tokens=a.max_new_tokens, repeats=a.repeats, rows=rows)
+    with open(os.path.join(a.out, "goodput.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    report = render(res)
+    with open(os.path.join(a.out, "GOODPUT.md"), "w") as fh:
+        fh.write(report)
+    print(report)
+    return 0
+
+
+def render(res: dict) -> str:
+    lines = ["# Goodput of a shared verifier: speculative against target-only", "",
+             f"Run {res['date']}; shipped pair (`{res['target']}`, `{res['draft']}`), one verify service and two draft services "
+             f"(load-steered tau on / off), one torch thread each, greedy, {res['max_new_tokens']} new tokens per request, code "
+             f"prompts from outside the standard library, the services' defaults otherwise; median of {res['repeats']} alternating "
+             "runs. Command: `python -m bench.goodput`. Level 1 is four requests one after another.", "",
+             "| sessions | target-only tok/s | steered tok/s | × target-only | mean τ | target-only rounds | unsteered tok/s | × target-only | mean τ |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        m, x = r["median"], r["ratio"]
+        lines.append(f"| {r['sessions']} | {m['target-only']['tok_s']:.1f} | {m['steered']['tok_s']:.1f} | **{x['steered']:.2f}×** | "
+                     f"{m['steered']['mean_tau']:.2f} | {100 * m['steered']['target_only_share']:.0f}% | {m['unsteered']['tok_s']:.1f} | "
+                     f"{x['unsteered']:.2f}× | {m['unsteered']['mean_tau']:.2f} |")
+    lines += ["", "Only ratios within one run count: this shared 2-core machine's speed drifts.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
