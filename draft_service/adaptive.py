@@ -32,5 +32,23 @@ class TauController:
         a = (self.accepted + self.alpha * self.prior_weight) / (self.trials + self.prior_weight)
         return min(a, 0.999)
 
+    steer: bool = True  # follow the verifier's load (row_price); off for seeded sampled requests (DESIGN.md §7)
+    price: float = 0.0  # the verifier's last row_price: tokens of its goodput one more proposal row costs
+
+    def load(self, price: float) -> None:
+        self.price = price
+
+    def goodput_cap(self) -> int:
+        """The most proposals that still raise a busy verifier's goodput: the k-th pays while
+        alpha^k > price (verify_service/passcost.py); 0 (a target-only round) when the first
+        does not. max_tau when not steering or the verifier is idle."""
+        if not self.steer or self.price <= 0.0:
+            return self.max_tau
+        a, k = self.estimate(), 0
+        while k < self.max_tau and a ** (k + 1) > self.price:
+            k += 1
+        return k
+
     def choose(self) -> int:
-        return choose_gamma(self.costs, self.estimate(), self.max_tau, self.predraft)
+        """The tau of the best predicted tokens/s for the session, capped by the verifier's load."""
+        return min(choose_gamma(self.costs, self.estimate(), self.max_tau, self.predraft), self.goodput_cap())
