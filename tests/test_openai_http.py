@@ -291,3 +291,32 @@ def test_client_disconnect_frees_both_sessions(pair, stream):
         sock.close()
     assert wait_for(lambda: live(d, "draft") == 0 and live(v, "verify") == 0, timeout=20)
     assert wait_for(lambda: gone() == n_gone + 1, timeout=10)  # cut short (499), not run to its 4000 tokens
+
+
+def test_sigterm_drains_a_running_http_stream(pair, model_dir):
+    """uvicorn runs in the gRPC server's loop without signal handlers of its own: SIGTERM drains
+    both, a running HTTP stream completes, new connections are refused, the process exits 0."""
+    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", pair[0].address, "--http-port", "0", "--drain-s", "60")
+    try:
+        host, port = d.http_address.split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": [3, 4], "max_tokens": 400, "temperature": 0,
+                                                            "stream": True, "num_draft_tokens": 1}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: {")
+        d.proc.send_signal(15)
+        assert wait_for(lambda: not _accepts(host, int(port)), timeout=10)  # the listener closed: new requests refused
+        assert d.proc.poll() is None  # still draining
+        rest = [e.strip() for e in resp.read().split(b"\n\n") if e.strip()]  # (the first event's blank line first)
+        assert rest[-1] == b"data: [DONE]" and json.loads(rest[-2].removeprefix(b"data: "))["choices"][0]["finish_reason"] == "length"
+        assert d.proc.wait(30) == 0
+    finally:
+        d.stop()
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,86 @@
+"""The HTTP front door's app in-process (starlette's TestClient) over a stub servicer: what the
+real pair (tests/test_openai_http.py) cannot show cheaply, i.e. chat templates missing or given
+with --chat-template, and the statuses of a full or unreachable verify service (429/503 with
+Retry-After, through serving.fail, the path the real servicer takes), and an error after the
+stream has started."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from starlette.testclient import TestClient
+
+from draft_service.http import FrontDoor
+from specdec import serving
+from specdec.errors import RequestError
+from specdec.testing.tinymodels import word_tokenizer
+from specdec.v1 import specdec_pb2 as pb
+
+
+class Stub:
+    """A DraftServicer stand-in: records the GenerateRequests and answers two chunks, or fails
+    (before any output, or after the first chunk) the way the servicer does."""
+
+    def __init__(self, tokenizer, fail: grpc.StatusCode | None = None, fail_after_first: bool = False):
+        self.lm = SimpleNamespace(name="stub", tokenizer=tokenizer)
+        self.max_context = 64
+        self.fail, self.fail_after_first = fail, fail_after_first
+        self.requests: list[pb.GenerateRequest] = []
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        try:
+            if self.fail_after_first:
+                yield pb.GenerateResponse(token_ids=[3], text="w3")
+            if self.fail:
+                raise RequestError(self.fail, "upstream: the verify service is full")
+            yield pb.GenerateResponse(token_ids=[3], text="w3")
+            yield pb.GenerateResponse(token_ids=[4], text=" w4", finish_reason=pb.FINISH_REASON_LENGTH,
+                                      stats=pb.Stats(prompt_tokens=2, generated_tokens=2, rounds=1))
+        except Exception as e:  # noqa: BLE001 - as DraftServicer.Generate does
+            await serving.fail(context, "draft", "Generate", e)
+
+
+def client(stub, template_file=None) -> TestClient:
+    args = SimpleNamespace(chat_template=template_file, host="127.0.0.1", http_port=0, drain_s=1, tls_cert=None, tls_key=None, tls_client_ca=None)
+    return TestClient(FrontDoor(stub, args).app)
+
+
+CHAT = {"model": "stub", "messages": [{"role": "user", "content": "w7"}], "max_tokens": 2}
+
+
+def test_a_model_without_a_chat_template_gets_a_clear_400():
+    stub = Stub(word_tokenizer(16))
+    r = client(stub).post("/v1/chat/completions", json=CHAT)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "chat_template_missing" and "--chat-template" in err["message"]
+    assert not stub.requests
+    assert client(stub).post("/v1/completions", json={"model": "stub", "prompt": "w3", "max_tokens": 2}).status_code == 200
+
+
+def test_chat_template_flag_renders_the_messages(tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text("{% for m in messages %}w5 {{ m['content'] }} {% endfor %}w6")
+    stub = Stub(word_tokenizer(16))
+    r = client(stub, str(path)).post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "w3 w4"
+    assert stub.requests[0].prompt == "w5 w7 w6" and stub.requests[0].max_new_tokens == 2
+
+
+@pytest.mark.parametrize("code,status", [(grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_full_or_unreachable_service_answers_with_retry_after(code, status, stream):
+    r = client(Stub(word_tokenizer(16), fail=code)).post("/v1/completions", json={"model": "stub", "prompt": "w3", "stream": stream})
+    assert r.status_code == status and r.headers["Retry-After"] == str(serving.RETRY_AFTER_MS // 1000 if status == 429 else 1)
+    assert r.json()["error"]["message"] == "upstream: the verify service is full"
+
+
+def test_an_error_after_the_first_chunk_is_an_error_event_then_done():
+    r = client(Stub(word_tokenizer(16), fail=grpc.StatusCode.UNAVAILABLE, fail_after_first=True)).post(
+        "/v1/completions", json={"model": "stub", "prompt": "w3", "stream": True})
+    events = [e for e in r.text.split("\n\n") if e]
+    assert r.status_code == 200 and events[-1] == "data: [DONE]"
+    assert json.loads(events[0].removeprefix("data: "))["choices"][0]["text"] == "w3"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "unavailable"
