@@ -59,6 +59,9 @@ def add_args(p) -> None:
     p.add_argument("--http-port", type=int, default=int(serving.env("SPECDEC_HTTP_PORT") or -1),
                    help="also serve the OpenAI-compatible HTTP API on this port (0 picks a free one; default: off) "
                         "[env SPECDEC_HTTP_PORT]")
+    p.add_argument("--served-model-name", default=serving.env("SPECDEC_SERVED_MODEL_NAME"),
+                   help="the model id the HTTP API lists and accepts (default: the verify service's model directory name) "
+                        "[env SPECDEC_SERVED_MODEL_NAME]")
     p.add_argument("--chat-template", default=serving.env("SPECDEC_CHAT_TEMPLATE"),
                    help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's own) [env SPECDEC_CHAT_TEMPLATE]")
 
@@ -286,9 +289,10 @@ class FrontDoor:
     """The HTTP app over a DraftServicer; `start()` serves it, `stop()` drains it."""
 
     def __init__(self, servicer, args, token_auth=None, model: str = ""):
+        """model: the target's name (else the draft's); --served-model-name wins."""
         self.servicer, self.args, self.auth = servicer, args, token_auth
-        self.model = model or servicer.lm.name
-        self.accepted = {self.model, servicer.lm.name}
+        self.model = getattr(args, "served_model_name", None) or model or servicer.lm.name
+        self.accepted = {self.model, model, servicer.lm.name} - {""}  # also the target's and the draft's own names
         self.created = int(time.time())
         self.template = open(args.chat_template).read() if args.chat_template else None  # noqa: SIM115 - read at start-up
         self.draining, self.server, self.task = False, None, None

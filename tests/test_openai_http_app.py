@@ -43,9 +43,18 @@ class Stub:
             await serving.fail(context, "draft", "Generate", e)
 
 
-def client(stub, template_file=None) -> TestClient:
-    args = SimpleNamespace(chat_template=template_file, host="127.0.0.1", http_port=0, drain_s=1, tls_cert=None, tls_key=None, tls_client_ca=None)
-    return TestClient(FrontDoor(stub, args).app)
+def client(stub, template_file=None, served=None) -> TestClient:
+    args = SimpleNamespace(chat_template=template_file, host="127.0.0.1", http_port=0, drain_s=1, tls_cert=None, tls_key=None,
+                           tls_client_ca=None, served_model_name=served)
+    return TestClient(FrontDoor(stub, args, model="the-target").app)
+
+
+def test_served_model_name_is_listed_and_the_models_own_names_accepted():
+    c = client(Stub(word_tokenizer(16)), served="specdec")
+    assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["specdec"]
+    for name in ("specdec", "the-target", "stub"):
+        assert c.post("/v1/completions", json={"model": name, "prompt": "w3"}).json()["model"] == "specdec"
+    assert c.post("/v1/completions", json={"model": "other", "prompt": "w3"}).status_code == 404
 
 
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "w7"}], "max_tokens": 2}
