@@ -9,7 +9,8 @@ construction. gRPC statuses map to HTTP ones (INVALID_ARGUMENT 400, RESOURCE_EXH
 UNAVAILABLE 503 with Retry-After, ...) in OpenAI's error shape. The client token (--auth-token-file)
 is checked as gRPC checks it (specdec/auth.py). A client that goes away cancels its generation:
 the servicer's generator is closed, which cancels the verify session. Schemas:
-draft_service/openai_schemas.py."""
+draft_service/openai_schemas.py; errors, the context stand-in and the chunks' translation:
+draft_service/openai_reply.py."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,6 @@ import contextlib
 import json
 import logging
 import math
-import re
 import socket
 import ssl
 import time
@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from draft_service import openai_schemas as s
+from draft_service.openai_reply import CLIENT_GONE, ClientGone, Context, HttpError, Reply
 from specdec import metrics, serving, validation
 from specdec.errors import RequestError
 from specdec.v1 import specdec_pb2 as pb
@@ -40,19 +41,8 @@ from specdec.v1 import specdec_pb2 as pb
 log = logging.getLogger("specdec.draft")
 GENERATE = "/specdec.v1.Draft/Generate"  # what an HTTP generation is authorised as
 PROPOSERS = {"draft": pb.PROPOSER_DRAFT, "lookup": pb.PROPOSER_LOOKUP, "hybrid": pb.PROPOSER_HYBRID}
-FINISH = {pb.FINISH_REASON_EOS: "stop", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-          pb.FINISH_REASON_CONTEXT: "length"}
-C = grpc.StatusCode
-STATUS = {C.INVALID_ARGUMENT: 400, C.OUT_OF_RANGE: 400, C.NOT_FOUND: 404, C.UNAUTHENTICATED: 401, C.PERMISSION_DENIED: 403,
-          C.RESOURCE_EXHAUSTED: 429, C.UNAVAILABLE: 503, C.DEADLINE_EXCEEDED: 504}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
-               429: "rate_limit_error", 503: "service_unavailable"}
-# the GenerateRequest fields validation messages name, as the HTTP request names them
-HTTP_NAMES = {"max_new_tokens": "max_tokens", "sampling.temperature": "temperature", "sampling.top_p": "top_p",
-              "prompt_ids": "prompt", "request_id": "X-Request-Id"}
-COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context limit
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
-CLIENT_GONE = 499  # logged for a client that disconnected (nginx's code; never sent)
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context limit
 
 
 def add_args(p) -> None:
@@ -64,144 +54,6 @@ def add_args(p) -> None:
                         "[env SPECDEC_SERVED_MODEL_NAME]")
     p.add_argument("--chat-template", default=serving.env("SPECDEC_CHAT_TEMPLATE"),
                    help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's own) [env SPECDEC_CHAT_TEMPLATE]")
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, retry_after: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
-
-    def body(self) -> dict:
-        return s.error_body(self.message, ERROR_TYPES.get(self.status, "server_error"), self.param, self.code)
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after else {}
-        if self.status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse(self.body(), self.status, headers)
-
-
-class ClientGone(Exception):
-    pass
-
-
-def from_grpc(code: grpc.StatusCode, details: str, trailing=()) -> HttpError:
-    status = STATUS.get(code, 500)
-    param = None
-    if status == 400 and (m := re.match(r"[\w.]+", details)):
-        param = HTTP_NAMES.get(m.group(), m.group())
-        details = param + details[m.end():]
-    retry = None
-    if status in (429, 503):
-        ms = dict(trailing).get(serving.RETRY_AFTER_KEY)
-        retry = max(1, math.ceil(int(ms) / 1000)) if ms else 1
-    return HttpError(status, details, param, code.name.lower(), retry)
-
-
-class _Context:
-    """What DraftServicer.Generate uses of a grpc.aio ServicerContext, for a call from HTTP."""
-
-    def __init__(self, request_id: str):
-        self.metadata = ((serving.REQUEST_ID_KEY, request_id),)
-        self.trailing = ()
-
-    def invocation_metadata(self):
-        return self.metadata
-
-    def time_remaining(self):
-        return None
-
-    def cancelled(self) -> bool:
-        return False  # a client that went away cancels the handler's task instead
-
-    def set_trailing_metadata(self, md) -> None:
-        self.trailing = tuple(md)
-
-    async def abort(self, code, details):
-        raise from_grpc(code, details, self.trailing)
-
-
-def spec_metrics(st: pb.Stats) -> s.Metrics:
-    return s.Metrics(speculative_decoding=s.SpeculativeDecoding(
-        num_drafts=st.rounds, num_draft_tokens=st.drafted, num_accepted_tokens=st.accepted,
-        num_accepted_tokens_per_pos=list(st.accepted_per_position),
-        mean_acceptance_length=1 + st.accepted / st.rounds if st.rounds else 0.0, acceptance_rate=st.acceptance_rate))
-
-
-def usage(st: pb.Stats) -> s.Usage:
-    return s.Usage(prompt_tokens=st.prompt_tokens, completion_tokens=st.generated_tokens,
-                   total_tokens=st.prompt_tokens + st.generated_tokens)
-
-
-class _Reply:
-    """Turns the servicer's GenerateResponse chunks into one OpenAI object, or its SSE events."""
-
-    def __init__(self, chat: bool, r: s._Request, request_id: str, model: str, call: dict):
-        self.chat, self.r, self.model, self.call = chat, r, model, call
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
-        self.created = int(time.time())
-
-    def _extras(self, st: pb.Stats) -> s.Metrics | None:
-        self.call["tokens"] = st.generated_tokens
-        return spec_metrics(st) if self.r.return_metrics else None
-
-    async def collect(self, chunks) -> str:
-        text, ids = [], []
-        async with contextlib.aclosing(chunks):
-            async for c in chunks:
-                text.append(c.text)
-                ids += c.token_ids
-                if c.finish_reason:
-                    break
-            else:
-                raise HttpError(500, "internal error: the generation ended without a finish reason")
-        head = dict(id=self.id, created=self.created, model=self.model, usage=usage(c.stats), metrics=self._extras(c.stats))
-        tail = dict(finish_reason=FINISH[c.finish_reason], token_ids=ids if self.r.return_token_ids else None)
-        if self.chat:
-            return s.dump(s.ChatCompletion(choices=[s.ChatChoice(message=s.ChatMessage(content="".join(text)), **tail)], **head))
-        return s.dump(s.Completion(choices=[s.CompletionChoice(text="".join(text), **tail)], **head))
-
-    def event(self, text: str | None = None, ids: list[int] | None = None, finish: str | None = None, role: bool = False,
-              usage: s.Usage | None = None, metrics: s.Metrics | None = None, choices: bool = True) -> str:
-        if not choices:
-            choice = []
-        elif self.chat:
-            choice = [s.ChatChunkChoice(delta=s.Delta(role="assistant" if role else None, content=text), finish_reason=finish, token_ids=ids)]
-        else:
-            choice = [s.CompletionChoice(text=text or "", finish_reason=finish, token_ids=ids)]
-        chunk = (s.ChatChunk if self.chat else s.Completion)(id=self.id, created=self.created, model=self.model, choices=choice,
-                                                              usage=usage, metrics=metrics)
-        return f"data: {s.dump(chunk, null_usage=self.r.include_usage)}\n\n"
-
-    async def sse(self, first: pb.GenerateResponse, chunks):
-        """The events: (chat: the role first) the text as it comes, a chunk with the finish reason
-        (and metrics), the usage chunk when asked for, then [DONE]. An error after the first
-        chunk comes as an error event, as the status line has gone."""
-        with_ids = self.r.return_token_ids
-        try:
-            async with contextlib.aclosing(chunks):
-                if self.chat:
-                    yield self.event(text="", role=True, ids=[] if with_ids else None)
-                c = first
-                for _ in range(1 << 31):  # a chunk per round, at most max_tokens of them
-                    if c.text or (with_ids and c.token_ids):
-                        yield self.event(text=c.text, ids=list(c.token_ids) if with_ids else None)
-                    if c.finish_reason:
-                        break
-                    c = await anext(chunks)
-                m = self._extras(c.stats)
-                yield self.event(finish=FINISH[c.finish_reason], ids=[] if with_ids else None, metrics=m)
-                if self.r.include_usage:
-                    yield self.event(usage=usage(c.stats), choices=False)
-        except HttpError as e:
-            self.call.update(status=e.status, error=e.message)
-            yield f"data: {json.dumps(e.body())}\n\n"
-        except StopAsyncIteration:
-            yield f"data: {json.dumps(HttpError(500, 'internal error: the generation ended without a finish reason').body())}\n\n"
-        except asyncio.CancelledError:
-            self.call["status"] = CLIENT_GONE
-            raise
-        yield "data: [DONE]\n\n"
 
 
 async def _disconnect(receive) -> None:
@@ -351,17 +203,15 @@ class FrontDoor:
         if self.draining:
             raise HttpError(503, "the service is shutting down", retry_after=1)
         try:
-            body = await request.json()
-        except ValueError:
-            raise HttpError(400, "the body is not valid JSON") from None
-        try:
-            r = s.parse(s.ChatRequest if chat else s.CompletionRequest, body)
+            r = s.parse(s.ChatRequest if chat else s.CompletionRequest, json.loads(await self._body(request)))
         except s.Refused as e:
             raise HttpError(400, e.message, e.param) from None
+        except ValueError:  # JSON's (and UTF-8's) errors
+            raise HttpError(400, "the body is not valid JSON") from None
         if r.model not in self.accepted:
             raise HttpError(404, f"the model {r.model!r} does not exist; this server serves {self.model!r}", "model", "model_not_found")
-        reply = _Reply(chat, r, rid, self.model, call)
-        chunks = self.servicer.Generate(self._grpc_request(r, rid, chat), _Context(rid))
+        reply = Reply(chat, r, rid, self.model, call)
+        chunks = self.servicer.Generate(self._grpc_request(r, rid, chat), Context(rid))
         headers = {"X-Request-Id": rid}
         if not r.stream:
             return Response(await unless_disconnected(request, reply.collect(chunks)), media_type="application/json", headers=headers)
@@ -371,13 +221,22 @@ class FrontDoor:
             raise HttpError(500, "internal error: the generation ended without output") from None
         return StreamingResponse(reply.sse(first, chunks), media_type="text/event-stream", headers=dict(headers, **{"Cache-Control": "no-cache"}))
 
+    async def _body(self, request: Request) -> bytes:
+        """The body, up to --max-message-bytes (gRPC's limit on a request), else 413."""
+        limit, data = getattr(self.args, "max_message_bytes", 16 << 20), bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise HttpError(413, f"the request body is larger than {limit} bytes (--max-message-bytes)")
+        return bytes(data)
+
     def _authorize(self, request: Request) -> None:
         if self.auth is None:
             return
         refusal = self.auth.check(GENERATE, [("authorization", request.headers.get("authorization", ""))])
         if refusal:
             code, reason = refusal
-            raise HttpError(401 if code == C.UNAUTHENTICATED else 403, reason, code="invalid_api_key")
+            raise HttpError(401 if code == grpc.StatusCode.UNAUTHENTICATED else 403, reason, code="invalid_api_key")
 
     @staticmethod
     def _request_id(request: Request) -> str:

@@ -45,7 +45,7 @@ class Stub:
 
 def client(stub, template_file=None, served=None) -> TestClient:
     args = SimpleNamespace(chat_template=template_file, host="127.0.0.1", http_port=0, drain_s=1, tls_cert=None, tls_key=None,
-                           tls_client_ca=None, served_model_name=served)
+                           tls_client_ca=None, served_model_name=served, max_message_bytes=4096)
     return TestClient(FrontDoor(stub, args, model="the-target").app)
 
 
@@ -93,3 +93,9 @@ def test_an_error_after_the_first_chunk_is_an_error_event_then_done():
     assert r.status_code == 200 and events[-1] == "data: [DONE]"
     assert json.loads(events[0].removeprefix("data: "))["choices"][0]["text"] == "w3"
     assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "unavailable"
+
+
+def test_a_body_over_max_message_bytes_is_a_413():
+    stub = Stub(word_tokenizer(16))
+    r = client(stub).post("/v1/completions", json={"model": "stub", "prompt": "w3 " * 2000})
+    assert r.status_code == 413 and "--max-message-bytes" in r.json()["error"]["message"] and not stub.requests
