@@ -147,13 +147,13 @@ class Reply:
             async with contextlib.aclosing(chunks):
                 if self.chat:
                     yield self.event(text="", role=True, ids=[] if with_ids else None)
-                c = first
-                for _ in range(1 << 31):  # a chunk per round, at most max_tokens of them
+                async for c in _chain(first, chunks):
                     if c.text or (with_ids and c.token_ids):
                         yield self.event(text=c.text, ids=list(c.token_ids) if with_ids else None)
                     if c.finish_reason:
                         break
-                    c = await anext(chunks)
+                else:
+                    raise HttpError(500, "internal error: the generation ended without a finish reason")
                 m = self._extras(c.stats)
                 yield self.event(finish=FINISH[c.finish_reason], ids=[] if with_ids else None, metrics=m)
                 if self.r.include_usage:
@@ -161,9 +161,13 @@ class Reply:
         except HttpError as e:
             self.call.update(status=e.status, error=e.message)
             yield f"data: {json.dumps(e.body())}\n\n"
-        except StopAsyncIteration:
-            yield f"data: {json.dumps(HttpError(500, 'internal error: the generation ended without a finish reason').body())}\n\n"
         except asyncio.CancelledError:
             self.call["status"] = CLIENT_GONE
             raise
         yield "data: [DONE]\n\n"
+
+
+async def _chain(first, rest):
+    yield first
+    async for c in rest:
+        yield c

@@ -5,7 +5,9 @@ Retry-After, through serving.fail, the path the real servicer takes), and an err
 stream has started."""
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 from types import SimpleNamespace
 
 import grpc
@@ -43,10 +45,13 @@ class Stub:
             await serving.fail(context, "draft", "Generate", e)
 
 
-def client(stub, template_file=None, served=None) -> TestClient:
-    args = SimpleNamespace(chat_template=template_file, host="127.0.0.1", http_port=0, drain_s=1, tls_cert=None, tls_key=None,
+def args(template_file=None, served=None) -> SimpleNamespace:
+    return SimpleNamespace(chat_template=template_file, host="127.0.0.1", http_port=0, drain_s=1, tls_cert=None, tls_key=None,
                            tls_client_ca=None, served_model_name=served, max_message_bytes=4096)
-    return TestClient(FrontDoor(stub, args, model="the-target").app)
+
+
+def client(stub, template_file=None, served=None) -> TestClient:
+    return TestClient(FrontDoor(stub, args(template_file, served), model="the-target").app)
 
 
 def test_served_model_name_is_listed_and_the_models_own_names_accepted():
@@ -99,3 +104,22 @@ def test_a_body_over_max_message_bytes_is_a_413():
     stub = Stub(word_tokenizer(16))
     r = client(stub).post("/v1/completions", json={"model": "stub", "prompt": "w3 " * 2000})
     assert r.status_code == 413 and "--max-message-bytes" in r.json()["error"]["message"] and not stub.requests
+
+
+def test_served_connections_have_tcp_nodelay():
+    """Without TCP_NODELAY a response's body waits for the client's delayed ACK of its headers
+    (Nagle): a fixed 40 ms per request on Linux, measured before the fix (bench/results/HTTP.md)."""
+    async def go():
+        front = FrontDoor(Stub(word_tokenizer(16)), args())
+        port = await front.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        await reader.readuntil(b"\r\n\r\n")
+        socks = [c.transport.get_extra_info("socket") for c in front.server.server_state.connections]
+        flags = [sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for sock in socks]
+        writer.close()
+        await front.stop()
+        return flags
+
+    flags = asyncio.run(go())
+    assert len(flags) == 1 and flags[0]
