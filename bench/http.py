@@ -23,6 +23,13 @@ from specdec.testing.launch import ENV, ROOT, Service
 WAYS = ("grpc", "http", "http-sse")
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def http_completion(conn: http.client.HTTPConnection, body: dict, stream: bool) -> str:
     conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=stream)), {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -50,6 +57,7 @@ def main(argv=None) -> int:
     model = os.path.basename(os.path.normpath(a.target))
     prompts = BUILTIN_PROMPTS[: a.prompts]
     walls: dict[str, list[list[float]]] = {w: [[] for _ in prompts] for w in WAYS}
+    cpu = dict.fromkeys(WAYS, 0.0)  # the draft process's CPU seconds, summed per way
     try:
         host, port = draft.http_address.split(":")
         with Client(draft.address, timeout=600) as rpc:
@@ -64,9 +72,10 @@ def main(argv=None) -> int:
                     order = WAYS[(r + i) % 3:] + WAYS[: (r + i) % 3]
                     texts = {}
                     for w in order:
-                        t0 = time.perf_counter()
+                        c0, t0 = cpu_s(draft.proc.pid), time.perf_counter()
                         texts[w] = run[w](pr)
                         walls[w][i].append(time.perf_counter() - t0)
+                        cpu[w] += cpu_s(draft.proc.pid) - c0
                     if len(set(texts.values())) != 1:
                         print(f"prompt {i}: the texts differ: {texts}", file=sys.stderr)
                         return 1
@@ -74,19 +83,22 @@ def main(argv=None) -> int:
     finally:
         draft.stop()
         verify.stop()
-    report = render(a, prompts, walls)
+    report = render(a, prompts, walls, cpu)
     with open(a.out, "w") as f:
         f.write(report)
     print(report)
     return 0
 
 
-def render(a, prompts, walls) -> str:
+def render(a, prompts, walls, cpu) -> str:
     med = {w: [statistics.median(x) for x in walls[w]] for w in WAYS}
     tot = {w: sum(med[w]) for w in WAYS}
     rows = "\n".join(f"| {i} | {med['grpc'][i] * 1e3:.0f} | {med['http'][i] * 1e3:.0f} ({(med['http'][i] / med['grpc'][i] - 1) * 100:+.1f}%) "
                      f"| {med['http-sse'][i] * 1e3:.0f} ({(med['http-sse'][i] / med['grpc'][i] - 1) * 100:+.1f}%) |" for i in range(len(prompts)))
     over = {w: (tot[w] / tot["grpc"] - 1) * 100 for w in ("http", "http-sse")}
+    # each repeat runs a prompt's three ways back to back: their ratios drift less than the sums
+    paired = {w: (statistics.median(h / g for hs, gs in zip(walls[w], walls["grpc"]) for h, g in zip(hs, gs)) - 1) * 100
+              for w in ("http", "http-sse")}
     return f"""# HTTP front door overhead against gRPC
 
 Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()} ({os.cpu_count()} cores, shared with other jobs:
@@ -107,8 +119,13 @@ time per prompt and way. Every request's text was the same over the three ways. 
 {rows}
 | all | {tot['grpc'] * 1e3:.0f} | {tot['http'] * 1e3:.0f} ({over['http']:+.1f}%) | {tot['http-sse'] * 1e3:.0f} ({over['http-sse']:+.1f}%) |
 
-Overhead of the HTTP path over the sum of the medians: {over['http']:+.1f}% (whole), {over['http-sse']:+.1f}% (SSE);
-the target was at most +5%.
+Overhead of the HTTP path over the sum of the medians: {over['http']:+.1f}% (whole), {over['http-sse']:+.1f}% (SSE).
+Median of the {len(prompts) * a.repeats} paired ratios (each HTTP request over the gRPC request of the same prompt
+and repeat, run back to back): {paired['http']:+.1f}% (whole), {paired['http-sse']:+.1f}% (SSE). The target was at most +5%.
+
+CPU time of the draft process over all the timed requests of each way (less sensitive to the other jobs than
+wall time; /proc, 10 ms ticks): gRPC {cpu['grpc']:.2f} s, HTTP {cpu['http']:.2f} s ({(cpu['http'] / cpu['grpc'] - 1) * 100:+.1f}%),
+HTTP SSE {cpu['http-sse']:.2f} s ({(cpu['http-sse'] / cpu['grpc'] - 1) * 100:+.1f}%).
 """
 
 
