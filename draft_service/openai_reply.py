@@ -28,6 +28,7 @@ ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 401: 
 # the GenerateRequest fields validation messages name, as the HTTP request names them
 HTTP_NAMES = {"max_new_tokens": "max_tokens", "sampling.temperature": "temperature", "sampling.top_p": "top_p",
               "prompt_ids": "prompt", "request_id": "X-Request-Id"}
+FIELDS = set(s.CompletionRequest.model_fields) | set(s.ChatRequest.model_fields)
 CLIENT_GONE = 499  # logged for a client that disconnected (nginx's code; never sent)
 
 
@@ -53,9 +54,9 @@ class ClientGone(Exception):
 def from_grpc(code: grpc.StatusCode, details: str, trailing=()) -> HttpError:
     status = STATUS.get(code, 500)
     param = None
-    if status == 400 and (m := re.match(r"[\w.]+", details)):
-        param = HTTP_NAMES.get(m.group(), m.group())
-        details = param + details[m.end():]
+    if status == 400 and (m := re.match(r"[\w.]+", details)):  # validation's messages start with the field's name
+        param = HTTP_NAMES.get(m.group(), m.group() if m.group() in FIELDS else None)
+        details = (param or m.group()) + details[m.end():]
     retry = None
     if status in (429, 503):
         ms = dict(trailing).get(serving.RETRY_AFTER_KEY)
