@@ -123,3 +123,19 @@ def test_served_connections_have_tcp_nodelay():
 
     flags = asyncio.run(go())
     assert len(flags) == 1 and flags[0]
+
+
+def test_http_port_is_off_by_default_and_read_from_the_environment(monkeypatch):
+    import argparse
+
+    from draft_service import http
+
+    def parsed():
+        p = argparse.ArgumentParser()
+        http.add_args(p)
+        return p.parse_args([])
+
+    monkeypatch.delenv("SPECDEC_HTTP_PORT", raising=False)
+    assert parsed().http_port == -1  # off: __main__ starts no front door below 0
+    monkeypatch.setenv("SPECDEC_HTTP_PORT", "8000")
+    assert parsed().http_port == 8000
