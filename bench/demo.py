@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     env = dict(ENV, OMP_NUM_THREADS="1")  # the two services share this machine's cores: one thread each
     print("[demo] starting verify_service (target) and draft_service (draft) ...", file=sys.stderr)
     verify = Service("verify_service", "--model", a.target, "--threads", "1", env=env)
-    draft = Service("draft_service", "--model", a.draft, "--verify", verify.address, "--threads", "1", env=env)
+    draft = Service("draft_service", "--model", a.draft, "--verify", verify.address, "--threads", "1", "--http-port", "0", env=env)
+    print(f"[demo] draft: gRPC on {draft.address}, OpenAI-compatible HTTP on http://{draft.http_address}/v1", file=sys.stderr)
     try:
         policy = dict(num_draft_tokens=a.tau, adaptive=False) if a.tau else {}  # else the service's defaults
         params = dict(prompt=a.prompt, max_new_tokens=a.max_new_tokens, **policy)
@@ -75,15 +76,18 @@ def main(argv=None) -> int:
             spec.generate(**dict(params, max_new_tokens=8))  # warm-up: first calls pay one-off costs
             base.generate(prompt=a.prompt, max_new_tokens=8)
             print(f"\n--- prompt ---\n{a.prompt}\n--- speculative completion, greedy (streamed) ---", flush=True)
-            ids, last = [], None
+            ids, last, texts = [], None, []
             t0 = time.perf_counter()
             for chunk in spec.stream(**params):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 ids += chunk.token_ids
+                texts.append(chunk.text)
                 last = chunk
             spec_s = time.perf_counter() - t0
             base_r = base.generate(prompt=a.prompt, max_new_tokens=a.max_new_tokens)
+            http_text = _http_completion(draft.http_address, os.path.basename(os.path.normpath(a.target)), dict(
+                prompt=a.prompt, max_tokens=a.max_new_tokens, temperature=0, **policy))
             # fixed tau: with adaptive tau the rounds follow costs measured at start-up, and another cut into rounds
             # is another (equally exact) sample; a fixed tau replays the same text on every run (DESIGN.md §3)
             sampled = spec.generate(**dict(params, temperature=0.8, top_p=0.95, seed=7, num_draft_tokens=a.tau or 4, adaptive=False))
@@ -107,10 +111,24 @@ def main(argv=None) -> int:
         print(f"(verify service target-only {base_tps:.1f} tok/s = {base_tps / hf_tps:.2f}x generate(); greedy speculative "
               f"{'==' if base_r.token_ids == ids else '!='} target-only {'==' if hf_ids == ids else '!='} generate()"
               f"{'' if ok else ': DIFFERENT (bug!)'})")
-        return 0 if ok else 1
+        same = http_text == "".join(texts)
+        print(f"HTTP: the same request to http://{draft.http_address}/v1/completions gave "
+              f"{'the same text' if same else 'DIFFERENT text (bug!)'} (the OpenAI-compatible API: README, \"HTTP API\")")
+        return 0 if ok and same else 1
     finally:
         draft.stop()
         verify.stop()
+
+
+def _http_completion(address: str, model: str, body: dict) -> str:
+    """The text of one POST /v1/completions to the draft's HTTP front door."""
+    import json  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    req = urllib.request.Request(f"http://{address}/v1/completions", data=json.dumps(dict(body, model=model)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())["choices"][0]["text"]
 
 
 def _prompt_ids(path: str, prompt: str) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 import grpc
@@ -13,7 +14,7 @@ from specdec import auth, logs, serving, tracing
 from specdec.lm import LM, Unsupported, add_model_args
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from draft_service import calibrate
+from draft_service import calibrate, http
 from draft_service.server import DraftServicer
 
 PROPOSERS = {name.removeprefix("PROPOSER_").lower(): value for name, value in pb.Proposer.items() if value}
@@ -62,7 +63,11 @@ async def run(args, token_auth=None) -> None:
                              costs=calibrate.parse_costs(args.costs_ms) if args.costs_ms else None)
     if target is not None and args.adaptive:
         await servicer.costs()  # calibrate now, not at the first request
-    await serving.serve(args, "specdec.v1.Draft", lambda s: pb_grpc.add_DraftServicer_to_server(servicer, s), interceptors=[token_auth])
+    front = None
+    if args.http_port >= 0:
+        front = http.FrontDoor(servicer, args, token_auth, model=target.model_name if target is not None else lm.name)
+    await serving.serve(args, "specdec.v1.Draft", lambda s: pb_grpc.add_DraftServicer_to_server(servicer, s), interceptors=[token_auth],
+                        http=front)
     await channel.close()
 
 
@@ -96,7 +101,10 @@ def main(argv=None) -> None:
     p.add_argument("--costs-ms", default=serving.env("SPECDEC_COSTS_MS"),
                    help="pin adaptive tau's costs as 'draft_step,verify_base,verify_per_token' in ms (default: calibrated once "
                         "at start-up; pinning gives the same taus, and so the same samples, across restarts) [env SPECDEC_COSTS_MS]")
+    http.add_args(p)
     args = p.parse_args(argv)
+    if args.chat_template and not os.path.isfile(args.chat_template):
+        p.error(f"--chat-template {args.chat_template}: no such file")
     token_auth = auth.server_interceptor(args)  # reads the token files: fail at start-up, not on the first request
     args.verify_token = auth.read_token(args.verify_auth_token_file) if args.verify_auth_token_file else None
     logs.setup(args.log_format, args.log_level)

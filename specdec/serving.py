@@ -158,9 +158,11 @@ async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: 
     await context.abort(code, msg)
 
 
-async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=None) -> None:
+async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=None, http=None) -> None:
     """Starts the server, prints `listening on HOST:PORT`, runs until SIGTERM/SIGINT, drains.
-    `interceptors` (None entries skipped) run after the request observer, which sees every call."""
+    `interceptors` (None entries skipped) run after the request observer, which sees every call.
+    `http`: a front door served beside it in this event loop (async `start()`, which prints its
+    own address line, and `stop()`, which drains it; draft_service/http.py)."""
     if getattr(args, "trace", "off") != "off" and not tracing.enabled():
         tracing.setup(service_name, args.trace)
     observer = RequestObserver(service_name.rsplit(".", 1)[-1].lower())
@@ -178,6 +180,8 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     if mport is not None:
         print(f"metrics on {args.host}:{mport}", flush=True)
+    if http is not None:
+        await http.start()
     print(f"listening on {args.host}:{port}", flush=True)
     log.info("serving", extra={"fields": {"address": f"{args.host}:{port}", "metrics_port": mport, "service": service_name}})
 
@@ -188,7 +192,8 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
     await stop.wait()
     log.info("draining", extra={"fields": {"grace_s": args.drain_s}})
     await health.enter_graceful_shutdown()  # orchestrators stop routing here at once
-    await server.stop(args.drain_s)  # new RPCs refused; running streams get the grace period
+    # new RPCs (and HTTP requests) refused; running streams get the grace period
+    await asyncio.gather(server.stop(args.drain_s), *([http.stop()] if http is not None else []))
     if on_stop:
         on_stop()
     log.info("stopped")

@@ -3,9 +3,13 @@ service, with certificates made in the test by the `openssl` command.
 
 One pair of processes: the verify service is configured through environment variables
 (SPECDEC_TLS_*), the draft service through flags; the draft requires client certificates, talks
-mTLS to the verify service and checks a bearer token (--auth-token-file)."""
+mTLS to the verify service and checks a bearer token (--auth-token-file); its HTTP front door
+(--http-port) follows the same --tls-* flags and token."""
+import http.client
+import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 
@@ -62,7 +66,7 @@ def secure_pair(pki, model_dir):
     d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--metrics-port", "0",
                 "--tls-cert", pki("server.pem"), "--tls-key", pki("server.key"), "--tls-client-ca", pki("ca.pem"),
                 "--verify-tls-ca", pki("ca.pem"), "--verify-tls-cert", pki("client.pem"), "--verify-tls-key", pki("client.key"),
-                "--auth-token-file", pki("token"))
+                "--auth-token-file", pki("token"), "--http-port", "0")
     yield v, d
     d.stop()
     v.stop()
@@ -155,3 +159,27 @@ def test_cli_with_tls_and_token(secure_pair, pki):
     assert ok.returncode == 0, ok.stderr
     bad = subprocess.run(base, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "error: UNAUTHENTICATED: missing bearer token" in bad.stderr
+
+
+def https(pki, d, cert="client", token=TOKEN):
+    ctx = ssl.create_default_context(cafile=pki("ca.pem"))
+    if cert:
+        ctx.load_cert_chain(pki(f"{cert}.pem"), pki(f"{cert}.key"))
+    conn = http.client.HTTPSConnection(*d.http_address.split(":"), context=ctx, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "target", "prompt": "w3 w4", "max_tokens": 3, "temperature": 0}),
+                 {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})})
+    return conn.getresponse()
+
+
+def test_http_front_door_follows_the_tls_flags_and_the_token(secure_pair, pki):
+    _, d = secure_pair
+    ok = https(pki, d)
+    assert ok.status == 200 and json.loads(ok.read())["usage"]["completion_tokens"] >= 1
+    assert https(pki, d, token=None).status == 401
+    for cert in (None, "rogue"):  # mTLS: no certificate, or one from another CA
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            https(pki, d, cert=cert).read()
+    conn = http.client.HTTPConnection(*d.http_address.split(":"), timeout=10)  # plaintext
+    with pytest.raises((http.client.HTTPException, ConnectionError)):
+        conn.request("GET", "/health")
+        conn.getresponse()

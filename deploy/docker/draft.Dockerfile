@@ -58,7 +58,7 @@ COPY --chown=10001:10001 ${MODEL_DIR} /models
 
 USER 10001:10001
 WORKDIR /tmp
-EXPOSE 50051 9100
+EXPOSE 50051 8000 9100
 
 # Model loading can take a while: give it a generous start period. The draft's own port
 # is always plaintext (its TLS flags are for the connection to the verify).

@@ -1,5 +1,5 @@
 """Starts specdec services as their own processes through their real command lines, and reads
-the `listening on HOST:PORT` line they print. Used by the demo, the benchmarks and the tests."""
+the `listening on HOST:PORT` line they print (and the `metrics on` and `http on` lines before it). Used by the demo, the benchmarks and the tests."""
 from __future__ import annotations
 
 import contextlib
@@ -25,6 +25,7 @@ class Service:
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []
         self.metrics_address: str | None = None
+        self.http_address: str | None = None  # the draft's OpenAI-compatible API, with --http-port
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         self.address = self._wait_listening(timeout)
 
@@ -38,6 +39,8 @@ class Service:
             line = self.proc.stdout.readline()
             if line.startswith("metrics on "):
                 self.metrics_address = line.split()[-1]
+            if line.startswith("http on "):
+                self.http_address = line.split()[-1]
             if line.startswith("listening on "):
                 threading.Thread(target=self.proc.stdout.read, daemon=True).start()
                 return line.split()[-1]

@@ -20,10 +20,11 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def build(path: str, *, vocab_size: int = 16, hidden: int = 32, layers: int = 2, heads: int = 4, max_context: int = 64,
-          seed: int = 0, sharpen: float = 1.0, eos_like: int | None = None) -> str:
+          seed: int = 0, sharpen: float = 1.0, eos_like: int | None = None, chat_template: str | None = None) -> str:
     """A random LlamaForCausalLM with its tokenizer saved in `path`. `sharpen` scales the output
     layer: > 1 gives peakier (lower-entropy) next-token distributions. `eos_like` makes EOS win
-    wherever that token would have been the (positive-logit) argmax, so greedy runs end."""
+    wherever that token would have been the (positive-logit) argmax, so greedy runs end.
+    `chat_template`: a Jinja chat template saved with the tokenizer (tokenizer_config.json)."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_context,
@@ -35,5 +36,7 @@ def build(path: str, *, vocab_size: int = 16, hidden: int = 32, layers: int = 2,
             model.lm_head.weight[0] = 1.1 * model.lm_head.weight[eos_like]
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
-    word_tokenizer(vocab_size).save_pretrained(path)
+    tok = word_tokenizer(vocab_size)
+    tok.chat_template = chat_template
+    tok.save_pretrained(path)
     return path

@@ -1,0 +1,279 @@
+"""The draft service's OpenAI-compatible HTTP front door (--http-port): POST /v1/completions,
+POST /v1/chat/completions, GET /v1/models and GET /health, on Starlette, served by uvicorn in
+the gRPC server's own event loop (specdec/serving.py starts and drains both).
+
+An HTTP request becomes the GenerateRequest a gRPC client would send, and runs through the
+servicer's own Generate (draft_service/server.py) with a stand-in for the gRPC context: the same
+validation, decode loop, stop strings and stats, so HTTP output is the gRPC output by
+construction. gRPC statuses map to HTTP ones (INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED 429 and
+UNAVAILABLE 503 with Retry-After, ...) in OpenAI's error shape. The client token (--auth-token-file)
+is checked as gRPC checks it (specdec/auth.py). A client that goes away cancels its generation:
+the servicer's generator is closed, which cancels the verify session. Schemas:
+draft_service/openai_schemas.py; errors, the context stand-in and the chunks' translation:
+draft_service/openai_reply.py."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import socket
+import ssl
+import time
+import uuid
+
+import grpc
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from draft_service import openai_schemas as s
+from draft_service.openai_reply import CLIENT_GONE, ClientGone, Context, HttpError, Reply
+from specdec import metrics, serving, validation
+from specdec.errors import RequestError
+from specdec.v1 import specdec_pb2 as pb
+
+log = logging.getLogger("specdec.draft")
+GENERATE = "/specdec.v1.Draft/Generate"  # what an HTTP generation is authorised as
+PROPOSERS = {"draft": pb.PROPOSER_DRAFT, "lookup": pb.PROPOSER_LOOKUP, "hybrid": pb.PROPOSER_HYBRID}
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context limit
+
+
+def add_args(p) -> None:
+    p.add_argument("--http-port", type=int, default=int(serving.env("SPECDEC_HTTP_PORT") or -1),
+                   help="also serve the OpenAI-compatible HTTP API on this port (0 picks a free one; default: off) "
+                        "[env SPECDEC_HTTP_PORT]")
+    p.add_argument("--served-model-name", default=serving.env("SPECDEC_SERVED_MODEL_NAME"),
+                   help="the model id the HTTP API lists and accepts (default: the verify service's model directory name) "
+                        "[env SPECDEC_SERVED_MODEL_NAME]")
+    p.add_argument("--chat-template", default=serving.env("SPECDEC_CHAT_TEMPLATE"),
+                   help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's own) [env SPECDEC_CHAT_TEMPLATE]")
+
+
+async def _disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":  # the body has been read: only a disconnect comes
+        pass
+
+
+async def unless_disconnected(request: Request, aw):
+    """Awaits aw, unless the client disconnects first: then aw is cancelled (closing the
+    generation, which frees both services' sessions) and ClientGone raised."""
+    work, gone = asyncio.ensure_future(aw), asyncio.ensure_future(_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    await asyncio.wait((work,))  # its finally blocks run now
+    raise ClientGone
+
+
+class _Observe:
+    """ASGI middleware: one `request done` log line per HTTP request (like the gRPC observer's,
+    specdec/observe.py) and the request metrics: specdec_http_requests_total by path and status,
+    latency, tokens returned."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, call = time.perf_counter(), {"status": 500, "tokens": 0}
+        scope["specdec"] = call
+
+        async def send_status(msg):
+            if msg["type"] == "http.response.start":
+                call["status"] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_status)
+        except asyncio.CancelledError:
+            call["status"] = CLIENT_GONE
+            raise
+        finally:
+            path = scope["path"] if scope["path"] in PATHS else "other"
+            status, duration = call["status"], time.perf_counter() - t0
+            fields = {"service": "draft", "method": f"{scope['method']} {path}", "request_id": call.get("request_id") or uuid.uuid4().hex,
+                      "code": status, "tokens": call["tokens"], "duration_s": round(duration, 6)}
+            if "error" in call:
+                fields["error"] = call["error"]
+            log.log(logging.WARNING if status in (401, 403) else logging.INFO, "request done", extra={"fields": fields})
+            metrics.HTTP_REQUESTS.labels(path, str(status)).inc()
+            metrics.REQUEST_LATENCY.labels("draft", path).observe(duration)
+            if call["tokens"]:
+                metrics.GENERATED_TOKENS.labels("draft").inc(call["tokens"])
+
+
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield  # SIGTERM and SIGINT belong to the service's drain (specdec/serving.py), which stops this server
+
+
+async def _error_response(request: Request, e: Exception) -> Response:
+    call = request.scope.get("specdec", {})
+    if isinstance(e, ClientGone):
+        call["status"] = CLIENT_GONE
+        return Response(status_code=CLIENT_GONE)
+    if isinstance(e, HTTPException):
+        e = HttpError(e.status_code, str(e.detail))
+    elif not isinstance(e, HttpError):
+        log.exception("internal error in %s", request.url.path)
+        e = HttpError(500, f"internal error: {type(e).__name__}: {e}")
+    call["error"] = e.message
+    return e.response()
+
+
+class FrontDoor:
+    """The HTTP app over a DraftServicer; `start()` serves it, `stop()` drains it."""
+
+    def __init__(self, servicer, args, token_auth=None, model: str = ""):
+        """model: the target's name (else the draft's); --served-model-name wins."""
+        self.servicer, self.args, self.auth = servicer, args, token_auth
+        self.model = getattr(args, "served_model_name", None) or model or servicer.lm.name
+        self.accepted = {self.model, model, servicer.lm.name} - {""}  # also the target's and the draft's own names
+        self.created = int(time.time())
+        self.template = open(args.chat_template).read() if args.chat_template else None  # noqa: SIM115 - read at start-up
+        self.draining, self.server, self.task = False, None, None
+        errors = {HttpError: _error_response, HTTPException: _error_response, ClientGone: _error_response, Exception: _error_response}
+        self.app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"]),
+                                     Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                                     Route("/v1/models", self.models), Route("/health", self.health)],
+                             exception_handlers=errors, middleware=[Middleware(_Observe)])
+
+    async def start(self) -> int:
+        """Binds --host:--http-port, serves, prints `http on HOST:PORT`; returns the port."""
+        a = self.args
+        # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on connections of such a socket, and without
+        # it a response's body waits for the client's delayed ACK of its headers (40 ms on Linux)
+        sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((a.host, a.http_port))
+        sock.listen(1024)
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", server_header=False,
+                                timeout_graceful_shutdown=max(1, math.ceil(a.drain_s)), ssl_certfile=a.tls_cert, ssl_keyfile=a.tls_key,
+                                ssl_ca_certs=a.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED if a.tls_client_ca else ssl.CERT_NONE)
+        self.server = _Uvicorn(config)
+        self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        for _ in range(3000):  # 30 s at most
+            if self.server.started or self.task.done():
+                break
+            await asyncio.sleep(0.01)
+        if not self.server.started:
+            raise RuntimeError(f"the HTTP server did not start: {self.task.exception() if self.task.done() else 'timed out'}")
+        port = sock.getsockname()[1]
+        print(f"http on {a.host}:{port}", flush=True)
+        log.info("serving http", extra={"fields": {"address": f"{a.host}:{port}", "tls": bool(a.tls_cert)}})
+        return port
+
+    async def stop(self) -> None:
+        """New requests get 503; running ones get the drain period (--drain-s)."""
+        self.draining = True
+        if self.server is not None:
+            self.server.should_exit = True
+            await self.task
+
+    # ---- endpoints ----
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "draining" if self.draining else "ok"}, 503 if self.draining else 200)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created, "owned_by": "specdec"}]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        call = request.scope["specdec"]
+        self._authorize(request)
+        rid = call["request_id"] = self._request_id(request)
+        if self.draining:
+            raise HttpError(503, "the service is shutting down", retry_after=1)
+        try:
+            r = s.parse(s.ChatRequest if chat else s.CompletionRequest, json.loads(await self._body(request)))
+        except s.Refused as e:
+            raise HttpError(400, e.message, e.param) from None
+        except ValueError:  # JSON's (and UTF-8's) errors
+            raise HttpError(400, "the body is not valid JSON") from None
+        if r.model not in self.accepted:
+            raise HttpError(404, f"the model {r.model!r} does not exist; this server serves {self.model!r}", "model", "model_not_found")
+        reply = Reply(chat, r, rid, self.model, call)
+        chunks = self.servicer.Generate(self._grpc_request(r, rid, chat), Context(rid))
+        headers = {"X-Request-Id": rid}
+        if not r.stream:
+            return Response(await unless_disconnected(request, reply.collect(chunks)), media_type="application/json", headers=headers)
+        try:  # the first chunk before the status line: errors before any output get their own status
+            first = await unless_disconnected(request, anext(chunks))
+        except StopAsyncIteration:
+            raise HttpError(500, "internal error: the generation ended without output") from None
+        return StreamingResponse(reply.sse(first, chunks), media_type="text/event-stream", headers=dict(headers, **{"Cache-Control": "no-cache"}))
+
+    async def _body(self, request: Request) -> bytes:
+        """The body, up to --max-message-bytes (gRPC's limit on a request), else 413."""
+        limit, data = getattr(self.args, "max_message_bytes", 16 << 20), bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise HttpError(413, f"the request body is larger than {limit} bytes (--max-message-bytes)")
+        return bytes(data)
+
+    def _authorize(self, request: Request) -> None:
+        if self.auth is None:
+            return
+        refusal = self.auth.check(GENERATE, [("authorization", request.headers.get("authorization", ""))])
+        if refusal:
+            code, reason = refusal
+            raise HttpError(401 if code == grpc.StatusCode.UNAUTHENTICATED else 403, reason, code="invalid_api_key")
+
+    @staticmethod
+    def _request_id(request: Request) -> str:
+        rid = request.headers.get(serving.REQUEST_ID_KEY) or uuid.uuid4().hex
+        try:
+            return validation.check_request_id(rid, "X-Request-Id")
+        except RequestError as e:
+            raise HttpError(400, e.message, "X-Request-Id") from None
+
+    def _grpc_request(self, r: s._Request, rid: str, chat: bool) -> pb.GenerateRequest:
+        if chat:
+            max_tokens = r.max_completion_tokens or r.max_tokens or self.servicer.max_context
+        else:
+            max_tokens = r.max_tokens or COMPLETION_MAX_TOKENS
+        sampling = pb.SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
+        req = pb.GenerateRequest(max_new_tokens=max_tokens, sampling=sampling, stop=r.stops, num_draft_tokens=r.num_draft_tokens,
+                                 request_id=rid, proposer=PROPOSERS.get(r.proposer, pb.PROPOSER_UNSPECIFIED), adaptive=r.adaptive,
+                                 predraft=r.predraft)
+        prompt = self._render(r) if chat else r.prompt
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            req.prompt_ids.extend(prompt)
+        return req
+
+    def _render(self, r: s.ChatRequest) -> str:
+        tok = self.servicer.lm.tokenizer
+        if self.template is None and not getattr(tok, "chat_template", None):
+            raise HttpError(400, f"the model {self.model!r} has no chat template: use /v1/completions, or start the draft service "
+                                 "with --chat-template FILE", "messages", "chat_template_missing")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in r.messages]
+        try:
+            return tok.apply_chat_template(messages, chat_template=self.template, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a template that raises on these messages (jinja's raise_exception)
+            raise HttpError(400, f"messages: the chat template refused them: {e}", "messages") from None

@@ -1,0 +1,234 @@
+"""Pydantic schemas of the OpenAI-compatible HTTP front door (draft_service/http.py).
+
+Requests: the OpenAI fields this server implements, plus specdec's own knobs as extra body
+fields (`top_k`, `num_draft_tokens`, `proposer`, `adaptive`, `predraft`, and `return_metrics`,
+`return_token_ids`). Every other field is refused by name (`Refused`, a 400), except that a field
+sent as null, or as the value that means "off" (`logprobs: false`, `n: 1`, a zero penalty, ...),
+is taken as absent. Responses: the OpenAI objects, serialised by `dump`."""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specdec.validation import MAX_TAU
+
+# OpenAI fields sent with their "off" value are accepted as if absent
+NEUTRAL = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
+           "presence_penalty": (0,), "frequency_penalty": (0,), "parallel_tool_calls": (False,)}
+MAX_TOKENS = 1 << 31
+
+
+class Refused(Exception):
+    """A request the server will not run: 400 with the field (`param`) named."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: int | None = Field(None, ge=1, lt=MAX_TOKENS)
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=1 << 64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, unused
+    # specdec's own knobs (extra body fields; the openai SDK sends them with extra_body)
+    top_k: int = Field(0, ge=0, lt=MAX_TOKENS)
+    num_draft_tokens: int = Field(0, ge=0, le=MAX_TAU)
+    proposer: Literal["draft", "lookup", "hybrid"] | None = None
+    adaptive: bool | None = None
+    predraft: bool | None = None
+    return_metrics: bool = False  # the per-request speculative metrics, top-level `metrics`
+    return_token_ids: bool = False  # the generated ids in each choice, `token_ids` (vLLM's name)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (batches of prompts are not supported)")
+            v = v[0]
+        if not v:
+            raise ValueError("empty")
+        return v
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=MAX_TOKENS)  # the newer name of max_tokens; wins
+
+
+def parse(model: type[_Request], body) -> _Request:
+    """The validated request, or Refused naming the first bad field."""
+    if not isinstance(body, dict):
+        raise Refused("the body must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None and not (k in NEUTRAL and v in NEUTRAL[k] and type(v) is not str)}
+    unknown = [k for k in body if k not in model.model_fields]
+    if unknown:
+        raise Refused(f"unsupported field(s): {', '.join(unknown)} (this server does not implement them)", unknown[0])
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        msg = err["msg"].removeprefix("Value error, ")
+        param = ".".join(str(p) for p in err["loc"] if not _union_tag(p)) or msg.split(":")[0]
+        if err["type"] == "extra_forbidden":
+            raise Refused(f"{param}: unsupported field", param) from None
+        raise Refused(msg if msg.startswith(f"{param}:") else f"{param}: {msg}", param) from None
+
+
+def _union_tag(part) -> bool:
+    """A part of a pydantic error location that names a member of a union, not a field."""
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("str", "int", "float", "bool"))
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpeculativeDecoding(BaseModel):
+    """vLLM's spec-decode counters, for one request."""
+    num_drafts: int  # verify rounds
+    num_draft_tokens: int  # tokens proposed
+    num_accepted_tokens: int  # of those, accepted
+    num_accepted_tokens_per_pos: list[int]  # [i]: rounds whose proposal i+1 was accepted
+    mean_acceptance_length: float  # tokens per round, the verifier's own included (1 + accepted / drafts), as vLLM logs it
+    acceptance_rate: float  # accepted / proposed
+
+
+class Metrics(BaseModel):
+    speculative_decoding: SpeculativeDecoding
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = None
+
+
+class Completion(BaseModel):
+    """A completion, and (object text_completion too) each streamed chunk of one."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    metrics: Metrics | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+    token_ids: list[int] | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    metrics: Metrics | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    metrics: Metrics | None = None
+
+
+def dump(m: BaseModel, null_usage: bool = False) -> str:
+    """Compact JSON as OpenAI sends it: `metrics` and `token_ids` only when asked for, a delta's
+    unset fields left out, `usage` null on stream chunks when include_usage is on (else absent)."""
+    d = m.model_dump()
+    for key in ("usage", "metrics"):
+        if d.get(key, 0) is None and not (key == "usage" and null_usage):
+            del d[key]
+    for c in d["choices"]:
+        if c.get("token_ids", 0) is None:
+            del c["token_ids"]
+        if "delta" in c:
+            c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+    return json.dumps(d, ensure_ascii=False, separators=(",", ":"))
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

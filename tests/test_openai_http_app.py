@@ -1,0 +1,141 @@
+"""The HTTP front door's app in-process (starlette's TestClient) over a stub servicer: what the
+real pair (tests/test_openai_http.py) cannot show cheaply, i.e. chat templates missing or given
+with --chat-template, and the statuses of a full or unreachable verify service (429/503 with
+Retry-After, through serving.fail, the path the real servicer takes), and an error after the
+stream has started."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from starlette.testclient import TestClient
+
+from draft_service.http import FrontDoor
+from specdec import serving
+from specdec.errors import RequestError
+from specdec.testing.tinymodels import word_tokenizer
+from specdec.v1 import specdec_pb2 as pb
+
+
+class Stub:
+    """A DraftServicer stand-in: records the GenerateRequests and answers two chunks, or fails
+    (before any output, or after the first chunk) the way the servicer does."""
+
+    def __init__(self, tokenizer, fail: grpc.StatusCode | None = None, fail_after_first: bool = False):
+        self.lm = SimpleNamespace(name="stub", tokenizer=tokenizer)
+        self.max_context = 64
+        self.fail, self.fail_after_first = fail, fail_after_first
+        self.requests: list[pb.GenerateRequest] = []
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        try:
+            if self.fail_after_first:
+                yield pb.GenerateResponse(token_ids=[3], text="w3")
+            if self.fail:
+                raise RequestError(self.fail, "upstream: the verify service is full")
+            yield pb.GenerateResponse(token_ids=[3], text="w3")
+            yield pb.GenerateResponse(token_ids=[4], text=" w4", finish_reason=pb.FINISH_REASON_LENGTH,
+                                      stats=pb.Stats(prompt_tokens=2, generated_tokens=2, rounds=1))
+        except Exception as e:  # noqa: BLE001 - as DraftServicer.Generate does
+            await serving.fail(context, "draft", "Generate", e)
+
+
+def args(template_file=None, served=None) -> SimpleNamespace:
+    return SimpleNamespace(chat_template=template_file, host="127.0.0.1", http_port=0, drain_s=1, tls_cert=None, tls_key=None,
+                           tls_client_ca=None, served_model_name=served, max_message_bytes=4096)
+
+
+def client(stub, template_file=None, served=None) -> TestClient:
+    return TestClient(FrontDoor(stub, args(template_file, served), model="the-target").app)
+
+
+def test_served_model_name_is_listed_and_the_models_own_names_accepted():
+    c = client(Stub(word_tokenizer(16)), served="specdec")
+    assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["specdec"]
+    for name in ("specdec", "the-target", "stub"):
+        assert c.post("/v1/completions", json={"model": name, "prompt": "w3"}).json()["model"] == "specdec"
+    assert c.post("/v1/completions", json={"model": "other", "prompt": "w3"}).status_code == 404
+
+
+CHAT = {"model": "stub", "messages": [{"role": "user", "content": "w7"}], "max_tokens": 2}
+
+
+def test_a_model_without_a_chat_template_gets_a_clear_400():
+    stub = Stub(word_tokenizer(16))
+    r = client(stub).post("/v1/chat/completions", json=CHAT)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "chat_template_missing" and "--chat-template" in err["message"]
+    assert not stub.requests
+    assert client(stub).post("/v1/completions", json={"model": "stub", "prompt": "w3", "max_tokens": 2}).status_code == 200
+
+
+def test_chat_template_flag_renders_the_messages(tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text("{% for m in messages %}w5 {{ m['content'] }} {% endfor %}w6")
+    stub = Stub(word_tokenizer(16))
+    r = client(stub, str(path)).post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "w3 w4"
+    assert stub.requests[0].prompt == "w5 w7 w6" and stub.requests[0].max_new_tokens == 2
+
+
+@pytest.mark.parametrize("code,status", [(grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_full_or_unreachable_service_answers_with_retry_after(code, status, stream):
+    r = client(Stub(word_tokenizer(16), fail=code)).post("/v1/completions", json={"model": "stub", "prompt": "w3", "stream": stream})
+    assert r.status_code == status and r.headers["Retry-After"] == str(serving.RETRY_AFTER_MS // 1000 if status == 429 else 1)
+    assert r.json()["error"]["message"] == "upstream: the verify service is full"
+
+
+def test_an_error_after_the_first_chunk_is_an_error_event_then_done():
+    r = client(Stub(word_tokenizer(16), fail=grpc.StatusCode.UNAVAILABLE, fail_after_first=True)).post(
+        "/v1/completions", json={"model": "stub", "prompt": "w3", "stream": True})
+    events = [e for e in r.text.split("\n\n") if e]
+    assert r.status_code == 200 and events[-1] == "data: [DONE]"
+    assert json.loads(events[0].removeprefix("data: "))["choices"][0]["text"] == "w3"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "unavailable"
+
+
+def test_a_body_over_max_message_bytes_is_a_413():
+    stub = Stub(word_tokenizer(16))
+    r = client(stub).post("/v1/completions", json={"model": "stub", "prompt": "w3 " * 2000})
+    assert r.status_code == 413 and "--max-message-bytes" in r.json()["error"]["message"] and not stub.requests
+
+
+def test_served_connections_have_tcp_nodelay():
+    """Without TCP_NODELAY a response's body waits for the client's delayed ACK of its headers
+    (Nagle): a fixed 40 ms per request on Linux, measured before the fix (bench/results/HTTP.md)."""
+    async def go():
+        front = FrontDoor(Stub(word_tokenizer(16)), args())
+        port = await front.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        await reader.readuntil(b"\r\n\r\n")
+        socks = [c.transport.get_extra_info("socket") for c in front.server.server_state.connections]
+        flags = [sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for sock in socks]
+        writer.close()
+        await front.stop()
+        return flags
+
+    flags = asyncio.run(go())
+    assert len(flags) == 1 and flags[0]
+
+
+def test_http_port_is_off_by_default_and_read_from_the_environment(monkeypatch):
+    import argparse
+
+    from draft_service import http
+
+    def parsed():
+        p = argparse.ArgumentParser()
+        http.add_args(p)
+        return p.parse_args([])
+
+    monkeypatch.delenv("SPECDEC_HTTP_PORT", raising=False)
+    assert parsed().http_port == -1  # off: __main__ starts no front door below 0
+    monkeypatch.setenv("SPECDEC_HTTP_PORT", "8000")
+    assert parsed().http_port == 8000
