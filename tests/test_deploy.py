@@ -88,7 +88,8 @@ def test_manifests_keep_tokens_in_secret_files_and_fence_the_verify(overlay):
         want.add((json.dumps([{"podSelector": {"matchLabels": {"specdec.io/verify-client": "true"}}}]), "grpc"))
     assert allowed == want and all(len(r["ports"]) == 1 for r in rules)
     draft_rules = by["NetworkPolicy", "specdec-draft"]["spec"]["ingress"]
-    assert {"ports": [{"port": "grpc", "protocol": "TCP"}]} in draft_rules  # clients from anywhere, with the client token
+    # clients from anywhere, with the client token, over gRPC or the HTTP API
+    assert {"ports": [{"port": "grpc", "protocol": "TCP"}, {"port": "http", "protocol": "TCP"}]} in draft_rules
     assert [r for r in draft_rules if r.get("ports", [{}])[0].get("port") == "metrics"][0]["from"] == \
         [{"podSelector": scraper}, {"namespaceSelector": scraper}]
 
