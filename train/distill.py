@@ -204,8 +204,9 @@ def _what_happened(s: dict, args) -> str:
     stop = {"steps": f"--steps {args.steps} reached", "max-minutes": f"--max-minutes {args.max_minutes} used up"}[s["stopped_by"]]
     loss = f"final loss {s['final_loss']:.4f}" if s["final_loss"] is not None else "no loss yet"
     out = f"exported to {s['out']}" if s["exported"] else f"the draft in {s['out']} was left as it was"
+    if 0 < s["steps"] < args.warmup:
+        out += f" (the run is still in its --warmup of {args.warmup} steps: the learning rate has not reached --lr yet)"
     return f"distill: {run}" + (f" ({stop})" if s["steps_this_run"] else "") + f"; {loss}; {out}"
-
 
 
 if __name__ == "__main__":
