@@ -12,8 +12,9 @@ next token and yields them with the verifier's finish reason, until that reason 
   it is used or dropped.
 * Fallback: when the session's measured acceptance makes the draft model slower than target-only
   rounds (adaptive.DraftJudge, from the same costs), the loop stops running the model for the
-  session and sends rounds without proposals (prompt lookup still proposes in hybrid mode): the
-  verifier answers each with the target's next token, exactly as it does after a full rejection.
+  session and sends rounds without proposals: the verifier answers each with the target's next
+  token, exactly as it does after a full rejection. In hybrid mode prompt lookup is judged the
+  same way (its rounds cost no draft steps) and stops for the session when it does not pay.
   Counted in Stats.fallback_rounds and specdec_draft_fallback_sessions_total; one warning per model.
 * Stats (`self.stats`, the wire's Stats message) and the draft-side Prometheus counters are
   updated every round; `summary()` fills in the derived rates at the end.
@@ -73,6 +74,9 @@ class DecodeLoop:
         use_model = params.proposer != pb.PROPOSER_LOOKUP
         self.judge = DraftJudge(fallback, params.tau, self.predraft) if fallback and use_model else None
         self.fallen_back = False  # the draft model stopped for this session
+        hybrid = fallback and params.proposer == pb.PROPOSER_HYBRID
+        self.lookup_judge = DraftJudge(Costs(0.0, fallback.verify_base, fallback.verify_per_token), params.tau) if hybrid else None
+        self.lookup_off = False  # hybrid: prompt lookup stopped for this session
 
     def start(self) -> pb.VerifyRequest:
         g = self.params
@@ -90,7 +94,7 @@ class DecodeLoop:
 
     def propose(self, tau: int) -> Proposal:
         st, mode = self.state, self.params.proposer
-        if mode in (pb.PROPOSER_LOOKUP, pb.PROPOSER_HYBRID):
+        if mode == pb.PROPOSER_LOOKUP or (mode == pb.PROPOSER_HYBRID and not self.lookup_off):
             # a lookup proposal costs no draft steps, so it takes the request's cap (num_draft_tokens;
             # 8 with adaptive tau), not the tau chosen for the draft model (bench/results/ENGINE.md)
             prop = self.drafter.lookup(st, min(self.params.tau, self.cap()),
@@ -155,6 +159,9 @@ class DecodeLoop:
                     ctl.observe(len(sent.tokens), n)
                 if self.judge and not sent.lookup:
                     self._judge(len(sent.tokens), n)
+                if self.lookup_judge and sent.lookup and not self.lookup_off:
+                    self.lookup_judge.observe(len(sent.tokens), n)
+                    self.lookup_off = not self.lookup_judge.pays()
                 self._count(len(sent.tokens), n)
                 yield new, v.finish_reason
                 if v.finish_reason:

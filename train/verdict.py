@@ -78,8 +78,9 @@ def report(v: dict, target_dir, draft_dir, pair: dict) -> str:
         lines += [f"  BELOW 1x: with this draft, speculative decoding would be SLOWER than the target alone "
                   f"({v['speedup']:.2f}x). To change that:",
                   "  * train longer: run the same command again with more --max-minutes (or a larger --steps): it resumes where it stopped",
-                  f"  * a smaller draft (--layers 1 --hidden 128): c is {v['c']:.2f} now, and the draft must be far cheaper "
-                  "than the target to pay",
+                  f"  * a smaller draft (--layers 1 --hidden 128): c is {v['c']:.2f} now"
+                  + (", and the draft must be far cheaper than the target to pay" if v["c"] > 0.2 else
+                     ", small already: acceptance is what is missing"),
                   "  * no draft model: prompt lookup (draft_service --proposer lookup) proposes continuations of earlier text",
                   "  (served as it is, the draft service falls back to target-only rounds in sessions where the draft does not pay)"]
     lines += ["serve the pair:",
