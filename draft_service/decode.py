@@ -166,9 +166,40 @@ class DecodeLoop:
                 yield new, v.finish_reason
                 if v.finish_reason:
                     return
+                if self.fallen_back and not (self.params.proposer == pb.PROPOSER_HYBRID and not self.lookup_off):
+                    async for item in self._target_only(call):  # nothing left to propose: no verdict to wait for
+                        yield item
+                    return
         finally:
             if pending is not None:
                 pending[1].reject()  # the thread stops after its current step
+
+    async def _target_only(self, call: VerifyStream) -> AsyncIterator[tuple[list[int], int]]:
+        """The rest of a session that proposes nothing: rounds without proposals, one written ahead
+        of the verdict the loop waits for (an empty round does not depend on it), so the verifier's
+        next pass need not wait for the round trip. A round written past the end is never read:
+        the verifier stops reading at the finish reason."""
+        st, stats, g = self.state, self.stats, self.params
+        ahead = 0
+        while True:
+            while ahead < 2 and len(st.ids) - st.prompt_len + ahead < g.max_new_tokens and len(st.ids) + ahead < self.max_context:
+                stats.rounds += 1
+                stats.fallback_rounds += 1
+                await call.write(pb.VerifyRequest(round=pb.Round(round=stats.rounds)))
+                ahead += 1
+            t0 = time.perf_counter()
+            v = await call.read()
+            ahead -= 1
+            if v is grpc.aio.EOF:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
+            stats.verify_s += time.perf_counter() - t0
+            stats.verify_forward_s += v.forward_s
+            new = [v.next_token] if v.HasField("next_token") else []
+            st.ids.extend(new)
+            self._count(0, 0)
+            yield new, v.finish_reason
+            if v.finish_reason:
+                return
 
     def _judge(self, drafted: int, accepted: int) -> None:
         self.judge.observe(drafted, accepted)
