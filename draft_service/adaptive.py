@@ -48,7 +48,8 @@ class DraftJudge:
     costs: Costs
     max_tau: int
     predraft: bool = False
-    min_rounds: int = 6
+    min_rounds: int = 4
+    min_tau: int = 1  # prompt lookup proposes up to the cap, not the best tau: judge it at max_tau
     rounds: int = 0
     accepted: int = 0
     trials: int = 0
@@ -63,5 +64,5 @@ class DraftJudge:
         if self.rounds < self.min_rounds:
             return True
         alpha = min(self.accepted / self.trials, 0.999) if self.trials else 0.999
-        best = max(tokens_per_second(self.costs, alpha, g, self.predraft) for g in range(1, self.max_tau + 1))
+        best = max(tokens_per_second(self.costs, alpha, g, self.predraft) for g in range(min(self.min_tau, self.max_tau), self.max_tau + 1))
         return best >= 1.0 / self.costs.verify(0)
