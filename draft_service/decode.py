@@ -15,7 +15,7 @@ next token and yields them with the verifier's finish reason, until that reason 
   session and sends rounds without proposals: the verifier answers each with the target's next
   token, exactly as it does after a full rejection. In hybrid mode prompt lookup is judged the
   same way (its rounds cost no draft steps) and stops for the session when it does not pay.
-  While every model round so far was rejected outright, rounds propose one token (cheap evidence).
+  Until the model's first proposal is accepted, its rounds propose one token (cheap evidence).
   Counted in Stats.fallback_rounds and specdec_draft_fallback_sessions_total; one warning per model.
 * Stats (`self.stats`, the wire's Stats message) and the draft-side Prometheus counters are
   updated every round; `summary()` fills in the derived rates at the end.
@@ -120,8 +120,8 @@ class DecodeLoop:
             prop = None
             while True:
                 tau = ctl.choose() if ctl else self.params.tau
-                if self.judge and self.judge.rounds and not self.judge.accepted:
-                    tau = 1  # every model round so far rejected outright: gather the judge's evidence cheaply
+                if self.judge and not self.judge.accepted:
+                    tau = 1  # no proposal of the model accepted yet: gather the judge's evidence cheaply
                 t1 = time.perf_counter()
                 if prop is None and self.fallen_back:
                     prop = self.propose(min(tau, self.cap()))  # no model step: not worth a thread
