@@ -255,7 +255,7 @@ def test_corpus_tokens_are_the_same_in_parallel_and_come_back_from_the_cache(tmp
 def _distill_args(tdir, cdir, out, run) -> list[str]:
     return ["--target", str(tdir), "--corpus", str(cdir), "--out", str(out), "--run-dir", str(run),
             "--layers", "1", "--hidden", "16", "--heads", "2", "--intermediate", "32", "--seq-len", "32",
-            "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--seed", "1", "--steps", "12", "--compile"]
+            "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--seed", "1", "--steps", "12", "--compile", "--verdict-prompts", "0"]
 
 
 def test_compiled_training_step_trains(tmp_path, tiny_pair_inputs):
