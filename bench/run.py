@@ -85,7 +85,7 @@ def hf_anchor(target, draft, tok, prompts: list[str], max_new: int, kind: str) -
     extra = {"assisted": dict(assistant_model=draft), "lookup": dict(prompt_lookup_num_tokens=10)}.get(kind, {})
     tokens, wall, ids = 0, 0.0, []
     for i, p in enumerate([prompts[0]] + prompts):  # the first is a warm-up
-        x = tok(p, return_tensors="pt", add_special_tokens=False)  # as the services tokenize
+        x = tok(p, return_tensors="pt")  # as the services tokenize by default
         t0 = time.perf_counter()
         with torch.no_grad():
             out = target.generate(**x, max_new_tokens=4 if i == 0 else max_new, do_sample=False, pad_token_id=tok.pad_token_id, **extra)

@@ -54,6 +54,8 @@ def parse(argv):
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None, help="adaptive tau (default: the server's)")
     g.add_argument("--predraft", action=argparse.BooleanOptionalAction, default=None, help="pre-drafting (default: the server's)")
     g.add_argument("--early-stop-p", type=float, default=0.0, help="end a round when the draft's top probability falls below this")
+    g.add_argument("--add-special-tokens", action=argparse.BooleanOptionalAction, default=None,
+                   help="tokenize --prompt with the tokenizer's special tokens, e.g. BOS (default: yes, as the tokenizer does)")
     g.add_argument("--request-id", default="")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     i = sub.add_parser("info", help="print the service's model info")
@@ -80,7 +82,8 @@ def main(argv=None) -> int:
         req = make_request(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                            top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=a.stop, num_draft_tokens=a.tau,
                            proposal_mode=a.mode, sparse_k=a.sparse_k, request_id=a.request_id, proposer=a.proposer,
-                           adaptive=a.adaptive, predraft=a.predraft, early_stop_p=a.early_stop_p)
+                           adaptive=a.adaptive, predraft=a.predraft, early_stop_p=a.early_stop_p,
+                           add_special_tokens=a.add_special_tokens)
         if a.json:
             print(json.dumps(client.generate(req).to_dict()))
             return 0

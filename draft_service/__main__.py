@@ -15,7 +15,7 @@ from specdec.lm import LM, Unsupported, add_model_args
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from draft_service import calibrate, http
-from draft_service.server import DraftServicer
+from draft_service.server import DraftServicer, pairing_error
 
 PROPOSERS = {name.removeprefix("PROPOSER_").lower(): value for name, value in pb.Proposer.items() if value}
 
@@ -55,13 +55,14 @@ async def run(args, token_auth=None) -> None:
         target = await stub.Info(pb.InfoRequest(), timeout=args.verify_wait_s, wait_for_ready=True)
     except grpc.aio.AioRpcError as e:
         log.warning("verify service not reachable yet; sessions will check it", extra={"fields": {"verify": args.verify, "code": e.code().name}})
-    if target is not None and target.vocab_fingerprint != lm.fingerprint:
-        print(f"error: verify service at {args.verify} has vocabulary fingerprint {target.vocab_fingerprint[:12]}, "
-              f"this draft has {lm.fingerprint[:12]}: the models do not share a tokenizer", file=sys.stderr)
+    problem = await pairing_error(stub, lm, target) if target is not None else None
+    if problem:
+        print(f"error: verify service at {args.verify}: {problem}", file=sys.stderr)
         sys.exit(2)
     servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft, proposer=PROPOSERS[args.proposer],
+                             draft_fallback=args.draft_fallback,
                              costs=calibrate.parse_costs(args.costs_ms) if args.costs_ms else None)
-    if target is not None and args.adaptive:
+    if target is not None and (args.adaptive or args.draft_fallback):
         await servicer.costs()  # calibrate now, not at the first request
     front = None
     if args.http_port >= 0:
@@ -98,6 +99,10 @@ def main(argv=None) -> None:
     p.add_argument("--proposer", choices=sorted(PROPOSERS), default=serving.env("SPECDEC_PROPOSER") or "hybrid",
                    help="default for requests that do not say: 'hybrid' (prompt lookup when a 2-gram of the text recurs, else "
                         "the draft model; the measured best: bench/results/ENGINE.md), 'draft' or 'lookup' [env SPECDEC_PROPOSER]")
+    p.add_argument("--draft-fallback", action=argparse.BooleanOptionalAction, default=serving.env_flag("SPECDEC_DRAFT_FALLBACK", True),
+                   help="stop drafting with the model in a session once its measured acceptance makes speculation slower than "
+                        "target-only rounds, and send rounds without proposals instead (default: on; uses the calibrated costs) "
+                        "[env SPECDEC_DRAFT_FALLBACK]")
     p.add_argument("--costs-ms", default=serving.env("SPECDEC_COSTS_MS"),
                    help="pin adaptive tau's costs as 'draft_step,verify_base,verify_per_token' in ms (default: calibrated once "
                         "at start-up; pinning gives the same taus, and so the same samples, across restarts) [env SPECDEC_COSTS_MS]")

@@ -10,6 +10,13 @@ next token and yields them with the verifier's finish reason, until that reason 
 * Pre-drafting: while round k is verified, a thread drafts round k+1 assuming all of round k is
   accepted and guessing the bonus token (draft_service/drafter.py); the verdict decides whether
   it is used or dropped.
+* Fallback: when the session's measured acceptance makes the draft model slower than target-only
+  rounds (adaptive.DraftJudge, from the same costs), the loop stops running the model for the
+  session and sends rounds without proposals: the verifier answers each with the target's next
+  token, exactly as it does after a full rejection. In hybrid mode prompt lookup is judged the
+  same way (its rounds cost no draft steps) and stops for the session when it does not pay.
+  Until the model's first proposal is accepted, its rounds propose one token (cheap evidence).
+  Counted in Stats.fallback_rounds and specdec_draft_fallback_sessions_total; one warning per model.
 * Stats (`self.stats`, the wire's Stats message) and the draft-side Prometheus counters are
   updated every round; `summary()` fills in the derived rates at the end.
 
@@ -21,12 +28,13 @@ VerifyResponse or grpc.aio.EOF works as the stream, so the loop runs in-process 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import AsyncIterator, Protocol
 
 import grpc
 
-from draft_service.adaptive import TauController
+from draft_service.adaptive import DraftJudge, TauController
 from draft_service.drafter import Drafter, PredraftControl, Proposal
 from specdec.costmodel import Costs
 from specdec import metrics
@@ -35,6 +43,8 @@ from specdec.validation import GenParams
 from specdec.v1 import specdec_pb2 as pb
 
 HYBRID_MIN_NGRAM = 2  # hybrid mode trusts prompt lookup from a 2-gram match up
+log = logging.getLogger("specdec.draft")
+_warned: set[str] = set()  # models whose fallback was logged
 
 
 class VerifyStream(Protocol):
@@ -47,10 +57,11 @@ class VerifyStream(Protocol):
 
 class DecodeLoop:
     """One request's rounds. `fingerprint` is the draft vocabulary's (sent in `start`);
-    `max_context` the smaller of the two models' context limits."""
+    `max_context` the smaller of the two models' context limits. `costs` turns on adaptive tau;
+    `fallback` (costs) the fallback to target-only rounds when the draft model does not pay."""
 
     def __init__(self, drafter: Drafter, params: GenParams, fingerprint: str, max_context: int,
-                 costs: Costs | None = None, predraft: bool = False):
+                 costs: Costs | None = None, predraft: bool = False, fallback: Costs | None = None):
         self.drafter = drafter
         self.params = params
         self.fingerprint = fingerprint
@@ -61,6 +72,13 @@ class DecodeLoop:
         # adaptive tau when costs are given (calibrated by the service); else a fixed tau
         self.tau = TauController(max_tau=params.tau, costs=costs, predraft=self.predraft) if costs else None
         self.stats = pb.Stats(prompt_tokens=len(params.prompt_ids), accepted_per_position=[0] * params.tau)
+        use_model = params.proposer != pb.PROPOSER_LOOKUP
+        self.judge = DraftJudge(fallback, params.tau, self.predraft) if fallback and use_model else None
+        self.fallen_back = False  # the draft model stopped for this session
+        hybrid = fallback and params.proposer == pb.PROPOSER_HYBRID
+        self.lookup_judge = DraftJudge(Costs(0.0, fallback.verify_base, fallback.verify_per_token), params.tau,
+                                       min_tau=params.tau) if hybrid else None
+        self.lookup_off = False  # hybrid: prompt lookup stopped for this session
 
     def start(self) -> pb.VerifyRequest:
         g = self.params
@@ -78,13 +96,16 @@ class DecodeLoop:
 
     def propose(self, tau: int) -> Proposal:
         st, mode = self.state, self.params.proposer
-        if mode in (pb.PROPOSER_LOOKUP, pb.PROPOSER_HYBRID):
+        if mode == pb.PROPOSER_LOOKUP or (mode == pb.PROPOSER_HYBRID and not self.lookup_off):
             # a lookup proposal costs no draft steps, so it takes the request's cap (num_draft_tokens;
             # 8 with adaptive tau), not the tau chosen for the draft model (bench/results/ENGINE.md)
             prop = self.drafter.lookup(st, min(self.params.tau, self.cap()),
                                        min_ngram=1 if mode == pb.PROPOSER_LOOKUP else HYBRID_MIN_NGRAM)
             if prop.tokens or mode == pb.PROPOSER_LOOKUP:
                 return prop
+        if self.fallen_back:
+            self.stats.fallback_rounds += 1
+            return Proposal()  # a target-only round
         return self.drafter.propose(st, tau)
 
     async def rounds(self, call: VerifyStream) -> AsyncIterator[tuple[list[int], int]]:
@@ -99,14 +120,18 @@ class DecodeLoop:
             prop = None
             while True:
                 tau = ctl.choose() if ctl else self.params.tau
+                if self.judge and not self.judge.accepted:
+                    tau = 1  # no proposal of the model accepted yet: gather the judge's evidence cheaply
                 t1 = time.perf_counter()
-                if prop is None:
+                if prop is None and self.fallen_back:
+                    prop = self.propose(min(tau, self.cap()))  # no model step: not worth a thread
+                elif prop is None:
                     prop = await asyncio.to_thread(self.propose, min(tau, self.cap()))
                 t2 = time.perf_counter()
                 stats.rounds += 1
                 await call.write(pb.VerifyRequest(round=prop.to_round(stats.rounds)))
                 next_cap = min(tau, self.cap(len(prop.tokens) + 1))
-                if self.predraft and not prop.lookup and next_cap > 0:
+                if self.predraft and not prop.lookup and next_cap > 0 and not self.fallen_back:
                     ahead_ctl = PredraftControl()
                     pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl)), ahead_ctl)
                 v = await call.read()
@@ -136,13 +161,64 @@ class DecodeLoop:
                 st.ids.extend(new)
                 if ctl:
                     ctl.observe(len(sent.tokens), n)
+                if self.judge and not sent.lookup:
+                    self._judge(len(sent.tokens), n)
+                if self.lookup_judge and sent.lookup and not self.lookup_off:
+                    self.lookup_judge.observe(len(sent.tokens), n)
+                    self.lookup_off = not self.lookup_judge.pays()
                 self._count(len(sent.tokens), n)
                 yield new, v.finish_reason
                 if v.finish_reason:
                     return
+                if self.fallen_back and not (self.params.proposer == pb.PROPOSER_HYBRID and not self.lookup_off):
+                    async for item in self._target_only(call):  # nothing left to propose: no verdict to wait for
+                        yield item
+                    return
         finally:
             if pending is not None:
                 pending[1].reject()  # the thread stops after its current step
+
+    async def _target_only(self, call: VerifyStream) -> AsyncIterator[tuple[list[int], int]]:
+        """The rest of a session that proposes nothing: rounds without proposals, one written ahead
+        of the verdict the loop waits for (an empty round does not depend on it), so the verifier's
+        next pass need not wait for the round trip. A round written past the end is never read:
+        the verifier stops reading at the finish reason."""
+        st, stats, g = self.state, self.stats, self.params
+        ahead = 0
+        while True:
+            while ahead < 2 and len(st.ids) - st.prompt_len + ahead < g.max_new_tokens and len(st.ids) + ahead < self.max_context:
+                stats.rounds += 1
+                stats.fallback_rounds += 1
+                await call.write(pb.VerifyRequest(round=pb.Round(round=stats.rounds)))
+                ahead += 1
+            t0 = time.perf_counter()
+            v = await call.read()
+            ahead -= 1
+            if v is grpc.aio.EOF:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
+            stats.verify_s += time.perf_counter() - t0
+            stats.verify_forward_s += v.forward_s
+            new = [v.next_token] if v.HasField("next_token") else []
+            st.ids.extend(new)
+            self._count(0, 0)
+            yield new, v.finish_reason
+            if v.finish_reason:
+                return
+
+    def _judge(self, drafted: int, accepted: int) -> None:
+        self.judge.observe(drafted, accepted)
+        if self.fallen_back or self.judge.pays():
+            return
+        self.fallen_back = True
+        name = self.drafter.lm.name
+        metrics.DRAFT_FALLBACK.labels(name).inc()
+        if name not in _warned:
+            _warned.add(name)
+            j = self.judge
+            log.warning("the draft model does not pay: sessions whose acceptance makes speculation slower than the target alone "
+                        "fall back to target-only rounds (counted in specdec_draft_fallback_sessions_total; a better draft, "
+                        "or --proposer lookup, would help)",
+                        extra={"fields": {"model": name, "accepted": j.accepted, "rounds": j.rounds, "request_id": self.params.request_id}})
 
     def summary(self) -> pb.Stats:
         """The stats with the acceptance rate and mean accepted length filled in."""

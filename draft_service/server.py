@@ -11,10 +11,13 @@ import contextlib
 import logging
 import time
 
+import grpc
+
 from draft_service import calibrate
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
-from specdec import metrics, serving, validation
+from specdec import metrics, serving, validation, vocabdiff
+from specdec.errors import RequestError
 from specdec.costmodel import Costs
 from specdec.lm import LM
 from specdec.textstream import Chunks
@@ -26,16 +29,31 @@ SERVICE = "draft"
 ADAPTIVE_MAX_TAU = 8  # the cap adaptive tau was measured with (bench/results/POLICY.md)
 
 
+async def pairing_error(verify: pb_grpc.VerifyStub, lm: LM, target: pb.ModelInfo) -> str | None:
+    """None if the target's vocabulary fingerprint is the draft's; else one line saying what
+    differs (asking the verify service for its whole vocabulary to compare)."""
+    if target.vocab_fingerprint == lm.fingerprint:
+        return None
+    try:
+        target = await verify.Info(pb.InfoRequest(include_vocab=True), timeout=30)
+    except grpc.aio.AioRpcError:
+        pass  # explain from what the first answer said
+    return (f"vocabulary fingerprint {target.vocab_fingerprint[:12]}, this draft has {lm.fingerprint[:12]}: the models do not "
+            f"share a tokenizer ({vocabdiff.explain(target, serving.model_info(lm, include_vocab=True))})")
+
+
 class DraftServicer(pb_grpc.DraftServicer):
     def __init__(self, lm: LM, verify: pb_grpc.VerifyStub, target: pb.ModelInfo | None = None,
                  adaptive: bool = False, predraft: bool = False, costs: Costs | None = None,
-                 proposer: int = pb.PROPOSER_DRAFT):
+                 proposer: int = pb.PROPOSER_DRAFT, draft_fallback: bool = False):
         self.lm = lm
         self.drafter = Drafter(lm)
         self.verify = verify
         self.max_context = min(lm.max_context, target.max_context) if target else lm.max_context
         self.adaptive, self.predraft, self.proposer = adaptive, predraft, proposer
+        self.draft_fallback = draft_fallback  # stop drafting in sessions where the model does not pay (decode.py)
         self._costs, self._calibrating = costs, asyncio.Lock()
+        self._paired = target is not None  # checked at start-up; else at the first request
 
     async def costs(self) -> Costs:
         """The costs adaptive tau plans with: pinned (--costs-ms), else calibrated once, at the
@@ -49,8 +67,17 @@ class DraftServicer(pb_grpc.DraftServicer):
                                                         "verify_per_token_ms": round(per_token * 1e3, 3)}})
             return self._costs
 
+    async def check_pairing(self) -> None:
+        """When the verify service was not reachable at start-up: compare fingerprints at the first
+        request, so a refusal says what differs (the verify service refuses every session anyway)."""
+        problem = await pairing_error(self.verify, self.lm, await self.verify.Info(pb.InfoRequest(), timeout=30))
+        if problem:
+            log.error("the verify service's model does not pair with this draft", extra={"fields": {"reason": problem}})
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        self._paired = True
+
     async def Info(self, request, context):
-        return serving.model_info(self.lm)
+        return serving.model_info(self.lm, request.include_vocab)
 
     async def Generate(self, request, context):
         t0 = time.perf_counter()
@@ -61,11 +88,14 @@ class DraftServicer(pb_grpc.DraftServicer):
             g.request_id = serving.request_id(context, g.request_id)
             if not request.proposer:
                 g.proposer = self.proposer  # the service's default
+            if not self._paired:
+                await self.check_pairing()
             adaptive = self.adaptive if g.adaptive is None else g.adaptive
             if adaptive and not request.num_draft_tokens:
                 g.tau = ADAPTIVE_MAX_TAU  # adaptive tau picks up to this many per round
+            costs = await self.costs() if adaptive or (self.draft_fallback and g.proposer != pb.PROPOSER_LOOKUP) else None
             loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
-                              costs=await self.costs() if adaptive else None,
+                              costs=costs if adaptive else None, fallback=costs if self.draft_fallback else None,
                               predraft=self.predraft if g.predraft is None else g.predraft)
             call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
             out = Chunks(self.lm.tokenizer, g.stop, g.request_id)

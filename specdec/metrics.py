@@ -27,6 +27,8 @@ ROW_PRICE = Gauge("specdec_verify_row_price", "Expected tokens of goodput one mo
 CAPACITY_REJECTIONS = Counter("specdec_capacity_rejections_total", "Sessions refused with RESOURCE_EXHAUSTED", ["reason"])
 
 # draft side
+DRAFT_FALLBACK = Counter("specdec_draft_fallback_sessions_total", "Sessions that stopped drafting with the model and fell back to "
+                         "target-only rounds because its measured acceptance made speculation slower", ["model"])
 DRAFT_BATCH_SIZE = Histogram("specdec_draft_batch_size", "Sessions per draft forward pass", buckets=(1, 2, 4, 8, 16, 32, 64))
 
 # draft side (vLLM names)

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from specdec import architectures, metrics, observe, tracing
+from specdec import architectures, metrics, observe, tracing, vocabdiff
 from specdec.errors import RequestError
 from specdec.observe import REQUEST_ID_KEY, RequestObserver  # noqa: F401 - REQUEST_ID_KEY: the servicers use it
 from specdec.v1 import specdec_pb2 as pb
@@ -32,7 +32,8 @@ RETRY_AFTER_MS = 1000
 MODES = [pb.PROPOSAL_MODE_GREEDY, pb.PROPOSAL_MODE_SPARSE, pb.PROPOSAL_MODE_DENSE]
 
 
-def model_info(lm) -> pb.ModelInfo:
+def model_info(lm, include_vocab: bool = False) -> pb.ModelInfo:
+    """What Info answers; `include_vocab` adds every token (to explain a fingerprint mismatch)."""
     return pb.ModelInfo(
         model_name=lm.name,
         vocab_fingerprint=lm.fingerprint,
@@ -45,6 +46,7 @@ def model_info(lm) -> pb.ModelInfo:
         device=str(lm.device),
         dtype=str(lm.dtype).removeprefix("torch."),
         supported_architectures=architectures.TESTED,
+        tokenizer=vocabdiff.tokenizer_info(lm.tokenizer, include_vocab),
     )
 
 

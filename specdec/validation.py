@@ -77,7 +77,9 @@ def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_cont
     if req.prompt_ids:
         ids = check_ids(req.prompt_ids, vocab_size, "prompt_ids")
     elif req.prompt:
-        ids = tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+        # as the target's own tokenizer does by default (BOS where it adds one); a request may opt out
+        special = req.add_special_tokens if req.HasField("add_special_tokens") else True
+        ids = tokenizer(req.prompt, add_special_tokens=special)["input_ids"]
         if not ids:
             raise invalid("prompt: tokenizes to no tokens")
     else:

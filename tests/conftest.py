@@ -13,6 +13,8 @@ os.environ.setdefault("SPECDEC_DTYPE", "float32")
 os.environ.setdefault("SPECDEC_ADAPTIVE", "0")
 os.environ.setdefault("SPECDEC_PREDRAFT", "0")
 os.environ.setdefault("SPECDEC_PROPOSER", "draft")
+# and no fallback to target-only rounds (the tiny random drafts would trigger it); tests/test_pairing.py turns it on
+os.environ.setdefault("SPECDEC_DRAFT_FALLBACK", "0")
 
 from specdec.testing import tinymodels  # noqa: E402
 from specdec.testing.launch import ENV, ROOT, Service  # noqa: E402,F401 - re-exported to the test modules

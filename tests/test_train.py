@@ -105,7 +105,7 @@ def test_distill_trains_a_loadable_draft_and_resumes(tmp_path, tiny_pair_inputs)
     out, run = tmp_path / "draft", tmp_path / "run"
     common = ["--target", str(tdir), "--corpus", str(cdir), "--out", str(out), "--run-dir", str(run),
               "--layers", "1", "--hidden", "16", "--heads", "2", "--intermediate", "32",
-              "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--seed", "1"]
+              "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--seed", "1", "--verdict-prompts", "0"]
     s1 = distill.main(common + ["--steps", "6"])
     assert s1["steps"] == 6
     assert s1["draft_parameters"] < s1["target_parameters"]
@@ -255,7 +255,7 @@ def test_corpus_tokens_are_the_same_in_parallel_and_come_back_from_the_cache(tmp
 def _distill_args(tdir, cdir, out, run) -> list[str]:
     return ["--target", str(tdir), "--corpus", str(cdir), "--out", str(out), "--run-dir", str(run),
             "--layers", "1", "--hidden", "16", "--heads", "2", "--intermediate", "32", "--seq-len", "32",
-            "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--seed", "1", "--steps", "12", "--compile"]
+            "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--seed", "1", "--steps", "12", "--compile", "--verdict-prompts", "0"]
 
 
 def test_compiled_training_step_trains(tmp_path, tiny_pair_inputs):
@@ -364,3 +364,29 @@ def test_unlikelihood_step_lowers_the_probability_of_repeated_tokens(tiny_pair_i
     model.eval()
     after = p_repeated()
     assert after < 0.8 * before, (before, after)
+
+
+def test_progress_total_follows_the_time_budget_and_a_rerun_gets_its_own(tmp_path, capsys):
+    from train import loop
+
+    # the bar's total: --steps, or sooner at this run's rate when the budget ends first
+    assert loop.planned_steps(10, 1000, 10, 5.0, None) == 1000
+    assert loop.planned_steps(10, 1000, 10, 5.0, 60.0) == 10 + 110  # 55 s left at 2 steps/s
+    assert loop.planned_steps(510, 1000, 10, 5.0, 60.0) == 620  # resumed at step 500
+    assert loop.planned_steps(10, 50, 10, 5.0, 60.0) == 50 and loop.planned_steps(10, 1000, 10, 70.0, 60.0) == 10
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32))
+
+    def loss_fn(m, batch):
+        return torch.nn.functional.cross_entropy(m(batch[:, :-1]).reshape(-1, 32), batch[:, 1:].reshape(-1)), {}
+
+    cfg = loop.LoopConfig(run_dir=tmp_path, max_steps=10**9, max_minutes=0.01, bf16=False, warmup_steps=1)
+    first = loop.run(model, lambda step: torch.randint(0, 32, (2, 9)), loss_fn, cfg)
+    bar = capsys.readouterr().err.rsplit("\r", 1)[-1]
+    n = first["steps"]
+    assert first["stopped_by"] == "max-minutes" and 0 < n < 10**9
+    assert f" {n}/{n} " in bar  # the bar ended full at the step the budget ended, not at 1e9
+    # the same command again trains another budget from where it stopped
+    second = loop.run(model, lambda step: torch.randint(0, 32, (2, 9)), loss_fn, cfg)
+    assert second["resumed_from_step"] == n and second["steps_this_run"] > 0 and second["steps"] == n + second["steps_this_run"]
+    assert second["final_loss"] is not None and second["tokens"] == second["steps"] * 16

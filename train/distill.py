@@ -4,8 +4,10 @@
         [--layers 1 --hidden 256 --intermediate 1024 --steps 2000 --max-minutes 30]
 
 The draft is a small ``LlamaForCausalLM`` with the target's vocabulary (its output row ``i``
-is the target's token ``i``) and the target's tokenizer, copied into the output directory, so
-the pair can be used for speculative decoding.  It is trained to match the target's
+is the target's token ``i``) and the target's tokenizer: its files are copied into the output
+directory with ``tokenizer_class`` set to the class the target's tokenizer loaded as, so that
+AutoTokenizer resolves the same class for the draft whatever its model type (a Qwen2 target's
+tokenizer is a Qwen2Tokenizer, not the Llama draft's default).  It is trained to match the target's
 next-token distribution: at every position of windows cut from the corpus, the target runs
 without gradients and the loss is the KL divergence ``KL(p_target || q_draft)`` (optionally
 mixed with the ordinary cross-entropy on the corpus, ``--ce-weight``).  Matching the whole
@@ -17,7 +19,14 @@ an installed package's Python source.  About 5% of the files
 (chosen by a hash of their path) are held out and never trained on.
 
 Running the same command again resumes from ``RUN_DIR/checkpoint.pt`` (default
-``runs/distill-<name of --out>``); the loss log is ``RUN_DIR/log.jsonl``.
+``runs/distill-<name of --out>``): ``--steps`` counts all the steps so far, ``--max-minutes`` is
+this run's budget. The loss log is ``RUN_DIR/log.jsonl``. A run that trains nothing (``--steps``
+already reached) leaves an existing export as it is.
+
+At the end the run checks that the exported draft's tokenizer gives the target's vocabulary
+fingerprint (and fails if not, saying what differs), measures greedy acceptance and the cost
+ratio on held-out text, and prints a verdict with the predicted speed-up and the two commands
+that serve the pair (train/verdict.py). ``RUN_DIR/summary.json`` records all of it.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
-from train import corpus, loop
+from train import corpus, loop, verdict
 from train.architecture import draft_config
 from train.data import WindowSampler, corpus_tokens
 from train.pretrain import seed_everything
@@ -41,7 +50,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def copy_tokenizer(target_dir: Path, out_dir: Path, tokenizer) -> None:
-    """Copy the target's tokenizer files verbatim (fall back to re-saving the tokenizer)."""
+    """Copy the target's tokenizer files (fall back to re-saving the tokenizer), naming in
+    tokenizer_config.json the class the target's tokenizer loaded as: without it AutoTokenizer
+    picks a class from the draft's model type, which may differ from the target's."""
     out_dir.mkdir(parents=True, exist_ok=True)
     copied = False
     for name in TOKENIZER_FILES:
@@ -49,8 +60,12 @@ def copy_tokenizer(target_dir: Path, out_dir: Path, tokenizer) -> None:
         if src.is_file():
             shutil.copyfile(src, out_dir / name)
             copied = True
-    if not copied:
+    if not copied or not (out_dir / "tokenizer_config.json").is_file():
         tokenizer.save_pretrained(out_dir)
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = type(tokenizer).__name__
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def distillation_loss(target, temperature: float = 1.0, ce_weight: float = 0.0):
@@ -95,7 +110,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--max-minutes", type=float, default=None, help="training time budget")
+    ap.add_argument("--max-minutes", type=float, default=None, help="this run's training time budget (a re-run trains this long again)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
@@ -108,6 +123,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-ratio", type=float, default=0.1, help="warn if draft/target parameters exceed this")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--verdict-prompts", type=int, default=16, help="held-out prompts the closing acceptance estimate uses (0: skip it)")
     args = ap.parse_args(argv)
 
     if args.threads:
@@ -142,19 +158,55 @@ def main(argv=None) -> dict:
                                        lr=args.lr, warmup_steps=args.warmup, bf16=not args.no_bf16,
                                        checkpoint_minutes=args.checkpoint_minutes, desc="distill", compile=args.compile))
 
-    draft.generation_config = GenerationConfig.from_dict(target.generation_config.to_dict()) \
-        if target.generation_config is not None else GenerationConfig()
-    m = draft.to("cpu", getattr(torch, args.save_dtype))
-    m.config.use_cache = True
-    m.save_pretrained(out_dir, safe_serialization=True, max_shard_size="40MB")
-    copy_tokenizer(target_dir, out_dir, tokenizer)
+    exported = summary["steps_this_run"] > 0 or (summary["steps"] > 0 and not (out_dir / "config.json").is_file())
+    if exported:
+        draft.generation_config = GenerationConfig.from_dict(target.generation_config.to_dict()) \
+            if target.generation_config is not None else GenerationConfig()
+        m = draft.to("cpu", getattr(torch, args.save_dtype))
+        m.config.use_cache = True
+        m.save_pretrained(out_dir, safe_serialization=True, max_shard_size="40MB")
+        copy_tokenizer(target_dir, out_dir, tokenizer)
+    summary.update(exported=exported, out=str(out_dir), target=str(target_dir))
     summary.update(target_parameters=n_t, draft_parameters=n_d, ratio=n_d / n_t,
                    corpus_tokens=int(tokens.numel()), corpus_files=n_files, device=str(args.device),
                    seq_len=sampler.seq_len, batch_size=args.batch_size, max_steps=args.steps, lr=args.lr,
                    warmup=args.warmup, max_minutes=args.max_minutes, corpus=args.corpus, init_from=args.init_from)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary), flush=True)
+    if not (out_dir / "config.json").is_file():
+        _write(run_dir, summary)
+        raise SystemExit(f"distill: nothing trained (--steps {args.steps}, --max-minutes {args.max_minutes}) and no draft "
+                         f"in {out_dir}: nothing exported")
+    saved = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    pair = verdict.check_pair(tokenizer, verdict.output_rows(target), out_dir, verdict.output_rows(saved))
+    summary.update(pair)
+    if not pair["match"]:
+        _write(run_dir, summary)
+        raise SystemExit(f"distill: the draft in {out_dir} does not pair with the target: vocabulary fingerprint "
+                         f"{pair['draft_fingerprint'][:12]}, the target's {pair['target_fingerprint'][:12]} ({pair['problem']})")
+    print(_what_happened(summary, args), flush=True)
+    if args.verdict_prompts:
+        summary["verdict"] = verdict.measure(target, saved, tokenizer, specs, tokens, prompts=args.verdict_prompts)
+        print(verdict.report(summary["verdict"], target_dir, out_dir, pair), flush=True)
+    _write(run_dir, summary)
+    print(f"summary: {run_dir / 'summary.json'}", flush=True)
     return summary
+
+
+def _write(run_dir: Path, summary: dict) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _what_happened(s: dict, args) -> str:
+    run = (f"trained {s['steps_this_run']} steps in {s['minutes_this_run']:.1f} min"
+           + (f", resumed at step {s['resumed_from_step']}" if s["resumed_from_step"] else "")
+           + f"; {s['steps']} steps and {s['tokens']:,} tokens in all")
+    if not s["steps_this_run"]:
+        run = f"nothing to train: the run is at step {s['steps']} and --steps is {args.steps} (raise --steps to go on)"
+    stop = {"steps": f"--steps {args.steps} reached", "max-minutes": f"--max-minutes {args.max_minutes} used up"}[s["stopped_by"]]
+    loss = f"final loss {s['final_loss']:.4f}" if s["final_loss"] is not None else "no loss yet"
+    out = f"exported to {s['out']}" if s["exported"] else f"the draft in {s['out']} was left as it was"
+    if 0 < s["steps"] < args.warmup:
+        out += f" (the run is still in its --warmup of {args.warmup} steps: the learning rate has not reached --lr yet)"
+    return f"distill: {run}" + (f" ({stop})" if s["steps_this_run"] else "") + f"; {loss}; {out}"
 
 
 if __name__ == "__main__":

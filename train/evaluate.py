@@ -98,7 +98,7 @@ def greedy_acceptance(target, draft, prompts: torch.Tensor, steps: int, batch: i
         # t_arg re-derives the continuation in one parallel pass; use it as the reference so
         # tiny numeric differences between cached and parallel passes cannot bias α.
         agree_rows.append((d_arg == t_arg).float())
-    agree = torch.cat(agree_rows)  # [prompts, steps]
+    agree = torch.cat(agree_rows).cpu()  # [prompts, steps]
     alpha = agree.mean().item()
     # Greedy drafting of γ tokens from position t is accepted up to k iff the draft agrees at
     # t..t+k-1 (identical contexts while it agrees): P(first k accepted) = mean Π agree.

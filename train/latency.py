@@ -22,7 +22,7 @@ def decode_step_seconds(model, steps: int = 64, prompt_len: int = 32, repeats: i
     model.eval()
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, vocab, (1, prompt_len), generator=gen)
+    prompt = torch.randint(3, vocab, (1, prompt_len), generator=gen).to(next(model.parameters()).device)
     results = []
     for r in range(repeats + 1):
         out = model(input_ids=prompt, use_cache=True)

@@ -3,8 +3,11 @@
 It owns what both need: automatic resume from ``run_dir/checkpoint.pt``, AdamW, warm-up +
 cosine learning rate (see ``schedule``), gradient clipping, optional bf16 autocast (on the model's device: the CPU or a GPU), a tqdm
 progress bar, optional ``torch.compile`` of the loss, a JSON-lines loss log (``run_dir/log.jsonl``), a checkpoint every few minutes
-and at the end, and two limits: a step count and a wall-clock budget (``max_minutes`` counts
-training time across resumed runs).
+and at the end, and two limits: a step count (``max_steps``, counted across resumed runs) and a
+training-time budget for this run (``max_minutes``: a resumed run trains that long again, from
+where it stopped). The progress bar's total and ETA follow whichever limit ends the run first.
+The learning-rate schedule is the one of a single run given the total (the minutes trained
+before plus this run's budget), so a resumed run picks the cosine up again part-way.
 """
 
 from __future__ import annotations
@@ -47,6 +50,24 @@ def _param_groups(model, weight_decay: float):
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _last_logged(run_dir: Path) -> dict:
+    """The last line of the loss log (checkpoints from before they kept it)."""
+    try:
+        lines = (run_dir / "log.jsonl").read_text().splitlines()
+    except OSError:
+        return {}
+    return json.loads(lines[-1]) if lines else {}
+
+
+def planned_steps(step: int, max_steps: int, run_steps: int, run_elapsed_s: float, budget_s: float | None) -> int:
+    """The step the run will end at: ``max_steps``, or sooner if this run's time budget runs out
+    first at the rate of its ``run_steps`` steps so far."""
+    if not budget_s or run_steps <= 0 or run_elapsed_s <= 0:
+        return max_steps
+    more = int(max(0.0, budget_s - run_elapsed_s) * run_steps / run_elapsed_s)
+    return max(step, min(max_steps, step + more))
+
+
 def run(model, batch_fn: Callable[[int], torch.Tensor],
         loss_fn: Callable[[torch.nn.Module, torch.Tensor], Tuple[torch.Tensor, Dict[str, float]]],
         cfg: LoopConfig) -> Dict[str, float]:
@@ -56,29 +77,31 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=device.type == "cuda")
-    step, elapsed = 0, 0.0
+    step, elapsed, last = 0, 0.0, {}
     state = checkpoint.load(run_dir)
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, elapsed = state["step"], state["elapsed_s"]
+        last = (state.get("extra") or {}).get("last") or _last_logged(run_dir)
         print(f"[{cfg.desc}] resumed from {run_dir / checkpoint.CKPT_NAME} at step {step} "
               f"({elapsed / 60:.1f} min trained)", flush=True)
-    max_s = cfg.max_minutes * 60 if cfg.max_minutes else None
+    max_s = cfg.max_minutes * 60 if cfg.max_minutes is not None else None
     # the compiled step shares the model's parameters; checkpoints save the model itself
     step_fn = torch.compile(loss_fn) if cfg.compile else loss_fn
     first_step = step
     model.train()
     log = open(run_dir / "log.jsonl", "a")
-    bar = tqdm(total=cfg.max_steps, initial=step, desc=cfg.desc, dynamic_ncols=True, mininterval=5)
+    bar = tqdm(total=max(step, cfg.max_steps), initial=step, desc=cfg.desc, dynamic_ncols=True, mininterval=5)
     last_ckpt = time.monotonic()
     t_resume = time.monotonic()
     elapsed0 = elapsed
     tokens_per_step = None
-    last = {}
+    run_s = 0.0
+    total_s = elapsed + max_s if max_s is not None else None
     try:
-        while step < cfg.max_steps and not (max_s and elapsed >= max_s):
-            frac = schedule.progress(step, cfg.max_steps, elapsed, max_s)
+        while step < cfg.max_steps and not (max_s is not None and run_s >= max_s):
+            frac = schedule.progress(step, cfg.max_steps, elapsed, total_s)
             lr = schedule.learning_rate(step, frac, cfg.lr, cfg.warmup_steps)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -99,7 +122,8 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
-            elapsed = elapsed0 + (time.monotonic() - t_resume)
+            run_s = time.monotonic() - t_resume
+            elapsed = elapsed0 + run_s
             last = {"step": step, "loss": float(loss.detach()), "lr": lr, "grad_norm": float(gnorm),
                     "elapsed_s": round(elapsed, 2), "tokens": step * tokens_per_step, **metrics}
             if not torch.isfinite(loss.detach()):
@@ -108,16 +132,21 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
                 log.write(json.dumps(last) + "\n")
                 log.flush()
                 bar.set_postfix(loss=f"{float(loss.detach()):.3f}", lr=f"{lr:.2e}")
+            bar.total = planned_steps(step, cfg.max_steps, step - first_step, run_s, max_s)
             bar.update(1)
             if time.monotonic() - last_ckpt >= cfg.checkpoint_minutes * 60:
-                checkpoint.save(run_dir, model, opt, step, elapsed)
+                checkpoint.save(run_dir, model, opt, step, elapsed, {"last": last})
                 last_ckpt = time.monotonic()
     finally:
+        bar.total = step  # the run ended here, whichever limit ended it
         bar.close()
-        if last:
+        if step > first_step:
             log.write(json.dumps(last) + "\n")
-            checkpoint.save(run_dir, model, opt, step, elapsed)
+            checkpoint.save(run_dir, model, opt, step, elapsed, {"last": last})
         log.close()
     model.eval()
-    return {"steps": step, "elapsed_s": elapsed,
-            "tokens": step * (tokens_per_step or 0), "final_loss": last.get("loss")}
+    run_steps = step - first_step
+    return {"steps": step, "elapsed_s": elapsed, "tokens": last.get("tokens", 0), "final_loss": last.get("loss"),
+            "resumed_from_step": first_step, "steps_this_run": run_steps, "minutes_this_run": round(run_s / 60, 3),
+            "tokens_this_run": run_steps * (tokens_per_step or 0),
+            "stopped_by": "steps" if step >= cfg.max_steps else "max-minutes"}

@@ -68,18 +68,28 @@ TOOL = """\
   5% of them, picked by a hash of their path, are held out and never trained on
   (`train.evaluate --corpus ...` measures on exactly those).
 * The draft is a `LlamaForCausalLM` with the target's vocabulary size and special token ids,
-  tied input/output embeddings by default; the target's tokenizer files are copied into `--out`,
-  so the two directories form a pair for `specdec`. The size of the draft relative to the
+  tied input/output embeddings by default; the target's tokenizer files are copied into `--out`
+  with `tokenizer_class` set to the class the target's tokenizer loaded as (a Qwen2 target's is
+  a `Qwen2Tokenizer` with one token added past the vocabulary; a Llama draft would otherwise
+  load another class without it). At the end the run checks that the two vocabulary
+  fingerprints the services compare are equal, fails saying what differs if not, and records
+  both in the summary. The size of the draft relative to the
   target is printed, with a warning above 1/10 (`--max-ratio`).
 * Loss: `KL(p_target || q_draft)` at every position (the target runs without gradients, under
   bf16 autocast unless `--no-bf16`), mixed with `--ce-weight` of the ordinary cross-entropy on
   the corpus. The log also tracks how often the two argmaxes agree.
 * Resumable: checkpoints every `--checkpoint-minutes` (default 5) and at the end in `--run-dir`
-  (default `runs/distill-<name of --out>`); running the same command again continues. Progress
-  bar on stderr, loss log in `RUN_DIR/log.jsonl`, summary in `RUN_DIR/summary.json`. Seeded.
+  (default `runs/distill-<name of --out>`); running the same command again continues from the
+  last step: `--steps` counts every step so far, `--max-minutes` is the new run's own budget.
+  A run that trains nothing (`--steps` already reached) leaves the exported draft as it is.
+  Progress bar on stderr (its total and ETA follow whichever of `--steps` and `--max-minutes`
+  ends first), loss log in `RUN_DIR/log.jsonl`, summary in `RUN_DIR/summary.json`. Seeded.
 * Stops at `--steps` or `--max-minutes` of training, whichever comes first. `--init-from DIR`
   starts from an existing draft instead of random weights.
-* Then measure the pair: `python -m train.evaluate --target T --draft D --corpus src/ --out eval.json`.
+* Ends with a verdict: greedy acceptance on `--verdict-prompts` (16) held-out prompts, the cost
+  ratio c of a draft step to a target step, the speed-up the cost model predicts from them
+  (below 1x it says so and what to change), and the two commands that serve the pair.
+* For the full measurement: `python -m train.evaluate --target T --draft D --corpus src/ --out eval.json`.
 
 Keep the draft shallow: on a CPU a batch-1 decoding step of a small model is dominated by
 per-layer overhead, so one layer is far cheaper than two of half the width, and c (draft cost

@@ -25,7 +25,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         self.idle_timeout_s = idle_timeout_s
 
     async def Info(self, request, context):
-        info = serving.model_info(self.lm)
+        info = serving.model_info(self.lm, request.include_vocab)
         info.capacity.CopyFrom(pb.Capacity(**self.engine.capacity.free()))
         return info
 
@@ -37,7 +37,10 @@ class VerifyServicer(pb_grpc.VerifyServicer):
 
     def _open(self, st: pb.SessionStart):
         if st.vocab_fingerprint != self.lm.fingerprint:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"vocabulary fingerprint mismatch: draft {st.vocab_fingerprint[:12]!r}, target {self.lm.fingerprint[:12]!r}")
+            tok = self.lm.tokenizer
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"vocabulary fingerprint mismatch: draft {st.vocab_fingerprint[:12]!r}, "
+                               f"target {self.lm.fingerprint[:12]!r} ({type(tok).__name__}, {len(tok)} tokens, {self.lm.vocab_size} output "
+                               "rows; the draft service's start-up check, or Info with include_vocab, says what differs)")
         validation.check_request_id(st.request_id, "start.request_id")
         if not st.prompt_ids:
             raise invalid("start.prompt_ids: empty")

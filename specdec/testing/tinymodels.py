@@ -4,23 +4,29 @@ from __future__ import annotations
 import os
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ["<eos>", "<pad>", "<unk>"]  # ids 0, 1, 2
 
 
-def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over `vocab_size` ids: 3 specials then words w3, w4, ..."""
-    vocab = {t: i for i, t in enumerate(SPECIALS)}
-    vocab.update({f"w{i}": i for i in range(len(SPECIALS), vocab_size)})
+def word_tokenizer(vocab_size: int, bos: bool = False) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over `vocab_size` ids: 3 specials then words w3, w4, ...; with
+    `bos`, id 3 is <bos>, which it puts in front of every text (as Llama-3's and Gemma's do)."""
+    specials = SPECIALS + ["<bos>"] * bos
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 3)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+                                   bos_token="<bos>" if bos else None)
 
 
 def build(path: str, *, vocab_size: int = 16, hidden: int = 32, layers: int = 2, heads: int = 4, max_context: int = 64,
-          seed: int = 0, sharpen: float = 1.0, eos_like: int | None = None, chat_template: str | None = None) -> str:
+          seed: int = 0, sharpen: float = 1.0, eos_like: int | None = None, chat_template: str | None = None,
+          bos: bool = False) -> str:
     """A random LlamaForCausalLM with its tokenizer saved in `path`. `sharpen` scales the output
     layer: > 1 gives peakier (lower-entropy) next-token distributions. `eos_like` makes EOS win
     wherever that token would have been the (positive-logit) argmax, so greedy runs end.
@@ -36,7 +42,7 @@ def build(path: str, *, vocab_size: int = 16, hidden: int = 32, layers: int = 2,
             model.lm_head.weight[0] = 1.1 * model.lm_head.weight[eos_like]
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
-    tok = word_tokenizer(vocab_size)
+    tok = word_tokenizer(vocab_size, bos)
     tok.chat_template = chat_template
     tok.save_pretrained(path)
     return path

@@ -24,43 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"\r\n\x0bInfoRequest\"\xc2\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11vocab_fingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x30\n\x0eproposal_modes\x18\x05 \x03(\x0e\x32\x18.specdec.v1.ProposalMode\x12\x16\n\x0enum_parameters\x18\x06 \x01(\x04\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x1f\n\x17supported_architectures\x18\x0b \x03(\t\x12&\n\x08\x63\x61pacity\x18\x14 \x01(\x0b\x32\x14.specdec.v1.Capacity\"n\n\x08\x43\x61pacity\x12\x15\n\rfree_sessions\x18\x01 \x01(\r\x12\x1a\n\x12\x66ree_cached_tokens\x18\x02 \x01(\x04\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12\x19\n\x11max_cached_tokens\x18\x04 \x01(\x04\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x80\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\r\x12/\n\rproposal_mode\x18\x07 \x01(\x0e\x32\x18.specdec.v1.ProposalMode\x12\x10\n\x08sparse_k\x18\x08 \x01(\r\x12\x12\n\nrequest_id\x18\t \x01(\t\x12&\n\x08proposer\x18\n \x01(\x0e\x32\x14.specdec.v1.Proposer\x12\x15\n\x08\x61\x64\x61ptive\x18\x0b \x01(\x08H\x00\x88\x01\x01\x12\x15\n\x08predraft\x18\x0c \x01(\x08H\x01\x88\x01\x01\x12\x14\n\x0c\x65\x61rly_stop_p\x18\r \x01(\x02\x42\x0b\n\t_adaptiveB\x0b\n\t_predraft\"\xea\x02\n\x05Stats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\r\x12\x0f\n\x07\x64raft_s\x18\x07 \x01(\x01\x12\x10\n\x08verify_s\x18\x08 \x01(\x01\x12\x18\n\x10verify_forward_s\x18\t \x01(\x01\x12\x11\n\tprefill_s\x18\n \x01(\x01\x12\x15\n\rprompt_tokens\x18\x0b \x01(\r\x12\x18\n\x10generated_tokens\x18\x0c \x01(\r\x12\x10\n\x08server_s\x18\r \x01(\x01\x12\x15\n\rpredraft_hits\x18\x0e \x01(\r\x12\x17\n\x0fpredraft_misses\x18\x0f \x01(\r\x12\x15\n\rlookup_rounds\x18\x10 \x01(\r\"\xa8\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05stats\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Stats\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\xc8\x01\n\x0cSessionStart\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12/\n\rproposal_mode\x18\x04 \x01(\x0e\x32\x18.specdec.v1.ProposalMode\x12\x19\n\x11vocab_fingerprint\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"X\n\x05Round\x12\r\n\x05round\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x10\n\x08q_counts\x18\x03 \x03(\r\x12\r\n\x05q_ids\x18\x04 \x03(\x05\x12\x0f\n\x07q_probs\x18\x05 \x03(\x02\"f\n\rVerifyRequest\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.specdec.v1.SessionStartH\x00\x12\"\n\x05round\x18\x02 \x01(\x0b\x32\x11.specdec.v1.RoundH\x00\x42\x06\n\x04kind\"\xe7\x01\n\x0eVerifyResponse\x12\r\n\x05round\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x17\n\nnext_token\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12\x11\n\tforward_s\x18\x05 \x01(\x01\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x12\n\nrow_cost_s\x18\x08 \x01(\x01\x12\x11\n\trow_price\x18\t \x01(\x01\x42\r\n\x0b_next_token*z\n\x0cProposalMode\x12\x1d\n\x19PROPOSAL_MODE_UNSPECIFIED\x10\x00\x12\x18\n\x14PROPOSAL_MODE_GREEDY\x10\x01\x12\x18\n\x14PROPOSAL_MODE_SPARSE\x10\x02\x12\x17\n\x13PROPOSAL_MODE_DENSE\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04*b\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x12\n\x0ePROPOSER_DRAFT\x10\x01\x12\x13\n\x0fPROPOSER_LOOKUP\x10\x02\x12\x13\n\x0fPROPOSER_HYBRID\x10\x03\x32\xcf\x01\n\x06Verify\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x44\n\x07Session\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x32\x88\x01\n\x05\x44raft\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"$\n\x0bInfoRequest\x12\x15\n\rinclude_vocab\x18\x01 \x01(\x08\"\xe5\x01\n\rTokenizerInfo\x12\x17\n\x0ftokenizer_class\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x44\n\x0especial_tokens\x18\x03 \x03(\x0b\x32,.specdec.v1.TokenizerInfo.SpecialTokensEntry\x12\x1b\n\x13\x61\x64\x64s_special_tokens\x18\x04 \x01(\x08\x12\x0e\n\x06tokens\x18\x05 \x03(\t\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf0\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11vocab_fingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x30\n\x0eproposal_modes\x18\x05 \x03(\x0e\x32\x18.specdec.v1.ProposalMode\x12\x16\n\x0enum_parameters\x18\x06 \x01(\x04\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x1f\n\x17supported_architectures\x18\x0b \x03(\t\x12,\n\ttokenizer\x18\x0c \x01(\x0b\x32\x19.specdec.v1.TokenizerInfo\x12&\n\x08\x63\x61pacity\x18\x14 \x01(\x0b\x32\x14.specdec.v1.Capacity\"n\n\x08\x43\x61pacity\x12\x15\n\rfree_sessions\x18\x01 \x01(\r\x12\x1a\n\x12\x66ree_cached_tokens\x18\x02 \x01(\x04\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12\x19\n\x11max_cached_tokens\x18\x04 \x01(\x04\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xb8\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\r\x12/\n\rproposal_mode\x18\x07 \x01(\x0e\x32\x18.specdec.v1.ProposalMode\x12\x10\n\x08sparse_k\x18\x08 \x01(\r\x12\x12\n\nrequest_id\x18\t \x01(\t\x12&\n\x08proposer\x18\n \x01(\x0e\x32\x14.specdec.v1.Proposer\x12\x15\n\x08\x61\x64\x61ptive\x18\x0b \x01(\x08H\x00\x88\x01\x01\x12\x15\n\x08predraft\x18\x0c \x01(\x08H\x01\x88\x01\x01\x12\x14\n\x0c\x65\x61rly_stop_p\x18\r \x01(\x02\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x0e \x01(\x08H\x02\x88\x01\x01\x42\x0b\n\t_adaptiveB\x0b\n\t_predraftB\x15\n\x13_add_special_tokens\"\x83\x03\n\x05Stats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\r\x12\x0f\n\x07\x64raft_s\x18\x07 \x01(\x01\x12\x10\n\x08verify_s\x18\x08 \x01(\x01\x12\x18\n\x10verify_forward_s\x18\t \x01(\x01\x12\x11\n\tprefill_s\x18\n \x01(\x01\x12\x15\n\rprompt_tokens\x18\x0b \x01(\r\x12\x18\n\x10generated_tokens\x18\x0c \x01(\r\x12\x10\n\x08server_s\x18\r \x01(\x01\x12\x15\n\rpredraft_hits\x18\x0e \x01(\r\x12\x17\n\x0fpredraft_misses\x18\x0f \x01(\r\x12\x15\n\rlookup_rounds\x18\x10 \x01(\r\x12\x17\n\x0f\x66\x61llback_rounds\x18\x11 \x01(\r\"\xa8\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05stats\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Stats\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\xc8\x01\n\x0cSessionStart\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12/\n\rproposal_mode\x18\x04 \x01(\x0e\x32\x18.specdec.v1.ProposalMode\x12\x19\n\x11vocab_fingerprint\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"X\n\x05Round\x12\r\n\x05round\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x10\n\x08q_counts\x18\x03 \x03(\r\x12\r\n\x05q_ids\x18\x04 \x03(\x05\x12\x0f\n\x07q_probs\x18\x05 \x03(\x02\"f\n\rVerifyRequest\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.specdec.v1.SessionStartH\x00\x12\"\n\x05round\x18\x02 \x01(\x0b\x32\x11.specdec.v1.RoundH\x00\x42\x06\n\x04kind\"\xe7\x01\n\x0eVerifyResponse\x12\r\n\x05round\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x17\n\nnext_token\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12\x11\n\tforward_s\x18\x05 \x01(\x01\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x12\n\nrow_cost_s\x18\x08 \x01(\x01\x12\x11\n\trow_price\x18\t \x01(\x01\x42\r\n\x0b_next_token*z\n\x0cProposalMode\x12\x1d\n\x19PROPOSAL_MODE_UNSPECIFIED\x10\x00\x12\x18\n\x14PROPOSAL_MODE_GREEDY\x10\x01\x12\x18\n\x14PROPOSAL_MODE_SPARSE\x10\x02\x12\x17\n\x13PROPOSAL_MODE_DENSE\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04*b\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x12\n\x0ePROPOSER_DRAFT\x10\x01\x12\x13\n\x0fPROPOSER_LOOKUP\x10\x02\x12\x13\n\x0fPROPOSER_HYBRID\x10\x03\x32\xcf\x01\n\x06Verify\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x44\n\x07Session\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x32\x88\x01\n\x05\x44raft\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.specdec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROPOSALMODE']._serialized_start=2143
-  _globals['_PROPOSALMODE']._serialized_end=2265
-  _globals['_FINISHREASON']._serialized_start=2268
-  _globals['_FINISHREASON']._serialized_end=2413
-  _globals['_PROPOSER']._serialized_start=2415
-  _globals['_PROPOSER']._serialized_end=2513
+  _globals['_TOKENIZERINFO_SPECIALTOKENSENTRY']._loaded_options = None
+  _globals['_TOKENIZERINFO_SPECIALTOKENSENTRY']._serialized_options = b'8\001'
+  _globals['_PROPOSALMODE']._serialized_start=2525
+  _globals['_PROPOSALMODE']._serialized_end=2647
+  _globals['_FINISHREASON']._serialized_start=2650
+  _globals['_FINISHREASON']._serialized_end=2795
+  _globals['_PROPOSER']._serialized_start=2797
+  _globals['_PROPOSER']._serialized_end=2895
   _globals['_INFOREQUEST']._serialized_start=40
-  _globals['_INFOREQUEST']._serialized_end=53
-  _globals['_MODELINFO']._serialized_start=56
-  _globals['_MODELINFO']._serialized_end=378
-  _globals['_CAPACITY']._serialized_start=380
-  _globals['_CAPACITY']._serialized_end=490
-  _globals['_SAMPLINGPARAMS']._serialized_start=492
-  _globals['_SAMPLINGPARAMS']._serialized_end=587
-  _globals['_GENERATEREQUEST']._serialized_start=590
-  _globals['_GENERATEREQUEST']._serialized_end=974
-  _globals['_STATS']._serialized_start=977
-  _globals['_STATS']._serialized_end=1339
-  _globals['_GENERATERESPONSE']._serialized_start=1342
-  _globals['_GENERATERESPONSE']._serialized_end=1510
-  _globals['_SESSIONSTART']._serialized_start=1513
-  _globals['_SESSIONSTART']._serialized_end=1713
-  _globals['_ROUND']._serialized_start=1715
-  _globals['_ROUND']._serialized_end=1803
-  _globals['_VERIFYREQUEST']._serialized_start=1805
-  _globals['_VERIFYREQUEST']._serialized_end=1907
-  _globals['_VERIFYRESPONSE']._serialized_start=1910
-  _globals['_VERIFYRESPONSE']._serialized_end=2141
-  _globals['_VERIFY']._serialized_start=2516
-  _globals['_VERIFY']._serialized_end=2723
-  _globals['_DRAFT']._serialized_start=2726
-  _globals['_DRAFT']._serialized_end=2862
+  _globals['_INFOREQUEST']._serialized_end=76
+  _globals['_TOKENIZERINFO']._serialized_start=79
+  _globals['_TOKENIZERINFO']._serialized_end=308
+  _globals['_TOKENIZERINFO_SPECIALTOKENSENTRY']._serialized_start=256
+  _globals['_TOKENIZERINFO_SPECIALTOKENSENTRY']._serialized_end=308
+  _globals['_MODELINFO']._serialized_start=311
+  _globals['_MODELINFO']._serialized_end=679
+  _globals['_CAPACITY']._serialized_start=681
+  _globals['_CAPACITY']._serialized_end=791
+  _globals['_SAMPLINGPARAMS']._serialized_start=793
+  _globals['_SAMPLINGPARAMS']._serialized_end=888
+  _globals['_GENERATEREQUEST']._serialized_start=891
+  _globals['_GENERATEREQUEST']._serialized_end=1331
+  _globals['_STATS']._serialized_start=1334
+  _globals['_STATS']._serialized_end=1721
+  _globals['_GENERATERESPONSE']._serialized_start=1724
+  _globals['_GENERATERESPONSE']._serialized_end=1892
+  _globals['_SESSIONSTART']._serialized_start=1895
+  _globals['_SESSIONSTART']._serialized_end=2095
+  _globals['_ROUND']._serialized_start=2097
+  _globals['_ROUND']._serialized_end=2185
+  _globals['_VERIFYREQUEST']._serialized_start=2187
+  _globals['_VERIFYREQUEST']._serialized_end=2289
+  _globals['_VERIFYRESPONSE']._serialized_start=2292
+  _globals['_VERIFYRESPONSE']._serialized_end=2523
+  _globals['_VERIFY']._serialized_start=2898
+  _globals['_VERIFY']._serialized_end=3105
+  _globals['_DRAFT']._serialized_start=3108
+  _globals['_DRAFT']._serialized_end=3244
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,78 @@
+"""What differs between two tokenizers whose vocabulary fingerprints (specdec/lm.py) do not match.
+
+Each service describes its tokenizer in ModelInfo.tokenizer (TokenizerInfo): the class
+AutoTokenizer resolved, how many tokens it knows, its special tokens, and on request
+(InfoRequest.include_vocab) every token by id. `explain` turns two descriptions into one line
+naming what differs: the vocabulary sizes, the first differing ids, the special tokens, the
+classes. It explains a refusal; it never decides one (the fingerprints do)."""
+from __future__ import annotations
+
+from specdec.v1 import specdec_pb2 as pb
+
+ROLES = ("bos", "eos", "pad", "unk")
+SHOW_IDS = 3  # differing ids named in the message
+
+
+def adds_special_tokens(tokenizer) -> bool:
+    """Whether the tokenizer adds tokens of its own (BOS, ...) to a text by default."""
+    probe = "a"
+    return tokenizer(probe, add_special_tokens=True)["input_ids"] != tokenizer(probe, add_special_tokens=False)["input_ids"]
+
+
+def id_ordered(tokenizer) -> list[str]:
+    """Token strings by id ("" where no token has an id below the largest)."""
+    vocab = tokenizer.get_vocab()
+    out = [""] * (max(vocab.values(), default=-1) + 1)
+    for tok, i in vocab.items():
+        out[i] = tok
+    return out
+
+
+def tokenizer_info(tokenizer, include_vocab: bool = False) -> pb.TokenizerInfo:
+    special = {}
+    for role in ROLES:
+        tid = getattr(tokenizer, f"{role}_token_id", None)
+        if tid is not None:
+            special[role] = f"{getattr(tokenizer, f'{role}_token')}={tid}"
+    info = pb.TokenizerInfo(tokenizer_class=type(tokenizer).__name__, num_tokens=len(tokenizer), special_tokens=special,
+                            adds_special_tokens=adds_special_tokens(tokenizer))
+    if include_vocab:
+        info.tokens.extend(id_ordered(tokenizer))
+    return info
+
+
+def explain(target: pb.ModelInfo, draft: pb.ModelInfo) -> str:
+    """One line on what differs between the target's tokenizer and the draft's."""
+    if not target.HasField("tokenizer"):
+        return "the verify service does not describe its tokenizer (an older version): compare the two tokenizers by hand"
+    t, d = target.tokenizer, draft.tokenizer
+    parts = []
+    if (t.num_tokens, target.vocab_size) != (d.num_tokens, draft.vocab_size):
+        parts.append(f"vocabulary sizes: target {t.num_tokens} tokens ({target.vocab_size} output rows), "
+                     f"draft {d.num_tokens} tokens ({draft.vocab_size} output rows)")
+    if t.tokens and d.tokens:
+        n = max(len(t.tokens), len(d.tokens))
+        diff = [i for i in range(n) if _at(t.tokens, i) != _at(d.tokens, i)]
+        if diff:
+            shown = ", ".join(f"{i} (target {_show(t.tokens, i)}, draft {_show(d.tokens, i)})" for i in diff[:SHOW_IDS])
+            more = f" and {len(diff) - SHOW_IDS} more" if len(diff) > SHOW_IDS else ""
+            parts.append(f"first differing ids: {shown}{more}")
+    roles = sorted(set(t.special_tokens) | set(d.special_tokens))
+    special = [f"{r} target {t.special_tokens.get(r, 'none')}, draft {d.special_tokens.get(r, 'none')}"
+               for r in roles if t.special_tokens.get(r) != d.special_tokens.get(r)]
+    if special:
+        parts.append("special tokens: " + "; ".join(special))
+    if t.adds_special_tokens != d.adds_special_tokens:
+        parts.append(f"adds special tokens to a prompt: target {t.adds_special_tokens}, draft {d.adds_special_tokens}")
+    same = "" if t.tokenizer_class != d.tokenizer_class else " (the same)"
+    parts.append(f"tokenizer classes: target {t.tokenizer_class}, draft {d.tokenizer_class}{same}")
+    return "; ".join(parts)
+
+
+def _at(tokens, i: int) -> str | None:
+    return tokens[i] if i < len(tokens) and tokens[i] else None
+
+
+def _show(tokens, i: int) -> str:
+    tok = _at(tokens, i)
+    return "none" if tok is None else repr(tok)

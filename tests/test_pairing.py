@@ -1,0 +1,171 @@
+"""Bring your own model pair (issue 28): distill a draft for a target of another model type, check
+the pair, serve it; a fingerprint mismatch says what differs; a draft that does not pay is
+dropped for target-only rounds; prompts get the tokenizer's BOS unless a request opts out."""
+import contextlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from client import Client
+from conftest import ENV, ROOT, Service, metric
+from specdec.testing import tinymodels
+from specdec.testing.launch import service_pair
+
+SHIPPED = Path(ROOT) / "models" / "stdlib-code-target"  # its tokenizer files (8192 tokens, TokenizersBackend)
+FALLBACK_ENV = dict(ENV, SPECDEC_DRAFT_FALLBACK="1")
+COSTS = ("--costs-ms", "1.0,3.0,0.2")  # pinned: the fallback decision depends on acceptance alone
+
+
+def hf_greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=n, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def qwen_pair(tmp_path_factory):
+    """A tiny random Qwen2 target with the shipped tokenizer files, and a draft distilled from it."""
+    root = tmp_path_factory.mktemp("byo")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      tie_word_embeddings=False)
+    target = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # peaked next-token distributions: greedy ties are unlikely
+    tdir, cdir, out, run = root / "target", root / "corpus", root / "draft", root / "run"
+    target.save_pretrained(tdir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SHIPPED / name, tdir / name)
+    cdir.mkdir()
+    for i in range(24):
+        (cdir / f"m{i:02d}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i % 5}\n" * 20)
+    from train import distill
+
+    argv = ["--target", str(tdir), "--corpus", str(cdir), "--out", str(out), "--run-dir", str(run), "--layers", "1",
+            "--hidden", "16", "--heads", "2", "--intermediate", "32", "--seq-len", "32", "--batch-size", "2",
+            "--warmup", "1", "--no-bf16"]
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        summary = distill.main(argv + ["--steps", "3", "--verdict-prompts", "4"])
+    return dict(target=tdir, draft=out, run=run, argv=argv, summary=summary, model=target.eval(), printed=printed.getvalue())
+
+
+def test_distilled_draft_for_a_qwen2_target_pairs_and_serves_greedy_exactly(qwen_pair):
+    s = qwen_pair["summary"]
+    # transformers loads the Qwen2 target's tokenizer as a Qwen2Tokenizer with 8193 tokens; the
+    # Llama draft's must load the same way, not as its model type's default
+    assert s["match"] and s["target_fingerprint"] == s["draft_fingerprint"]
+    assert s["tokenizer_class"] == s["draft_tokenizer_class"] == "Qwen2Tokenizer"
+    assert len(AutoTokenizer.from_pretrained(qwen_pair["draft"])) == len(AutoTokenizer.from_pretrained(qwen_pair["target"])) == 8193
+    v = s["verdict"]
+    assert 0 <= v["alpha"] <= 1 and v["c"] > 0 and v["speedup"] > 0 and v["prompts"] == 4
+    out = qwen_pair["printed"]
+    assert "verdict: greedy acceptance" in out and f"--model {qwen_pair['draft']}" in out and "python -m verify_service" in out
+    tok = AutoTokenizer.from_pretrained(qwen_pair["target"])
+    prompt = "def f3(x):\n    return"
+    ids = tok(prompt)["input_ids"]
+    expected = hf_greedy(qwen_pair["model"], ids, 12)
+    with service_pair(str(qwen_pair["target"]), str(qwen_pair["draft"])) as (vs, ds):  # starts: the draft is accepted
+        with Client(ds.address, timeout=60) as c:
+            r = c.generate(prompt=prompt, max_new_tokens=12)
+            assert r.token_ids == expected and r.stats["drafted"] > 0 and len(set(expected)) > 2
+            assert c.generate(prompt_ids=ids, max_new_tokens=12).token_ids == expected
+        with Client(vs.address, target_only=True, timeout=60) as c:
+            assert c.generate(prompt=prompt, max_new_tokens=12).token_ids == expected
+
+
+def test_a_rerun_that_trains_nothing_keeps_the_export(qwen_pair, capsys):
+    from train import distill
+
+    weights = qwen_pair["draft"] / "model.safetensors"
+    before = weights.read_bytes()
+    s = distill.main(qwen_pair["argv"] + ["--steps", "3", "--verdict-prompts", "0"])  # the same command again
+    assert s["steps"] == 3 and s["steps_this_run"] == 0 and s["resumed_from_step"] == 3
+    assert not s["exported"] and weights.read_bytes() == before
+    assert s["final_loss"] is not None and s["tokens"] > 0 and s["match"]
+    assert "nothing to train" in capsys.readouterr().out
+    # a larger --steps continues from step 3 and exports what it trained
+    s = distill.main(qwen_pair["argv"] + ["--steps", "5", "--verdict-prompts", "0"])
+    assert (s["resumed_from_step"], s["steps"], s["steps_this_run"], s["exported"]) == (3, 5, 2, True)
+    assert weights.read_bytes() != before
+
+
+def test_fingerprint_mismatch_says_what_differs(qwen_pair, tmp_path):
+    """The bug the issue found: the target's tokenizer files copied verbatim, so the Llama draft's
+    tokenizer loads as another class, without the Qwen2 tokenizer's added unknown token."""
+    bad = tmp_path / "bad-draft"
+    shutil.copytree(qwen_pair["draft"], bad)
+    shutil.copy(SHIPPED / "tokenizer_config.json", bad / "tokenizer_config.json")
+    v = Service("verify_service", "--model", str(qwen_pair["target"]))
+    try:
+        r = subprocess.run([sys.executable, "-m", "draft_service", "--model", str(bad), "--verify", v.address, "--port", "0"],
+                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    finally:
+        v.stop()
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert "do not share a tokenizer" in line
+    assert "vocabulary sizes: target 8193 tokens (8192 output rows), draft 8192 tokens (8192 output rows)" in line
+    assert "first differing ids: 8192 (target '<|endoftext|>', draft none)" in line
+    assert "unk target <|endoftext|>=8192, draft none" in line
+    assert "tokenizer classes: target Qwen2Tokenizer, draft TokenizersBackend" in line
+
+
+def _fallback_run(v, draft_dir, prompt, n):
+    d = Service("draft_service", "--model", draft_dir, "--verify", v.address, "--metrics-port", "0", *COSTS, env=FALLBACK_ENV)
+    try:
+        with Client(d.address, timeout=60) as c:
+            runs = [c.generate(prompt_ids=prompt, max_new_tokens=n, num_draft_tokens=4) for _ in range(2)]
+        return runs, d.metrics(), "".join(d.stderr)
+    finally:
+        d.stop()
+
+
+def test_a_useless_draft_falls_back_to_target_only_rounds(model_dir):
+    target, useless = model_dir("long-target"), model_dir("long-draft")
+    prompt, n = [3, 4, 5, 6], 60
+    v = Service("verify_service", "--model", target)
+    try:
+        with Client(v.address, target_only=True, timeout=60) as c:
+            expected = c.generate(prompt_ids=prompt, max_new_tokens=n).token_ids
+        runs, text, log = _fallback_run(v, useless, prompt, n)
+        for r in runs:
+            assert r.token_ids == expected  # proposal-free rounds stay exact
+            assert r.stats["acceptance_rate"] < 0.3
+            assert r.stats["fallback_rounds"] > 20 and r.stats["drafted"] <= 4 * 4  # four model rounds, then none
+        assert metric(text, "specdec_draft_fallback_sessions_total", model="long-draft") == 2
+        assert log.count("the draft model does not pay") == 1  # one warning per model
+        # a draft that always agrees (the target itself) keeps drafting
+        runs, text, _ = _fallback_run(v, target, prompt, n)
+        assert all(r.token_ids == expected and not r.stats.get("fallback_rounds") for r in runs)
+        assert metric(text, "specdec_draft_fallback_sessions_total", model="long-target") == 0
+    finally:
+        v.stop()
+
+
+def test_prompts_get_the_tokenizers_bos_unless_the_request_opts_out(tmp_path):
+    path = tinymodels.build(str(tmp_path / "bos-model"), seed=5, sharpen=4.0, bos=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    text = "w4 w5 w6"
+    with_bos, without = [3, 4, 5, 6], [4, 5, 6]
+    assert AutoTokenizer.from_pretrained(path)(text)["input_ids"] == with_bos
+    with service_pair(path, path) as (v, d):
+        for address, target_only in ((d.address, False), (v.address, True)):
+            with Client(address, target_only=target_only, timeout=60) as c:
+                r = c.generate(prompt=text, max_new_tokens=8)
+                assert r.stats["prompt_tokens"] == 4 and r.token_ids == hf_greedy(model, with_bos, 8)
+                r = c.generate(prompt=text, max_new_tokens=8, add_special_tokens=False)
+                assert r.stats["prompt_tokens"] == 3 and r.token_ids == hf_greedy(model, without, 8)
+        cli = [sys.executable, "-m", "client", "generate", "--server", d.address, "--prompt", text, "--max-new-tokens", "4", "--json"]
+        for flag, n in (([], 4), (["--no-add-special-tokens"], 3)):
+            r = subprocess.run(cli + flag, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout)["stats"]["prompt_tokens"] == n
