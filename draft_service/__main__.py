@@ -60,7 +60,7 @@ async def run(args, token_auth=None) -> None:
         print(f"error: verify service at {args.verify}: {problem}", file=sys.stderr)
         sys.exit(2)
     servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft, proposer=PROPOSERS[args.proposer],
-                             draft_fallback=args.draft_fallback,
+                             draft_fallback=args.draft_fallback, goodput=args.goodput,
                              costs=calibrate.parse_costs(args.costs_ms) if args.costs_ms else None)
     if target is not None and (args.adaptive or args.draft_fallback):
         await servicer.costs()  # calibrate now, not at the first request
@@ -103,6 +103,10 @@ def main(argv=None) -> None:
                    help="stop drafting with the model in a session once its measured acceptance makes speculation slower than "
                         "target-only rounds, and send rounds without proposals instead (default: on; uses the calibrated costs) "
                         "[env SPECDEC_DRAFT_FALLBACK]")
+    p.add_argument("--goodput", action=argparse.BooleanOptionalAction, default=serving.env_flag("SPECDEC_GOODPUT", True),
+                   help="adaptive tau follows the verifier's load: each verdict says what one more proposal row costs the "
+                        "verifier's goodput, and a round proposes only as deep as that pays, down to none (default: on; "
+                        "seeded sampled requests keep load-free taus) [env SPECDEC_GOODPUT]")
     p.add_argument("--costs-ms", default=serving.env("SPECDEC_COSTS_MS"),
                    help="pin adaptive tau's costs as 'draft_step,verify_base,verify_per_token' in ms (default: calibrated once "
                         "at start-up; pinning gives the same taus, and so the same samples, across restarts) [env SPECDEC_COSTS_MS]")

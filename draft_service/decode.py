@@ -61,7 +61,7 @@ class DecodeLoop:
     `fallback` (costs) the fallback to target-only rounds when the draft model does not pay."""
 
     def __init__(self, drafter: Drafter, params: GenParams, fingerprint: str, max_context: int,
-                 costs: Costs | None = None, predraft: bool = False, fallback: Costs | None = None):
+                 costs: Costs | None = None, predraft: bool = False, fallback: Costs | None = None, goodput: bool = True):
         self.drafter = drafter
         self.params = params
         self.fingerprint = fingerprint
@@ -69,8 +69,10 @@ class DecodeLoop:
         # prompt lookup alone drafts nothing ahead: there is no model to run
         self.predraft = predraft and params.proposer != pb.PROPOSER_LOOKUP
         self.state = drafter.new_state(params, max_context)
-        # adaptive tau when costs are given (calibrated by the service); else a fixed tau
-        self.tau = TauController(max_tau=params.tau, costs=costs, predraft=self.predraft) if costs else None
+        # adaptive tau when costs are given (calibrated by the service); else a fixed tau. It follows
+        # the verifier's load (`goodput`) unless a seeded sampled request needs load-free taus
+        steer = goodput and (params.sampling.greedy or not params.seeded)
+        self.tau = TauController(max_tau=params.tau, costs=costs, predraft=self.predraft, steer=steer) if costs else None
         self.stats = pb.Stats(prompt_tokens=len(params.prompt_ids), accepted_per_position=[0] * params.tau)
         use_model = params.proposer != pb.PROPOSER_LOOKUP
         self.judge = DraftJudge(fallback, params.tau, self.predraft) if fallback and use_model else None
@@ -98,14 +100,17 @@ class DecodeLoop:
         st, mode = self.state, self.params.proposer
         if mode == pb.PROPOSER_LOOKUP or (mode == pb.PROPOSER_HYBRID and not self.lookup_off):
             # a lookup proposal costs no draft steps, so it takes the request's cap (num_draft_tokens;
-            # 8 with adaptive tau), not the tau chosen for the draft model (bench/results/ENGINE.md)
-            prop = self.drafter.lookup(st, min(self.params.tau, self.cap()),
-                                       min_ngram=1 if mode == pb.PROPOSER_LOOKUP else HYBRID_MIN_NGRAM)
+            # 8 with adaptive tau), not the tau chosen for the draft model (bench/results/ENGINE.md),
+            # as far as the verifier's load allows
+            cap = min(self.params.tau, self.tau.goodput_cap() if self.tau else self.params.tau, self.cap())
+            prop = self.drafter.lookup(st, cap, min_ngram=1 if mode == pb.PROPOSER_LOOKUP else HYBRID_MIN_NGRAM)
             if prop.tokens or mode == pb.PROPOSER_LOOKUP:
                 return prop
         if self.fallen_back:
             self.stats.fallback_rounds += 1
             return Proposal()  # a target-only round
+        if tau == 0:
+            return Proposal()  # the verifier's load (or the end of the request) leaves no room for proposals
         return self.drafter.propose(st, tau)
 
     async def rounds(self, call: VerifyStream) -> AsyncIterator[tuple[list[int], int]]:
@@ -123,12 +128,14 @@ class DecodeLoop:
                 if self.judge and not self.judge.accepted:
                     tau = 1  # no proposal of the model accepted yet: gather the judge's evidence cheaply
                 t1 = time.perf_counter()
-                if prop is None and self.fallen_back:
+                if prop is None and (self.fallen_back or tau == 0):
                     prop = self.propose(min(tau, self.cap()))  # no model step: not worth a thread
                 elif prop is None:
                     prop = await asyncio.to_thread(self.propose, min(tau, self.cap()))
                 t2 = time.perf_counter()
                 stats.rounds += 1
+                stats.target_only_rounds += not prop.tokens
+                metrics.PROPOSALS_PER_ROUND.observe(len(prop.tokens))
                 await call.write(pb.VerifyRequest(round=prop.to_round(stats.rounds)))
                 next_cap = min(tau, self.cap(len(prop.tokens) + 1))
                 if self.predraft and not prop.lookup and next_cap > 0 and not self.fallen_back:
@@ -161,6 +168,7 @@ class DecodeLoop:
                 st.ids.extend(new)
                 if ctl:
                     ctl.observe(len(sent.tokens), n)
+                    ctl.load(v.row_price)
                 if self.judge and not sent.lookup:
                     self._judge(len(sent.tokens), n)
                 if self.lookup_judge and sent.lookup and not self.lookup_off:
@@ -189,6 +197,8 @@ class DecodeLoop:
             while ahead < 2 and len(st.ids) - st.prompt_len + ahead < g.max_new_tokens and len(st.ids) + ahead < self.max_context:
                 stats.rounds += 1
                 stats.fallback_rounds += 1
+                stats.target_only_rounds += 1
+                metrics.PROPOSALS_PER_ROUND.observe(0)
                 await call.write(pb.VerifyRequest(round=pb.Round(round=stats.rounds)))
                 ahead += 1
             t0 = time.perf_counter()

@@ -45,13 +45,14 @@ async def pairing_error(verify: pb_grpc.VerifyStub, lm: LM, target: pb.ModelInfo
 class DraftServicer(pb_grpc.DraftServicer):
     def __init__(self, lm: LM, verify: pb_grpc.VerifyStub, target: pb.ModelInfo | None = None,
                  adaptive: bool = False, predraft: bool = False, costs: Costs | None = None,
-                 proposer: int = pb.PROPOSER_DRAFT, draft_fallback: bool = False):
+                 proposer: int = pb.PROPOSER_DRAFT, draft_fallback: bool = False, goodput: bool = True):
         self.lm = lm
         self.drafter = Drafter(lm)
         self.verify = verify
         self.max_context = min(lm.max_context, target.max_context) if target else lm.max_context
         self.adaptive, self.predraft, self.proposer = adaptive, predraft, proposer
         self.draft_fallback = draft_fallback  # stop drafting in sessions where the model does not pay (decode.py)
+        self.goodput = goodput  # adaptive tau follows the verifier's load (decode.py, adaptive.py)
         self._costs, self._calibrating = costs, asyncio.Lock()
         self._paired = target is not None  # checked at start-up; else at the first request
 
@@ -96,7 +97,7 @@ class DraftServicer(pb_grpc.DraftServicer):
             costs = await self.costs() if adaptive or (self.draft_fallback and g.proposer != pb.PROPOSER_LOOKUP) else None
             loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
                               costs=costs if adaptive else None, fallback=costs if self.draft_fallback else None,
-                              predraft=self.predraft if g.predraft is None else g.predraft)
+                              predraft=self.predraft if g.predraft is None else g.predraft, goodput=self.goodput)
             call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
             out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
             async with contextlib.aclosing(loop.rounds(call)) as rounds:  # closing it stops a pre-draft

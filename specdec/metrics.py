@@ -29,6 +29,8 @@ CAPACITY_REJECTIONS = Counter("specdec_capacity_rejections_total", "Sessions ref
 # draft side
 DRAFT_FALLBACK = Counter("specdec_draft_fallback_sessions_total", "Sessions that stopped drafting with the model and fell back to "
                          "target-only rounds because its measured acceptance made speculation slower", ["model"])
+PROPOSALS_PER_ROUND = Histogram("specdec_draft_proposals_per_round", "Proposals sent per verify round (the tau chosen; 0 = a target-only round)",
+                                buckets=(0, 1, 2, 4, 8, 16, 32))
 DRAFT_BATCH_SIZE = Histogram("specdec_draft_batch_size", "Sessions per draft forward pass", buckets=(1, 2, 4, 8, 16, 32, 64))
 
 # draft side (vLLM names)

@@ -32,6 +32,7 @@ class GenParams:
     sampling: Sampling
     seed: int
     stop: list[str] = field(default_factory=list)
+    seeded: bool = False  # the request chose its seed (then its tokens must not depend on load: DESIGN.md §7)
     tau: int = DEFAULT_TAU
     mode: int = pb.PROPOSAL_MODE_SPARSE
     sparse_k: int = DEFAULT_SPARSE_K
@@ -110,6 +111,7 @@ def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_cont
         max_new_tokens=int(req.max_new_tokens),
         sampling=sampling,
         seed=parse_seed(req.sampling),
+        seeded=req.sampling.HasField("seed"),
         stop=list(req.stop),
         tau=req.num_draft_tokens or DEFAULT_TAU,
         mode=mode,

@@ -156,7 +156,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., proposal_mode: _Optional[_Union[ProposalMode, str]] = ..., sparse_k: _Optional[int] = ..., request_id: _Optional[str] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., adaptive: _Optional[bool] = ..., predraft: _Optional[bool] = ..., early_stop_p: _Optional[float] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_s", "verify_s", "verify_forward_s", "prefill_s", "prompt_tokens", "generated_tokens", "server_s", "predraft_hits", "predraft_misses", "lookup_rounds", "fallback_rounds")
+    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_s", "verify_s", "verify_forward_s", "prefill_s", "prompt_tokens", "generated_tokens", "server_s", "predraft_hits", "predraft_misses", "lookup_rounds", "fallback_rounds", "target_only_rounds")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class Stats(_message.Message):
     PREDRAFT_MISSES_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ONLY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted: int
     accepted: int
@@ -191,7 +192,8 @@ class Stats(_message.Message):
     predraft_misses: int
     lookup_rounds: int
     fallback_rounds: int
-    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., verify_forward_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., server_s: _Optional[float] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ..., lookup_rounds: _Optional[int] = ..., fallback_rounds: _Optional[int] = ...) -> None: ...
+    target_only_rounds: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., verify_forward_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., server_s: _Optional[float] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ..., lookup_rounds: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., target_only_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats", "seed", "request_id")
