@@ -10,6 +10,9 @@ next token and yields them with the verifier's finish reason, until that reason 
 * Pre-drafting: while round k is verified, a thread drafts round k+1 assuming all of round k is
   accepted and guessing the bonus token (draft_service/drafter.py); the verdict decides whether
   it is used or dropped.
+* A verify stream that does not take a message or give a verdict within `round_timeout_s` ends
+  the request with UNAVAILABLE ("the verify service stopped answering"): a hung verify service
+  holds a request for that long, not until keepalive gives up.
 * Stats (`self.stats`, the wire's Stats message) and the draft-side Prometheus counters are
   updated every round; `summary()` fills in the derived rates at the end.
 
@@ -50,8 +53,9 @@ class DecodeLoop:
     `max_context` the smaller of the two models' context limits."""
 
     def __init__(self, drafter: Drafter, params: GenParams, fingerprint: str, max_context: int,
-                 costs: Costs | None = None, predraft: bool = False):
+                 costs: Costs | None = None, predraft: bool = False, round_timeout_s: float | None = None):
         self.drafter = drafter
+        self.round_timeout_s = round_timeout_s  # a write or a verdict that takes longer: the verify service stopped answering
         self.params = params
         self.fingerprint = fingerprint
         self.max_context = max_context
@@ -92,7 +96,7 @@ class DecodeLoop:
         st, stats, ctl = self.state, self.stats, self.tau
         pending = None  # a pre-draft in flight: (task, its PredraftControl)
         try:
-            await call.write(self.start())
+            await self._timed(call.write(self.start()))
             t1 = time.perf_counter()
             await asyncio.to_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
             stats.prefill_s = time.perf_counter() - t1
@@ -104,12 +108,12 @@ class DecodeLoop:
                     prop = await asyncio.to_thread(self.propose, min(tau, self.cap()))
                 t2 = time.perf_counter()
                 stats.rounds += 1
-                await call.write(pb.VerifyRequest(round=prop.to_round(stats.rounds)))
+                await self._timed(call.write(pb.VerifyRequest(round=prop.to_round(stats.rounds))))
                 next_cap = min(tau, self.cap(len(prop.tokens) + 1))
                 if self.predraft and not prop.lookup and next_cap > 0:
                     ahead_ctl = PredraftControl()
                     pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl)), ahead_ctl)
-                v = await call.read()
+                v = await self._timed(call.read())
                 if v is grpc.aio.EOF:
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
                 t3 = time.perf_counter()
@@ -143,6 +147,14 @@ class DecodeLoop:
         finally:
             if pending is not None:
                 pending[1].reject()  # the thread stops after its current step
+
+    async def _timed(self, op):
+        """Awaits one write or read on the verify stream, at most round_timeout_s."""
+        try:
+            return await asyncio.wait_for(op, self.round_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"the verify service stopped answering: nothing for "
+                               f"{self.round_timeout_s:g}s in a round (--verify-round-timeout-s)") from None
 
     def summary(self) -> pb.Stats:
         """The stats with the acceptance rate and mean accepted length filled in."""
