@@ -79,7 +79,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         call = None
         metrics.LIVE_SESSIONS.labels(SERVICE).inc()
         try:
-            g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
+            g = await validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
             g.request_id = serving.request_id(context, g.request_id)
             if not request.proposer:
                 g.proposer = self.proposer  # the service's default
