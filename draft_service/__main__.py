@@ -192,6 +192,8 @@ def main(argv=None) -> None:
     token_auth = auth.server_interceptor(args)  # reads the token files: fail at start-up, not on the first request
     args.verify_token = auth.read_token(args.verify_auth_token_file, "--verify-auth-token-file") if args.verify_auth_token_file else None
     startup.check_model_dir(args.model)
+    startup.check_port(args.host, args.port, "--port")
+    startup.check_port(args.host, args.metrics_port, "--metrics-port")
 
     import torch  # noqa: PLC0415 - the heavy libraries load once the cheap checks have passed
 

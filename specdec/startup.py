@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import sys
 
 
@@ -62,6 +63,25 @@ def check_model_dir(path: str) -> None:
     """--model must name a directory (checked before the model libraries load)."""
     if not os.path.isdir(path):
         raise StartupError(f"--model {path}: {'not a directory' if os.path.exists(path) else 'no such directory'}")
+
+
+def check_port(host: str, port: int | None, flag: str) -> None:
+    """StartupError if `port` cannot be bound on `host` now (in use: by anyone, SO_REUSEPORT or
+    not). Checked before the model loads; the servers bind for real later (gRPC with
+    SO_REUSEPORT off), and fail the same way if the port was taken in between."""
+    if not port:
+        return
+    try:
+        addrs = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        raise StartupError(f"--host {host}: {e.strerror or e}") from None
+    for family, kind, proto, _, addr in addrs:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: a restart's TIME_WAIT is no conflict
+            try:
+                s.bind(addr)
+            except OSError as e:
+                raise StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def main(prog: str, fn) -> None:

@@ -21,6 +21,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     token_auth = auth.server_interceptor(args)  # reads the token files: fail at start-up, not on the first request
     startup.check_model_dir(args.model)
+    startup.check_port(args.host, args.port, "--port")
+    startup.check_port(args.host, args.metrics_port, "--metrics-port")
 
     import torch  # noqa: PLC0415 - the heavy libraries load once the cheap checks have passed
 
