@@ -11,6 +11,7 @@ This module imports nothing heavy, so a bad flag or token file is refused before
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import socket
@@ -59,10 +60,31 @@ def read_file(path: str, flag: str, mode: str = "rb"):
         raise StartupError(f"{flag} {path}: not UTF-8 text") from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # one of them: a tokenizer transformers can load
+
+
 def check_model_dir(path: str) -> None:
-    """--model must name a directory (checked before the model libraries load)."""
+    """What --model must hold, checked before the model libraries load: a directory with a
+    config.json that is a JSON object, weights (*.safetensors / *.bin, or their index), and
+    tokenizer files. What these checks pass, loading checks again (specdec/lm.py)."""
     if not os.path.isdir(path):
         raise StartupError(f"--model {path}: {'not a directory' if os.path.exists(path) else 'no such directory'}")
+    names = os.listdir(path)
+    cfg = os.path.join(path, "config.json")
+    try:
+        with open(cfg) as f:
+            ok = isinstance(json.load(f), dict)
+    except OSError as e:
+        raise StartupError(f"--model {path}: config.json: {e.strerror or e}") from None
+    except ValueError as e:
+        raise StartupError(f"--model {path}: config.json is not valid JSON: {e}") from None
+    if not ok:
+        raise StartupError(f"--model {path}: config.json is not a JSON object")
+    if not any(n.endswith((".safetensors", ".bin", ".index.json")) for n in names):
+        raise StartupError(f"--model {path}: no weights (model.safetensors, pytorch_model.bin or a sharded index)")
+    if not any(n in TOKENIZER_FILES or n.endswith((".model", ".tiktoken")) for n in names):
+        raise StartupError(f"--model {path}: no tokenizer files (such as {', '.join(TOKENIZER_FILES)}); "
+                           "the services need the model's tokenizer")
 
 
 def check_port(host: str, port: int | None, flag: str) -> None:

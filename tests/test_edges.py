@@ -32,6 +32,7 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 SESSION_TOKEN, CLIENT_TOKEN = "session-token-27", "client-token-27"
 TIMEOUT = 60
+PIN = ("--engine-choices", "attention=model,prepack=off,per-row=off")  # less load-time timing: a faster start (warns in float32)
 
 
 def free_port() -> int:
@@ -94,10 +95,10 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
         return lambda p: open(os.path.join(p, name), "wb").write(data)
 
     models = {
-        "no weights": (model_variant(model_dir, tmp_path, "noweights", rm("model.safetensors")), "model.safetensors"),
+        "no weights": (model_variant(model_dir, tmp_path, "noweights", rm("model.safetensors")), "no weights"),
         "corrupt weights": (model_variant(model_dir, tmp_path, "corrupt", write("model.safetensors", b"\x07" * 64)), "cannot load the model"),
-        "bad config JSON": (model_variant(model_dir, tmp_path, "badcfg", write("config.json", b"{not json")), "config"),
-        "no tokenizer": (model_variant(model_dir, tmp_path, "notok", rm("tokenizer.json", "tokenizer_config.json")), "tokenizer"),
+        "bad config JSON": (model_variant(model_dir, tmp_path, "badcfg", write("config.json", b"{not json")), "config.json is not valid JSON"),
+        "no tokenizer": (model_variant(model_dir, tmp_path, "notok", rm("tokenizer.json", "tokenizer_config.json")), "no tokenizer files"),
     }
     busy = listening_socket(reuseport=True)  # as a second gRPC server would hold it
     busy_metrics = listening_socket(reuseport=False)
@@ -176,7 +177,7 @@ def test_calibration_does_not_depend_on_what_the_target_writes(eos_verify, model
     the verify service cannot give it a session at all, it falls back with one warning."""
     v, files = eos_verify
     args = ["--model", model_dir("draft"), "--verify", v.address, "--verify-auth-token-file", files["session"], "--threads", "1",
-            "--adaptive", "--log-level", "INFO"]
+            "--adaptive", "--log-level", "INFO", *PIN]
     d = Service("draft_service", *args)
     try:
         log = "".join(d.stderr)
@@ -208,3 +209,139 @@ def test_calibration_does_not_depend_on_what_the_target_writes(eos_verify, model
         finally:
             release.set()
             held.cancel()
+
+
+# ---- a draft started before its verify service; then bad input; then the verify service hangs ---
+
+def health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+
+@pytest.fixture(scope="module")
+def late_pair(model_dir):
+    """A draft service started while nothing listens at its --verify address, then the verify
+    service there. Yields (verify, draft, NOT_SERVING seen before the verify service started)."""
+    port = free_port()
+    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", f"127.0.0.1:{port}", "--verify-wait-s", "0.5",
+                "--verify-round-timeout-s", "3", "--metrics-port", "0", "--threads", "1", *PIN)
+    v = None
+    try:
+        before = health(d.address)
+        v = Service("verify_service", "--model", model_dir("long-target"), "--port", str(port), "--metrics-port", "0",
+                    "--threads", "1", *PIN)
+        yield v, d, before
+    finally:
+        d.stop()
+        if v is not None:
+            v.proc.send_signal(signal.SIGCONT)  # in case a test left it stopped
+            v.stop()
+
+
+def test_a_draft_waits_for_its_verify_service_not_serving(late_pair):
+    """Case 7 (health): NOT_SERVING while the verify service does not answer, SERVING once it does."""
+    v, d, before = late_pair
+    assert before == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 20)
+    with Client(d.address, timeout=TIMEOUT) as c:
+        assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=5).token_ids) == 5
+
+
+def test_a_bad_request_id_header_is_replaced_with_a_warning(late_pair):
+    """Case 4: a 300-character id on the draft, a 4,000-character one on the verify service:
+    the requests are served under fresh ids, the bad ids are neither forwarded nor logged."""
+    v, d, _ = late_pair
+    for svc, stub, rid in ((d, pb_grpc.DraftStub, "d" * 300), (v, pb_grpc.VerifyStub, "v" * 4000)):
+        with grpc.insecure_channel(svc.address) as ch:
+            chunks = list(stub(ch).Generate(pb.GenerateRequest(prompt_ids=[3, 4], max_new_tokens=4), metadata=[("x-request-id", rid)],
+                                            timeout=TIMEOUT))
+        assert chunks[-1].finish_reason and chunks[-1].request_id and chunks[-1].request_id != rid
+        assert wait_for(lambda: any("x-request-id header is not a valid request id" in line for line in svc.stderr), 10), svc.stderr[-5:]
+        assert not any(rid in line for line in svc.stderr)
+    assert not any(("d" * 300) in line for line in v.stderr)  # not forwarded to the verify service either
+
+
+def test_a_huge_prompt_is_refused_by_its_length_first(late_pair):
+    """Case 8: a million ids, the last outside the vocabulary: the length check answers, before
+    any per-id work (the old order named the bad id after checking every id)."""
+    v, d, _ = late_pair
+    ids = [3] * 1_000_000 + [10_000]
+    for svc, stub, field in ((d, pb_grpc.DraftStub, "prompt_ids"), (v, pb_grpc.VerifyStub, "prompt_ids")):
+        with grpc.insecure_channel(svc.address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub(ch).Generate(pb.GenerateRequest(prompt_ids=ids, max_new_tokens=4), timeout=TIMEOUT))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert field in e.value.details() and "context limit" in e.value.details(), e.value.details()
+    with grpc.insecure_channel(v.address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        start = pb.SessionStart(prompt_ids=ids, max_new_tokens=4, vocab_fingerprint=pb_grpc.VerifyStub(ch).Info(
+            pb.InfoRequest(), timeout=TIMEOUT).vocab_fingerprint)
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.VerifyStub(ch).Session(iter([pb.VerifyRequest(start=start)]), timeout=TIMEOUT))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context limit" in e.value.details(), e.value.details()
+
+
+def raw(channel, method: str, streaming_request: bool = False):
+    """A call that sends bytes as they are (no protobuf encoding on this side)."""
+    kind = channel.stream_stream if streaming_request else channel.unary_stream
+    return kind(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+
+def test_invalid_utf8_is_invalid_argument_and_counted(late_pair):
+    """Case 10: a string field holding invalid UTF-8 (prompt, field 1; request_id in `start`)."""
+    v, d, _ = late_pair
+    bad_prompt = b"\x0a\x02\xff\xfe" + b"\x10\x04"  # prompt = b"\xff\xfe", max_new_tokens = 4
+    bad_start = b"\x0a\x06" + b"\x0a\x01\x03" + b"\x32\x01\xff"  # start { prompt_ids: [3], request_id: b"\xff" }
+    cases = [(d, "/specdec.v1.Draft/Generate", False, bad_prompt, "draft", "Generate"),
+             (v, "/specdec.v1.Verify/Generate", False, bad_prompt, "verify", "Generate"),
+             (v, "/specdec.v1.Verify/Session", True, bad_start, "verify", "Session")]
+    for svc, method, streaming, data, service, name in cases:
+        before = metric(svc.metrics(), "specdec_request_errors_total", service=service, method=name, code="INVALID_ARGUMENT")
+        with grpc.insecure_channel(svc.address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(raw(ch, method, streaming)(iter([data]) if streaming else data, timeout=TIMEOUT))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value.code(), e.value.details())
+        assert "UTF-8" in e.value.details(), e.value.details()
+        after = metric(svc.metrics(), "specdec_request_errors_total", service=service, method=name, code="INVALID_ARGUMENT")
+        assert after == before + 1, (method, before, after)
+
+
+def test_a_greedy_session_checks_q(late_pair):
+    """Case 11: at temperature 0 the rule ignores q, but a round whose q is not a distribution
+    (or does not cover its token) is still refused."""
+    v, _, _ = late_pair
+    with grpc.insecure_channel(v.address) as ch:
+        stub = pb_grpc.VerifyStub(ch)
+        fp = stub.Info(pb.InfoRequest(), timeout=TIMEOUT).vocab_fingerprint
+        start = pb.VerifyRequest(start=pb.SessionStart(prompt_ids=[3, 4], max_new_tokens=8, vocab_fingerprint=fp,
+                                                       proposal_mode=pb.PROPOSAL_MODE_SPARSE))  # temperature 0
+        for q_ids, q_probs in (([5], [0.5]), ([6], [1.0])):  # sums to 0.5; token 5 has no probability
+            rnd = pb.VerifyRequest(round=pb.Round(round=1, tokens=[5], q_counts=[1], q_ids=q_ids, q_probs=q_probs))
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Session(iter([start, rnd]), timeout=TIMEOUT))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "q_probs" in e.value.details(), e.value.details()
+        ok = pb.VerifyRequest(round=pb.Round(round=1, tokens=[5], q_counts=[1], q_ids=[5], q_probs=[1.0]))
+        assert len(list(stub.Session(iter([start, ok]), timeout=TIMEOUT))) == 1
+
+
+def test_a_hung_verify_service_fails_requests_within_the_round_timeout(late_pair):
+    """Case 7: SIGSTOP the verify service mid-request: the request ends with UNAVAILABLE saying
+    the verify service stopped answering (--verify-round-timeout-s 3 here, not keepalive's 90 s),
+    the draft reports NOT_SERVING, and SERVING again once the verify service runs again."""
+    v, d, _ = late_pair
+    assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 20)
+    try:
+        with Client(d.address, timeout=TIMEOUT) as c:
+            it = c.stream(prompt_ids=[3, 4], max_new_tokens=3000, num_draft_tokens=2)  # greedy, no EOS: long
+            next(it)
+            v.proc.send_signal(signal.SIGSTOP)
+            with pytest.raises(grpc.RpcError) as e:
+                for _ in it:
+                    pass
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (e.value.code(), e.value.details())
+        assert "stopped answering" in e.value.details() and "--verify-round-timeout-s" in e.value.details(), e.value.details()
+        assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.NOT_SERVING, 20)
+    finally:
+        v.proc.send_signal(signal.SIGCONT)
+    assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 30)
+    with Client(d.address, timeout=TIMEOUT) as c:
+        assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=5).token_ids) == 5
