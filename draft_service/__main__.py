@@ -47,10 +47,11 @@ class VerifyCheck:
     """Whether the verify service answers and takes this draft: its Info (reachable, same
     vocabulary) and an empty Verify.Session (the session token: UNAUTHENTICATED for a wrong one,
     PERMISSION_DENIED for a client token). At start-up a refusal stops the service; later the
-    draft's health follows it (SERVING / NOT_SERVING), probed every PROBE_INTERVAL_S."""
+    draft's health follows the verify service's (SERVING / NOT_SERVING), probed every
+    PROBE_INTERVAL_S."""
 
-    def __init__(self, args, stub, fingerprint: str):
-        self.args, self.stub, self.fingerprint = args, stub, fingerprint
+    def __init__(self, args, channel, stub, fingerprint: str):
+        self.args, self.channel, self.stub, self.fingerprint = args, channel, stub, fingerprint
         self.token_ok = False
 
     async def refusal(self, info) -> str | None:
@@ -76,22 +77,37 @@ class VerifyCheck:
         flag = "--verify-auth-token-file" + ("" if self.args.verify_auth_token_file else " (not given)")
         return f"{flag}: the verify service at {self.args.verify} refuses this draft's sessions: {code.name}: {details}"
 
-    async def watch(self, servicer, set_health, serving_now: bool) -> None:
-        """Runs while the service does: probes the verify service, sets the health it implies."""
+    async def probe(self, servicer) -> str | None:
+        """None if the verify service serves and takes this draft, else why not. Its health check
+        (no log line there) every time; Info and the token check while the target is not yet
+        known or the token not yet accepted."""
         import grpc  # noqa: PLC0415
-        from grpc_health.v1 import health_pb2  # noqa: PLC0415
+        from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
 
         from specdec.v1 import specdec_pb2 as pb  # noqa: PLC0415
 
-        while True:
-            await asyncio.sleep(PROBE_INTERVAL_S)
-            try:
+        try:
+            h = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                         timeout=PROBE_INTERVAL_S)
+            if h.status != health_pb2.HealthCheckResponse.SERVING:
+                return f"the verify service at {self.args.verify} reports {health_pb2.HealthCheckResponse.ServingStatus.Name(h.status)}"
+            if servicer.target is None or not self.token_ok:
                 info = await self.stub.Info(pb.InfoRequest(), timeout=PROBE_INTERVAL_S)
                 why = await self.refusal(info)
-                if why is None:
-                    servicer.set_target(info)
-            except grpc.aio.AioRpcError as e:
-                why = f"the verify service at {self.args.verify} does not answer: {e.code().name}: {e.details()}"
+                if why:
+                    return why
+                servicer.set_target(info)
+        except grpc.aio.AioRpcError as e:
+            return f"the verify service at {self.args.verify} does not answer: {e.code().name}: {e.details()}"
+        return None
+
+    async def watch(self, servicer, set_health, serving_now: bool) -> None:
+        """Runs while the service does: probes the verify service, sets the health it implies."""
+        from grpc_health.v1 import health_pb2  # noqa: PLC0415
+
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            why = await self.probe(servicer)
             if (why is None) != serving_now:
                 serving_now = why is None
                 await set_health(health_pb2.HealthCheckResponse.SERVING if serving_now else health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -113,7 +129,7 @@ async def run(args, token_auth=None) -> None:
     lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices)
     channel = verify_channel(args)
     stub = pb_grpc.VerifyStub(channel)
-    check = VerifyCheck(args, stub, lm.fingerprint)
+    check = VerifyCheck(args, channel, stub, lm.fingerprint)
     target = None
     try:
         target = await stub.Info(pb.InfoRequest(), timeout=args.verify_wait_s, wait_for_ready=True)
