@@ -129,8 +129,9 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
     """Starts the server, prints `listening on HOST:PORT`, runs until SIGTERM/SIGINT, drains.
     `interceptors` (None entries skipped) run after the request observer, which sees every call.
     A port that cannot be bound is a StartupError (before `listening on`). `ready`: the health
-    status to start with (default SERVING); `on_start(set_health)` is called once serving, with a
-    coroutine function that sets the service's health status (the draft tracks its verify service)."""
+    status of `service_name` to start with (default SERVING); `on_start(set_health)` is called once
+    serving, with a coroutine function that sets it (the draft follows its verify service). The
+    whole server's status ("", what liveness probes check) is SERVING until the drain."""
     if getattr(args, "trace", "off") != "off" and not tracing.enabled():
         tracing.setup(service_name, args.trace)
     observer = RequestObserver(service_name.rsplit(".", 1)[-1].lower())
@@ -152,10 +153,10 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
     except OSError as e:
         raise StartupError(f"--metrics-port {args.metrics_port}: cannot listen on {args.host}:{args.metrics_port}: {e.strerror or e}") from None
     await server.start()
-    async def set_health(status) -> None:
-        for name in ("", service_name):
-            await health.set(name, status)
+    async def set_health(status) -> None:  # the service's own name; "" (the whole server: liveness) stays SERVING
+        await health.set(service_name, status)
 
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
     await set_health(health_pb2.HealthCheckResponse.SERVING if ready is None else ready)
     if on_start:
         on_start(set_health)  # the service reports its own health from now on

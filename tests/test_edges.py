@@ -213,9 +213,9 @@ def test_calibration_does_not_depend_on_what_the_target_writes(eos_verify, model
 
 # ---- a draft started before its verify service; then bad input; then the verify service hangs ---
 
-def health(address: str) -> int:
+def health(address: str, service: str = "specdec.v1.Draft") -> int:
     with grpc.insecure_channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +242,7 @@ def test_a_draft_waits_for_its_verify_service_not_serving(late_pair):
     """Case 7 (health): NOT_SERVING while the verify service does not answer, SERVING once it does."""
     v, d, before = late_pair
     assert before == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert health(d.address, "") == health_pb2.HealthCheckResponse.SERVING  # the process itself is alive (liveness)
     assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 20)
     with Client(d.address, timeout=TIMEOUT) as c:
         assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=5).token_ids) == 5
