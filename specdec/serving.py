@@ -146,8 +146,9 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
         port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     except RuntimeError:  # grpc raises (older versions return 0) when it cannot bind
         port = 0
-    if not port:
-        raise StartupError(f"--port {args.port}: cannot listen on {address} (address in use, or not an address of this host)")
+    if not port:  # the port was free a moment ago (specdec/startup.check_port): taken since, or TLS material gRPC refused
+        why = "are --tls-cert and --tls-key a matching PEM certificate and key? or the" if creds else "the"
+        raise StartupError(f"--port {args.port}: gRPC cannot listen on {address} ({why} address is in use or not of this host)")
     try:
         mport = metrics.serve_metrics(args.metrics_port, args.host)
     except OSError as e:
