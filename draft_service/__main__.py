@@ -110,6 +110,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     token_auth = auth.server_interceptor(args)  # reads the token files: fail at start-up, not on the first request
     args.verify_token = auth.read_token(args.verify_auth_token_file, "--verify-auth-token-file") if args.verify_auth_token_file else None
+    startup.check_files(args, "tls_cert", "tls_key", "tls_client_ca", "verify_tls_ca", "verify_tls_cert", "verify_tls_key")
     startup.check_model_dir(args.model)
     startup.check_port(args.host, args.port, "--port")
     startup.check_port(args.host, args.metrics_port, "--metrics-port")

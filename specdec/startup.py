@@ -63,6 +63,14 @@ def read_file(path: str, flag: str, mode: str = "rb"):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # one of them: a tokenizer transformers can load
 
 
+def check_files(args, *names: str) -> None:
+    """Each file flag that is set (args.<name>, e.g. tls_cert) names a readable file."""
+    for name in names:
+        path = getattr(args, name, None)
+        if path:
+            read_file(path, "--" + name.replace("_", "-"))
+
+
 def check_model_dir(path: str) -> None:
     """What --model must hold, checked before the model libraries load: a directory with a
     config.json that is a JSON object, weights (*.safetensors / *.bin, or their index), and

@@ -116,6 +116,8 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
         "token file is a directory": ([*v, "--model", target, "--auth-token-file", str(tok_dir)], "--auth-token-file", "directory"),
         "missing verify token file": ([*d, "--model", target, "--verify-auth-token-file", str(tmp_path / "nope")],
                                       "--verify-auth-token-file", "No such file"),
+        "missing TLS files": ([*v, "--model", target, "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")],
+                              "--tls-cert", "No such file"),
         "missing model dir": ([*v, "--model", str(tmp_path / "nope")], "--model", "no such directory"),
         "draft missing model dir": ([*d, "--model", str(tmp_path / "nope")], "--model", "no such directory"),
         "port in use": ([*v, "--model", target, "--port", str(busy.getsockname()[1])], "--port", "in use"),

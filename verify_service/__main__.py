@@ -20,6 +20,7 @@ def main(argv=None) -> None:
     auth.add_server_args(p, client_tokens=True)
     args = p.parse_args(argv)
     token_auth = auth.server_interceptor(args)  # reads the token files: fail at start-up, not on the first request
+    startup.check_files(args, "tls_cert", "tls_key", "tls_client_ca")
     startup.check_model_dir(args.model)
     startup.check_port(args.host, args.port, "--port")
     startup.check_port(args.host, args.metrics_port, "--metrics-port")
