@@ -250,6 +250,20 @@ def test_a_draft_waits_for_its_verify_service_not_serving(late_pair):
         assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=5).token_ids) == 5
 
 
+def test_a_second_service_on_a_busy_port_exits_2(late_pair, model_dir):
+    """Case 3 with real services: a second verify service on the first one's port, and a
+    second draft service on the draft's port, refuse to start (no shared port)."""
+    v, d, _ = late_pair
+    quiet = ["--log-level", "WARNING"]
+    results = run_all({
+        "verify": ["verify_service", "--model", model_dir("long-target"), "--port", v.address.rsplit(":", 1)[1], *quiet],
+        "draft": ["draft_service", "--model", model_dir("long-draft"), "--verify", v.address, "--port", d.address.rsplit(":", 1)[1], *quiet],
+    })
+    for name, r in results.items():
+        assert_one_line_exit_2(name, r, "--port", "in use")
+    assert health(d.address) == health_pb2.HealthCheckResponse.SERVING  # the first ones are unharmed
+
+
 def test_a_bad_request_id_header_is_replaced_with_a_warning(late_pair):
     """Case 4: a 300-character id on the draft, a 4,000-character one on the verify service:
     the requests are served under fresh ids, the bad ids are neither forwarded nor logged."""
