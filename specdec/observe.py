@@ -28,6 +28,7 @@ import uuid
 import grpc
 
 from specdec import metrics, tracing
+from specdec.errors import invalid
 from specdec.v1 import specdec_pb2 as pb
 
 REQUEST_ID_KEY = "x-request-id"
@@ -146,8 +147,6 @@ class _ObservedContext:
     async def read(self):
         msg = await self._context.read()
         if isinstance(msg, Undecodable):
-            from specdec.errors import invalid  # noqa: PLC0415
-
             raise invalid(msg.message(self._call.method))
         if msg is not grpc.aio.EOF:
             self._call.received(msg)
