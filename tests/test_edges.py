@@ -232,6 +232,8 @@ def late_pair(model_dir):
         before = health(d.address)
         v = Service("verify_service", "--model", model_dir("long-target"), "--port", str(port), "--metrics-port", "0",
                     "--threads", "1", *PIN)
+        # every test starts with a draft that has reached its verify service (their order does not matter)
+        wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 30)
         yield v, d, before
     finally:
         d.stop()
