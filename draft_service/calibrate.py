@@ -7,6 +7,7 @@ stops the service from starting. Measured once, so a request's taus depend on it
 history only; `--costs-ms` pins them instead (the same taus across restarts too)."""
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 
@@ -72,13 +73,13 @@ async def verify_round_seconds(stub, fingerprint: str, vocab_size: int, max_cont
                 call = None
             if call is None:  # a new session: the first, or the last one ended
                 call = stub.Session(metadata=[("x-request-id", "specdec-calibration")], timeout=max(0.1, deadline - time.monotonic()))
-                await call.write(pb.VerifyRequest(start=pb.SessionStart(
+                await _write(call, pb.VerifyRequest(start=pb.SessionStart(
                     prompt_ids=prompt, max_new_tokens=max(1, min(512, max_context - len(prompt))),
                     proposal_mode=pb.PROPOSAL_MODE_GREEDY, vocab_fingerprint=fingerprint, request_id="specdec-calibration")))
                 used, number = len(prompt), 0
             number += 1
             t0 = time.perf_counter()
-            await call.write(pb.VerifyRequest(round=pb.Round(round=number, tokens=(ok * gamma)[:gamma])))
+            await _write(call, pb.VerifyRequest(round=pb.Round(round=number, tokens=(ok * gamma)[:gamma])))
             v = await call.read()
             if v is grpc.aio.EOF:
                 raise RuntimeError("the verify service ended a calibration session without a verdict")
@@ -86,7 +87,7 @@ async def verify_round_seconds(stub, fingerprint: str, vocab_size: int, max_cont
                 times[gamma].append(time.perf_counter() - t0)
             used += v.num_accepted + 1
             if v.finish_reason:  # EOS or a limit: whatever the target wrote, go on in a new session
-                call.cancel()
+                await call.code()  # once the verify service has closed this one (its capacity is free again)
                 call = None
     finally:
         if call is not None:
@@ -95,6 +96,13 @@ async def verify_round_seconds(stub, fingerprint: str, vocab_size: int, max_cont
         raise RuntimeError("no round could be timed")
     base = statistics.median(times[0])
     return base, max(0.0, (statistics.median(times[gamma_max]) - base) / gamma_max)
+
+
+async def _write(call, msg) -> None:
+    try:
+        await call.write(msg)
+    except asyncio.InvalidStateError:  # the verify service already ended the call: its status says why
+        raise RuntimeError(f"the verify service ended a calibration session: {(await call.code()).name}: {await call.details()}") from None
 
 
 def fallback_costs(draft_step: float) -> Costs:
