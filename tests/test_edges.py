@@ -182,8 +182,9 @@ def test_calibration_does_not_depend_on_what_the_target_writes(eos_verify, model
             "--adaptive", "--log-level", "INFO", *PIN]
     d = Service("draft_service", *args)
     try:
-        log = "".join(d.stderr)
-        assert '"msg": "calibrated"' in log and "calibration failed" not in log, log[-3000:]
+        # the log line comes before `listening on`, but on stderr, which a thread of the launcher reads
+        assert wait_for(lambda: any('"msg": "calibrated"' in line for line in d.stderr), 10), "".join(d.stderr)[-3000:]
+        assert not any("calibration failed" in line for line in d.stderr)  # one or the other is logged, once
         with Client(d.address, timeout=TIMEOUT) as c:
             r = c.generate(prompt_ids=[3, 4], max_new_tokens=8)
         assert r.finish_reason == "eos" and len(r.token_ids) == 1, r
@@ -204,6 +205,7 @@ def test_calibration_does_not_depend_on_what_the_target_writes(eos_verify, model
             assert wait_for(lambda: metric(v.metrics(), "specdec_live_sessions", service="verify") == 1, 20), v.metrics()
             d = Service("draft_service", *args)
             try:
+                assert wait_for(lambda: any("calibration failed" in line for line in d.stderr), 10), "".join(d.stderr)[-3000:]
                 warnings = [line for line in "".join(d.stderr).splitlines() if "calibration failed" in line]
                 assert len(warnings) == 1 and "RESOURCE_EXHAUSTED" in warnings[0], "".join(d.stderr)[-3000:]
             finally:
