@@ -11,6 +11,7 @@ This module imports nothing heavy, so a bad flag or token file is refused before
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -105,13 +106,18 @@ def check_port(host: str, port: int | None, flag: str) -> None:
         addrs = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as e:
         raise StartupError(f"--host {host}: {e.strerror or e}") from None
+    errors = []
     for family, kind, proto, _, addr in addrs:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: a restart's TIME_WAIT is no conflict
-            try:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: a restart's TIME_WAIT is no conflict
                 s.bind(addr)
-            except OSError as e:
-                raise StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {e.strerror or e}") from None
+        except OSError as e:
+            errors.append(e)
+    # in use on any address is an error; others (no IPv6 for `localhost`) only if no address binds, as for gRPC
+    bad = [e for e in errors if e.errno == errno.EADDRINUSE] or (errors if len(errors) == len(addrs) else [])
+    if bad:
+        raise StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {bad[0].strerror or bad[0]}")
 
 
 def main(prog: str, fn) -> None:
