@@ -1,84 +1,104 @@
-"""python -m draft_service --model DIR --port P --verify HOST:PORT [--host H] ..."""
+"""python -m draft_service --model DIR --port P --verify HOST:PORT [--host H] ...
+
+Flags and token files are checked before the model libraries load; any start-up failure is one
+stderr line and exit code 2 (specdec/startup.py). A verify service that refuses the session
+token or has another vocabulary is such a failure; one that does not answer yet is not: the
+draft waits --verify-wait-s, starts NOT_SERVING, and its health follows the verify service."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
 import os
-import sys
 
-import grpc
-import torch
+from specdec import auth, startup
+from specdec.startup import StartupError, env, env_flag, number
 
-from specdec import auth, logs, serving, tracing
-from specdec.lm import LM, Unsupported, add_model_args
-from specdec.v1 import specdec_pb2 as pb
-from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from draft_service import calibrate, http
-from draft_service.server import DraftServicer, pairing_error
-
-PROPOSERS = {name.removeprefix("PROPOSER_").lower(): value for name, value in pb.Proposer.items() if value}
-
+PROPOSERS = ("draft", "hybrid", "lookup")  # pb.Proposer's names, lower case
 log = logging.getLogger("specdec.draft")
 
 
-def verify_channel(args) -> grpc.aio.Channel:
-    opts = [
-        ("grpc.lb_policy_name", "round_robin"),  # spread sessions over all resolved verify replicas
-        ("grpc.max_receive_message_length", args.max_message_bytes),
-        ("grpc.max_send_message_length", args.max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        # reconnect soon after a verify restart (gRPC's default backoff grows to 120 s)
-        ("grpc.initial_reconnect_backoff_ms", 250),
-        ("grpc.min_reconnect_backoff_ms", 250),
-        ("grpc.max_reconnect_backoff_ms", 5_000),
-    ]
-    creds = serving.channel_credentials(args.verify_tls_ca, args.verify_tls_cert, args.verify_tls_key)
-    interceptors = tracing.client_interceptors()  # traceparent on Verify.Session when --trace is on
-    interceptors += auth.metadata_interceptors(getattr(args, "verify_token", None))  # the session token on every call to the verify service
-    if creds:
-        return grpc.aio.secure_channel(args.verify, creds, options=opts, interceptors=interceptors)
-    return grpc.aio.insecure_channel(args.verify, options=opts, interceptors=interceptors)
-
-
 async def run(args, token_auth=None) -> None:
-    try:
-        lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices)
-    except Unsupported as e:
-        print(f"draft_service: {e}", file=sys.stderr)
-        sys.exit(2)
+    import grpc  # noqa: PLC0415
+    from grpc_health.v1 import health_pb2  # noqa: PLC0415
+
+    from draft_service import calibrate, http  # noqa: PLC0415
+    from draft_service.server import DraftServicer  # noqa: PLC0415
+    from draft_service.upstream import VerifyCheck, verify_channel  # noqa: PLC0415
+    from specdec import serving  # noqa: PLC0415
+    from specdec.lm import LM  # noqa: PLC0415
+    from specdec.v1 import specdec_pb2 as pb  # noqa: PLC0415
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc  # noqa: PLC0415
+
+    lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices)
     channel = verify_channel(args)
     stub = pb_grpc.VerifyStub(channel)
+    check = VerifyCheck(args, channel, stub, lm.fingerprint)
     target = None
     try:
         target = await stub.Info(pb.InfoRequest(), timeout=args.verify_wait_s, wait_for_ready=True)
     except grpc.aio.AioRpcError as e:
-        log.warning("verify service not reachable yet; sessions will check it", extra={"fields": {"verify": args.verify, "code": e.code().name}})
-    problem = await pairing_error(stub, lm, target) if target is not None else None
-    if problem:
-        print(f"error: verify service at {args.verify}: {problem}", file=sys.stderr)
-        sys.exit(2)
-    servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft, proposer=PROPOSERS[args.proposer],
+        if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            raise StartupError(check.token_refused(e.code(), e.details())) from None
+        log.warning("verify service not reachable yet; NOT_SERVING until it answers", extra={"fields": {"verify": args.verify, "code": e.code().name}})
+    if target is not None:
+        why = await check.refusal(target)
+        if why:
+            raise StartupError(why)
+    servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft, proposer=pb.Proposer.Value(f"PROPOSER_{args.proposer.upper()}"),
                              draft_fallback=args.draft_fallback, goodput=args.goodput,
-                             costs=calibrate.parse_costs(args.costs_ms) if args.costs_ms else None)
+                             costs=calibrate.parse_costs(args.costs_ms) if args.costs_ms else None,
+                             round_timeout_s=args.verify_round_timeout_s)
     if target is not None and (args.adaptive or args.draft_fallback):
         await servicer.costs()  # calibrate now, not at the first request
-    front = None
-    if args.http_port >= 0:
-        front = http.FrontDoor(servicer, args, token_auth, model=target.model_name if target is not None else lm.name)
-    await serving.serve(args, "specdec.v1.Draft", lambda s: pb_grpc.add_DraftServicer_to_server(servicer, s), interceptors=[token_auth],
-                        http=front)
-    await channel.close()
+    front = http.FrontDoor(servicer, args, token_auth, model=target.model_name if target is not None else lm.name) if args.http_port >= 0 else None
+    tasks = set()
+
+    def on_start(set_health):
+        tasks.add(asyncio.get_running_loop().create_task(check.watch(servicer, set_health, target is not None)))
+
+    ready = health_pb2.HealthCheckResponse.SERVING if target is not None else health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        await serving.serve(args, "specdec.v1.Draft", lambda s: pb_grpc.add_DraftServicer_to_server(servicer, s), interceptors=[token_auth],
+                            ready=ready, on_start=on_start, http=front)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await channel.close()
+
+
+def add_http_args(p) -> None:
+    """The HTTP front door's flags (draft_service/http.py)."""
+    p.add_argument("--http-port", type=int, default=int(env("SPECDEC_HTTP_PORT") or -1),
+                   help="also serve the OpenAI-compatible HTTP API on this port (0 picks a free one; default: off) "
+                        "[env SPECDEC_HTTP_PORT]")
+    p.add_argument("--served-model-name", default=env("SPECDEC_SERVED_MODEL_NAME"),
+                   help="the model id the HTTP API lists and accepts (default: the verify service's model directory name) "
+                        "[env SPECDEC_SERVED_MODEL_NAME]")
+    p.add_argument("--chat-template", default=env("SPECDEC_CHAT_TEMPLATE"),
+                   help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's own) [env SPECDEC_CHAT_TEMPLATE]")
+
+
+def costs_arg(text: str):
+    from draft_service import calibrate  # noqa: PLC0415
+
+    try:
+        calibrate.parse_costs(text)
+        return text
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--costs-ms: ")) from None
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m draft_service", description="specdec draft service (client-facing)")
-    serving.add_server_args(p, default_port=50052)
-    add_model_args(p)
+    p = startup.Parser(prog="python -m draft_service", description="specdec draft service (client-facing)")
+    startup.add_server_args(p, default_port=50052)
+    startup.add_model_args(p)
     p.add_argument("--verify", required=True, help="verify service address, e.g. HOST:PORT or dns:///name:port")
-    p.add_argument("--verify-wait-s", type=float, default=10.0, help="how long to wait for the verify service at start-up")
-    env = serving.env
+    p.add_argument("--verify-wait-s", type=number(float, low=0), default=10.0,
+                   help="how long to wait for the verify service at start-up (then NOT_SERVING until it answers)")
+    p.add_argument("--verify-round-timeout-s", type=number(float, above=0), default=20.0,
+                   help="a request whose verify stream takes no message or gives no verdict for this long ends with UNAVAILABLE "
+                        "(the verify service stopped answering) (default: 20)")
     p.add_argument("--verify-tls-ca", default=env("SPECDEC_VERIFY_TLS_CA"),
                    help="CA bundle to check the verify service's certificate (enables TLS) [env SPECDEC_VERIFY_TLS_CA]")
     p.add_argument("--verify-tls-cert", default=env("SPECDEC_VERIFY_TLS_CERT"),
@@ -86,36 +106,46 @@ def main(argv=None) -> None:
     p.add_argument("--verify-tls-key", default=env("SPECDEC_VERIFY_TLS_KEY"),
                    help="client key for mTLS to the verify service [env SPECDEC_VERIFY_TLS_KEY]")
     p.add_argument("--verify-auth-token-file", default=env("SPECDEC_VERIFY_AUTH_TOKEN_FILE"),
-                   help="send the token in this file to the verify service (its --auth-token-file) "
+                   help="send the token in this file to the verify service (its --auth-token-file); checked at start-up "
                         "[env SPECDEC_VERIFY_AUTH_TOKEN_FILE]")
     auth.add_server_args(p)
-    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=serving.env_flag("SPECDEC_ADAPTIVE", True),
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=env_flag("SPECDEC_ADAPTIVE", True),
                    help="default for requests that do not say: choose tau (up to 8 unless the request sets num_draft_tokens) "
                         "per round from the session's acceptance and the calibrated costs (default: on; it matches the best fixed tau "
                         "without being told it: bench/results/POLICY.md) [env SPECDEC_ADAPTIVE]")
-    p.add_argument("--predraft", action=argparse.BooleanOptionalAction, default=serving.env_flag("SPECDEC_PREDRAFT", True),
+    p.add_argument("--predraft", action=argparse.BooleanOptionalAction, default=env_flag("SPECDEC_PREDRAFT", True),
                    help="default for requests that do not say: draft round k+1 while round k is verified (default: on) "
                         "[env SPECDEC_PREDRAFT]")
-    p.add_argument("--proposer", choices=sorted(PROPOSERS), default=serving.env("SPECDEC_PROPOSER") or "hybrid",
+    p.add_argument("--proposer", choices=PROPOSERS, default=env("SPECDEC_PROPOSER") or "hybrid",
                    help="default for requests that do not say: 'hybrid' (prompt lookup when a 2-gram of the text recurs, else "
                         "the draft model; the measured best: bench/results/ENGINE.md), 'draft' or 'lookup' [env SPECDEC_PROPOSER]")
-    p.add_argument("--draft-fallback", action=argparse.BooleanOptionalAction, default=serving.env_flag("SPECDEC_DRAFT_FALLBACK", True),
+    p.add_argument("--draft-fallback", action=argparse.BooleanOptionalAction, default=env_flag("SPECDEC_DRAFT_FALLBACK", True),
                    help="stop drafting with the model in a session once its measured acceptance makes speculation slower than "
                         "target-only rounds, and send rounds without proposals instead (default: on; uses the calibrated costs) "
                         "[env SPECDEC_DRAFT_FALLBACK]")
-    p.add_argument("--goodput", action=argparse.BooleanOptionalAction, default=serving.env_flag("SPECDEC_GOODPUT", True),
+    p.add_argument("--goodput", action=argparse.BooleanOptionalAction, default=env_flag("SPECDEC_GOODPUT", True),
                    help="adaptive tau follows the verifier's load: each verdict says what one more proposal row costs the "
                         "verifier's goodput, and a round proposes only as deep as that pays, down to none (default: on; "
                         "seeded sampled requests keep load-free taus) [env SPECDEC_GOODPUT]")
-    p.add_argument("--costs-ms", default=serving.env("SPECDEC_COSTS_MS"),
+    p.add_argument("--costs-ms", type=costs_arg, default=env("SPECDEC_COSTS_MS"),
                    help="pin adaptive tau's costs as 'draft_step,verify_base,verify_per_token' in ms (default: calibrated once "
                         "at start-up; pinning gives the same taus, and so the same samples, across restarts) [env SPECDEC_COSTS_MS]")
-    http.add_args(p)
+    add_http_args(p)
     args = p.parse_args(argv)
     if args.chat_template and not os.path.isfile(args.chat_template):
         p.error(f"--chat-template {args.chat_template}: no such file")
     token_auth = auth.server_interceptor(args)  # reads the token files: fail at start-up, not on the first request
-    args.verify_token = auth.read_token(args.verify_auth_token_file) if args.verify_auth_token_file else None
+    args.verify_token = auth.read_token(args.verify_auth_token_file, "--verify-auth-token-file") if args.verify_auth_token_file else None
+    startup.check_files(args, "tls_cert", "tls_key", "tls_client_ca", "verify_tls_ca", "verify_tls_cert", "verify_tls_key")
+    startup.check_model_dir(args.model)
+    startup.check_port(args.host, args.port, "--port")
+    startup.check_port(args.host, args.metrics_port, "--metrics-port")
+    startup.check_port(args.host, args.http_port if args.http_port >= 0 else None, "--http-port")
+
+    import torch  # noqa: PLC0415 - the heavy libraries load once the cheap checks have passed
+
+    from specdec import logs, tracing  # noqa: PLC0415
+
     logs.setup(args.log_format, args.log_level)
     tracing.setup("specdec.v1.Draft", args.trace)
     if args.threads:
@@ -124,4 +154,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    startup.main("draft_service", main)

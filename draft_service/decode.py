@@ -17,6 +17,9 @@ next token and yields them with the verifier's finish reason, until that reason 
   same way (its rounds cost no draft steps) and stops for the session when it does not pay.
   Until the model's first proposal is accepted, its rounds propose one token (cheap evidence).
   Counted in Stats.fallback_rounds and specdec_draft_fallback_sessions_total; one warning per model.
+* A verify stream that does not take a message or give a verdict within `round_timeout_s` ends
+  the request with UNAVAILABLE ("the verify service stopped answering"): a hung verify service
+  holds a request for that long, not until keepalive gives up.
 * Stats (`self.stats`, the wire's Stats message) and the draft-side Prometheus counters are
   updated every round; `summary()` fills in the derived rates at the end.
 
@@ -61,8 +64,10 @@ class DecodeLoop:
     `fallback` (costs) the fallback to target-only rounds when the draft model does not pay."""
 
     def __init__(self, drafter: Drafter, params: GenParams, fingerprint: str, max_context: int,
-                 costs: Costs | None = None, predraft: bool = False, fallback: Costs | None = None, goodput: bool = True):
+                 costs: Costs | None = None, predraft: bool = False, fallback: Costs | None = None, goodput: bool = True,
+                 round_timeout_s: float | None = None):
         self.drafter = drafter
+        self.round_timeout_s = round_timeout_s  # a write or a verdict that takes longer: the verify service stopped answering
         self.params = params
         self.fingerprint = fingerprint
         self.max_context = max_context
@@ -118,7 +123,7 @@ class DecodeLoop:
         st, stats, ctl = self.state, self.stats, self.tau
         pending = None  # a pre-draft in flight: (task, its PredraftControl)
         try:
-            await call.write(self.start())
+            await self._timed(call.write(self.start()))
             t1 = time.perf_counter()
             await asyncio.to_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
             stats.prefill_s = time.perf_counter() - t1
@@ -136,12 +141,12 @@ class DecodeLoop:
                 stats.rounds += 1
                 stats.target_only_rounds += not prop.tokens
                 metrics.PROPOSALS_PER_ROUND.observe(len(prop.tokens))
-                await call.write(pb.VerifyRequest(round=prop.to_round(stats.rounds)))
+                await self._timed(call.write(pb.VerifyRequest(round=prop.to_round(stats.rounds))))
                 next_cap = min(tau, self.cap(len(prop.tokens) + 1))
                 if self.predraft and not prop.lookup and next_cap > 0 and not self.fallen_back:
                     ahead_ctl = PredraftControl()
                     pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl)), ahead_ctl)
-                v = await call.read()
+                v = await self._timed(call.read())
                 if v is grpc.aio.EOF:
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
                 t3 = time.perf_counter()
@@ -199,10 +204,10 @@ class DecodeLoop:
                 stats.fallback_rounds += 1
                 stats.target_only_rounds += 1
                 metrics.PROPOSALS_PER_ROUND.observe(0)
-                await call.write(pb.VerifyRequest(round=pb.Round(round=stats.rounds)))
+                await self._timed(call.write(pb.VerifyRequest(round=pb.Round(round=stats.rounds))))
                 ahead += 1
             t0 = time.perf_counter()
-            v = await call.read()
+            v = await self._timed(call.read())
             ahead -= 1
             if v is grpc.aio.EOF:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
@@ -229,6 +234,14 @@ class DecodeLoop:
                         "fall back to target-only rounds (counted in specdec_draft_fallback_sessions_total; a better draft, "
                         "or --proposer lookup, would help)",
                         extra={"fields": {"model": name, "accepted": j.accepted, "rounds": j.rounds, "request_id": self.params.request_id}})
+
+    async def _timed(self, op):
+        """Awaits one write or read on the verify stream, at most round_timeout_s."""
+        try:
+            return await asyncio.wait_for(op, self.round_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"the verify service stopped answering: nothing for "
+                               f"{self.round_timeout_s:g}s in a round (--verify-round-timeout-s)") from None
 
     def summary(self) -> pb.Stats:
         """The stats with the acceptance rate and mean accepted length filled in."""

@@ -45,17 +45,6 @@ PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context limit
 
 
-def add_args(p) -> None:
-    p.add_argument("--http-port", type=int, default=int(serving.env("SPECDEC_HTTP_PORT") or -1),
-                   help="also serve the OpenAI-compatible HTTP API on this port (0 picks a free one; default: off) "
-                        "[env SPECDEC_HTTP_PORT]")
-    p.add_argument("--served-model-name", default=serving.env("SPECDEC_SERVED_MODEL_NAME"),
-                   help="the model id the HTTP API lists and accepts (default: the verify service's model directory name) "
-                        "[env SPECDEC_SERVED_MODEL_NAME]")
-    p.add_argument("--chat-template", default=serving.env("SPECDEC_CHAT_TEMPLATE"),
-                   help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's own) [env SPECDEC_CHAT_TEMPLATE]")
-
-
 async def _disconnect(receive) -> None:
     while (await receive())["type"] != "http.disconnect":  # the body has been read: only a disconnect comes
         pass

@@ -45,27 +45,48 @@ async def pairing_error(verify: pb_grpc.VerifyStub, lm: LM, target: pb.ModelInfo
 class DraftServicer(pb_grpc.DraftServicer):
     def __init__(self, lm: LM, verify: pb_grpc.VerifyStub, target: pb.ModelInfo | None = None,
                  adaptive: bool = False, predraft: bool = False, costs: Costs | None = None,
-                 proposer: int = pb.PROPOSER_DRAFT, draft_fallback: bool = False, goodput: bool = True):
+                 proposer: int = pb.PROPOSER_DRAFT, draft_fallback: bool = False, goodput: bool = True,
+                 round_timeout_s: float | None = None):
         self.lm = lm
         self.drafter = Drafter(lm)
         self.verify = verify
-        self.max_context = min(lm.max_context, target.max_context) if target else lm.max_context
+        self.target = None
+        self.max_context = lm.max_context
+        self.set_target(target)
         self.adaptive, self.predraft, self.proposer = adaptive, predraft, proposer
         self.draft_fallback = draft_fallback  # stop drafting in sessions where the model does not pay (decode.py)
         self.goodput = goodput  # adaptive tau follows the verifier's load (decode.py, adaptive.py)
+        self.round_timeout_s = round_timeout_s
         self._costs, self._calibrating = costs, asyncio.Lock()
         self._paired = target is not None  # checked at start-up; else at the first request
 
+    def set_target(self, target: pb.ModelInfo | None) -> None:
+        """The verify service's model, once known (at start-up, or when it first answers)."""
+        if target is not None and self.target is None:
+            self.target = target
+            self.max_context = min(self.lm.max_context, target.max_context)
+
     async def costs(self) -> Costs:
         """The costs adaptive tau plans with: pinned (--costs-ms), else calibrated once, at the
-        first call (the draft's step, and probe rounds with the verify service)."""
+        first call (the draft's step, and probe rounds with the verify service). If the rounds
+        cannot be timed: conservative default costs and one warning (calibrate.fallback_costs)."""
         async with self._calibrating:
             if self._costs is None:
                 step = await asyncio.to_thread(calibrate.draft_step_seconds, self.drafter)
-                base, per_token = await calibrate.verify_round_seconds(self.verify, self.lm.fingerprint, self.lm.vocab_size, self.max_context)
-                self._costs = Costs(step, base, per_token)
-                log.info("calibrated", extra={"fields": {"draft_step_ms": round(step * 1e3, 3), "verify_base_ms": round(base * 1e3, 3),
-                                                        "verify_per_token_ms": round(per_token * 1e3, 3)}})
+                try:
+                    base, per_token = await calibrate.verify_round_seconds(self.verify, self.lm.fingerprint, self.lm.vocab_size,
+                                                                           self.max_context, self.lm.eos)
+                    costs, msg = Costs(step, base, per_token), "calibrated"
+                except (grpc.aio.AioRpcError, RuntimeError) as e:
+                    costs, msg = calibrate.fallback_costs(step), "calibration failed; using conservative default costs (pin them with --costs-ms)"
+                    err = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                self._costs = costs
+                fields = {"draft_step_ms": round(costs.draft_step * 1e3, 3), "verify_base_ms": round(costs.verify_base * 1e3, 3),
+                          "verify_per_token_ms": round(costs.verify_per_token * 1e3, 3)}
+                if msg == "calibrated":
+                    log.info(msg, extra={"fields": fields})
+                else:
+                    log.warning(msg, extra={"fields": {**fields, "error": err}})
             return self._costs
 
     async def check_pairing(self) -> None:
@@ -85,7 +106,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         call = None
         metrics.LIVE_SESSIONS.labels(SERVICE).inc()
         try:
-            g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
+            g = await validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
             g.request_id = serving.request_id(context, g.request_id)
             if not request.proposer:
                 g.proposer = self.proposer  # the service's default
@@ -98,6 +119,8 @@ class DraftServicer(pb_grpc.DraftServicer):
             loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
                               costs=costs if adaptive else None, fallback=costs if self.draft_fallback else None,
                               predraft=self.predraft if g.predraft is None else g.predraft, goodput=self.goodput)
+                              costs=await self.costs() if adaptive else None,
+                              predraft=self.predraft if g.predraft is None else g.predraft, round_timeout_s=self.round_timeout_s)
             call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
             out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
             async with contextlib.aclosing(loop.rounds(call)) as rounds:  # closing it stops a pre-draft

@@ -24,16 +24,18 @@ import os
 
 import grpc
 
+from specdec.startup import StartupError, read_file
+
 EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # orchestrators and tooling need no token
 CLIENT_METHODS = frozenset({"Generate", "Info"})  # what a client token may call on the verify service
 
 
-def read_token(path: str) -> str:
-    """The token in a file (surrounding whitespace stripped); exits on an empty file."""
-    with open(path) as f:
-        token = f.read().strip()
+def read_token(path: str, flag: str = "token file") -> str:
+    """The token in a file (surrounding whitespace stripped); StartupError naming the flag and the
+    file when it cannot be read (missing, a directory, not text) or is empty."""
+    token = read_file(path, flag, "r").strip()
     if not token:
-        raise SystemExit(f"error: token file {path} is empty")
+        raise StartupError(f"{flag} {path}: the file is empty")
     return token
 
 
@@ -63,13 +65,13 @@ def server_interceptor(args) -> TokenAuth | None:
     client_file = getattr(args, "client_token_file", None)
     if not args.auth_token_file:
         if client_file:
-            raise SystemExit("error: --client-token-file needs --auth-token-file (the token that may open sessions)")
+            raise StartupError("--client-token-file needs --auth-token-file (the token that may open sessions)")
         return None
-    grants = [(read_token(args.auth_token_file), None)]
+    grants = [(read_token(args.auth_token_file, "--auth-token-file"), None)]
     if client_file:
-        client = read_token(client_file)
+        client = read_token(client_file, "--client-token-file")
         if hmac.compare_digest(client.encode(), grants[0][0].encode()):
-            raise SystemExit("error: --client-token-file and --auth-token-file hold the same token")
+            raise StartupError("--client-token-file and --auth-token-file hold the same token")
         grants.append((client, CLIENT_METHODS))
     return TokenAuth(grants)
 

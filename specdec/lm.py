@@ -4,7 +4,6 @@ passes go through specdec/kvcache.py; `check_supported` refuses, at start-up, an
 that pass cannot serve exactly (specdec/architectures.py)."""
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -14,33 +13,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
+from specdec.startup import TOKENIZER_FILES, StartupError, add_model_args, check_model_dir  # noqa: F401 - add_model_args: the services' flags
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class Unsupported(Exception):
+class Unsupported(StartupError):
     """The model cannot be served as asked (no such device, an architecture the engine refuses)."""
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=os.environ.get("SPECDEC_DEVICE") or "auto",
-                   help="auto (cuda if present, else cpu), cpu, cuda or cuda:N [env SPECDEC_DEVICE]")
-    p.add_argument("--dtype", default=os.environ.get("SPECDEC_DTYPE") or "auto", choices=["auto", *DTYPES],
-                   help="auto: the checkpoint's dtype on CUDA; on the CPU bfloat16 where it has native bf16 "
-                        "instructions (avx512_bf16 / AMX), else float32 [env SPECDEC_DTYPE]")
-    p.add_argument("--engine-choices", type=_choices_arg, default=os.environ.get("SPECDEC_ENGINE_CHOICES") or "",
-                   help="on the CPU, pin the engine's timed load-time choices, e.g. 'attention=float32,prepack=on,per-row=off' "
-                        "(default: timed at start-up; each service logs what it chose in this form; pinned, a restart "
-                        "computes the same numbers, so a seeded request samples the same tokens) [env SPECDEC_ENGINE_CHOICES]")
-
-
-def _choices_arg(text: str) -> dict:
-    from specdec.kvcache import parse_choices  # noqa: PLC0415
-
-    try:
-        return parse_choices(text)
-    except ValueError as e:
-        where = " (from SPECDEC_ENGINE_CHOICES)" if text == os.environ.get("SPECDEC_ENGINE_CHOICES") else ""
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--engine-choices: ") + where) from None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -131,22 +110,31 @@ class LM:
         the engine's pinned load-time choices (kvcache.parse_choices), else they are timed."""
         from specdec import architectures  # noqa: PLC0415 - it imports this module
 
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model directory {path!r} does not exist")
+        check_model_dir(path)  # StartupError (one line at start-up) for everything that cannot be loaded
         dev = resolve_device(device)
         hf_logging.disable_progress_bar()  # no "Loading weights" bars on stderr: a refusal is one line there
-        tok = AutoTokenizer.from_pretrained(path)
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - whatever the loader raises, one line at start-up
+            if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+                raise StartupError(f"--model {path}: no tokenizer files (such as {', '.join(TOKENIZER_FILES)}); "
+                                   "the services need the model's tokenizer") from None
+            raise StartupError(f"--model {path}: cannot load the tokenizer: {_brief(e)}") from None
+        if not tok.get_vocab() or not tok("a b", add_special_tokens=False)["input_ids"]:
+            raise StartupError(f"--model {path}: the tokenizer has no vocabulary (it tokenizes text to no tokens)")
         cfg_dtype = checkpoint_dtype(path)
         dt = resolve_dtype(dtype, dev, cfg_dtype)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(dev)
         except ValueError as e:  # encoder-only / encoder-decoder configs: no causal-LM class at all
             if "Unrecognized configuration class" not in str(e):
-                raise
+                raise StartupError(f"--model {path}: cannot load the model: {_brief(e)}") from None
             with open(os.path.join(path, "config.json")) as fh:
                 kind = json.load(fh).get("model_type", "?")
             raise Unsupported(f"{kind}: transformers has no causal-LM class for it; only decoder-only language models "
                               "are served") from None
+        except Exception as e:  # noqa: BLE001 - missing or corrupt weights, bad config JSON, ...
+            raise StartupError(f"--model {path}: cannot load the model: {_brief(e)}") from None
         model.eval()
         cfg = model.config
         try:
@@ -169,6 +157,12 @@ class LM:
         if check:
             architectures.check_supported(lm, choices)  # raises Unsupported; switches to the packed attention
         return lm
+
+
+def _brief(e: Exception) -> str:
+    """An exception as one short line (loaders raise multi-line messages)."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
 
 
 def checkpoint_dtype(path: str) -> torch.dtype | None:

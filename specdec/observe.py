@@ -1,14 +1,17 @@
 """Per-request observability in one place: a grpc.aio server interceptor that gives every
 specdec RPC (health and reflection aside) on either service
 
-  - a request id: `x-request-id` metadata, else the request's own `request_id` (a Generate
+  - a request id: `x-request-id` metadata when it is a valid id (at most 128 printable ASCII
+    characters; a bad one is replaced, with a warning), else the request's own `request_id` (a Generate
     request, or a session's `start`), else a new one (written into a Generate request, so the
     handler, the reply and the next hop all use it);
   - one server span (OpenTelemetry, when tracing is on), a child of the caller's span;
   - one JSON log line when it ends: `request done` (`session done` for Verify.Session) with
     the service, method, request id, status code, tokens, rounds, finish reason, duration and,
     on failure, the error; refusals by authentication are logged at WARNING with the peer;
-  - the request metrics: latency, errors by status code, tokens returned to callers.
+  - the request metrics: latency, errors by status code, tokens returned to callers;
+  - requests whose bytes do not parse (invalid UTF-8 in a string field) end with
+    INVALID_ARGUMENT, logged and counted, instead of gRPC's own UNKNOWN before any handler.
 
 It reads what it needs from the messages going through (requests read, responses written or
 yielded), so the servicers hold no observability code. The rest of the metrics (verify rounds,
@@ -25,6 +28,7 @@ import uuid
 import grpc
 
 from specdec import metrics, tracing
+from specdec.errors import invalid
 from specdec.v1 import specdec_pb2 as pb
 
 REQUEST_ID_KEY = "x-request-id"
@@ -32,11 +36,51 @@ OBSERVED = "/specdec.v1."  # the services' own RPCs; health checks and reflectio
 REFUSALS = ("UNAUTHENTICATED", "PERMISSION_DENIED")
 
 
-def request_id(metadata, fallback: str = "") -> str:
+MAX_REQUEST_ID_CHARS = 128
+
+
+def valid_request_id(rid) -> bool:
+    """Printable ASCII of bounded length: it travels as gRPC metadata and into the logs."""
+    return isinstance(rid, str) and len(rid) <= MAX_REQUEST_ID_CHARS and all(" " <= c <= "~" for c in rid)
+
+
+def _header(metadata) -> str | None:
     for k, v in metadata or ():
         if k == REQUEST_ID_KEY:
             return v
-    return fallback
+    return None
+
+
+def request_id(metadata, fallback: str = "") -> str:
+    """The `x-request-id` header if it is a valid request id, else `fallback` (a bad header is
+    replaced, never used: the observer logs one warning about it)."""
+    v = _header(metadata)
+    return v if v and valid_request_id(v) else fallback
+
+
+class Undecodable:
+    """What the observer's request deserializer returns for bytes that do not parse as the
+    request message (e.g. a string field that is not valid UTF-8): the handler is not run and
+    the call ends with INVALID_ARGUMENT, counted like any other error."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def message(self, method: str) -> str:
+        return (f"request: not a valid {method} request message ({type(self.error).__name__}; for example a string "
+                "field that is not UTF-8)")
+
+
+def _tolerant(deserializer):
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and kin: the caller sent bad bytes
+            return Undecodable(e)
+    return parse
 
 
 def _finish_name(finish: int) -> str:
@@ -59,6 +103,8 @@ class _Call:
     def __init__(self, method: str, metadata):
         self.method = method
         self.request_id = request_id(metadata)
+        header = _header(metadata)
+        self.bad_header = None if header is None or self.request_id else header  # replaced: warned about at the end
         self.tokens = 0  # tokens this RPC returned (Generate) or committed (Session)
         self.rounds = 0
         self.fields: dict = {}
@@ -100,6 +146,8 @@ class _ObservedContext:
 
     async def read(self):
         msg = await self._context.read()
+        if isinstance(msg, Undecodable):
+            raise invalid(msg.message(self._call.method))
         if msg is not grpc.aio.EOF:
             self._call.received(msg)
         return msg
@@ -137,9 +185,11 @@ class RequestObserver(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(behavior):  # the handler yields its responses
             async def wrapped(request, context):
                 call = _Call(method, metadata)
-                if not handler.request_streaming:
-                    call.received(request)
                 with observe(call, context):
+                    if isinstance(request, Undecodable):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
+                    if not handler.request_streaming:
+                        call.received(request)
                     # aclosing: a caller that goes away ends the handler's generator now (its finally runs)
                     async with contextlib.aclosing(behavior(request, _ObservedContext(context, call))) as responses:
                         async for msg in responses:
@@ -148,15 +198,17 @@ class RequestObserver(grpc.aio.ServerInterceptor):
         else:  # a coroutine: returns its (unary) response, or writes with context.write()
             async def wrapped(request, context):
                 call = _Call(method, metadata)
-                if not handler.request_streaming:
-                    call.received(request)
                 with observe(call, context):
+                    if isinstance(request, Undecodable):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
+                    if not handler.request_streaming:
+                        call.received(request)
                     response = await behavior(request, _ObservedContext(context, call))
                     if response is not None:
                         call.sent(response)
                     return response
 
-        return make(wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        return make(wrapped, request_deserializer=_tolerant(handler.request_deserializer), response_serializer=handler.response_serializer)
 
     @contextlib.contextmanager
     def _observe(self, call: _Call, context: grpc.aio.ServicerContext):
@@ -180,6 +232,10 @@ class RequestObserver(grpc.aio.ServerInterceptor):
                     fields["error"] = context.details()
                 if code in REFUSALS:  # never the token itself
                     fields["peer"] = context.peer()
+                if call.bad_header is not None:  # never the bad value itself: it may be huge or unprintable
+                    self.log.warning(f"{REQUEST_ID_KEY} header is not a valid request id (at most {MAX_REQUEST_ID_CHARS} printable "
+                                     "ASCII characters); replaced", extra={"fields": {"request_id": fields["request_id"],
+                                                                                      "header_chars": len(call.bad_header)}})
                 msg = "session done" if call.method == "Session" else "request done"
                 self.log.log(logging.WARNING if code in REFUSALS else logging.INFO, msg, extra={"fields": fields})
                 set_attrs(**{f"specdec.{k}": v for k, v in fields.items() if k not in ("service", "method")})

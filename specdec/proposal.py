@@ -62,7 +62,8 @@ def decode_round(r: pb.Round, *, expected: int, room: int, vocab_size: int, mode
                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Checks a Round against its session (the round number expected next, the room left in the
     context, the vocabulary, the session's mode) and returns (tokens [tau] int64, q [tau, V]
-    float32, or None when the session is greedy: q plays no part in the greedy rule).
+    float32, or None when the session is greedy: q plays no part in the greedy rule, but it is
+    checked all the same).
     Raises RequestError(INVALID_ARGUMENT) naming the field on any violation."""
     V = vocab_size
     if r.round != expected:
@@ -78,16 +79,16 @@ def decode_round(r: pb.Round, *, expected: int, room: int, vocab_size: int, mode
         if r.q_ids or r.q_probs or r.q_counts:
             raise invalid("round.q_*: greedy (ids-only) mode sends no probabilities")
         return tokens.to(device), None if greedy else torch.nn.functional.one_hot(tokens, V).float().to(device)
-    if greedy:  # q plays no part in the greedy rule
-        return tokens.to(device), None
-    probs = torch.tensor(list(r.q_probs), dtype=torch.float32)
-    if mode == pb.PROPOSAL_MODE_DENSE:
-        if r.q_ids or r.q_counts or probs.numel() != tau * V:
-            raise invalid(f"round.q_probs: dense mode needs tau*V = {tau * V} values and no q_ids/q_counts, got {probs.numel()}")
+    # a greedy session (temperature 0) checks q as well (DESIGN.md §11: every round is checked), then drops it
+    if mode == pb.PROPOSAL_MODE_DENSE:  # counts before any per-element work
+        if r.q_ids or r.q_counts or len(r.q_probs) != tau * V:
+            raise invalid(f"round.q_probs: dense mode needs tau*V = {tau * V} values and no q_ids/q_counts, got {len(r.q_probs)}")
+        probs = torch.tensor(list(r.q_probs), dtype=torch.float32)
         q = probs.view(tau, V)
     else:
-        if len(r.q_counts) != tau or sum(r.q_counts) != len(r.q_ids) or len(r.q_ids) != probs.numel():
+        if len(r.q_counts) != tau or len(r.q_ids) != len(r.q_probs) or sum(r.q_counts) != len(r.q_ids):
             raise invalid("round.q_counts/q_ids/q_probs: lengths disagree (one count per token, one prob per id)")
+        probs = torch.tensor(list(r.q_probs), dtype=torch.float32)
         ids = torch.tensor(list(r.q_ids), dtype=torch.long)
         if ids.numel() and (ids.min() < 0 or ids.max() >= V):
             raise invalid(f"round.q_ids: an id is outside the vocabulary [0, {V})")
@@ -103,4 +104,4 @@ def decode_round(r: pb.Round, *, expected: int, room: int, vocab_size: int, mode
         raise invalid(f"round.q_probs: each position must sum to 1 (got {sums.tolist()})")
     if tau and not (q[torch.arange(tau), tokens] > 0).all():
         raise invalid("round.q_probs: a proposed token has no probability in its q (it cannot have been sampled from it)")
-    return tokens.to(device), q.to(device)
+    return tokens.to(device), None if greedy else q.to(device)

@@ -8,10 +8,8 @@ SPECDEC_TLS_CLIENT_CA on both servers. Messages larger than --max-message-bytes 
 gRPC itself with RESOURCE_EXHAUSTED."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import signal
 
 import grpc
@@ -20,6 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from specdec import architectures, metrics, observe, tracing, vocabdiff
+from specdec.startup import StartupError, add_server_args, env, env_flag, read_file  # noqa: F401 - the services' flags
 from specdec.errors import RequestError
 from specdec.observe import REQUEST_ID_KEY, RequestObserver  # noqa: F401 - REQUEST_ID_KEY: the servicers use it
 from specdec.v1 import specdec_pb2 as pb
@@ -50,58 +49,27 @@ def model_info(lm, include_vocab: bool = False) -> pb.ModelInfo:
     )
 
 
-def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
-    p.add_argument("--model", required=True, help="local Hugging Face model directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0 = any)")
-    p.add_argument("--max-message-bytes", type=int, default=16 << 20)
-    p.add_argument("--max-connection-age-s", type=float, default=None, help="close connections after this age so clients re-resolve")
-    p.add_argument("--drain-s", type=float, default=30.0, help="grace period for running streams on SIGTERM")
-    p.add_argument("--tls-cert", default=env("SPECDEC_TLS_CERT"), help="server certificate (PEM); enables TLS [env SPECDEC_TLS_CERT]")
-    p.add_argument("--tls-key", default=env("SPECDEC_TLS_KEY"), help="server private key (PEM) [env SPECDEC_TLS_KEY]")
-    p.add_argument("--tls-client-ca", default=env("SPECDEC_TLS_CLIENT_CA"),
-                   help="CA bundle; when set, clients must present a certificate it signed (mTLS) [env SPECDEC_TLS_CLIENT_CA]")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice; 1 when sharing cores)")
-    p.add_argument("--log-format", choices=["json", "text"], default="json")
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--trace", choices=["off", "console"], default=env("SPECDEC_TRACE") or "off",
-                   help="OpenTelemetry spans per request (console: JSON lines on stderr; needs opentelemetry-sdk) [env SPECDEC_TRACE]")
-
-
-def env(name: str) -> str | None:
-    """An environment variable as a flag default (unset or empty: None)."""
-    return os.environ.get(name) or None
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """A boolean environment variable as a flag default: 0/false/no/off are false, else true."""
-    v = env(name)
-    return default if v is None else v.strip().lower() not in ("0", "false", "no", "off")
-
-
-def _read(path: str | None) -> bytes | None:
-    if not path:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
+def _read(path: str | None, flag: str = "file") -> bytes | None:
+    return read_file(path, flag) if path else None
 
 
 def server_credentials(args) -> grpc.ServerCredentials | None:
     if not args.tls_cert:
         if args.tls_key or args.tls_client_ca:
-            raise SystemExit("error: --tls-key/--tls-client-ca need --tls-cert")
+            raise StartupError("--tls-key/--tls-client-ca need --tls-cert")
         return None
     if not args.tls_key:
-        raise SystemExit("error: --tls-cert needs --tls-key")
-    ca = _read(args.tls_client_ca)
-    return grpc.ssl_server_credentials([(_read(args.tls_key), _read(args.tls_cert))], root_certificates=ca, require_client_auth=ca is not None)
+        raise StartupError("--tls-cert needs --tls-key")
+    ca = _read(args.tls_client_ca, "--tls-client-ca")
+    return grpc.ssl_server_credentials([(_read(args.tls_key, "--tls-key"), _read(args.tls_cert, "--tls-cert"))],
+                                       root_certificates=ca, require_client_auth=ca is not None)
 
 
-def channel_credentials(ca: str | None, cert: str | None = None, key: str | None = None) -> grpc.ChannelCredentials | None:
+def channel_credentials(ca: str | None, cert: str | None = None, key: str | None = None, flag: str = "--tls") -> grpc.ChannelCredentials | None:
     if not ca:
         return None
-    return grpc.ssl_channel_credentials(root_certificates=_read(ca), private_key=_read(key), certificate_chain=_read(cert))
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca, f"{flag}-ca"), private_key=_read(key, f"{flag}-key"),
+                                        certificate_chain=_read(cert, f"{flag}-cert"))
 
 
 def server_options(args) -> list[tuple[str, int]]:
@@ -112,6 +80,7 @@ def server_options(args) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.so_reuseport", 0),  # gRPC's default is on: a second server on the port would share its connections
     ]
     if args.max_connection_age_s:
         opts += [("grpc.max_connection_age_ms", int(args.max_connection_age_s * 1000)), ("grpc.max_connection_age_grace_ms", int(args.drain_s * 1000))]
@@ -160,9 +129,13 @@ async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: 
     await context.abort(code, msg)
 
 
-async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=None, http=None) -> None:
+async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=None, ready=None, on_start=None, http=None) -> None:
     """Starts the server, prints `listening on HOST:PORT`, runs until SIGTERM/SIGINT, drains.
     `interceptors` (None entries skipped) run after the request observer, which sees every call.
+    A port that cannot be bound is a StartupError (before `listening on`). `ready`: the health
+    status of `service_name` to start with (default SERVING); `on_start(set_health)` is called once
+    serving, with a coroutine function that sets it (the draft follows its verify service). The
+    whole server's status ("", what liveness probes check) is SERVING until the drain.
     `http`: a front door served beside it in this event loop (async `start()`, which prints its
     own address line, and `stop()`, which drains it; draft_service/http.py)."""
     if getattr(args, "trace", "off") != "off" and not tracing.enabled():
@@ -175,11 +148,25 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
     reflection.enable_server_reflection([service_name, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
     address = f"{args.host}:{args.port}"
     creds = server_credentials(args)
-    port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
-    mport = metrics.serve_metrics(args.metrics_port, args.host)
+    try:
+        port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError:  # grpc raises (older versions return 0) when it cannot bind
+        port = 0
+    if not port:  # the port was free a moment ago (specdec/startup.check_port): taken since, or TLS material gRPC refused
+        why = "are --tls-cert and --tls-key a matching PEM certificate and key? or the" if creds else "the"
+        raise StartupError(f"--port {args.port}: gRPC cannot listen on {address} ({why} address is in use or not of this host)")
+    try:
+        mport = metrics.serve_metrics(args.metrics_port, args.host)
+    except OSError as e:
+        raise StartupError(f"--metrics-port {args.metrics_port}: cannot listen on {args.host}:{args.metrics_port}: {e.strerror or e}") from None
     await server.start()
-    for name in ("", service_name):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    async def set_health(status) -> None:  # the service's own name; "" (the whole server: liveness) stays SERVING
+        await health.set(service_name, status)
+
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await set_health(health_pb2.HealthCheckResponse.SERVING if ready is None else ready)
+    if on_start:
+        on_start(set_health)  # the service reports its own health from now on
     if mport is not None:
         print(f"metrics on {args.host}:{mport}", flush=True)
     if http is not None:

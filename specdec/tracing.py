@@ -12,6 +12,8 @@ import sys
 
 import grpc
 
+from specdec.startup import StartupError
+
 try:
     from opentelemetry import propagate, trace
 except ImportError:  # tracing is optional
@@ -30,7 +32,7 @@ def setup(service_name: str, mode: str | None, exporter=None) -> bool:
     if not mode or mode == "off":
         return False
     if trace is None:
-        raise SystemExit("error: --trace needs the opentelemetry-sdk package (pip install opentelemetry-sdk)")
+        raise StartupError("--trace needs the opentelemetry-sdk package (pip install opentelemetry-sdk)")
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor

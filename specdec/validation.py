@@ -4,6 +4,7 @@ Every field is checked at the edge; a bad one raises RequestError(INVALID_ARGUME
 message names the field."""
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import struct
@@ -11,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from specdec.errors import invalid
+from specdec.observe import MAX_REQUEST_ID_CHARS, valid_request_id
 from specdec.sampling import Sampling
 from specdec.v1 import specdec_pb2 as pb
 
@@ -22,7 +24,6 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 MIN_TEMPERATURE = 1e-4  # below this logits / temperature can overflow float32 (and it is greedy in all but name)
 _MIN_TEMPERATURE_F32 = struct.unpack("f", struct.pack("f", MIN_TEMPERATURE))[0]  # what the wire carries for 1e-4
-MAX_REQUEST_ID_CHARS = 128
 
 
 @dataclass
@@ -59,23 +60,38 @@ def parse_seed(s: pb.SamplingParams) -> int:
 
 
 def check_ids(ids, vocab_size: int, what: str) -> list[int]:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise invalid(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    """The ids as a list, checked with one min and one max (C loops; call it after the length
+    check: a message can carry millions of ids)."""
+    if len(ids) and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise invalid(f"{what}: token id {bad} is outside the vocabulary [0, {vocab_size})")
     return list(ids)
 
 
 def check_request_id(rid: str, what: str = "request_id") -> str:
     """Printable ASCII of bounded length: it travels as gRPC metadata and into the logs."""
-    if len(rid) > MAX_REQUEST_ID_CHARS or any(not " " <= c <= "~" for c in rid):
+    if not valid_request_id(rid):
         raise invalid(f"{what}: at most {MAX_REQUEST_ID_CHARS} printable ASCII characters")
     return rid
+
+
+LARGE_REQUEST = 1 << 16  # prompt characters or ids: above this, parse_generate_async runs off the event loop
+
+
+async def parse_generate_async(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_context: int) -> GenParams:
+    """parse_generate, in a worker thread when the prompt is large (tokenizing megabytes of text
+    takes seconds, which would stall every other call on the event loop)."""
+    if len(req.prompt) + len(req.prompt_ids) > LARGE_REQUEST:
+        return await asyncio.to_thread(parse_generate, req, tokenizer, vocab_size, max_context)
+    return parse_generate(req, tokenizer, vocab_size, max_context)
 
 
 def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_context: int) -> GenParams:
     if req.prompt and req.prompt_ids:
         raise invalid("set exactly one of prompt and prompt_ids, not both")
     if req.prompt_ids:
+        if len(req.prompt_ids) >= max_context:  # the cheap check first: a message can carry millions of ids
+            raise invalid(f"prompt_ids: {len(req.prompt_ids)} tokens leave no room in the context limit of {max_context}")
         ids = check_ids(req.prompt_ids, vocab_size, "prompt_ids")
     elif req.prompt:
         # as the target's own tokenizer does by default (BOS where it adds one); a request may opt out

@@ -128,11 +128,11 @@ def test_served_connections_have_tcp_nodelay():
 def test_http_port_is_off_by_default_and_read_from_the_environment(monkeypatch):
     import argparse
 
-    from draft_service import http
+    from draft_service.__main__ import add_http_args
 
     def parsed():
         p = argparse.ArgumentParser()
-        http.add_args(p)
+        add_http_args(p)
         return p.parse_args([])
 
     monkeypatch.delenv("SPECDEC_HTTP_PORT", raising=False)

@@ -44,9 +44,9 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         validation.check_request_id(st.request_id, "start.request_id")
         if not st.prompt_ids:
             raise invalid("start.prompt_ids: empty")
-        validation.check_ids(st.prompt_ids, self.lm.vocab_size, "start.prompt_ids")
-        if len(st.prompt_ids) >= self.lm.max_context:
+        if len(st.prompt_ids) >= self.lm.max_context:  # the cheap check first
             raise invalid(f"start.prompt_ids: {len(st.prompt_ids)} tokens leave no room in the context limit of {self.lm.max_context}")
+        validation.check_ids(st.prompt_ids, self.lm.vocab_size, "start.prompt_ids")
         if not 1 <= st.max_new_tokens <= self.lm.max_context:
             raise invalid(f"start.max_new_tokens must be in [1, {self.lm.max_context}], got {st.max_new_tokens}")
         if st.proposal_mode not in pb.ProposalMode.values():
@@ -97,7 +97,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         t0 = time.perf_counter()
         s = None
         try:
-            g = validation.parse_generate(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
+            g = await validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
             s = self.engine.open(g.prompt_ids, g.max_new_tokens, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY, g.request_id)
             stats = pb.Stats(prompt_tokens=len(g.prompt_ids))
             out = Chunks(self.lm.tokenizer, g.stop, g.request_id)

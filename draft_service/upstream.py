@@ -1,0 +1,103 @@
+"""The draft service's link to its verify service: the channel, and `VerifyCheck`, which checks
+at start-up that the verify service takes this draft (vocabulary, session token) and then keeps
+the draft's health in step with it."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec import auth, serving, tracing
+from specdec.v1 import specdec_pb2 as pb
+
+PROBE_INTERVAL_S = 2.0  # how often the draft checks that its verify service answers (its health)
+
+log = logging.getLogger("specdec.draft")
+
+
+def verify_channel(args):
+    opts = [
+        ("grpc.lb_policy_name", "round_robin"),  # spread sessions over all resolved verify replicas
+        ("grpc.max_receive_message_length", args.max_message_bytes),
+        ("grpc.max_send_message_length", args.max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        # reconnect soon after a verify restart (gRPC's default backoff grows to 120 s)
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.min_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 5_000),
+    ]
+    creds = serving.channel_credentials(args.verify_tls_ca, args.verify_tls_cert, args.verify_tls_key, flag="--verify-tls")
+    interceptors = tracing.client_interceptors()  # traceparent on Verify.Session when --trace is on
+    interceptors += auth.metadata_interceptors(getattr(args, "verify_token", None))  # the session token on every call to the verify service
+    if creds:
+        return grpc.aio.secure_channel(args.verify, creds, options=opts, interceptors=interceptors)
+    return grpc.aio.insecure_channel(args.verify, options=opts, interceptors=interceptors)
+
+
+class VerifyCheck:
+    """Whether the verify service answers and takes this draft: its Info (reachable, same
+    vocabulary) and an empty Verify.Session (the session token: UNAUTHENTICATED for a wrong one,
+    PERMISSION_DENIED for a client token). At start-up a refusal stops the service; later the
+    draft's health follows the verify service's (SERVING / NOT_SERVING), probed every
+    PROBE_INTERVAL_S."""
+
+    def __init__(self, args, channel, stub, fingerprint: str):
+        self.args, self.channel, self.stub, self.fingerprint = args, channel, stub, fingerprint
+        self.token_ok = False
+
+    async def refusal(self, info) -> str | None:
+        """Why the verify service that answered Info with `info` cannot serve this draft, or None."""
+
+        if info.vocab_fingerprint != self.fingerprint:
+            return (f"--verify {self.args.verify}: the verify service has vocabulary fingerprint {info.vocab_fingerprint[:12]}, "
+                    f"this draft has {self.fingerprint[:12]}: the models do not share a tokenizer")
+        if not self.token_ok:
+            call = self.stub.Session(metadata=[("x-request-id", "specdec-token-check")], timeout=max(1.0, self.args.verify_wait_s))
+            try:
+                await call.done_writing()  # no `start`: the verify service opens nothing
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # it already ended the call (a refusal): its status says why
+            code = await call.code()
+            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                return self.token_refused(code, await call.details())
+            self.token_ok = code == grpc.StatusCode.OK
+        return None
+
+    def token_refused(self, code, details: str) -> str:
+        flag = "--verify-auth-token-file" + ("" if self.args.verify_auth_token_file else " (not given)")
+        return f"{flag}: the verify service at {self.args.verify} refuses this draft's sessions: {code.name}: {details}"
+
+    async def probe(self, servicer) -> str | None:
+        """None if the verify service serves and takes this draft, else why not. Its health check
+        (no log line there) every time; Info and the token check while the target is not yet
+        known or the token not yet accepted."""
+
+        try:
+            h = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                         timeout=PROBE_INTERVAL_S)
+            if h.status != health_pb2.HealthCheckResponse.SERVING:
+                return f"the verify service at {self.args.verify} reports {health_pb2.HealthCheckResponse.ServingStatus.Name(h.status)}"
+            if servicer.target is None or not self.token_ok:
+                info = await self.stub.Info(pb.InfoRequest(), timeout=PROBE_INTERVAL_S)
+                why = await self.refusal(info)
+                if why:
+                    return why
+                servicer.set_target(info)
+        except grpc.aio.AioRpcError as e:
+            return f"the verify service at {self.args.verify} does not answer: {e.code().name}: {e.details()}"
+        return None
+
+    async def watch(self, servicer, set_health, serving_now: bool) -> None:
+        """Runs while the service does: probes the verify service, sets the health it implies."""
+
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            why = await self.probe(servicer)
+            if (why is None) != serving_now:
+                serving_now = why is None
+                await set_health(health_pb2.HealthCheckResponse.SERVING if serving_now else health_pb2.HealthCheckResponse.NOT_SERVING)
+                log.log(logging.INFO if serving_now else logging.WARNING, "verify service " + ("answers" if serving_now else "lost"),
+                        extra={"fields": {"verify": self.args.verify, **({} if serving_now else {"reason": why})}})

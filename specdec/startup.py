@@ -1,0 +1,185 @@
+"""Start-up of both services, in one place: the command line and what a failed start looks like.
+
+A service either serves or says why in one line: `main(prog, fn)` runs a service's start-up and
+turns a `StartupError` (a bad flag value, an unreadable file, a model that cannot be loaded, a
+port in use, a verify service that refuses the session token) into one stderr line,
+`PROG: error: ...`, naming the flag or file and the reason, and exit code 2, with no traceback.
+`Parser` does the same for argparse's own errors (no usage block), and `number` checks numeric
+flag values where they are parsed.
+
+This module imports nothing heavy, so a bad flag or token file is refused before torch loads."""
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import math
+import os
+import socket
+import sys
+
+
+class StartupError(Exception):
+    """The service cannot start; the message names the flag or file and the reason."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints its usage block first: one line instead
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def number(kind=int, low: float | None = None, above: float | None = None, high: float | None = None):
+    """An argparse type: `kind` (int or float), finite, >= low / > above / <= high."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
+        if low is not None and v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low:g}, got {text}")
+        if above is not None and v <= above:
+            raise argparse.ArgumentTypeError(f"must be > {above:g}, got {text}")
+        if high is not None and v > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high:g}, got {text}")
+        return v
+    return parse
+
+
+PORT = number(int, low=0, high=65535)
+
+
+def read_file(path: str, flag: str, mode: str = "rb"):
+    """A file's contents, or StartupError naming the flag, the file and why it cannot be read."""
+    try:
+        with open(path, mode) as f:
+            return f.read()
+    except OSError as e:
+        raise StartupError(f"{flag} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise StartupError(f"{flag} {path}: not UTF-8 text") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # one of them: a tokenizer transformers can load
+
+
+def check_files(args, *names: str) -> None:
+    """Each file flag that is set (args.<name>, e.g. tls_cert) names a readable file."""
+    for name in names:
+        path = getattr(args, name, None)
+        if path:
+            read_file(path, "--" + name.replace("_", "-"))
+
+
+def check_model_dir(path: str) -> None:
+    """What --model must hold, checked before the model libraries load: a directory with a
+    config.json that is a JSON object, weights (*.safetensors / *.bin, or their index), and
+    tokenizer files. What these checks pass, loading checks again (specdec/lm.py)."""
+    if not os.path.isdir(path):
+        raise StartupError(f"--model {path}: {'not a directory' if os.path.exists(path) else 'no such directory'}")
+    names = os.listdir(path)
+    cfg = os.path.join(path, "config.json")
+    try:
+        with open(cfg) as f:
+            ok = isinstance(json.load(f), dict)
+    except OSError as e:
+        raise StartupError(f"--model {path}: config.json: {e.strerror or e}") from None
+    except ValueError as e:
+        raise StartupError(f"--model {path}: config.json is not valid JSON: {e}") from None
+    if not ok:
+        raise StartupError(f"--model {path}: config.json is not a JSON object")
+    if not any(n.endswith((".safetensors", ".bin", ".index.json")) for n in names):
+        raise StartupError(f"--model {path}: no weights (model.safetensors, pytorch_model.bin or a sharded index)")
+    if not any(n in TOKENIZER_FILES or n.endswith((".model", ".tiktoken")) for n in names):
+        raise StartupError(f"--model {path}: no tokenizer files (such as {', '.join(TOKENIZER_FILES)}); "
+                           "the services need the model's tokenizer")
+
+
+def check_port(host: str, port: int | None, flag: str) -> None:
+    """StartupError if `port` cannot be bound on `host` now (in use: by anyone, SO_REUSEPORT or
+    not). Checked before the model loads; the servers bind for real later (gRPC with
+    SO_REUSEPORT off), and fail the same way if the port was taken in between."""
+    if not port:
+        return
+    try:
+        addrs = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        raise StartupError(f"--host {host}: {e.strerror or e}") from None
+    errors = []
+    for family, kind, proto, _, addr in addrs:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: a restart's TIME_WAIT is no conflict
+                s.bind(addr)
+        except OSError as e:
+            errors.append(e)
+    # in use on any address is an error; others (no IPv6 for `localhost`) only if no address binds, as for gRPC
+    bad = [e for e in errors if e.errno == errno.EADDRINUSE] or (errors if len(errors) == len(addrs) else [])
+    if bad:
+        raise StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {bad[0].strerror or bad[0]}")
+
+
+def main(prog: str, fn) -> None:
+    """Runs a service's start-up `fn()`; a StartupError ends the process with one line and exit 2."""
+    try:
+        fn()
+    except StartupError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def env(name: str) -> str | None:
+    """An environment variable as a flag default (unset or empty: None)."""
+    return os.environ.get(name) or None
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean environment variable as a flag default: 0/false/no/off are false, else true."""
+    v = env(name)
+    return default if v is None else v.strip().lower() not in ("0", "false", "no", "off")
+
+
+def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--model", required=True, help="local Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=PORT, default=default_port, help="0 picks a free port; a port in use is an error")
+    p.add_argument("--metrics-port", type=PORT, default=None, help="serve Prometheus /metrics on this port (0 = any)")
+    p.add_argument("--max-message-bytes", type=number(int, low=1024), default=16 << 20)
+    p.add_argument("--max-connection-age-s", type=number(float, above=0), default=None,
+                   help="close connections after this age so clients re-resolve")
+    p.add_argument("--drain-s", type=number(float, low=0), default=30.0, help="grace period for running streams on SIGTERM")
+    p.add_argument("--tls-cert", default=env("SPECDEC_TLS_CERT"), help="server certificate (PEM); enables TLS [env SPECDEC_TLS_CERT]")
+    p.add_argument("--tls-key", default=env("SPECDEC_TLS_KEY"), help="server private key (PEM) [env SPECDEC_TLS_KEY]")
+    p.add_argument("--tls-client-ca", default=env("SPECDEC_TLS_CLIENT_CA"),
+                   help="CA bundle; when set, clients must present a certificate it signed (mTLS) [env SPECDEC_TLS_CLIENT_CA]")
+    p.add_argument("--threads", type=number(int, low=1), default=None,
+                   help="torch intra-op threads, >= 1 (default: torch's choice; 1 when sharing cores)")
+    p.add_argument("--log-format", choices=["json", "text"], default="json")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    p.add_argument("--trace", choices=["off", "console"], default=env("SPECDEC_TRACE") or "off",
+                   help="OpenTelemetry spans per request (console: JSON lines on stderr; needs opentelemetry-sdk) [env SPECDEC_TRACE]")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=os.environ.get("SPECDEC_DEVICE") or "auto",
+                   help="auto (cuda if present, else cpu), cpu, cuda or cuda:N [env SPECDEC_DEVICE]")
+    p.add_argument("--dtype", default=os.environ.get("SPECDEC_DTYPE") or "auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: the checkpoint's dtype on CUDA; on the CPU bfloat16 where it has native bf16 "
+                        "instructions (avx512_bf16 / AMX), else float32 [env SPECDEC_DTYPE]")
+    p.add_argument("--engine-choices", type=_choices_arg, default=os.environ.get("SPECDEC_ENGINE_CHOICES") or "",
+                   help="on the CPU, pin the engine's timed load-time choices, e.g. 'attention=float32,prepack=on,per-row=off' "
+                        "(default: timed at start-up; each service logs what it chose in this form; pinned, a restart "
+                        "computes the same numbers, so a seeded request samples the same tokens) [env SPECDEC_ENGINE_CHOICES]")
+
+
+def _choices_arg(text: str) -> dict:
+    if not text.strip():
+        return {}
+    from specdec.kvcache import parse_choices  # noqa: PLC0415 - torch: only when there is something to parse
+
+    try:
+        return parse_choices(text)
+    except ValueError as e:
+        where = " (from SPECDEC_ENGINE_CHOICES)" if text == os.environ.get("SPECDEC_ENGINE_CHOICES") else ""
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--engine-choices: ") + where) from None

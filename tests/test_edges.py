@@ -1,0 +1,368 @@
+"""Reliability at the edges (issue 27), with real processes on loopback:
+
+* start-up either serves or says why in one line: bad flag values, unreadable token files, a
+  model directory that cannot be loaded, a port in use, a session token the verify service
+  refuses, all exit 2 with one stderr line naming the flag or file (cases 2, 3, 5, 6, 9);
+* calibration measures round costs whatever the target writes, and falls back with one warning
+  when it cannot (case 1);
+* `x-request-id` is input (case 4); cheap checks come first (case 8); undecodable requests get
+  INVALID_ARGUMENT and are counted (case 10); greedy sessions check q (case 11);
+* a verify service that hangs (SIGSTOP) fails requests within --verify-round-timeout-s and the
+  draft's health follows it; a draft started before its verify service is NOT_SERVING until it
+  answers (case 7).
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import Client
+from conftest import ENV, ROOT, Service, metric, wait_for
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+SESSION_TOKEN, CLIENT_TOKEN = "session-token-27", "client-token-27"
+TIMEOUT = 60
+PIN = ("--engine-choices", "attention=model,prepack=off,per-row=off")  # less load-time timing: a faster start (warns in float32)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening_socket(reuseport: bool) -> socket.socket:
+    """A socket listening on a free loopback port (with SO_REUSEPORT, as gRPC's default sets it)."""
+    s = socket.socket()
+    if reuseport:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def run_all(cases: dict[str, list[str]], timeout: float = 240) -> dict[str, subprocess.CompletedProcess]:
+    """Runs each command line at once (they are independent); waits for all, each bounded."""
+    procs = {name: subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for name, args in cases.items()}
+    out = {}
+    deadline = time.monotonic() + timeout
+    for name, p in procs.items():
+        try:
+            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+        out[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return out
+
+
+def assert_one_line_exit_2(name: str, r: subprocess.CompletedProcess, *words: str) -> None:
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2, (name, r.returncode, r.stderr[-2000:])
+    assert len(lines) == 1 and "Traceback" not in r.stderr, (name, r.stderr[-2000:])
+    assert "listening on" not in r.stdout, (name, r.stdout)
+    assert all(w in lines[0] for w in words), (name, lines[0], words)
+
+
+def model_variant(model_dir, tmp, name: str, edit) -> str:
+    path = str(tmp / name)
+    shutil.copytree(model_dir("target"), path)
+    edit(path)
+    return path
+
+
+def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
+    """Cases 3, 5, 6, 9: every start-up failure is one line naming the flag or file, exit 2,
+    before `listening on`."""
+    tok_dir = tmp_path / "a-directory"
+    tok_dir.mkdir()
+
+    def rm(*names):
+        return lambda p: [os.remove(os.path.join(p, n)) for n in names]
+
+    def write(name, data):
+        return lambda p: open(os.path.join(p, name), "wb").write(data)
+
+    models = {
+        "no weights": (model_variant(model_dir, tmp_path, "noweights", rm("model.safetensors")), "no weights"),
+        "corrupt weights": (model_variant(model_dir, tmp_path, "corrupt", write("model.safetensors", b"\x07" * 64)), "cannot load the model"),
+        "bad config JSON": (model_variant(model_dir, tmp_path, "badcfg", write("config.json", b"{not json")), "config.json is not valid JSON"),
+        "no tokenizer": (model_variant(model_dir, tmp_path, "notok", rm("tokenizer.json", "tokenizer_config.json")), "no tokenizer files"),
+    }
+    busy = listening_socket(reuseport=True)  # as a second gRPC server would hold it
+    busy_metrics = listening_socket(reuseport=False)
+    target = model_dir("target")
+    quiet = ["--log-level", "WARNING"]  # the model load logs its engine choices at INFO first
+    v = ["verify_service", "--port", "0", *quiet]
+    d = ["draft_service", "--port", "0", "--verify", "127.0.0.1:1", "--verify-wait-s", "0", *quiet]
+    cases = {
+        "idle timeout 0": ([*v, "--model", target, "--idle-timeout-s", "0"], "--idle-timeout-s"),
+        "max sessions 0": ([*v, "--model", target, "--max-sessions", "0"], "--max-sessions"),
+        "threads -1": ([*v, "--model", target, "--threads", "-1"], "--threads"),
+        "draft threads -1": ([*d, "--model", target, "--threads", "-1"], "--threads"),
+        "round timeout 0": ([*d, "--model", target, "--verify-round-timeout-s", "0"], "--verify-round-timeout-s"),
+        "missing token file": ([*v, "--model", target, "--auth-token-file", str(tmp_path / "nope")], "--auth-token-file", "No such file"),
+        "token file is a directory": ([*v, "--model", target, "--auth-token-file", str(tok_dir)], "--auth-token-file", "directory"),
+        "missing verify token file": ([*d, "--model", target, "--verify-auth-token-file", str(tmp_path / "nope")],
+                                      "--verify-auth-token-file", "No such file"),
+        "missing TLS files": ([*v, "--model", target, "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")],
+                              "--tls-cert", "No such file"),
+        "missing model dir": ([*v, "--model", str(tmp_path / "nope")], "--model", "no such directory"),
+        "draft missing model dir": ([*d, "--model", str(tmp_path / "nope")], "--model", "no such directory"),
+        "port in use": ([*v, "--model", target, "--port", str(busy.getsockname()[1])], "--port", "in use"),
+        "metrics port in use": ([*v, "--model", target, "--metrics-port", str(busy_metrics.getsockname()[1])], "--metrics-port"),
+        **{name: ([*v, "--model", path], "--model", path, word) for name, (path, word) in models.items()},
+    }
+    cases["draft no tokenizer"] = ([*d, "--model", models["no tokenizer"][0]], "--model", "tokenizer")
+    try:
+        results = run_all({name: args for name, (args, *_) in cases.items()})
+    finally:
+        busy.close()
+        busy_metrics.close()
+    for name, (_, *words) in cases.items():
+        assert_one_line_exit_2(name, results[name], *words)
+
+
+# ---- a verify service with tokens, whose target writes EOS at once ------------------------------
+
+@pytest.fixture(scope="module")
+def eos_verify(model_dir, tmp_path_factory):
+    """A verify service (session + client tokens, one session at most) on a target whose every
+    token is an end-of-sequence id: each session ends at its first round."""
+    tmp = tmp_path_factory.mktemp("eos")
+    path = str(tmp / "all-eos")
+    shutil.copytree(model_dir("target"), path)
+    for name in ("config.json", "generation_config.json"):
+        with open(os.path.join(path, name)) as f:
+            cfg = json.load(f)
+        cfg["eos_token_id"] = list(range(16))
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(cfg, f)
+    files = {}
+    for name, text in (("session", SESSION_TOKEN), ("client", CLIENT_TOKEN), ("wrong", "not-the-token")):
+        files[name] = str(tmp / name)
+        with open(files[name], "w") as f:
+            f.write(text + "\n")
+    v = Service("verify_service", "--model", path, "--auth-token-file", files["session"], "--client-token-file", files["client"],
+                "--max-sessions", "1", "--threads", "1", "--metrics-port", "0")
+    yield v, files
+    v.stop()
+
+
+def test_draft_checks_its_session_token_at_start_up(eos_verify, model_dir):
+    """Case 2: a wrong session token, a client token (Info only) or none is refused at start-up."""
+    v, files = eos_verify
+    base = ["draft_service", "--model", model_dir("draft"), "--port", "0", "--verify", v.address, "--log-level", "WARNING"]
+    results = run_all({
+        "wrong token": [*base, "--verify-auth-token-file", files["wrong"]],
+        "client token": [*base, "--verify-auth-token-file", files["client"]],
+        "no token": base,
+    })
+    assert_one_line_exit_2("wrong token", results["wrong token"], "--verify-auth-token-file", "UNAUTHENTICATED", "invalid bearer token")
+    assert_one_line_exit_2("client token", results["client token"], "--verify-auth-token-file", "PERMISSION_DENIED")
+    assert_one_line_exit_2("no token", results["no token"], "--verify-auth-token-file (not given)", "UNAUTHENTICATED")
+
+
+def test_calibration_does_not_depend_on_what_the_target_writes(eos_verify, model_dir):
+    """Case 1: adaptive tau calibrates against a target that ends every session at once; when
+    the verify service cannot give it a session at all, it falls back with one warning."""
+    v, files = eos_verify
+    args = ["--model", model_dir("draft"), "--verify", v.address, "--verify-auth-token-file", files["session"], "--threads", "1",
+            "--adaptive", "--log-level", "INFO", *PIN]
+    d = Service("draft_service", *args)
+    try:
+        # the log line comes before `listening on`, but on stderr, which a thread of the launcher reads
+        assert wait_for(lambda: any('"msg": "calibrated"' in line for line in d.stderr), 10), "".join(d.stderr)[-3000:]
+        assert not any("calibration failed" in line for line in d.stderr)  # one or the other is logged, once
+        with Client(d.address, timeout=TIMEOUT) as c:
+            r = c.generate(prompt_ids=[3, 4], max_new_tokens=8)
+        assert r.finish_reason == "eos" and len(r.token_ids) == 1, r
+    finally:
+        d.stop()
+    # the verify service's one session is taken: calibration cannot run, the draft starts anyway
+    release = threading.Event()
+    auth = [("authorization", f"Bearer {SESSION_TOKEN}")]
+
+    def hold():
+        yield pb.VerifyRequest(start=pb.SessionStart(prompt_ids=[3], max_new_tokens=4, vocab_fingerprint=fingerprint))
+        release.wait(TIMEOUT)  # then the stream half-closes and the session ends
+
+    with grpc.insecure_channel(v.address) as ch:
+        fingerprint = pb_grpc.VerifyStub(ch).Info(pb.InfoRequest(), metadata=auth, timeout=TIMEOUT).vocab_fingerprint
+        held = pb_grpc.VerifyStub(ch).Session(hold(), metadata=auth, timeout=TIMEOUT)
+        try:
+            assert wait_for(lambda: metric(v.metrics(), "specdec_live_sessions", service="verify") == 1, 20), v.metrics()
+            d = Service("draft_service", *args)
+            try:
+                assert wait_for(lambda: any("calibration failed" in line for line in d.stderr), 10), "".join(d.stderr)[-3000:]
+                warnings = [line for line in "".join(d.stderr).splitlines() if "calibration failed" in line]
+                assert len(warnings) == 1 and "RESOURCE_EXHAUSTED" in warnings[0], "".join(d.stderr)[-3000:]
+            finally:
+                d.stop()
+        finally:
+            release.set()
+            held.cancel()
+
+
+# ---- a draft started before its verify service; then bad input; then the verify service hangs ---
+
+def health(address: str, service: str = "specdec.v1.Draft") -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+
+@pytest.fixture(scope="module")
+def late_pair(model_dir):
+    """A draft service started while nothing listens at its --verify address, then the verify
+    service there. Yields (verify, draft, NOT_SERVING seen before the verify service started)."""
+    port = free_port()
+    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", f"127.0.0.1:{port}", "--verify-wait-s", "0.5",
+                "--verify-round-timeout-s", "3", "--metrics-port", "0", "--threads", "1", *PIN)
+    v = None
+    try:
+        before = health(d.address)
+        v = Service("verify_service", "--model", model_dir("long-target"), "--port", str(port), "--metrics-port", "0",
+                    "--threads", "1", *PIN)
+        # every test starts with a draft that has reached its verify service (their order does not matter)
+        wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 30)
+        yield v, d, before
+    finally:
+        d.stop()
+        if v is not None:
+            v.proc.send_signal(signal.SIGCONT)  # in case a test left it stopped
+            v.stop()
+
+
+def test_a_draft_waits_for_its_verify_service_not_serving(late_pair):
+    """Case 7 (health): NOT_SERVING while the verify service does not answer, SERVING once it does."""
+    v, d, before = late_pair
+    assert before == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert health(d.address, "") == health_pb2.HealthCheckResponse.SERVING  # the process itself is alive (liveness)
+    assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 20)
+    with Client(d.address, timeout=TIMEOUT) as c:
+        assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=5).token_ids) == 5
+
+
+def test_a_second_service_on_a_busy_port_exits_2(late_pair, model_dir):
+    """Case 3 with real services: a second verify service on the first one's port, and a
+    second draft service on the draft's port, refuse to start (no shared port)."""
+    v, d, _ = late_pair
+    quiet = ["--log-level", "WARNING"]
+    results = run_all({
+        "verify": ["verify_service", "--model", model_dir("long-target"), "--port", v.address.rsplit(":", 1)[1], *quiet],
+        "draft": ["draft_service", "--model", model_dir("long-draft"), "--verify", v.address, "--port", d.address.rsplit(":", 1)[1], *quiet],
+    })
+    for name, r in results.items():
+        assert_one_line_exit_2(name, r, "--port", "in use")
+    assert health(d.address) == health_pb2.HealthCheckResponse.SERVING  # the first ones are unharmed
+
+
+def test_a_bad_request_id_header_is_replaced_with_a_warning(late_pair):
+    """Case 4: a 300-character id on the draft, a 4,000-character one on the verify service:
+    the requests are served under fresh ids, the bad ids are neither forwarded nor logged."""
+    v, d, _ = late_pair
+    for svc, stub, rid in ((d, pb_grpc.DraftStub, "d" * 300), (v, pb_grpc.VerifyStub, "v" * 4000)):
+        with grpc.insecure_channel(svc.address) as ch:
+            chunks = list(stub(ch).Generate(pb.GenerateRequest(prompt_ids=[3, 4], max_new_tokens=4), metadata=[("x-request-id", rid)],
+                                            timeout=TIMEOUT))
+        assert chunks[-1].finish_reason and chunks[-1].request_id and chunks[-1].request_id != rid
+        assert wait_for(lambda: any("x-request-id header is not a valid request id" in line for line in svc.stderr), 10), svc.stderr[-5:]
+        assert not any(rid in line for line in svc.stderr)
+    assert not any(("d" * 300) in line for line in v.stderr)  # not forwarded to the verify service either
+
+
+def test_a_huge_prompt_is_refused_by_its_length_first(late_pair):
+    """Case 8: a million ids, the last outside the vocabulary: the length check answers, before
+    any per-id work (the old order named the bad id after checking every id)."""
+    v, d, _ = late_pair
+    ids = [3] * 1_000_000 + [10_000]
+    for svc, stub, field in ((d, pb_grpc.DraftStub, "prompt_ids"), (v, pb_grpc.VerifyStub, "prompt_ids")):
+        with grpc.insecure_channel(svc.address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub(ch).Generate(pb.GenerateRequest(prompt_ids=ids, max_new_tokens=4), timeout=TIMEOUT))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert field in e.value.details() and "context limit" in e.value.details(), e.value.details()
+    with grpc.insecure_channel(v.address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        start = pb.SessionStart(prompt_ids=ids, max_new_tokens=4, vocab_fingerprint=pb_grpc.VerifyStub(ch).Info(
+            pb.InfoRequest(), timeout=TIMEOUT).vocab_fingerprint)
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.VerifyStub(ch).Session(iter([pb.VerifyRequest(start=start)]), timeout=TIMEOUT))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context limit" in e.value.details(), e.value.details()
+
+
+def raw(channel, method: str, streaming_request: bool = False):
+    """A call that sends bytes as they are (no protobuf encoding on this side)."""
+    kind = channel.stream_stream if streaming_request else channel.unary_stream
+    return kind(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+
+def test_invalid_utf8_is_invalid_argument_and_counted(late_pair):
+    """Case 10: a string field holding invalid UTF-8 (prompt, field 1; request_id in `start`)."""
+    v, d, _ = late_pair
+    bad_prompt = b"\x0a\x02\xff\xfe" + b"\x10\x04"  # prompt = b"\xff\xfe", max_new_tokens = 4
+    bad_start = b"\x0a\x06" + b"\x0a\x01\x03" + b"\x32\x01\xff"  # start { prompt_ids: [3], request_id: b"\xff" }
+    cases = [(d, "/specdec.v1.Draft/Generate", False, bad_prompt, "draft", "Generate"),
+             (v, "/specdec.v1.Verify/Generate", False, bad_prompt, "verify", "Generate"),
+             (v, "/specdec.v1.Verify/Session", True, bad_start, "verify", "Session")]
+    for svc, method, streaming, data, service, name in cases:
+        before = metric(svc.metrics(), "specdec_request_errors_total", service=service, method=name, code="INVALID_ARGUMENT")
+        with grpc.insecure_channel(svc.address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(raw(ch, method, streaming)(iter([data]) if streaming else data, timeout=TIMEOUT))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value.code(), e.value.details())
+        assert "UTF-8" in e.value.details(), e.value.details()
+        after = metric(svc.metrics(), "specdec_request_errors_total", service=service, method=name, code="INVALID_ARGUMENT")
+        assert after == before + 1, (method, before, after)
+
+
+def test_a_greedy_session_checks_q(late_pair):
+    """Case 11: at temperature 0 the rule ignores q, but a round whose q is not a distribution
+    (or does not cover its token) is still refused."""
+    v, _, _ = late_pair
+    with grpc.insecure_channel(v.address) as ch:
+        stub = pb_grpc.VerifyStub(ch)
+        fp = stub.Info(pb.InfoRequest(), timeout=TIMEOUT).vocab_fingerprint
+        start = pb.VerifyRequest(start=pb.SessionStart(prompt_ids=[3, 4], max_new_tokens=8, vocab_fingerprint=fp,
+                                                       proposal_mode=pb.PROPOSAL_MODE_SPARSE))  # temperature 0
+        for q_ids, q_probs in (([5], [0.5]), ([6], [1.0])):  # sums to 0.5; token 5 has no probability
+            rnd = pb.VerifyRequest(round=pb.Round(round=1, tokens=[5], q_counts=[1], q_ids=q_ids, q_probs=q_probs))
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Session(iter([start, rnd]), timeout=TIMEOUT))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "q_probs" in e.value.details(), e.value.details()
+        ok = pb.VerifyRequest(round=pb.Round(round=1, tokens=[5], q_counts=[1], q_ids=[5], q_probs=[1.0]))
+        assert len(list(stub.Session(iter([start, ok]), timeout=TIMEOUT))) == 1
+
+
+def test_a_hung_verify_service_fails_requests_within_the_round_timeout(late_pair):
+    """Case 7: SIGSTOP the verify service mid-request: the request ends with UNAVAILABLE saying
+    the verify service stopped answering (--verify-round-timeout-s 3 here, not keepalive's 90 s),
+    the draft reports NOT_SERVING, and SERVING again once the verify service runs again."""
+    v, d, _ = late_pair
+    assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 20)
+    try:
+        with Client(d.address, timeout=TIMEOUT) as c:
+            it = c.stream(prompt_ids=[3, 4], max_new_tokens=3000, num_draft_tokens=2)  # greedy, no EOS: long
+            next(it)
+            v.proc.send_signal(signal.SIGSTOP)
+            with pytest.raises(grpc.RpcError) as e:
+                for _ in it:
+                    pass
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (e.value.code(), e.value.details())
+        assert "stopped answering" in e.value.details() and "--verify-round-timeout-s" in e.value.details(), e.value.details()
+        assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.NOT_SERVING, 20)
+    finally:
+        v.proc.send_signal(signal.SIGCONT)
+    assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 30)
+    with Client(d.address, timeout=TIMEOUT) as c:
+        assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=5).token_ids) == 5
