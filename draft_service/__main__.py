@@ -33,7 +33,7 @@ async def run(args, token_auth=None) -> None:
     lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices)
     channel = verify_channel(args)
     stub = pb_grpc.VerifyStub(channel)
-    check = VerifyCheck(args, channel, stub, lm.fingerprint)
+    check = VerifyCheck(args, channel, stub, lm)
     target = None
     try:
         target = await stub.Info(pb.InfoRequest(), timeout=args.verify_wait_s, wait_for_ready=True)

@@ -16,7 +16,8 @@ import grpc
 from draft_service import calibrate
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
-from specdec import metrics, serving, validation, vocabdiff
+from draft_service.upstream import pairing_error
+from specdec import metrics, serving, validation
 from specdec.errors import RequestError
 from specdec.costmodel import Costs
 from specdec.lm import LM
@@ -27,19 +28,6 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 log = logging.getLogger("specdec.draft")
 SERVICE = "draft"
 ADAPTIVE_MAX_TAU = 8  # the cap adaptive tau was measured with (bench/results/POLICY.md)
-
-
-async def pairing_error(verify: pb_grpc.VerifyStub, lm: LM, target: pb.ModelInfo) -> str | None:
-    """None if the target's vocabulary fingerprint is the draft's; else one line saying what
-    differs (asking the verify service for its whole vocabulary to compare)."""
-    if target.vocab_fingerprint == lm.fingerprint:
-        return None
-    try:
-        target = await verify.Info(pb.InfoRequest(include_vocab=True), timeout=30)
-    except grpc.aio.AioRpcError:
-        pass  # explain from what the first answer said
-    return (f"vocabulary fingerprint {target.vocab_fingerprint[:12]}, this draft has {lm.fingerprint[:12]}: the models do not "
-            f"share a tokenizer ({vocabdiff.explain(target, serving.model_info(lm, include_vocab=True))})")
 
 
 class DraftServicer(pb_grpc.DraftServicer):
@@ -118,9 +106,8 @@ class DraftServicer(pb_grpc.DraftServicer):
             costs = await self.costs() if adaptive or (self.draft_fallback and g.proposer != pb.PROPOSER_LOOKUP) else None
             loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
                               costs=costs if adaptive else None, fallback=costs if self.draft_fallback else None,
-                              predraft=self.predraft if g.predraft is None else g.predraft, goodput=self.goodput)
-                              costs=await self.costs() if adaptive else None,
-                              predraft=self.predraft if g.predraft is None else g.predraft, round_timeout_s=self.round_timeout_s)
+                              predraft=self.predraft if g.predraft is None else g.predraft, goodput=self.goodput,
+                              round_timeout_s=self.round_timeout_s)
             call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
             out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
             async with contextlib.aclosing(loop.rounds(call)) as rounds:  # closing it stops a pre-draft

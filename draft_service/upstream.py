@@ -9,8 +9,9 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec import auth, serving, tracing
+from specdec import auth, serving, tracing, vocabdiff
 from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 PROBE_INTERVAL_S = 2.0  # how often the draft checks that its verify service answers (its health)
 
@@ -37,6 +38,19 @@ def verify_channel(args):
     return grpc.aio.insecure_channel(args.verify, options=opts, interceptors=interceptors)
 
 
+async def pairing_error(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) -> str | None:
+    """None if the target's vocabulary fingerprint is the draft's; else one line saying what
+    differs (asking the verify service for its whole vocabulary to compare)."""
+    if target.vocab_fingerprint == lm.fingerprint:
+        return None
+    try:
+        target = await verify.Info(pb.InfoRequest(include_vocab=True), timeout=30)
+    except grpc.aio.AioRpcError:
+        pass  # explain from what the first answer said
+    return (f"vocabulary fingerprint {target.vocab_fingerprint[:12]}, this draft has {lm.fingerprint[:12]}: the models do not "
+            f"share a tokenizer ({vocabdiff.explain(target, serving.model_info(lm, include_vocab=True))})")
+
+
 class VerifyCheck:
     """Whether the verify service answers and takes this draft: its Info (reachable, same
     vocabulary) and an empty Verify.Session (the session token: UNAUTHENTICATED for a wrong one,
@@ -44,16 +58,16 @@ class VerifyCheck:
     draft's health follows the verify service's (SERVING / NOT_SERVING), probed every
     PROBE_INTERVAL_S."""
 
-    def __init__(self, args, channel, stub, fingerprint: str):
-        self.args, self.channel, self.stub, self.fingerprint = args, channel, stub, fingerprint
+    def __init__(self, args, channel, stub, lm):
+        self.args, self.channel, self.stub, self.lm = args, channel, stub, lm
         self.token_ok = False
 
     async def refusal(self, info) -> str | None:
         """Why the verify service that answered Info with `info` cannot serve this draft, or None."""
 
-        if info.vocab_fingerprint != self.fingerprint:
-            return (f"--verify {self.args.verify}: the verify service has vocabulary fingerprint {info.vocab_fingerprint[:12]}, "
-                    f"this draft has {self.fingerprint[:12]}: the models do not share a tokenizer")
+        problem = await pairing_error(self.stub, self.lm, info)
+        if problem:
+            return f"--verify {self.args.verify}: the verify service has {problem}"
         if not self.token_ok:
             call = self.stub.Session(metadata=[("x-request-id", "specdec-token-check")], timeout=max(1.0, self.args.verify_wait_s))
             try:
