@@ -19,33 +19,31 @@ log = logging.getLogger("specdec.draft")
 
 
 async def run(args, token_auth=None) -> None:
-    import grpc  # noqa: PLC0415
     from grpc_health.v1 import health_pb2  # noqa: PLC0415
 
     from draft_service import calibrate, http  # noqa: PLC0415
     from draft_service.server import DraftServicer  # noqa: PLC0415
-    from draft_service.upstream import VerifyCheck, verify_channel  # noqa: PLC0415
+    from draft_service.upstream import VerifyCheck, replicas  # noqa: PLC0415
     from specdec import serving  # noqa: PLC0415
     from specdec.lm import LM  # noqa: PLC0415
     from specdec.v1 import specdec_pb2 as pb  # noqa: PLC0415
     from specdec.v1 import specdec_pb2_grpc as pb_grpc  # noqa: PLC0415
 
     lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices)
-    channel = verify_channel(args)
-    stub = pb_grpc.VerifyStub(channel)
-    check = VerifyCheck(args, channel, stub, lm)
+    verify = replicas(args)
+    check = VerifyCheck(args, verify, lm)
     target = None
-    try:
-        target = await stub.Info(pb.InfoRequest(), timeout=args.verify_wait_s, wait_for_ready=True)
-    except grpc.aio.AioRpcError as e:
-        if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            raise StartupError(check.token_refused(e.code(), e.details())) from None
-        log.warning("verify service not reachable yet; NOT_SERVING until it answers", extra={"fields": {"verify": args.verify, "code": e.code().name}})
-    if target is not None:
-        why = await check.refusal(target)
+    if await verify.wait_ready(args.verify_wait_s):
+        first = verify.best()
+        why = await check.refusal(first.info, first.stub)
         if why:
             raise StartupError(why)
-    servicer = DraftServicer(lm, stub, target, adaptive=args.adaptive, predraft=args.predraft, proposer=pb.Proposer.Value(f"PROPOSER_{args.proposer.upper()}"),
+        target = first.info
+    elif (e := verify.refusal()) is not None:
+        raise StartupError(check.token_refused(e.code(), e.details()))
+    else:
+        log.warning("verify service not reachable yet; NOT_SERVING until it answers", extra={"fields": {"verify": args.verify}})
+    servicer = DraftServicer(lm, verify, target, adaptive=args.adaptive, predraft=args.predraft, proposer=pb.Proposer.Value(f"PROPOSER_{args.proposer.upper()}"),
                              draft_fallback=args.draft_fallback, goodput=args.goodput,
                              costs=calibrate.parse_costs(args.costs_ms) if args.costs_ms else None,
                              round_timeout_s=args.verify_round_timeout_s)
@@ -64,7 +62,7 @@ async def run(args, token_auth=None) -> None:
     finally:
         for t in tasks:
             t.cancel()
-        await channel.close()
+        await verify.close()
 
 
 def add_http_args(p) -> None:

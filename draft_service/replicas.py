@@ -34,6 +34,7 @@ class Replica:
     stub: pb_grpc.VerifyStub = field(init=False)
     info: pb.ModelInfo | None = None  # its last Info answer; None until it answers
     reachable: bool = False
+    error: grpc.aio.AioRpcError | None = None  # why its last Info failed
 
     def __post_init__(self):
         self.stub = pb_grpc.VerifyStub(self.channel)
@@ -96,13 +97,23 @@ class Replicas:
     async def _poll(self, r: Replica) -> None:
         try:
             r.info = await r.stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
-            r.reachable = True
-        except grpc.aio.AioRpcError:
-            r.reachable = False
+            r.reachable, r.error = True, None
+        except grpc.aio.AioRpcError as e:
+            r.reachable, r.error = False, e
 
     @property
     def ready(self) -> bool:
         return any(r.reachable for r in self.replicas.values())
+
+    def refusal(self) -> grpc.aio.AioRpcError | None:
+        """An Info that a replica refused for this draft's credentials, if any."""
+        return next((r.error for r in self.replicas.values()
+                     if r.error is not None and r.error.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)), None)
+
+    def best(self) -> Replica | None:
+        """The replica for a call that is not a session (calibration, a pairing check)."""
+        ranked = self.ranked()
+        return ranked[0] if ranked else None
 
     def ranked(self) -> list[Replica]:
         """Reachable replicas first, most free sessions first, ties in turn; then the others (an
@@ -120,19 +131,9 @@ class Replicas:
         deadline = loop.time() + timeout_s
         while True:
             await self.refresh()
-            if self.ready or loop.time() >= deadline:
+            if self.ready or self.refusal() is not None or loop.time() >= deadline:
                 return self.ready
             await asyncio.sleep(min(poll_s, max(0.0, deadline - loop.time())))
-
-    async def watch(self, poll_s: float, on_change: Callable[[bool], object]) -> None:
-        """Refreshes every poll_s for ever; calls on_change(ready) when readiness flips."""
-        was = self.ready
-        while True:
-            await asyncio.sleep(poll_s)
-            await self.refresh()
-            if self.ready != was:
-                was = self.ready
-                on_change(was)
 
     async def close(self) -> None:
         for r in self.replicas.values():

@@ -1,8 +1,11 @@
 """Draft gRPC servicer: Info, and the client-facing Generate.
 
 Per request: validate it, open one Verify.Session stream (the target's KV cache lives exactly as
-long as it), run the decode loop (draft_service/decode.py) over it and stream the ids it commits
-to the client as text chunks (specdec/textstream.py).
+long as it) on the verify replica with the most free capacity (draft_service/replicas.py), run
+the decode loop (draft_service/decode.py) over it and stream the ids it commits to the client as
+text chunks (specdec/textstream.py). A replica that refuses the session (RESOURCE_EXHAUSTED) or
+cannot be reached (UNAVAILABLE) before its first verdict is passed over for the next one, within
+the request's deadline; once a token has been streamed, an error ends the request.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import grpc
 from draft_service import calibrate
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
+from draft_service.replicas import Replicas
 from draft_service.upstream import pairing_error
 from specdec import metrics, serving, validation
 from specdec.errors import RequestError
@@ -27,17 +31,20 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 log = logging.getLogger("specdec.draft")
 SERVICE = "draft"
+# a session refused with these before its first verdict is opened on the next replica (nothing
+# was streamed to the client yet, so nothing is repeated)
+PLACE_AGAIN = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 ADAPTIVE_MAX_TAU = 8  # the cap adaptive tau was measured with (bench/results/POLICY.md)
 
 
 class DraftServicer(pb_grpc.DraftServicer):
-    def __init__(self, lm: LM, verify: pb_grpc.VerifyStub, target: pb.ModelInfo | None = None,
+    def __init__(self, lm: LM, replicas: Replicas, target: pb.ModelInfo | None = None,
                  adaptive: bool = False, predraft: bool = False, costs: Costs | None = None,
                  proposer: int = pb.PROPOSER_DRAFT, draft_fallback: bool = False, goodput: bool = True,
                  round_timeout_s: float | None = None):
         self.lm = lm
         self.drafter = Drafter(lm)
-        self.verify = verify
+        self.replicas = replicas
         self.target = None
         self.max_context = lm.max_context
         self.set_target(target)
@@ -62,7 +69,7 @@ class DraftServicer(pb_grpc.DraftServicer):
             if self._costs is None:
                 step = await asyncio.to_thread(calibrate.draft_step_seconds, self.drafter)
                 try:
-                    base, per_token = await calibrate.verify_round_seconds(self.verify, self.lm.fingerprint, self.lm.vocab_size,
+                    base, per_token = await calibrate.verify_round_seconds(self._stub(), self.lm.fingerprint, self.lm.vocab_size,
                                                                            self.max_context, self.lm.eos)
                     costs, msg = Costs(step, base, per_token), "calibrated"
                 except (grpc.aio.AioRpcError, RuntimeError) as e:
@@ -80,11 +87,19 @@ class DraftServicer(pb_grpc.DraftServicer):
     async def check_pairing(self) -> None:
         """When the verify service was not reachable at start-up: compare fingerprints at the first
         request, so a refusal says what differs (the verify service refuses every session anyway)."""
-        problem = await pairing_error(self.verify, self.lm, await self.verify.Info(pb.InfoRequest(), timeout=30))
+        stub = self._stub()
+        problem = await pairing_error(stub, self.lm, await stub.Info(pb.InfoRequest(), timeout=30))
         if problem:
             log.error("the verify service's model does not pair with this draft", extra={"fields": {"reason": problem}})
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, problem)
         self._paired = True
+
+    def _stub(self) -> pb_grpc.VerifyStub:
+        """A verify replica for a call that is not a session: the best one known."""
+        best = self.replicas.best()
+        if best is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no verify replica is known at {self.replicas.target}")
+        return best.stub
 
     async def Info(self, request, context):
         return serving.model_info(self.lm, request.include_vocab)
@@ -104,21 +119,37 @@ class DraftServicer(pb_grpc.DraftServicer):
             if adaptive and not request.num_draft_tokens:
                 g.tau = ADAPTIVE_MAX_TAU  # adaptive tau picks up to this many per round
             costs = await self.costs() if adaptive or (self.draft_fallback and g.proposer != pb.PROPOSER_LOOKUP) else None
-            loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
-                              costs=costs if adaptive else None, fallback=costs if self.draft_fallback else None,
-                              predraft=self.predraft if g.predraft is None else g.predraft, goodput=self.goodput,
-                              round_timeout_s=self.round_timeout_s)
-            call = self.verify.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
-            out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
-            async with contextlib.aclosing(loop.rounds(call)) as rounds:  # closing it stops a pre-draft
-                async for new, finish in rounds:
-                    chunk, finish = out.push(new, finish)
-                    if not finish:
-                        if chunk:
-                            yield chunk
-                        continue
-                    yield out.last(chunk, loop.summary(), g.seed, t0)
-                    return
+            replicas = self.replicas.ranked()
+            if not replicas:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no verify replica is known at {self.replicas.target}")
+            for i, replica in enumerate(replicas):
+                loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
+                                  costs=costs if adaptive else None, fallback=costs if self.draft_fallback else None,
+                                  predraft=self.predraft if g.predraft is None else g.predraft, goodput=self.goodput,
+                                  round_timeout_s=self.round_timeout_s)
+                call = replica.stub.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
+                out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
+                started = False
+                try:
+                    async with contextlib.aclosing(loop.rounds(call)) as rounds:  # closing it stops a pre-draft
+                        async for new, finish in rounds:
+                            started = True
+                            chunk, finish = out.push(new, finish)
+                            if not finish:
+                                if chunk:
+                                    yield chunk
+                                continue
+                            yield out.last(chunk, loop.summary(), g.seed, t0)
+                            return
+                except (grpc.aio.AioRpcError, RequestError) as e:
+                    e = await serving.upstream_error(e, call)
+                    code = e.code() if isinstance(e, grpc.aio.AioRpcError) else e.code
+                    if started or i == len(replicas) - 1 or code not in PLACE_AGAIN:
+                        raise e from None
+                    replica.refused()  # full or gone: rank it last until its next poll says otherwise
+                    log.info("verify replica refused a session; trying another", extra={"fields": {
+                        "request_id": g.request_id, "replica": replica.address, "code": code.name}})
+                    call.cancel()
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Generate", e, upstream=call)  # the verify call's status explains a failed write
         finally:

@@ -1,14 +1,16 @@
-"""The draft service's link to its verify service: the channel, and `VerifyCheck`, which checks
-at start-up that the verify service takes this draft (vocabulary, session token) and then keeps
-the draft's health in step with it."""
+"""The draft service's link to its verify replicas: a channel to each (draft_service/replicas.py
+finds them and ranks them by free capacity), and `VerifyCheck`, which checks at start-up that the
+verify service takes this draft (vocabulary, session token) and then keeps the draft's health in
+step with its replicas: SERVING while one answers and takes it."""
 from __future__ import annotations
 
 import asyncio
 import logging
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
+from draft_service.replicas import Replicas
 from specdec import auth, serving, tracing, vocabdiff
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -18,9 +20,10 @@ PROBE_INTERVAL_S = 2.0  # how often the draft checks that its verify service ans
 log = logging.getLogger("specdec.draft")
 
 
-def verify_channel(args):
+def verify_channel(args, address: str, authority: str | None = None) -> grpc.aio.Channel:
+    """A channel to one verify replica. `authority`: the name it was found under (a DNS name that
+    resolved to `address`), which TLS checks the replica's certificate against."""
     opts = [
-        ("grpc.lb_policy_name", "round_robin"),  # spread sessions over all resolved verify replicas
         ("grpc.max_receive_message_length", args.max_message_bytes),
         ("grpc.max_send_message_length", args.max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
@@ -34,8 +37,14 @@ def verify_channel(args):
     interceptors = tracing.client_interceptors()  # traceparent on Verify.Session when --trace is on
     interceptors += auth.metadata_interceptors(getattr(args, "verify_token", None))  # the session token on every call to the verify service
     if creds:
-        return grpc.aio.secure_channel(args.verify, creds, options=opts, interceptors=interceptors)
-    return grpc.aio.insecure_channel(args.verify, options=opts, interceptors=interceptors)
+        if authority:
+            opts += [("grpc.ssl_target_name_override", authority), ("grpc.default_authority", authority)]
+        return grpc.aio.secure_channel(address, creds, options=opts, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=opts, interceptors=interceptors)
+
+
+def replicas(args) -> Replicas:
+    return Replicas(args.verify, lambda address, authority: verify_channel(args, address, authority), timeout_s=PROBE_INTERVAL_S)
 
 
 async def pairing_error(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) -> str | None:
@@ -52,24 +61,23 @@ async def pairing_error(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) ->
 
 
 class VerifyCheck:
-    """Whether the verify service answers and takes this draft: its Info (reachable, same
+    """Whether the verify replicas answer and take this draft: their Info (reachable, same
     vocabulary) and an empty Verify.Session (the session token: UNAUTHENTICATED for a wrong one,
     PERMISSION_DENIED for a client token). At start-up a refusal stops the service; later the
-    draft's health follows the verify service's (SERVING / NOT_SERVING), probed every
-    PROBE_INTERVAL_S."""
+    draft's health follows its replicas (SERVING while one answers and takes it), polled every
+    PROBE_INTERVAL_S with the replicas' Info, which also carries their free capacity."""
 
-    def __init__(self, args, channel, stub, lm):
-        self.args, self.channel, self.stub, self.lm = args, channel, stub, lm
+    def __init__(self, args, replicas: Replicas, lm):
+        self.args, self.replicas, self.lm = args, replicas, lm
         self.token_ok = False
 
-    async def refusal(self, info) -> str | None:
+    async def refusal(self, info, stub) -> str | None:
         """Why the verify service that answered Info with `info` cannot serve this draft, or None."""
-
-        problem = await pairing_error(self.stub, self.lm, info)
+        problem = await pairing_error(stub, self.lm, info)
         if problem:
             return f"--verify {self.args.verify}: the verify service has {problem}"
         if not self.token_ok:
-            call = self.stub.Session(metadata=[("x-request-id", "specdec-token-check")], timeout=max(1.0, self.args.verify_wait_s))
+            call = stub.Session(metadata=[("x-request-id", "specdec-token-check")], timeout=max(1.0, self.args.verify_wait_s))
             try:
                 await call.done_writing()  # no `start`: the verify service opens nothing
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
@@ -85,28 +93,24 @@ class VerifyCheck:
         return f"{flag}: the verify service at {self.args.verify} refuses this draft's sessions: {code.name}: {details}"
 
     async def probe(self, servicer) -> str | None:
-        """None if the verify service serves and takes this draft, else why not. Its health check
-        (no log line there) every time; Info and the token check while the target is not yet
-        known or the token not yet accepted."""
-
-        try:
-            h = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                                         timeout=PROBE_INTERVAL_S)
-            if h.status != health_pb2.HealthCheckResponse.SERVING:
-                return f"the verify service at {self.args.verify} reports {health_pb2.HealthCheckResponse.ServingStatus.Name(h.status)}"
-            if servicer.target is None or not self.token_ok:
-                info = await self.stub.Info(pb.InfoRequest(), timeout=PROBE_INTERVAL_S)
-                why = await self.refusal(info)
-                if why:
-                    return why
-                servicer.set_target(info)
-        except grpc.aio.AioRpcError as e:
-            return f"the verify service at {self.args.verify} does not answer: {e.code().name}: {e.details()}"
+        """None if a verify replica answers and takes this draft, else why not. Polls every
+        replica's Info; the pairing and token checks while the target is not yet known or the
+        token not yet accepted."""
+        await self.replicas.refresh()
+        up = [r for r in self.replicas.ranked() if r.reachable]
+        if not up:
+            known = list(self.replicas.replicas.values())
+            why = "; ".join(f"{r.address}: {r.error.code().name}" for r in known if r.error is not None) or "none resolved"
+            return f"no verify replica at {self.args.verify} answers ({why})"
+        if servicer.target is None or not self.token_ok:
+            why = await self.refusal(up[0].info, up[0].stub)
+            if why:
+                return why
+            servicer.set_target(up[0].info)
         return None
 
     async def watch(self, servicer, set_health, serving_now: bool) -> None:
-        """Runs while the service does: probes the verify service, sets the health it implies."""
-
+        """Runs while the service does: polls the replicas, sets the health they imply."""
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             why = await self.probe(servicer)

@@ -237,7 +237,9 @@ class RequestObserver(grpc.aio.ServerInterceptor):
                                      "ASCII characters); replaced", extra={"fields": {"request_id": fields["request_id"],
                                                                                       "header_chars": len(call.bad_header)}})
                 msg = "session done" if call.method == "Session" else "request done"
-                self.log.log(logging.WARNING if code in REFUSALS else logging.INFO, msg, extra={"fields": fields})
+                # Info answers are polled (drafts rank verify replicas by the capacity it reports): not logged at INFO
+                level = logging.WARNING if code in REFUSALS else logging.DEBUG if (call.method, code) == ("Info", "OK") else logging.INFO
+                self.log.log(level, msg, extra={"fields": fields})
                 set_attrs(**{f"specdec.{k}": v for k, v in fields.items() if k not in ("service", "method")})
                 metrics.REQUEST_LATENCY.labels(self.service, call.method).observe(duration)
                 if code not in ("OK", "CANCELLED"):

@@ -1,0 +1,147 @@
+"""A draft service in front of several verify replicas (draft_service/replicas.py), with real
+processes on loopback: sessions go where there is room, a refusal before the first verdict is
+placed again on another replica, and the draft's readiness follows its replicas."""
+import queue
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import Client
+from conftest import Service, metric, wait_for
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+LONG = dict(prompt_ids=[3, 4], max_new_tokens=3000)  # greedy: no EOS on long-target, runs for many seconds
+
+
+def health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="specdec.v1.Draft"), timeout=10).status
+
+
+def sessions_done(v: Service) -> float:
+    return metric(v.metrics(), "specdec_request_latency_seconds_count", service="verify", method="Session")
+
+
+def test_info_reports_free_capacity(model_dir):
+    v = Service("verify_service", "--model", model_dir("long-target"), "--max-sessions", "2", "--max-cached-tokens", "5000")
+    try:
+        with grpc.insecure_channel(v.address) as ch, Client(v.address, target_only=True, timeout=60) as holder:
+            info = pb_grpc.VerifyStub(ch).Info(pb.InfoRequest(), timeout=10)
+            assert (info.capacity.free_sessions, info.capacity.max_sessions) == (2, 2)
+            assert info.capacity.free_cached_tokens == info.capacity.max_cached_tokens == 5000
+            it = holder.stream(**dict(LONG, max_new_tokens=1000))
+            next(it)
+            info = pb_grpc.VerifyStub(ch).Info(pb.InfoRequest(), timeout=10)
+            assert info.capacity.free_sessions == 1 and info.capacity.free_cached_tokens == 5000 - 1002  # prompt + max_new_tokens
+            it.close()
+    finally:
+        v.stop()
+
+
+class Held:
+    """n open sessions on a verify service, each with a one-token prompt and no round sent: each
+    holds a session slot (and 11 cache tokens) until released."""
+
+    def __init__(self, address: str, n: int):
+        self.channel = grpc.insecure_channel(address)
+        stub = pb_grpc.VerifyStub(self.channel)
+        fp = stub.Info(pb.InfoRequest(), timeout=10).vocab_fingerprint
+        self.queues = [queue.Queue() for _ in range(n)]
+        self.calls = []
+        for q in self.queues:
+            q.put(pb.VerifyRequest(start=pb.SessionStart(prompt_ids=[3], max_new_tokens=10, vocab_fingerprint=fp)))
+            self.calls.append(stub.Session(iter(q.get, None), timeout=120))
+
+    def release(self) -> None:
+        for q, call in zip(self.queues, self.calls):
+            q.put(None)
+            call.cancel()
+        self.channel.close()
+
+
+def free(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.VerifyStub(ch).Info(pb.InfoRequest(), timeout=10).capacity.free_sessions
+
+
+def refused(v: Service) -> float:
+    return sum(metric(v.metrics(), "specdec_capacity_rejections_total", reason=r) for r in ("sessions", "cached_tokens"))
+
+
+@pytest.fixture(scope="module")
+def two(model_dir):
+    """Verify A admits four sessions and 100 cache tokens; verify B three sessions, with room."""
+    a = Service("verify_service", "--model", model_dir("long-target"), "--metrics-port", "0", "--max-sessions", "4",
+                "--max-cached-tokens", "100", "--threads", "1")
+    b = Service("verify_service", "--model", model_dir("long-target"), "--metrics-port", "0", "--max-sessions", "3", "--threads", "1")
+    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", f"{a.address},{b.address}", "--metrics-port", "0",
+                "--threads", "1")
+    try:
+        yield a, b, d
+    finally:
+        for s in (d, a, b):
+            s.stop()
+
+
+def test_a_refused_session_is_placed_on_the_other_replica(two):
+    """A has more free sessions, so it is tried first, and refuses (the request's 123 cache tokens
+    do not fit its 100): the draft opens the session on B before any token, and the client sees
+    one clean stream, the target's own tokens."""
+    a, b, d = two
+    a0, b0 = refused(a), sessions_done(b)
+    request = dict(prompt_ids=[3, 4, 5], max_new_tokens=120, num_draft_tokens=2)
+    with Client(d.address, timeout=60) as c:
+        r = c.generate(**request)
+    assert len(r.token_ids) == 120 and r.finish_reason == "length"
+    assert refused(a) == a0 + 1  # tried first, refused
+    assert wait_for(lambda: sessions_done(b) == b0 + 1, 10)  # served there
+    with Client(b.address, target_only=True, timeout=60) as vc:  # the same tokens as the target alone
+        assert vc.generate(**request).token_ids == r.token_ids
+
+
+def test_sessions_go_to_the_replica_with_the_most_room(two):
+    """With three of A's four slots held, B (three free) has the most room: once the draft's poll
+    has seen it, every session goes to B, and none is refused anywhere."""
+    a, b, d = two
+    held = Held(a.address, 3)
+    try:
+        assert wait_for(lambda: free(a.address) == 1, 10) and free(b.address) == 3
+        refused0 = refused(a) + refused(b)
+        placed = []
+        with Client(d.address, timeout=60) as c:
+            for _ in range(30):  # bounded: the draft polls its replicas every 2 s
+                b0 = sessions_done(b)
+                assert len(c.generate(prompt_ids=[3], max_new_tokens=4, num_draft_tokens=1).token_ids) == 4
+                placed.append(wait_for(lambda: sessions_done(b) == b0 + 1, 2))
+                if placed[-4:] == [True] * 4:
+                    break
+        assert placed[-4:] == [True] * 4, placed
+        assert refused(a) + refused(b) == refused0
+    finally:
+        held.release()
+
+
+def test_readiness_follows_the_replicas_and_recovers(model_dir):
+    """The draft is SERVING while a replica answers, NOT_SERVING once none does, and SERVING again
+    (with a log line saying so) when one comes back on the same address."""
+    v = Service("verify_service", "--model", model_dir("target"), "--threads", "1")
+    d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--threads", "1", "--log-level", "INFO")
+    host, port = v.address.rsplit(":", 1)
+    try:
+        assert health(d.address) == health_pb2.HealthCheckResponse.SERVING
+        v.stop()
+        assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.NOT_SERVING, 20)
+        with Client(d.address, timeout=30) as c, pytest.raises(grpc.RpcError) as e:
+            c.generate(prompt_ids=[3], max_new_tokens=2)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        v = Service("verify_service", "--model", model_dir("target"), "--threads", "1", "--port", port)
+        assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 20)
+        assert wait_for(lambda: any("verify service answers" in line for line in d.stderr), 5), d.stderr[-5:]
+        assert any("verify service lost" in line for line in d.stderr)
+        with Client(d.address, timeout=30) as c:
+            assert len(c.generate(prompt_ids=[3], max_new_tokens=3).token_ids) == 3
+    finally:
+        d.stop()
+        v.stop()
