@@ -3,7 +3,9 @@ under the cost model (specdec/costmodel.py: E(gamma) over the expected round tim
 included), from the session's own acceptance history and costs calibrated once at start-up.
 
 Nothing here reads a clock: the same request with the same calibration chooses the same taus
-whatever else runs, so its random draws, keyed by position, repeat (DESIGN.md §3, §7). alpha is the
+whatever else runs, so its random draws, keyed by position, repeat (DESIGN.md §3, §7) — except
+the cap from the verifier's load (`goodput_cap`, the price each verdict carries), which seeded
+sampled requests do without. alpha is the
 maximum-likelihood estimate for a geometric run, accepted / (accepted + rejections), over the
 rounds seen so far with older rounds decayed, starting from a prior worth a few rounds.
 

@@ -141,9 +141,9 @@ class DraftServicer(pb_grpc.DraftServicer):
                                 continue
                             yield out.last(chunk, loop.summary(), g.seed, t0)
                             return
-                except (grpc.aio.AioRpcError, RequestError) as e:
+                except Exception as e:  # noqa: BLE001 - a write on a call the replica ended fails otherwise than its status
                     e = await serving.upstream_error(e, call)
-                    code = e.code() if isinstance(e, grpc.aio.AioRpcError) else e.code
+                    code = e.code() if isinstance(e, grpc.aio.AioRpcError) else getattr(e, "code", None)
                     if started or i == len(replicas) - 1 or code not in PLACE_AGAIN:
                         raise e from None
                     replica.refused()  # full or gone: rank it last until its next poll says otherwise

@@ -38,7 +38,7 @@ from verify_service.session import Session, Verdict, commit
 
 log = logging.getLogger("specdec.verify")
 
-MAX_BATCH_TOKENS = 1024  # new tokens per pass
+MAX_BATCH_TOKENS = 1024  # new rows of rounds per pass, by default (fairness: DESIGN.md §7)
 
 
 @dataclass
@@ -65,8 +65,11 @@ class _Job:
 
 
 class Scheduler:
-    def __init__(self, lm: LM, max_sessions: int = 64, max_cached_tokens: int | None = None):
+    def __init__(self, lm: LM, max_sessions: int = 64, max_cached_tokens: int | None = None, max_pass_rows: int = MAX_BATCH_TOKENS):
+        """max_pass_rows bounds the rows of rounds in one pass (a round is never split: one that
+        does not fit waits for the next pass, first in line)."""
         self.lm = lm
+        self.max_pass_rows = max_pass_rows
         self.capacity = Capacity(max_sessions, max_cached_tokens or default_cache_budget(lm, max_sessions))
         self.sessions: dict[int, Session] = {}
         self._next_sid = 1
@@ -193,7 +196,7 @@ class Scheduler:
                     (prefills if job.tokens is None or _unfilled(job.session) else rounds).append(job)
                 job = None
             batch, used = [], 0
-            while rounds and (not batch or used + len(rounds[0].tokens) + 1 <= MAX_BATCH_TOKENS):
+            while rounds and (not batch or used + len(rounds[0].tokens) + 1 <= self.max_pass_rows):
                 used += len(rounds[0].tokens) + 1
                 batch.append(rounds.pop(0))
             self._run(batch, prefills[0] if prefills else None)

@@ -1,0 +1,126 @@
+"""Speculation that never costs the verifier goodput: the price each verdict carries, the draft
+following it down to target-only rounds and back, and the scheduler's bound on rows per pass.
+(The pass cost model itself: tests/test_passcost.py.)"""
+import asyncio
+
+import grpc
+import torch
+
+from client import Client
+from conftest import metric
+from draft_service.decode import DecodeLoop
+from draft_service.drafter import Drafter
+from specdec.costmodel import Costs
+from specdec.lm import LM
+from specdec.sampling import Sampling
+from specdec.validation import GenParams
+from specdec.v1 import specdec_pb2 as pb
+
+COSTS = Costs(draft_step=0.001, verify_base=0.010, verify_per_token=0.0002)
+
+
+class Verifier:
+    """A verify stream in-process: accepts every proposal, and quotes the price it is told to."""
+
+    def __init__(self, prices):
+        self.prices, self.rounds, self.next = list(prices), [], 5
+
+    async def write(self, req: pb.VerifyRequest) -> None:
+        if req.HasField("round"):
+            self.rounds.append(list(req.round.tokens))
+
+    async def read(self):
+        if len(self.rounds) > len(self.prices):
+            return grpc.aio.EOF
+        n = len(self.rounds[-1])
+        finish = pb.FINISH_REASON_LENGTH if len(self.rounds) == len(self.prices) else pb.FINISH_REASON_UNSPECIFIED
+        return pb.VerifyResponse(round=len(self.rounds), num_accepted=n, next_token=self.next, finish_reason=finish,
+                                 row_price=self.prices[len(self.rounds) - 1])
+
+
+def rounds_under(prices, model_dir, temperature=0.0, seeded=False, goodput=True):
+    lm = LM.load(model_dir("draft"), "cpu", "float32")
+    params = GenParams(prompt_ids=[3, 4, 5], max_new_tokens=200, sampling=Sampling(temperature=temperature), seed=7, seeded=seeded,
+                       tau=8, proposer=pb.PROPOSER_DRAFT, mode=pb.PROPOSAL_MODE_GREEDY if temperature == 0 else pb.PROPOSAL_MODE_SPARSE)
+    loop = DecodeLoop(Drafter(lm), params, lm.fingerprint, lm.max_context, costs=COSTS, goodput=goodput)
+    v = Verifier(prices)
+
+    async def run():
+        async for _ in loop.rounds(v):
+            pass
+    asyncio.run(run())
+    return [len(r) for r in v.rounds], loop.summary()
+
+
+def test_tau_follows_the_price_down_to_target_only_rounds_and_back(model_dir):
+    """Every proposal accepted (alpha near 1): an idle verifier (price 0) gets the cost model's tau;
+    a price above alpha gets rounds without proposals (no draft step), and tau comes back when
+    the price falls; in between, only the depths that still pay (alpha^k > price)."""
+    prices = [0.0] * 4 + [0.999] * 4 + [0.0] * 4
+    taus, stats = rounds_under(prices, model_dir)
+    assert all(t > 0 for t in taus[:5]), taus  # the first round is sent before any price is known
+    assert taus[5:9] == [0, 0, 0, 0], taus  # each verdict's price sets the next round
+    assert all(t > 0 for t in taus[9:]), taus
+    assert stats.target_only_rounds == 4 and stats.rounds == len(prices)
+    partial, _ = rounds_under([0.0] * 3 + [0.9] * 6, model_dir)  # alpha estimate < 1: a shorter cap, not none
+    assert 0 < min(partial[4:]) < max(partial[:4]), partial
+
+
+def test_seeded_sampled_requests_ignore_the_price(model_dir):
+    """Their taus must not depend on load (DESIGN.md §7); unseeded sampled ones follow it."""
+    prices = [0.0] * 2 + [0.999] * 4
+    seeded, _ = rounds_under(prices, model_dir, temperature=1.0, seeded=True)
+    free, _ = rounds_under([0.0] * len(prices), model_dir, temperature=1.0, seeded=True)
+    unseeded, _ = rounds_under(prices, model_dir, temperature=1.0, seeded=False)
+    off, _ = rounds_under(prices, model_dir, goodput=False)
+    assert seeded == free and 0 not in seeded
+    assert unseeded[3:] == [0, 0, 0]
+    assert 0 not in off  # --no-goodput
+
+
+def test_verdicts_carry_the_price_and_the_verifier_exports_its_load(services):
+    """Through real services: the verifier measures its passes and says so, in every verdict's
+    row_cost_s (> 0 once it has run) and in its metrics."""
+    v, d = services()
+    with Client(d.address, timeout=60) as c:
+        for _ in range(3):
+            assert c.generate(prompt_ids=[3, 4], max_new_tokens=12, num_draft_tokens=3).token_ids  # may end at EOS
+    text = v.metrics()
+    assert 0 < metric(text, "specdec_verify_pass_utilisation") <= 1
+    assert metric(text, "specdec_verify_row_price") >= 0
+    drafts = d.metrics()
+    assert metric(drafts, "specdec_draft_proposals_per_round_count") >= 3
+
+
+def test_a_pass_takes_rounds_in_arrival_order_within_its_row_bound(model_dir, monkeypatch):
+    """Fairness: with room for 12 rows per pass, four rounds of 5 rows go two by two, in the
+    order they arrived: no pass exceeds the bound and none is overtaken."""
+    import verify_service.scheduler as scheduler
+
+    torch.set_num_threads(1)
+    lm = LM.load(model_dir("target"), "cpu", "float32")
+    passes = []
+
+    def recorded(model, inputs, caches, logits=True):
+        passes.append((len(inputs), sum(len(x) for x in inputs), list(caches)))
+        return real(model, inputs, caches, logits)
+
+    real = scheduler.forward_packed
+    eng = scheduler.Scheduler(lm, max_sessions=8, max_pass_rows=12)
+    monkeypatch.setattr(scheduler, "forward_packed", recorded)
+
+    async def run():
+        ss = [eng.open([3, 4, 5 + i], 20, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY) for i in range(4)]
+        for s in ss:
+            await eng.prefill(s)
+        passes.clear()
+        await asyncio.gather(*(eng.step(s, [6, 7, 8, 9], None) for s in ss))
+        return ss
+
+    try:
+        ss = asyncio.run(run())
+    finally:
+        eng.shutdown()
+    order = [ss.index(next(s for s in ss if s.cache is c)) for _, _, caches in passes for c in caches]
+    assert order == [0, 1, 2, 3], order  # arrival order, across passes
+    assert all(rows <= 12 for _, rows, _ in passes) and len(passes) >= 2, passes
