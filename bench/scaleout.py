@@ -97,9 +97,9 @@ def render(res: dict) -> str:
              "Command: `python -m bench.scaleout`.", "",
              "| verify replicas | aggregate tok/s (median) | runs | sessions per replica (last run) |", "|---|---|---|---|"]
     for n in (1, 2):
-        runs = res["runs"][n] if n in res["runs"] else res["runs"][str(n)]
-        lines.append(f"| {n} | {res['median_tok_s'][n] if n in res['median_tok_s'] else res['median_tok_s'][str(n)]:.1f} | "
-                     f"{', '.join(f'{r['tok_s']:.1f}' for r in runs)} | {runs[-1]['sessions_per_replica']} |")
+        runs = res["runs"][n]
+        each = ", ".join(f"{r['tok_s']:.1f}" for r in runs)
+        lines.append(f"| {n} | {res['median_tok_s'][n]:.1f} | {each} | {runs[-1]['sessions_per_replica']} |")
     lines += ["", f"**Two replicas / one: {res['ratio']:.2f}×.**", "",
               f"CPU seconds per process over the {res['wall_s']:.0f} s of measurement (both configurations):", "",
               "| process | CPU s | share of one core |", "|---|---|---|"]
