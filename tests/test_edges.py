@@ -207,7 +207,10 @@ def test_calibration_does_not_depend_on_what_the_target_writes(eos_verify, model
             try:
                 assert wait_for(lambda: any("calibration failed" in line for line in d.stderr), 10), "".join(d.stderr)[-3000:]
                 warnings = [line for line in "".join(d.stderr).splitlines() if "calibration failed" in line]
-                assert len(warnings) == 1 and "RESOURCE_EXHAUSTED" in warnings[0], "".join(d.stderr)[-3000:]
+                # RESOURCE_EXHAUSTED; or INTERNAL when the refusal raced the probe's next write and gRPC lost the
+                # status (grpc/grpc#36066, specdec.serving.upstream_error): seen once in a full-suite run
+                assert len(warnings) == 1 and ("RESOURCE_EXHAUSTED" in warnings[0] or '"error": "INTERNAL' in warnings[0]), \
+                    "".join(d.stderr)[-3000:]
             finally:
                 d.stop()
         finally:
