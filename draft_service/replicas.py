@@ -35,18 +35,24 @@ class Replica:
     info: pb.ModelInfo | None = None  # its last Info answer; None until it answers
     reachable: bool = False
     error: grpc.aio.AioRpcError | None = None  # why its last Info failed
+    open: int = 0  # sessions this draft has open on it now
+    open_at_poll: int = 0  # ... when its last Info answered
 
     def __post_init__(self):
         self.stub = pb_grpc.VerifyStub(self.channel)
 
     @property
     def free_sessions(self) -> int:
-        return self.info.capacity.free_sessions if self.info is not None and self.info.HasField("capacity") else 0
+        """Its free sessions as of its last Info, less those this draft has opened there since
+        (a burst of sessions between two polls is spread, not sent to one replica)."""
+        free = self.info.capacity.free_sessions if self.info is not None and self.info.HasField("capacity") else 0
+        return free - (self.open - self.open_at_poll)
 
     def refused(self) -> None:
         """It said it is full: rank it last until its next Info says otherwise."""
         if self.info is not None:
             self.info.capacity.free_sessions = 0
+            self.open_at_poll = self.open
 
 
 def parse_target(target: str) -> tuple[str | None, list[str]]:
@@ -96,8 +102,9 @@ class Replicas:
 
     async def _poll(self, r: Replica) -> None:
         try:
+            open_now = r.open
             r.info = await r.stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
-            r.reachable, r.error = True, None
+            r.reachable, r.error, r.open_at_poll = True, None, open_now
         except grpc.aio.AioRpcError as e:
             r.reachable, r.error = False, e
 

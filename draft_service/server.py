@@ -130,6 +130,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 call = replica.stub.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
                 out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
                 started = False
+                replica.open += 1
                 try:
                     async with contextlib.aclosing(loop.rounds(call)) as rounds:  # closing it stops a pre-draft
                         async for new, finish in rounds:
@@ -150,6 +151,8 @@ class DraftServicer(pb_grpc.DraftServicer):
                     log.info("verify replica refused a session; trying another", extra={"fields": {
                         "request_id": g.request_id, "replica": replica.address, "code": code.name}})
                     call.cancel()
+                finally:
+                    replica.open -= 1
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Generate", e, upstream=call)  # the verify call's status explains a failed write
         finally:

@@ -123,6 +123,25 @@ def test_sessions_go_to_the_replica_with_the_most_room(two):
         held.release()
 
 
+def test_a_burst_between_two_polls_is_spread(two):
+    """Sessions that arrive together (faster than the draft's 2 s poll) are spread over the
+    replicas: the draft counts the sessions it has just opened against each one's free room."""
+    import asyncio
+
+    from client import AsyncClient
+
+    a, b, d = two
+    a0, b0 = sessions_done(a), sessions_done(b)
+
+    async def burst():
+        async with AsyncClient(d.address, timeout=60) as c:
+            return await asyncio.gather(*(c.generate(prompt_ids=[3], max_new_tokens=6, num_draft_tokens=1) for _ in range(4)))
+
+    assert all(len(r.token_ids) == 6 for r in asyncio.run(burst()))
+    assert wait_for(lambda: sessions_done(a) + sessions_done(b) == a0 + b0 + 4, 10)
+    assert sessions_done(a) > a0 and sessions_done(b) > b0, (sessions_done(a) - a0, sessions_done(b) - b0)
+
+
 def test_readiness_follows_the_replicas_and_recovers(model_dir):
     """The draft is SERVING while a replica answers, NOT_SERVING once none does, and SERVING again
     (with a log line saying so) when one comes back on the same address."""
