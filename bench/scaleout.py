@@ -7,7 +7,9 @@ draft_service/replicas.py).
 Two verify services (one torch thread each) and two draft services on the same model pair: one
 draft with `--verify A`, one with `--verify A,B`. For each repeat, the same N concurrent greedy
 requests (code prompts from outside the standard library) run through each draft in
-alternating order; the median aggregate tok/s counts. Each process's CPU seconds over the run
+alternating order, each after a pause for the drafts' next poll of the replicas (every 2 s: the
+last run's sessions on a replica would otherwise still count against its free room); the
+median aggregate tok/s counts. Each process's CPU seconds over the run
 are recorded too: on a machine with fewer cores than processes, that is what bounds the gain.
 """
 from __future__ import annotations
@@ -61,15 +63,17 @@ def main(argv=None) -> int:
             asyncio.run(run_batch(drafts[n].address, False, prompts[:1], 8, False))  # warm-up
         cpu0 = {name: cpu_seconds(s.proc.pid) for name, s in {"verify A": vs[0], "verify B": vs[1], "draft (A)": drafts[1],
                                                               "draft (A,B)": drafts[2]}.items()}
-        t0 = time.monotonic()
+        t0, paused = time.monotonic(), 0.0
         for rep in range(a.repeats):
             for n in ((1, 2) if rep % 2 == 0 else (2, 1)):
+                time.sleep(2.5)
+                paused += 2.5  # a poll of the replicas' Info after the last run's sessions closed (they poll every 2 s)
                 before = [sessions(v) for v in vs]
                 r = asyncio.run(run_batch(drafts[n].address, False, prompts, a.max_new_tokens, together=True))
                 r["sessions_per_replica"] = [sessions(v) - b for v, b in zip(vs, before)]
                 runs[n].append(r)
                 print(n, round(r["tok_s"], 1), r["sessions_per_replica"], flush=True)
-        wall = time.monotonic() - t0
+        wall = time.monotonic() - t0 - paused
         cpu = {name: cpu_seconds(s.proc.pid) - cpu0[name] for name, s in {"verify A": vs[0], "verify B": vs[1], "draft (A)": drafts[1],
                                                                             "draft (A,B)": drafts[2]}.items()}
     finally:
