@@ -164,3 +164,24 @@ def test_readiness_follows_the_replicas_and_recovers(model_dir):
     finally:
         d.stop()
         v.stop()
+
+
+def test_scaleout_bench_spreads_one_burst_over_two_replicas(model_dir, tmp_path):
+    """bench.scaleout, the capacity comparison of one verify replica and two behind one draft
+    tier, runs end to end on tiny models: each configuration is measured, and with two replicas
+    the burst is spread over both (the numbers themselves are the report's, not the test's)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ENV, ROOT
+
+    cmd = [sys.executable, "-m", "bench.scaleout", "--target", model_dir("long-target"), "--draft", model_dir("long-draft"),
+           "--sessions", "4", "--max-new-tokens", "8", "--repeats", "1", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "scaleout.json").read_text())
+    one, two = res["runs"]["1"][0], res["runs"]["2"][0]
+    assert one["tokens"] == two["tokens"] == 4 * 8 and one["tok_s"] > 0 and two["tok_s"] > 0
+    assert one["sessions_per_replica"] == [4, 0] and min(two["sessions_per_replica"]) >= 1, two
+    assert "Two replicas / one" in (tmp_path / "SCALEOUT.md").read_text()
