@@ -49,7 +49,7 @@ async def run(args, token_auth=None) -> None:
                              round_timeout_s=args.verify_round_timeout_s)
     if target is not None and (args.adaptive or args.draft_fallback):
         await servicer.costs()  # calibrate now, not at the first request
-    front = http.FrontDoor(servicer, args, token_auth, model=target.model_name if target is not None else lm.name) if args.http_port >= 0 else None
+    front = http.FrontDoor(servicer, args, token_auth, model=target.model_name if target is not None else lm.name) if args.http_port is not None else None
     tasks = set()
 
     def on_start(set_health):
@@ -67,7 +67,7 @@ async def run(args, token_auth=None) -> None:
 
 def add_http_args(p) -> None:
     """The HTTP front door's flags (draft_service/http.py)."""
-    p.add_argument("--http-port", type=int, default=int(env("SPECDEC_HTTP_PORT") or -1),
+    p.add_argument("--http-port", type=startup.PORT, default=env("SPECDEC_HTTP_PORT"),
                    help="also serve the OpenAI-compatible HTTP API on this port (0 picks a free one; default: off) "
                         "[env SPECDEC_HTTP_PORT]")
     p.add_argument("--served-model-name", default=env("SPECDEC_SERVED_MODEL_NAME"),
@@ -138,7 +138,7 @@ def main(argv=None) -> None:
     startup.check_model_dir(args.model)
     startup.check_port(args.host, args.port, "--port")
     startup.check_port(args.host, args.metrics_port, "--metrics-port")
-    startup.check_port(args.host, args.http_port if args.http_port >= 0 else None, "--http-port")
+    startup.check_port(args.host, args.http_port, "--http-port")
 
     import torch  # noqa: PLC0415 - the heavy libraries load once the cheap checks have passed
 

@@ -42,6 +42,7 @@ from draft_service.drafter import Drafter, PredraftControl, Proposal
 from specdec.costmodel import Costs
 from specdec import metrics
 from specdec.errors import RequestError
+from specdec.kvcache import PREFILL_CHUNK
 from specdec.validation import GenParams
 from specdec.v1 import specdec_pb2 as pb
 
@@ -131,7 +132,7 @@ class DecodeLoop:
             while True:
                 tau = ctl.choose() if ctl else self.params.tau
                 if self.judge and not self.judge.accepted:
-                    tau = 1  # no proposal of the model accepted yet: gather the judge's evidence cheaply
+                    tau = min(tau, 1)  # no proposal of the model accepted yet: gather the judge's evidence cheaply
                 t1 = time.perf_counter()
                 if prop is None and (self.fallen_back or tau == 0):
                     prop = self.propose(min(tau, self.cap()))  # no model step: not worth a thread
@@ -146,7 +147,7 @@ class DecodeLoop:
                 if self.predraft and not prop.lookup and next_cap > 0 and not self.fallen_back:
                     ahead_ctl = PredraftControl()
                     pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl)), ahead_ctl)
-                v = await self._timed(call.read())
+                v = await self._timed(call.read(), self._first_read_scale() if stats.rounds == 1 else 1)
                 if v is grpc.aio.EOF:
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
                 t3 = time.perf_counter()
@@ -197,20 +198,27 @@ class DecodeLoop:
         next pass need not wait for the round trip. A round written past the end is never read:
         the verifier stops reading at the finish reason."""
         st, stats, g = self.state, self.stats, self.params
-        ahead = 0
+        ahead, open_ = 0, True  # open_: the verifier still takes rounds
         while True:
-            while ahead < 2 and len(st.ids) - st.prompt_len + ahead < g.max_new_tokens and len(st.ids) + ahead < self.max_context:
-                stats.rounds += 1
-                stats.fallback_rounds += 1
-                stats.target_only_rounds += 1
-                metrics.PROPOSALS_PER_ROUND.observe(0)
-                await self._timed(call.write(pb.VerifyRequest(round=pb.Round(round=stats.rounds))))
+            while open_ and ahead < 2 and len(st.ids) - st.prompt_len + ahead < g.max_new_tokens and len(st.ids) + ahead < self.max_context:
+                try:
+                    await self._timed(call.write(pb.VerifyRequest(round=pb.Round(round=stats.rounds + ahead + 1))))
+                except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+                    # the verifier ended the stream (a finish verdict still on its way): read what is there
+                    open_ = False
+                    break
                 ahead += 1
+            if not ahead:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
             t0 = time.perf_counter()
             v = await self._timed(call.read())
             ahead -= 1
             if v is grpc.aio.EOF:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
+            stats.rounds += 1  # counted when verified: a round written ahead past the end is not
+            stats.fallback_rounds += 1
+            stats.target_only_rounds += 1
+            metrics.PROPOSALS_PER_ROUND.observe(0)
             stats.verify_s += time.perf_counter() - t0
             stats.verify_forward_s += v.forward_s
             new = [v.next_token] if v.HasField("next_token") else []
@@ -235,13 +243,19 @@ class DecodeLoop:
                         "or --proposer lookup, would help)",
                         extra={"fields": {"model": name, "accepted": j.accepted, "rounds": j.rounds, "request_id": self.params.request_id}})
 
-    async def _timed(self, op):
-        """Awaits one write or read on the verify stream, at most round_timeout_s."""
+    def _first_read_scale(self) -> int:
+        """The first verdict also waits for the verifier's prefill of the prompt, chunk by chunk:
+        it gets the round timeout once per chunk."""
+        return 1 + len(self.params.prompt_ids) // PREFILL_CHUNK
+
+    async def _timed(self, op, scale: int = 1):
+        """Awaits one write or read on the verify stream, at most scale x round_timeout_s."""
+        limit = None if self.round_timeout_s is None else scale * self.round_timeout_s
         try:
-            return await asyncio.wait_for(op, self.round_timeout_s)
+            return await asyncio.wait_for(op, limit)
         except asyncio.TimeoutError:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"the verify service stopped answering: nothing for "
-                               f"{self.round_timeout_s:g}s in a round (--verify-round-timeout-s)") from None
+                               f"{limit:g}s in a round (--verify-round-timeout-s)") from None
 
     def summary(self) -> pb.Stats:
         """The stats with the acceptance rate and mean accepted length filled in."""

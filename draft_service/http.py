@@ -150,7 +150,7 @@ class FrontDoor:
         # it a response's body waits for the client's delayed ACK of its headers (40 ms on Linux)
         sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((a.host, a.http_port))
+        sock.bind((a.host.strip("[]"), a.http_port))
         sock.listen(1024)
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", server_header=False,
                                 timeout_graceful_shutdown=max(1, math.ceil(a.drain_s)), ssl_certfile=a.tls_cert, ssl_keyfile=a.tls_key,

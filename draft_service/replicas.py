@@ -52,7 +52,7 @@ class Replica:
         """It said it is full: rank it last until its next Info says otherwise."""
         if self.info is not None:
             self.info.capacity.free_sessions = 0
-            self.open_at_poll = self.open
+            self.open_at_poll = self.open - 1  # the refused session, still counted, ends at once
 
 
 def parse_target(target: str) -> tuple[str | None, list[str]]:
@@ -78,26 +78,34 @@ class Replicas:
         self.name, self.fixed = parse_target(target)
         self.make_channel, self.timeout_s = make_channel, timeout_s
         self.replicas: dict[str, Replica] = {}
+        self._leaving: dict[str, Replica] = {}  # gone from the name, sessions still open
         self._turn = itertools.count()
 
-    async def _addresses(self) -> list[str]:
+    async def _addresses(self) -> list[str] | None:
+        """The addresses now; None if the name does not resolve (keep the last ones meanwhile)."""
         if self.name is None:
             return self.fixed
         try:
             return await resolve(self.name)
         except (OSError, ValueError) as e:
             log.warning("verify name does not resolve", extra={"fields": {"verify": self.target, "error": str(e)}})
-            return []
+            return None
 
     async def refresh(self) -> None:
-        """Resolves the replicas again and asks each for its Info."""
+        """Resolves the replicas again and asks each for its Info. A replica that left the name
+        (a verify pod that is terminating leaves DNS at once) takes no new sessions, and its
+        channel is closed only once this draft's sessions there have ended, so they drain."""
         addresses = await self._addresses()
-        authority = self.name.rpartition(":")[0] if self.name else None
-        for gone in set(self.replicas) - set(addresses):
-            await self.replicas.pop(gone).channel.close()
-        for a in addresses:
-            if a not in self.replicas:
-                self.replicas[a] = Replica(a, self.make_channel(a, authority))
+        if addresses is not None:
+            authority = self.name.rpartition(":")[0] if self.name else None
+            for a in addresses:
+                if a not in self.replicas:
+                    self.replicas[a] = Replica(a, self.make_channel(a, authority))
+            for a in set(self.replicas) - set(addresses):
+                self._leaving[a] = self.replicas.pop(a)
+        for a, r in list(self._leaving.items()):
+            if r.open == 0:
+                await self._leaving.pop(a).channel.close()
         await asyncio.gather(*(self._poll(r) for r in list(self.replicas.values())))
 
     async def _poll(self, r: Replica) -> None:
@@ -143,6 +151,7 @@ class Replicas:
             await asyncio.sleep(min(poll_s, max(0.0, deadline - loop.time())))
 
     async def close(self) -> None:
-        for r in self.replicas.values():
+        for r in [*self.replicas.values(), *self._leaving.values()]:
             await r.channel.close()
         self.replicas.clear()
+        self._leaving.clear()

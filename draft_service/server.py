@@ -34,6 +34,7 @@ SERVICE = "draft"
 # a session refused with these before its first verdict is opened on the next replica (nothing
 # was streamed to the client yet, so nothing is repeated)
 PLACE_AGAIN = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+CALIBRATION_RETRY_S = 60.0  # a failed calibration is tried again after this long
 ADAPTIVE_MAX_TAU = 8  # the cap adaptive tau was measured with (bench/results/POLICY.md)
 
 
@@ -53,6 +54,8 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.goodput = goodput  # adaptive tau follows the verifier's load (decode.py, adaptive.py)
         self.round_timeout_s = round_timeout_s
         self._costs, self._calibrating = costs, asyncio.Lock()
+        self._pinned = self._measured = costs is not None  # --costs-ms; or calibrated (not the fallback)
+        self._retry_at = 0.0  # after a failed calibration: when to try again
         self._paired = target is not None  # checked at start-up; else at the first request
 
     def set_target(self, target: pb.ModelInfo | None) -> None:
@@ -64,9 +67,10 @@ class DraftServicer(pb_grpc.DraftServicer):
     async def costs(self) -> Costs:
         """The costs adaptive tau plans with: pinned (--costs-ms), else calibrated once, at the
         first call (the draft's step, and probe rounds with the verify service). If the rounds
-        cannot be timed: conservative default costs and one warning (calibrate.fallback_costs)."""
+        cannot be timed: conservative default costs and one warning (calibrate.fallback_costs),
+        and another try a minute later."""
         async with self._calibrating:
-            if self._costs is None:
+            if self._costs is None or (not self._measured and time.monotonic() >= self._retry_at):
                 step = await asyncio.to_thread(calibrate.draft_step_seconds, self.drafter)
                 try:
                     base, per_token = await calibrate.verify_round_seconds(self._stub(), self.lm.fingerprint, self.lm.vocab_size,
@@ -75,7 +79,8 @@ class DraftServicer(pb_grpc.DraftServicer):
                 except (grpc.aio.AioRpcError, RuntimeError) as e:
                     costs, msg = calibrate.fallback_costs(step), "calibration failed; using conservative default costs (pin them with --costs-ms)"
                     err = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                self._costs = costs
+                self._costs, self._measured = costs, msg == "calibrated"
+                self._retry_at = time.monotonic() + CALIBRATION_RETRY_S
                 fields = {"draft_step_ms": round(costs.draft_step * 1e3, 3), "verify_base_ms": round(costs.verify_base * 1e3, 3),
                           "verify_per_token_ms": round(costs.verify_per_token * 1e3, 3)}
                 if msg == "calibrated":
@@ -88,11 +93,19 @@ class DraftServicer(pb_grpc.DraftServicer):
         """When the verify service was not reachable at start-up: compare fingerprints at the first
         request, so a refusal says what differs (the verify service refuses every session anyway)."""
         stub = self._stub()
-        problem = await pairing_error(stub, self.lm, await stub.Info(pb.InfoRequest(), timeout=30))
+        info = await stub.Info(pb.InfoRequest(), timeout=30)
+        problem = await pairing_error(stub, self.lm, info)
         if problem:
             log.error("the verify service's model does not pair with this draft", extra={"fields": {"reason": problem}})
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        self.set_target(info)
         self._paired = True
+
+    def _judge(self, g) -> bool:
+        """Whether a session may fall back to target-only rounds (DraftJudge): not on the fallback
+        costs of a failed calibration (they make a round look cheap), and not for a seeded sampled
+        request unless the costs are pinned (its taus, and so its tokens, must repeat after a restart)."""
+        return self.draft_fallback and self._measured and (g.sampling.greedy or not g.seeded or self._pinned)
 
     def _stub(self) -> pb_grpc.VerifyStub:
         """A verify replica for a call that is not a session: the best one known."""
@@ -124,7 +137,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no verify replica is known at {self.replicas.target}")
             for i, replica in enumerate(replicas):
                 loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
-                                  costs=costs if adaptive else None, fallback=costs if self.draft_fallback else None,
+                                  costs=costs if adaptive else None, fallback=costs if self._judge(g) else None,
                                   predraft=self.predraft if g.predraft is None else g.predraft, goodput=self.goodput,
                                   round_timeout_s=self.round_timeout_s)
                 call = replica.stub.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())

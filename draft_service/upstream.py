@@ -113,7 +113,11 @@ class VerifyCheck:
         """Runs while the service does: polls the replicas, sets the health they imply."""
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            why = await self.probe(servicer)
+            try:
+                why = await self.probe(servicer)
+            except Exception as e:  # noqa: BLE001 - the watch must outlive any one probe
+                log.exception("verify probe failed")
+                why = f"the probe of the verify replicas failed: {type(e).__name__}: {e}"
             if (why is None) != serving_now:
                 serving_now = why is None
                 await set_health(health_pb2.HealthCheckResponse.SERVING if serving_now else health_pb2.HealthCheckResponse.NOT_SERVING)

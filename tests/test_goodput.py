@@ -4,6 +4,7 @@ following it down to target-only rounds and back, and the scheduler's bound on r
 import asyncio
 
 import grpc
+import pytest
 import torch
 
 from client import Client
@@ -79,17 +80,26 @@ def test_seeded_sampled_requests_ignore_the_price(model_dir):
 
 
 def test_verdicts_carry_the_price_and_the_verifier_exports_its_load(services):
-    """Through real services: the verifier measures its passes and says so, in every verdict's
-    row_cost_s (> 0 once it has run) and in its metrics."""
+    """Through real services: the verifier measures its passes and says so, in every verdict
+    (row_cost_s, row_price: the same price its gauge shows after that pass) and in its metrics."""
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
     v, d = services()
     with Client(d.address, timeout=60) as c:
         for _ in range(3):
             assert c.generate(prompt_ids=[3, 4], max_new_tokens=12, num_draft_tokens=3).token_ids  # may end at EOS
+    assert metric(d.metrics(), "specdec_draft_proposals_per_round_count") >= 3
+    with grpc.insecure_channel(v.address) as ch:
+        stub = pb_grpc.VerifyStub(ch)
+        fp = stub.Info(pb.InfoRequest(), timeout=10).vocab_fingerprint
+        reqs = [pb.VerifyRequest(start=pb.SessionStart(prompt_ids=[3, 4], max_new_tokens=4, vocab_fingerprint=fp,
+                                                       proposal_mode=pb.PROPOSAL_MODE_GREEDY)),
+                pb.VerifyRequest(round=pb.Round(round=1, tokens=[5]))]
+        verdict = next(iter(stub.Session(iter(reqs), timeout=30)))
+    assert verdict.round == 1 and verdict.row_cost_s >= 0 and verdict.forward_s > 0
     text = v.metrics()
     assert 0 < metric(text, "specdec_verify_pass_utilisation") <= 1
-    assert metric(text, "specdec_verify_row_price") >= 0
-    drafts = d.metrics()
-    assert metric(drafts, "specdec_draft_proposals_per_round_count") >= 3
+    assert verdict.row_price == pytest.approx(metric(text, "specdec_verify_row_price"), rel=1e-6, abs=1e-12)
 
 
 def test_a_pass_takes_rounds_in_arrival_order_within_its_row_bound(model_dir, monkeypatch):

@@ -136,6 +136,6 @@ def test_http_port_is_off_by_default_and_read_from_the_environment(monkeypatch):
         return p.parse_args([])
 
     monkeypatch.delenv("SPECDEC_HTTP_PORT", raising=False)
-    assert parsed().http_port == -1  # off: __main__ starts no front door below 0
+    assert parsed().http_port is None  # off: __main__ starts no front door
     monkeypatch.setenv("SPECDEC_HTTP_PORT", "8000")
     assert parsed().http_port == 8000

@@ -34,14 +34,15 @@ def test_all_passes_alike_keep_the_probes_slope():
 
 
 def test_price_is_row_cost_times_goodput_times_busy_share():
-    busy, idle = PassCost(), PassCost()
-    layouts = [(r, s) for r, s in [(5, 1), (20, 4), (80, 16)] * 30]
-    run(busy, layouts)
-    run(idle, layouts, gap=0.2)
+    """Passes of 20 rows from 4 sessions, 8 tokens each: back to back the price is per_row x
+    tokens per pass-second; with 0.2 s idle after each pass, that times the busy share."""
+    truth = [(r, s, BASE + ROW * r + SESSION * s) for r, s in [(1, 1), (9, 1), (8, 8), (40, 8)]]
+    busy, idle = PassCost(truth), PassCost(truth)
+    run(busy, [(20, 4)] * 200)  # two tokens a session: 8 a pass
+    run(idle, [(20, 4)] * 200, gap=0.2)
+    s = BASE + ROW * 20 + SESSION * 4
     assert busy.utilisation == pytest.approx(1.0)
-    assert idle.utilisation < 0.25
-    for pc in (busy, idle):
-        assert pc.price == pytest.approx(pc.per_row_s * pc.tokens_per_s * pc.utilisation)
-    assert busy.price > 0.1 and idle.price < busy.price / 4
-    # a verifier that has not run yet asks nothing
-    assert PassCost().price == 0.0
+    assert idle.utilisation == pytest.approx(s / (s + 0.2), rel=1e-3)
+    assert busy.price == pytest.approx(ROW * 8 / s, rel=1e-3)
+    assert idle.price == pytest.approx(ROW * 8 / (s + 0.2), rel=1e-3)
+    assert PassCost().price == 0.0  # a verifier that has not run yet asks nothing
