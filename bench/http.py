@@ -101,8 +101,8 @@ def render(a, prompts, walls, cpu) -> str:
               for w in ("http", "http-sse")}
     return f"""# HTTP front door overhead against gRPC
 
-Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()} ({os.cpu_count()} cores, shared with other jobs:
-the machine was noisy, so single differences of a few percent are within its noise). Models
+Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()} ({os.cpu_count()} cores; this machine's speed drifts
+with its neighbours, so single differences of a few percent are within its noise). Models
 {os.path.basename(os.path.normpath(a.target))} / {os.path.basename(os.path.normpath(a.draft))} (models/), one verify and one draft service, 1 torch
 thread each, the draft's request defaults (adaptive tau, pre-drafting, hybrid proposer). Each request:
 one of the first {len(prompts)} builtin prompts (bench/prompts.py), greedy, {a.max_new_tokens} new tokens;
