@@ -40,7 +40,7 @@ def test_latency_panels_have_several_log_ticks():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bench.loadtest import _log_y
+    from bench.loadtest_report import _log_y
 
     fig, ax = plt.subplots()
     ax.plot([1, 2, 4], [30, 45, 60])
