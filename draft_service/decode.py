@@ -41,7 +41,7 @@ from draft_service.adaptive import DraftJudge, TauController
 from draft_service.drafter import Drafter, PredraftControl, Proposal
 from specdec.costmodel import Costs
 from specdec import metrics
-from specdec.errors import RequestError
+from specdec.errors import Refusal, RequestError
 from specdec.kvcache import PREFILL_CHUNK
 from specdec.validation import GenParams
 from specdec.v1 import specdec_pb2 as pb
@@ -149,7 +149,7 @@ class DecodeLoop:
                     pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl)), ahead_ctl)
                 v = await self._timed(call.read(), self._first_read_scale() if stats.rounds == 1 else 1)
                 if v is grpc.aio.EOF:
-                    raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
+                    raise RequestError(Refusal.UNAVAILABLE, "verify service ended the session without a verdict")
                 t3 = time.perf_counter()
                 stats.draft_s += t2 - t1
                 stats.verify_s += t3 - t2
@@ -209,12 +209,12 @@ class DecodeLoop:
                     break
                 ahead += 1
             if not ahead:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
+                raise RequestError(Refusal.UNAVAILABLE, "verify service ended the session without a verdict")
             t0 = time.perf_counter()
             v = await self._timed(call.read())
             ahead -= 1
             if v is grpc.aio.EOF:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "verify service ended the session without a verdict")
+                raise RequestError(Refusal.UNAVAILABLE, "verify service ended the session without a verdict")
             stats.rounds += 1  # counted when verified: a round written ahead past the end is not
             stats.fallback_rounds += 1
             stats.target_only_rounds += 1
@@ -254,7 +254,7 @@ class DecodeLoop:
         try:
             return await asyncio.wait_for(op, limit)
         except asyncio.TimeoutError:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"the verify service stopped answering: nothing for "
+            raise RequestError(Refusal.UNAVAILABLE, f"the verify service stopped answering: nothing for "
                                f"{limit:g}s in a round (--verify-round-timeout-s)") from None
 
     def summary(self) -> pb.Stats:

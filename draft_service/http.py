@@ -23,7 +23,6 @@ import ssl
 import time
 import uuid
 
-import grpc
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -35,7 +34,7 @@ from starlette.routing import Route
 from draft_service import openai_schemas as s
 from draft_service.openai_reply import CLIENT_GONE, ClientGone, Context, HttpError, Reply
 from specdec import metrics, serving, validation
-from specdec.errors import RequestError
+from specdec.errors import Refusal, RequestError
 from specdec.v1 import specdec_pb2 as pb
 
 log = logging.getLogger("specdec.draft")
@@ -229,8 +228,8 @@ class FrontDoor:
             return
         refusal = self.auth.check(GENERATE, [("authorization", request.headers.get("authorization", ""))])
         if refusal:
-            code, reason = refusal
-            raise HttpError(401 if code == grpc.StatusCode.UNAUTHENTICATED else 403, reason, code="invalid_api_key")
+            kind, reason = refusal
+            raise HttpError(401 if kind == Refusal.UNAUTHENTICATED else 403, reason, code="invalid_api_key")
 
     @staticmethod
     def _request_id(request: Request) -> str:

@@ -21,8 +21,9 @@ from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
 from draft_service.replicas import Replicas
 from draft_service.upstream import pairing_error
-from specdec import metrics, serving, validation
-from specdec.errors import RequestError
+from specdec import edge, metrics, serving, validation
+from specdec.architectures import TESTED
+from specdec.errors import Refusal, RequestError
 from specdec.costmodel import Costs
 from specdec.lm import LM
 from specdec.textstream import Chunks
@@ -33,7 +34,7 @@ log = logging.getLogger("specdec.draft")
 SERVICE = "draft"
 # a session refused with these before its first verdict is opened on the next replica (nothing
 # was streamed to the client yet, so nothing is repeated)
-PLACE_AGAIN = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+PLACE_AGAIN = (Refusal.RESOURCE_EXHAUSTED, Refusal.UNAVAILABLE)
 CALIBRATION_RETRY_S = 60.0  # a failed calibration is tried again after this long
 ADAPTIVE_MAX_TAU = 8  # the cap adaptive tau was measured with (bench/results/POLICY.md)
 
@@ -97,7 +98,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         problem = await pairing_error(stub, self.lm, info)
         if problem:
             log.error("the verify service's model does not pair with this draft", extra={"fields": {"reason": problem}})
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, problem)
+            raise RequestError(Refusal.FAILED_PRECONDITION, problem)
         self.set_target(info)
         self._paired = True
 
@@ -111,11 +112,11 @@ class DraftServicer(pb_grpc.DraftServicer):
         """A verify replica for a call that is not a session: the best one known."""
         best = self.replicas.best()
         if best is None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no verify replica is known at {self.replicas.target}")
+            raise RequestError(Refusal.UNAVAILABLE, f"no verify replica is known at {self.replicas.target}")
         return best.stub
 
     async def Info(self, request, context):
-        return serving.model_info(self.lm, request.include_vocab)
+        return serving.model_info(self.lm, request.include_vocab, TESTED)
 
     async def Generate(self, request, context):
         t0 = time.perf_counter()
@@ -134,7 +135,7 @@ class DraftServicer(pb_grpc.DraftServicer):
             costs = await self.costs() if adaptive or (self.draft_fallback and g.proposer != pb.PROPOSER_LOOKUP) else None
             replicas = self.replicas.ranked()
             if not replicas:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no verify replica is known at {self.replicas.target}")
+                raise RequestError(Refusal.UNAVAILABLE, f"no verify replica is known at {self.replicas.target}")
             for i, replica in enumerate(replicas):
                 loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
                                   costs=costs if adaptive else None, fallback=costs if self._judge(g) else None,
@@ -157,7 +158,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                             return
                 except Exception as e:  # noqa: BLE001 - a write on a call the replica ended fails otherwise than its status
                     e = await serving.upstream_error(e, call)
-                    code = e.code() if isinstance(e, grpc.aio.AioRpcError) else getattr(e, "code", None)
+                    code = edge.refusal(e.code()) if isinstance(e, grpc.aio.AioRpcError) else getattr(e, "kind", None)
                     if started or i == len(replicas) - 1 or code not in PLACE_AGAIN:
                         raise e from None
                     replica.refused()  # full or gone: rank it last until its next poll says otherwise

@@ -24,6 +24,8 @@ import os
 
 import grpc
 
+from specdec import edge
+from specdec.errors import Refusal
 from specdec.startup import StartupError, read_file
 
 EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # orchestrators and tooling need no token
@@ -82,8 +84,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
     def __init__(self, grants: list[tuple[str, frozenset[str] | None]]):
         self._grants = [(f"Bearer {t}".encode(), allowed) for t, allowed in grants]
 
-    def check(self, method_path: str, metadata) -> tuple[grpc.StatusCode, str] | None:
-        """None if the call may go on, else the status and reason to refuse it with."""
+    def check(self, method_path: str, metadata) -> tuple[Refusal, str] | None:
+        """None if the call may go on, else the refusal and reason to refuse it with."""
         if method_path.startswith(EXEMPT):
             return None
         got = b""
@@ -91,16 +93,16 @@ class TokenAuth(grpc.aio.ServerInterceptor):
             if k == "authorization":
                 got = v.encode() if isinstance(v, str) else v
         if not got:
-            return grpc.StatusCode.UNAUTHENTICATED, "missing bearer token"
+            return Refusal.UNAUTHENTICATED, "missing bearer token"
         allowed, matched = None, False
         for want, methods in self._grants:  # compare with every token: the time says nothing about which matched
             if hmac.compare_digest(got, want):
                 allowed, matched = methods, True
         if not matched:
-            return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
+            return Refusal.UNAUTHENTICATED, "invalid bearer token"
         method = method_path.rsplit("/", 1)[-1]
         if allowed is not None and method not in allowed:
-            return grpc.StatusCode.PERMISSION_DENIED, f"this token may not call {method}"
+            return Refusal.PERMISSION_DENIED, f"this token may not call {method}"
         return None
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
@@ -108,7 +110,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if refusal is None or handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
             return handler
-        code, reason = refusal
+        code, reason = edge.status(refusal[0]), refusal[1]
 
         async def deny(request, context):
             await context.abort(code, reason)

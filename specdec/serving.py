@@ -17,9 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from specdec import architectures, metrics, observe, tracing, vocabdiff
+from specdec import edge, metrics, observe, tracing, vocabdiff
 from specdec.startup import StartupError, add_server_args, env, env_flag, read_file  # noqa: F401 - the services' flags
-from specdec.errors import RequestError
+from specdec.errors import Refusal, RequestError
 from specdec.observe import REQUEST_ID_KEY, RequestObserver  # noqa: F401 - REQUEST_ID_KEY: the servicers use it
 from specdec.v1 import specdec_pb2 as pb
 
@@ -31,8 +31,9 @@ RETRY_AFTER_MS = 1000
 MODES = [pb.PROPOSAL_MODE_GREEDY, pb.PROPOSAL_MODE_SPARSE, pb.PROPOSAL_MODE_DENSE]
 
 
-def model_info(lm, include_vocab: bool = False) -> pb.ModelInfo:
-    """What Info answers; `include_vocab` adds every token (to explain a fingerprint mismatch)."""
+def model_info(lm, include_vocab: bool = False, architectures: tuple[str, ...] = ()) -> pb.ModelInfo:
+    """What Info answers; `include_vocab` adds every token (to explain a fingerprint mismatch);
+    `architectures`: the ones the engine serves (the servicer passes the engine's list)."""
     return pb.ModelInfo(
         model_name=lm.name,
         vocab_fingerprint=lm.fingerprint,
@@ -44,7 +45,7 @@ def model_info(lm, include_vocab: bool = False) -> pb.ModelInfo:
         eos_token_ids=sorted(lm.eos),
         device=str(lm.device),
         dtype=str(lm.dtype).removeprefix("torch."),
-        supported_architectures=architectures.TESTED,
+        supported_architectures=architectures,
         tokenizer=vocabdiff.tokenizer_info(lm.tokenizer, include_vocab),
     )
 
@@ -97,18 +98,19 @@ async def upstream_error(e: Exception, call) -> Exception:
     if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INTERNAL and "execute_batch" in (e.debug_error_string() or ""):
         # grpc aio overwrites the peer's status with this when a write races the peer ending the
         # stream (grpc/grpc issue 36066): the request was not served, so it is safe to retry
-        return RequestError(grpc.StatusCode.UNAVAILABLE, "upstream: the verify service ended the session while a message was in flight "
+        return RequestError(Refusal.UNAVAILABLE, "upstream: the verify service ended the session while a message was in flight "
                             "(its status was lost, grpc/grpc#36066); retry")
     if call is None or isinstance(e, RequestError) or not call.done():
         return e
     code = await call.code()
     if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
         return e
-    return RequestError(code, f"upstream: {await call.details()}")
+    return RequestError(edge.refusal(code), f"upstream: {await call.details()}")
 
 
 async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: Exception, upstream=None):
-    """Ends the RPC with the status an exception stands for (INTERNAL for the unexpected).
+    """Ends the RPC with the status an exception stands for (INTERNAL for the unexpected): the
+    one place a transport-neutral refusal becomes a gRPC status (specdec/edge.py).
     `upstream`: the call this handler made, whose status explains a failed write or read.
     (The error is counted and logged by the request observer, specdec/observe.py.)"""
     e = await upstream_error(e, upstream)
@@ -117,7 +119,7 @@ async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: 
         log.debug("%s: caller gone: %s: %s", method, type(e).__name__, e)
         return
     if isinstance(e, RequestError):
-        code, msg = e.code, e.message
+        code, msg = edge.status(e.kind), e.message
     elif isinstance(e, grpc.aio.AioRpcError):  # an upstream call failed: pass its status on
         code, msg = e.code(), f"upstream: {e.details()}"
     else:

@@ -18,7 +18,7 @@ from client import Client
 from specdec.costmodel import Costs
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
-from specdec.errors import RequestError
+from specdec.errors import Refusal, RequestError
 from specdec.lm import LM
 from specdec.validation import parse_generate
 from specdec.v1 import specdec_pb2 as pb
@@ -178,7 +178,7 @@ def test_a_verifier_that_ends_the_stream_is_unavailable(drafters):
     g = request(d, prompt_ids=[3, 4, 5], max_new_tokens=8, num_draft_tokens=3)
     with pytest.raises(RequestError) as e:
         asyncio.run(run(DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, predraft=True), Silent()))
-    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert e.value.kind == Refusal.UNAVAILABLE
 
 
 def test_the_caller_may_stop_after_any_round(drafters, model_dir):

@@ -10,13 +10,12 @@ import json
 import socket
 from types import SimpleNamespace
 
-import grpc
 import pytest
 from starlette.testclient import TestClient
 
 from draft_service.http import FrontDoor
 from specdec import serving
-from specdec.errors import RequestError
+from specdec.errors import Refusal, RequestError
 from specdec.testing.tinymodels import word_tokenizer
 from specdec.v1 import specdec_pb2 as pb
 
@@ -25,7 +24,7 @@ class Stub:
     """A DraftServicer stand-in: records the GenerateRequests and answers two chunks, or fails
     (before any output, or after the first chunk) the way the servicer does."""
 
-    def __init__(self, tokenizer, fail: grpc.StatusCode | None = None, fail_after_first: bool = False):
+    def __init__(self, tokenizer, fail: Refusal | None = None, fail_after_first: bool = False):
         self.lm = SimpleNamespace(name="stub", tokenizer=tokenizer)
         self.max_context = 64
         self.fail, self.fail_after_first = fail, fail_after_first
@@ -83,7 +82,7 @@ def test_chat_template_flag_renders_the_messages(tmp_path):
     assert stub.requests[0].prompt == "w5 w7 w6" and stub.requests[0].max_new_tokens == 2
 
 
-@pytest.mark.parametrize("code,status", [(grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503)])
+@pytest.mark.parametrize("code,status", [(Refusal.RESOURCE_EXHAUSTED, 429), (Refusal.UNAVAILABLE, 503)])
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_full_or_unreachable_service_answers_with_retry_after(code, status, stream):
     r = client(Stub(word_tokenizer(16), fail=code)).post("/v1/completions", json={"model": "stub", "prompt": "w3", "stream": stream})
@@ -92,7 +91,7 @@ def test_a_full_or_unreachable_service_answers_with_retry_after(code, status, st
 
 
 def test_an_error_after_the_first_chunk_is_an_error_event_then_done():
-    r = client(Stub(word_tokenizer(16), fail=grpc.StatusCode.UNAVAILABLE, fail_after_first=True)).post(
+    r = client(Stub(word_tokenizer(16), fail=Refusal.UNAVAILABLE, fail_after_first=True)).post(
         "/v1/completions", json={"model": "stub", "prompt": "w3", "stream": True})
     events = [e for e in r.text.split("\n\n") if e]
     assert r.status_code == 200 and events[-1] == "data: [DONE]"

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import torch
 
 from specdec import metrics
-from specdec.errors import RequestError
+from specdec.errors import Refusal, RequestError
 from specdec.kvcache import attention_dtype, available_memory_bytes
 
 
@@ -48,10 +47,10 @@ class Capacity:
         with self._lock:
             if self.sessions >= self.max_sessions:
                 metrics.CAPACITY_REJECTIONS.labels("sessions").inc()
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verify service is at its limit of {self.max_sessions} sessions; retry later")
+                raise RequestError(Refusal.RESOURCE_EXHAUSTED, f"verify service is at its limit of {self.max_sessions} sessions; retry later")
             if self.reserved + need > self.max_cached_tokens:
                 metrics.CAPACITY_REJECTIONS.labels("cached_tokens").inc()
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verify service cache is full ({self.reserved}/{self.max_cached_tokens} tokens reserved, {need} asked); retry later")
+                raise RequestError(Refusal.RESOURCE_EXHAUSTED, f"verify service cache is full ({self.reserved}/{self.max_cached_tokens} tokens reserved, {need} asked); retry later")
             self.sessions += 1
             self.reserved += need
             self._report()

@@ -22,16 +22,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from specdec import metrics
 from specdec.acceptance import accept, accept_greedy
-from specdec.errors import RequestError
+from specdec.errors import Refusal, RequestError
 from specdec.kvcache import PREFILL_CHUNK, KVCache, forward_packed
 from specdec.lm import LM
 from specdec.sampling import VERIFY, Sampling, keyed_generator, probs_from_logits
-from specdec.v1 import specdec_pb2 as pb
 from verify_service.capacity import Capacity, default_cache_budget
 from verify_service.passcost import PassCost, probe
 from verify_service.session import Session, Verdict, commit
@@ -191,7 +189,7 @@ class Scheduler:
                 if isinstance(job, KVCache):  # a closed session's cache (`close`)
                     job.release()
                 elif job.session.closed:
-                    job.resolve(False, RequestError(grpc.StatusCode.CANCELLED, "session closed"))
+                    job.resolve(False, RequestError(Refusal.CANCELLED, "session closed"))
                 else:  # a stream whose prompt is not in the cache yet takes its prefill's place
                     (prefills if job.tokens is None or _unfilled(job.session) else rounds).append(job)
                 job = None
@@ -302,7 +300,7 @@ class Scheduler:
     @staticmethod
     def _dropped(j: _Job) -> bool:
         if j.session.closed:
-            j.resolve(False, RequestError(grpc.StatusCode.CANCELLED, "session closed"))
+            j.resolve(False, RequestError(Refusal.CANCELLED, "session closed"))
             return True
         return False
 

@@ -6,8 +6,9 @@ import logging
 import time
 
 import grpc
-from specdec import serving, validation
-from specdec.errors import RequestError, invalid
+from specdec import edge, serving, validation
+from specdec.architectures import TESTED
+from specdec.errors import Refusal, RequestError, invalid
 from specdec.proposal import decode_round
 from specdec.textstream import Chunks
 from specdec.v1 import specdec_pb2 as pb
@@ -25,7 +26,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         self.idle_timeout_s = idle_timeout_s
 
     async def Info(self, request, context):
-        info = serving.model_info(self.lm, request.include_vocab)
+        info = serving.model_info(self.lm, request.include_vocab, TESTED)
         info.capacity.CopyFrom(pb.Capacity(**self.engine.capacity.free()))
         return info
 
@@ -33,12 +34,12 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         try:
             return await asyncio.wait_for(context.read(), self.idle_timeout_s)
         except asyncio.TimeoutError:
-            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"session idle for more than {self.idle_timeout_s:g}s; closed") from None
+            raise RequestError(Refusal.DEADLINE_EXCEEDED, f"session idle for more than {self.idle_timeout_s:g}s; closed") from None
 
     def _open(self, st: pb.SessionStart):
         if st.vocab_fingerprint != self.lm.fingerprint:
             tok = self.lm.tokenizer
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"vocabulary fingerprint mismatch: draft {st.vocab_fingerprint[:12]!r}, "
+            raise RequestError(Refusal.FAILED_PRECONDITION, f"vocabulary fingerprint mismatch: draft {st.vocab_fingerprint[:12]!r}, "
                                f"target {self.lm.fingerprint[:12]!r} ({type(tok).__name__}, {len(tok)} tokens, {self.lm.vocab_size} output "
                                "rows; the draft service's start-up check, or Info with include_vocab, says what differs)")
         validation.check_request_id(st.request_id, "start.request_id")
@@ -84,7 +85,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                 v = await self.engine.step(s, tokens, q)
                 await context.write(pb.VerifyResponse(
                     round=req.round.round, num_accepted=v.num_accepted, next_token=v.next_token,
-                    finish_reason=v.finish, forward_s=v.forward_s, queue_s=v.queue_s, seed=s.seed,
+                    finish_reason=edge.finish_reason(v.finish), forward_s=v.forward_s, queue_s=v.queue_s, seed=s.seed,
                     row_cost_s=v.row_cost_s, row_price=v.row_price))
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Session", e)
@@ -106,7 +107,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                 stats.verify_s += time.perf_counter() - t1
                 stats.verify_forward_s += v.forward_s
                 stats.rounds += 1
-                chunk, finish = out.push([v.next_token] if v.next_token is not None else [], v.finish)
+                chunk, finish = out.push([v.next_token] if v.next_token is not None else [], edge.finish_reason(v.finish))
                 if finish:
                     stats.prefill_s = s.prefill_s
                     yield out.last(chunk, stats, g.seed, t0)

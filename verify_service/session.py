@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.errors import Finish
 from specdec.kvcache import KVCache
 from specdec.sampling import Sampling
-from specdec.v1 import specdec_pb2 as pb
 
 
 @dataclass
@@ -26,14 +26,14 @@ class Session:
     prompt_len: int
     max_new_tokens: int
     sampling: Sampling
-    mode: int  # pb.ProposalMode
+    mode: int  # the proposal mode (specdec/proposal.py)
     seed: int
     generator: torch.Generator  # on the model's device; re-seeded per round from (seed, position)
     cache: KVCache
     reserved: int  # cache tokens reserved at admission
     next_round: int = 1
     prefill_s: float = 0.0  # from the prefill's queueing to the pass that put the prompt's last chunk in
-    finish: int = pb.FINISH_REASON_UNSPECIFIED
+    finish: Finish = Finish.NONE
     closed: bool = False
 
     @property
@@ -45,7 +45,7 @@ class Session:
 class Verdict:
     num_accepted: int
     next_token: int | None
-    finish: int
+    finish: Finish
     forward_s: float = 0.0
     queue_s: float = 0.0
     row_cost_s: float = 0.0  # the verifier's load after the pass (passcost.PassCost)
@@ -56,15 +56,15 @@ def commit(s: Session, new: list[int], n: int, eos: frozenset[int], max_context:
     """Appends new = accepted + [next] up to the first end condition (EOS, max_new_tokens, the
     context limit: tokens past it are never emitted); crops the cache to len(ids) - 1."""
     out: list[int] = []
-    finish = pb.FINISH_REASON_UNSPECIFIED
+    finish = Finish.NONE
     for t in new:
         out.append(t)
         if t in eos:
-            finish = pb.FINISH_REASON_EOS
+            finish = Finish.EOS
         elif s.generated + len(out) >= s.max_new_tokens:
-            finish = pb.FINISH_REASON_LENGTH
+            finish = Finish.LENGTH
         elif len(s.ids) + len(out) >= max_context:
-            finish = pb.FINISH_REASON_CONTEXT
+            finish = Finish.CONTEXT
         if finish:
             break
     s.ids.extend(out)
