@@ -7,7 +7,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-fast protos check-protos deploy-check bench clean
+.PHONY: setup demo test test-fast protos check-protos deploy-check lint-imports bench clean
 
 setup: $(VENV)/.ok
 $(VENV)/.ok: pyproject.toml
@@ -20,7 +20,7 @@ $(VENV)/.ok: pyproject.toml
 demo: setup
 	$(BIN)/python -m bench.demo
 
-test: setup check-protos deploy-check
+test: setup check-protos deploy-check lint-imports
 	$(BIN)/python -m pytest
 
 test-fast: setup
@@ -34,6 +34,11 @@ check-protos: setup
 
 deploy-check: setup
 	VENV=$(VENV) bash deploy/check.sh
+
+# the layers' import contracts (pyproject.toml [tool.importlinter]) and no cycles between the packages
+lint-imports: setup
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python tools/import_cycles.py
 
 bench: setup
 	$(BIN)/python -m bench.engine

@@ -100,18 +100,12 @@ def op_table(prof, tokens: int, path: str) -> float:
     return sum(e.device_type == torch.autograd.DeviceType.CPU for e in prof.events()) / tokens
 
 
-class ProfiledScheduler(Scheduler):
-    """A scheduler whose thread, the one that runs the model, runs under torch.profiler for its whole life: the
-    profiler records ops on the thread it is started on only (the session's own few ops on the event loop's
-    thread, opening and closing it, are left out)."""
-
-    def __init__(self, lm: LM):
-        self.prof = None
-        super().__init__(lm, max_sessions=1)
-
-    def _work(self) -> None:
-        with torch.profiler.profile(activities=activities(self.lm)) as self.prof:
-            super()._work()
+def profiled_scheduler(lm: LM) -> tuple[Scheduler, torch.profiler.profile]:
+    """A scheduler whose thread, the one that runs the model, runs under torch.profiler for its whole life
+    (Scheduler's thread_context): the profiler records ops on the thread it is started on only (the session's
+    own few ops on the event loop's thread, opening and closing it, are left out)."""
+    prof = torch.profiler.profile(activities=activities(lm))
+    return Scheduler(lm, max_sessions=1, thread_context=lambda: prof), prof
 
 
 def compiled_generate(lm: LM, ids: torch.Tensor, kw: dict, reference: list[int]) -> dict:
@@ -256,12 +250,11 @@ def main(argv=None) -> None:
         asyncio.run(bench())
         if a.profile:  # after every timed stage, so the profiler cannot disturb them
             n = min(16, a.tokens)
-            prof_eng = ProfiledScheduler(lm)
+            prof_eng, eng_prof = profiled_scheduler(lm)
             asyncio.run(run_session(prof_eng, prompt, n, 0, None))
-            prof_eng.shutdown()
-            prof_eng._worker.join()  # the profiler stops when the thread ends
+            prof_eng.shutdown(timeout=None)  # the profiler stops when the thread ends
             res["host_ops_per_token"] = {"tokens": n,
-                                         "target_only": op_table(prof_eng.prof, n, os.path.join(a.out, "profile_target_only.txt"))}
+                                         "target_only": op_table(eng_prof, n, os.path.join(a.out, "profile_target_only.txt"))}
             with own_attention(lm), torch.inference_mode(), torch.profiler.profile(activities=activities(lm)) as prof:
                 lm.model.generate(ids, **dict(kw, max_new_tokens=n, min_new_tokens=n))
                 sync(lm)

@@ -6,15 +6,17 @@ trained on: the held-out split of the CPython standard library (train/corpus.py)
 * `stdlib_snippets`: snippets that START at a `def`/`class` line and stop at a line boundary,
   shuffled (bench.loadtest `--prompts stdlib`);
 * `load_prompts`: the load tester's `--prompts` choice: `stdlib`, `builtin` or a file;
-* `CODE_PROMPTS`: code that uses libraries from outside the standard library, written for the
-  benchmarks (bench.engine, bench.policy) and the model card's quality figures (train.evaluate).
+* `CODE_PROMPTS` (from train/code_prompts.py, which the model card's quality figures use too):
+  code that uses libraries from outside the standard library (bench.engine, bench.policy).
 """
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
+
+from train.code_prompts import CODE_PROMPTS  # noqa: F401 - one prompt set for the benchmarks and the model card
+from train.corpus import stdlib_documents
 
 BUILTIN_PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -31,39 +33,11 @@ BUILTIN_PROMPTS = [
     "async def fetch_all(urls):\n    results = []\n    for url in urls:\n",
 ]
 
-# Each prompt ends at the end of a line, without the newline: the shipped tokenizer merges a
-# newline with the next line's indentation ("\n   " then " return"), so a prompt ending in a bare
-# "\n" sits at a token boundary that training text never has there, and the model reads it as
-# the end of the block (it then starts a new function or ends the file).
-CODE_PROMPTS = [
-    "import numpy as np\n\n\ndef moving_average(x, window):\n    \"\"\"Mean of each window of x.\"\"\"",
-    "from flask import Flask, jsonify, request\n\napp = Flask(__name__)\n\n\n@app.route('/users/<int:user_id>')\ndef get_user(user_id):",
-    "import torch\nimport torch.nn as nn\n\n\nclass MLP(nn.Module):\n    def __init__(self, dim, hidden):\n        super().__init__()",
-    "import requests\n\n\ndef fetch_json(url, retries=3, timeout=5.0):\n    for attempt in range(retries):",
-    "import pandas as pd\n\n\ndef load_sales(path):\n    \"\"\"Read the sales CSV and return totals per region.\"\"\"\n    df = pd.read_csv(path)",
-]
-
 _DEF = re.compile(r"^(\s*)def \w+\(.*\):\s*$", re.M)
-_FALLBACK_FILES = ("textwrap.py", "shlex.py", "fnmatch.py", "heapq.py", "bisect.py", "colorsys.py")
 
 
 def heldout_documents() -> list[tuple[str, str]]:
-    """(name, text) of the held-out stdlib files, sorted by name. Without the training package
-    (train/), a few stdlib files read directly stand in for them."""
-    try:
-        from train.corpus import stdlib_documents
-    except ImportError:
-        import sysconfig
-
-        root = sysconfig.get_paths()["stdlib"]
-        docs = []
-        for name in _FALLBACK_FILES:
-            try:
-                with open(os.path.join(root, name), encoding="utf-8") as f:
-                    docs.append((name, f.read()))
-            except OSError:
-                pass
-        return sorted(docs)
+    """(name, text) of the held-out stdlib files (train/corpus.py), sorted by name."""
     return sorted(((d.name, d.text) for d in stdlib_documents("heldout", include_tests=False)), key=lambda d: d[0])
 
 

@@ -258,10 +258,3 @@ def documents(specs: Sequence[str], split: str = "train", include_tests: bool = 
     if paths:
         docs += user_documents(paths, split)
     return docs
-
-
-def describe(specs: Sequence[str], tokenizer, split: str = "train") -> List[dict]:
-    """Per corpus spec: its license (for installed packages), files and tokens in `split`."""
-    from train.data import corpus_tokens  # noqa: PLC0415 - train.data imports this module
-
-    return corpus_tokens(tokenizer, list(specs), split)[1]

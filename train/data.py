@@ -99,3 +99,8 @@ class WindowSampler:
         for i in range(n):
             s = i * self.seq_len
             yield self.tokens[s:s + self.seq_len + 1][None, :]
+
+
+def describe(specs: Sequence[str], tokenizer, split: str = "train") -> List[dict]:
+    """Per corpus spec: its license (for installed packages), files and tokens in `split`."""
+    return corpus_tokens(tokenizer, list(specs), split)[1]

@@ -12,7 +12,7 @@ Everything is measured in float32 with batch-1 KV-cache decoding, the way the se
 * T=1 acceptance: along the draft's own sampled 8-token proposals, β_k = Σ_x min(p(x), q(x))
   at proposal position k = 1..8; the mean β, the product-form estimate of tokens per round,
   and the unbiased path estimate E[Π_j min(1, p(x_j)/q(x_j))];
-* on code from outside the standard library (bench/prompts.py CODE_PROMPTS): the distinct-3-gram
+* on code from outside the standard library (train/code_prompts.py CODE_PROMPTS): the distinct-3-gram
   ratio of the target's greedy 128-token continuations (a loop scores near 0, real code about
   0.8) and α along them;
 * α on out-of-domain code (``--ood-corpus``: packages the pair never trained on);
@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specdec.costmodel import best_gamma, round_cost, speedup
 from specdec.kvcache import cache_kwargs, returned_cache
 from train import corpus
+from train.code_prompts import CODE_PROMPTS
 from train.data import tokenize_documents
 from train.latency import compare_latency
 
@@ -237,8 +238,6 @@ def main(argv=None) -> dict:
     prompts = prompts_from(tokens, args.prompts, args.prompt_len)
     res["greedy"] = greedy_acceptance(target, draft, prompts, args.continuation, args.batch)
     print("greedy", res["greedy"], flush=True)
-    from bench.prompts import CODE_PROMPTS  # noqa: PLC0415 - the benchmarks' prompt set (a checkout tool, like train/)
-
     res["code_prompts"] = code_prompts_quality(target, draft, tokenizer, CODE_PROMPTS, args.code_tokens)
     print("code prompts", {k: v for k, v in res["code_prompts"].items() if k != "prompts"}, flush=True)
     if args.ood_corpus:

@@ -150,3 +150,11 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
             "resumed_from_step": first_step, "steps_this_run": run_steps, "minutes_this_run": round(run_s / 60, 3),
             "tokens_this_run": run_steps * (tokens_per_step or 0),
             "stopped_by": "steps" if step >= cfg.max_steps else "max-minutes"}
+
+
+def causal_lm_loss(model, batch):
+    """Next-token cross-entropy on a batch of windows [B, T]: the plain pretraining and distillation base loss."""
+    out = model(input_ids=batch[:, :-1])
+    logits = out.logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+    return loss, {}

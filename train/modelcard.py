@@ -206,7 +206,7 @@ with `tokenizers` on the standard library's training split for the first pair an
 Documents are fed as `<|bos|> text <|eos|>`. It merges a newline with the next line's
 indentation, so prompts should end at the end of a line, not after its newline.
 
-## Quality on code from outside the standard library (`bench/prompts.py` CODE_PROMPTS)
+## Quality on code from outside the standard library (`train/code_prompts.py` CODE_PROMPTS)
 
 * mean distinct-3-gram ratio of the target's greedy 128-token continuations: **{cp['mean_distinct_3']:.2f}** (the bar is 0.6: {'reached' if cp['mean_distinct_3'] >= 0.6 else 'not reached'});
 * greedy α (the draft's argmax equals the target's, teacher-forced along those continuations): **{cp['alpha']:.3f}** ({cp['positions']} positions; the bar is 0.7: {'reached' if cp['alpha'] >= 0.7 else 'not reached'});

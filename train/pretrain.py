@@ -26,22 +26,17 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from train import corpus, export, loop
+from train.loop import causal_lm_loss
 from train.architecture import target_config
 from train.data import WindowSampler, corpus_tokens
 from train.tokenizer import train_on_documents
+from train.unlikelihood import make_loss
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def causal_lm_loss(model, batch):
-    out = model(input_ids=batch[:, :-1])
-    logits = out.logits.float()
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
-    return loss, {}
 
 
 def main(argv=None) -> None:
@@ -117,8 +112,6 @@ def main(argv=None) -> None:
     sampler = WindowSampler(tokens, args.seq_len, args.batch_size, seed=args.seed)
     loss_fn = causal_lm_loss
     if args.unlikelihood:
-        from train.unlikelihood import make_loss  # noqa: PLC0415 - it imports this module
-
         loss_fn = make_loss(args.unlikelihood, args.ul_batch, args.ul_prefix, args.ul_new, args.ul_ngram, tokenizer.pad_token_id)
     summary = loop.run(model, sampler.batch, loss_fn, loop.LoopConfig(
         run_dir=Path(args.run_dir), max_steps=args.steps, max_minutes=args.max_minutes, lr=args.lr,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from train.pretrain import causal_lm_loss
+from train.loop import causal_lm_loss
 
 
 def repeated_ngrams(seq: torch.Tensor, n: int) -> torch.Tensor:

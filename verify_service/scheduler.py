@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,9 +64,11 @@ class _Job:
 
 
 class Scheduler:
-    def __init__(self, lm: LM, max_sessions: int = 64, max_cached_tokens: int | None = None, max_pass_rows: int = MAX_BATCH_TOKENS):
+    def __init__(self, lm: LM, max_sessions: int = 64, max_cached_tokens: int | None = None, max_pass_rows: int = MAX_BATCH_TOKENS,
+                 thread_context: Callable[[], contextlib.AbstractContextManager] | None = None):
         """max_pass_rows bounds the rows of rounds in one pass (a round is never split: one that
-        does not fit waits for the next pass, first in line)."""
+        does not fit waits for the next pass, first in line). thread_context: a context the
+        scheduler thread (the one that runs the model) runs its whole life in, e.g. a profiler."""
         self.lm = lm
         self.max_pass_rows = max_pass_rows
         self.capacity = Capacity(max_sessions, max_cached_tokens or default_cache_budget(lm, max_sessions))
@@ -74,7 +77,8 @@ class Scheduler:
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self.cost = PassCost(probe(self._timed_pass, lm.vocab_size))  # before the scheduler thread owns the model
-        self._worker = threading.Thread(target=self._work, name="verify-scheduler", daemon=True)
+        self._thread_context = thread_context or contextlib.nullcontext
+        self._worker = threading.Thread(target=self._thread, name="verify-scheduler", daemon=True)
         self._worker.start()
 
     @property
@@ -167,11 +171,16 @@ class Scheduler:
             for c in caches:
                 c.release()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = 5) -> None:
+        """Stops the scheduler thread; waits for it at most `timeout` seconds (None: until it ends)."""
         self._queue.put(_STOP)
-        self._worker.join(timeout=5)
+        self._worker.join(timeout=timeout)
 
     # ---- the scheduler thread ---------------------------------------------------------------
+
+    def _thread(self) -> None:
+        with self._thread_context():
+            self._work()
 
     def _work(self) -> None:
         rounds: list[_Job] = []
