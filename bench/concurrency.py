@@ -21,6 +21,7 @@ import time
 
 from tqdm import tqdm
 
+from bench.cli import add_pair_args
 from client import AsyncClient
 from specdec.testing.launch import ENV, ROOT, Service
 
@@ -57,12 +58,10 @@ async def run_level(drafts: list[str], prompts: list[str], max_new: int, togethe
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.concurrency")
-    p.add_argument("--target", default=os.path.join(ROOT, "models", "stdlib-code-target"))
-    p.add_argument("--draft", default=os.path.join(ROOT, "models", "stdlib-code-draft"))
+    add_pair_args(p)
     p.add_argument("--levels", default="1,2,4,8,16")
     p.add_argument("--drafts", type=int, default=2, help="draft-service processes")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     a = p.parse_args(argv)
     levels = [int(x) for x in a.levels.split(",")]
     os.makedirs(a.out, exist_ok=True)

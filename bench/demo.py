@@ -16,8 +16,9 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.cli import add_pair_args
 from client import Client
-from specdec.testing.launch import ENV, ROOT, Service
+from specdec.testing.launch import ENV, Service
 
 # Ends at the end of a line, without its newline: the shipped tokenizer merges a newline with the
 # next line's indentation (bench/prompts.py, CODE_PROMPTS).
@@ -51,8 +52,7 @@ def hf_generate(path: str, dtype: str, ids: list[int], n: int) -> tuple[list[int
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.demo")
-    p.add_argument("--target", default=os.path.join(ROOT, "models", "stdlib-code-target"))
-    p.add_argument("--draft", default=os.path.join(ROOT, "models", "stdlib-code-draft"))
+    add_pair_args(p, out=False)
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tau", type=int, default=0,

@@ -30,8 +30,9 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.cli import add_pair_args
 from bench.prompts import CODE_PROMPTS, heldout_prompts
-from specdec.testing.launch import ENV, ROOT, Service
+from specdec.testing.launch import ENV, Service
 from client import Client
 
 
@@ -165,14 +166,12 @@ def rate(pairs) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.engine")
-    p.add_argument("--target", default=os.path.join(ROOT, "models", "stdlib-code-target"))
-    p.add_argument("--draft", default=os.path.join(ROOT, "models", "stdlib-code-draft"))
+    add_pair_args(p)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--sets", default="code,heldout", help="prompt sets: code (CODE_PROMPTS), heldout (held-out stdlib prompts)")
     p.add_argument("--heldout-dtypes", default="bfloat16", help="dtypes the held-out set runs in")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     results: dict = {"max_new_tokens": a.max_new_tokens, "sets": {}}

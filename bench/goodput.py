@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
 
+from bench.cli import add_pair_args, write_report
 from bench.concurrency import scrape
 from bench.prompts import CODE_PROMPTS
 from client import AsyncClient
@@ -52,12 +52,10 @@ async def run_batch(address: str, target_only: bool, prompts: list[str], max_new
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.goodput")
-    p.add_argument("--target", default=os.path.join(ROOT, "models", "stdlib-code-target"))
-    p.add_argument("--draft", default=os.path.join(ROOT, "models", "stdlib-code-draft"))
+    add_pair_args(p)
     p.add_argument("--levels", default="1,4,8,16")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     a = p.parse_args(argv)
     levels = [int(x) for x in a.levels.split(",")]
     os.makedirs(a.out, exist_ok=True)
@@ -92,12 +90,7 @@ def main(argv=None) -> int:
         verify.stop()
     res = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), target=os.path.relpath(a.target, ROOT),
                draft=os.path.relpath(a.draft, ROOT), max_new_tokens=a.max_new_tokens, repeats=a.repeats, rows=rows)
-    with open(os.path.join(a.out, "goodput.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
-    report = render(res)
-    with open(os.path.join(a.out, "GOODPUT.md"), "w") as fh:
-        fh.write(report)
-    print(report)
+    write_report(a.out, "goodput", "GOODPUT.md", res, render)
     return 0
 
 

@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 
+from bench.cli import add_pair_args
 from bench.prompts import BUILTIN_PROMPTS
 from client import Client
 from specdec.testing.launch import ENV, ROOT, Service
@@ -44,8 +45,7 @@ def http_completion(conn: http.client.HTTPConnection, body: dict, stream: bool) 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.http")
-    p.add_argument("--target", default=os.path.join(ROOT, "models", "stdlib-code-target"))
-    p.add_argument("--draft", default=os.path.join(ROOT, "models", "stdlib-code-draft"))
+    add_pair_args(p, out=False)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=128)

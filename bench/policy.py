@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 
+from bench.cli import add_pair_args
 from bench import split
 from bench.demo import PROMPT as DEMO_PROMPT
 from bench.prompts import CODE_PROMPTS
@@ -107,12 +108,10 @@ def _median_row(reps: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.policy")
-    p.add_argument("--target", default=os.path.join(ROOT, "models", "stdlib-code-target"))
-    p.add_argument("--draft", default=os.path.join(ROOT, "models", "stdlib-code-draft"))
+    add_pair_args(p)
     p.add_argument("--rtt-ms", default="0,10,50")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     a = p.parse_args(argv)
     ok, why = split.netns_supported()
     if not ok:

@@ -33,6 +33,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from bench.cli import add_pair_args
 from client import Client
 from specdec.costmodel import expected_tokens, round_cost
 from specdec.testing.launch import ENV, ROOT, Service
@@ -255,15 +256,13 @@ def main(argv=None) -> int:
         print(json.dumps(measure(m.server, m.server, json.loads(m.prompts_json), m.max_new_tokens, json.loads(m.params))))
         return 0
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default=os.path.join(ROOT, "models", "stdlib-code-target"))
-    p.add_argument("--draft", default=os.path.join(ROOT, "models", "stdlib-code-draft"))
+    add_pair_args(p)
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rtt-ms", default="0,2,10,50")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the services' dtype, and so the in-process anchors' (default: auto, as the services resolve it)")
     p.add_argument("--quick", action="store_true", help="fewer configurations (a smoke run)")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     a = p.parse_args(argv)
     a.rtts = [float(x) for x in a.rtt_ms.split(",") if x.strip()]
     a.target, a.draft = os.path.abspath(a.target), os.path.abspath(a.draft)

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
 
+from bench.cli import add_pair_args, write_report
 from bench.goodput import run_batch
 from bench.prompts import CODE_PROMPTS
 from specdec.testing.launch import ENV, ROOT, Service
@@ -43,13 +43,11 @@ def cpu_seconds(pid: int) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.scaleout")
-    p.add_argument("--target", default=os.path.join(ROOT, "models", "stdlib-code-target"))
-    p.add_argument("--draft", default=os.path.join(ROOT, "models", "stdlib-code-draft"))
+    add_pair_args(p)
     p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--proposer", default="hybrid", choices=("draft", "hybrid", "lookup"))
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     a = p.parse_args(argv)
     env = dict(ENV, OMP_NUM_THREADS="1")
     vs = [Service("verify_service", "--model", os.path.abspath(a.target), "--threads", "1", "--metrics-port", "0", env=env)
@@ -84,12 +82,7 @@ def main(argv=None) -> int:
                draft=os.path.relpath(a.draft, ROOT), sessions=a.sessions, max_new_tokens=a.max_new_tokens, proposer=a.proposer,
                repeats=a.repeats, cores=os.cpu_count(), runs=runs, median_tok_s=med, ratio=med[2] / med[1], wall_s=wall, cpu_s=cpu)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "scaleout.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
-    report = render(res)
-    with open(os.path.join(a.out, "SCALEOUT.md"), "w") as fh:
-        fh.write(report)
-    print(report)
+    write_report(a.out, "scaleout", "SCALEOUT.md", res, render)
     return 0
 
 

@@ -13,6 +13,8 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from specdec.files import StartupError
+
 from .core import MODES, PROPOSERS, Client, add_credential_args, credential_kwargs, make_request
 
 
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
     a = parse(argv)
     try:
         creds = credential_kwargs(a)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, StartupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     client = Client(a.server, target_only=a.target_only, fallback=a.fallback, timeout=a.timeout, retries=a.retries, **creds)

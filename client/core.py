@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from specdec.files import read_token
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -157,14 +158,6 @@ def _auth(token: str | None) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {token}")] if token else []
 
 
-def read_token(path: str) -> str:
-    with open(path) as f:
-        token = f.read().strip()
-    if not token:
-        raise ValueError(f"token file {path} is empty")
-    return token
-
-
 def add_credential_args(p) -> None:
     """The credential flags of the CLI and the load testers (an argparse parser)."""
     p.add_argument("--tls-ca", help="CA bundle to check the server's certificate (enables TLS)")
@@ -177,8 +170,9 @@ def add_credential_args(p) -> None:
 
 def credential_kwargs(args) -> dict:
     """Client(...) keyword arguments from the flags of add_credential_args."""
-    token = read_token(args.token_file) if args.token_file else args.token
-    fallback_token = read_token(args.fallback_token_file) if getattr(args, "fallback_token_file", None) else None
+    """A token file that cannot be read or is empty is a StartupError naming the flag."""
+    token = read_token(args.token_file, "--token-file") if args.token_file else args.token
+    fallback_token = read_token(args.fallback_token_file, "--fallback-token-file") if getattr(args, "fallback_token_file", None) else None
     return dict(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, token=token, fallback_token=fallback_token)
 
 

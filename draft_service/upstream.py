@@ -23,11 +23,7 @@ log = logging.getLogger("specdec.draft")
 def verify_channel(args, address: str, authority: str | None = None) -> grpc.aio.Channel:
     """A channel to one verify replica. `authority`: the name it was found under (a DNS name that
     resolved to `address`), which TLS checks the replica's certificate against."""
-    opts = [
-        ("grpc.max_receive_message_length", args.max_message_bytes),
-        ("grpc.max_send_message_length", args.max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+    opts = serving.link_options(args.max_message_bytes) + [
         # reconnect soon after a verify restart (gRPC's default backoff grows to 120 s)
         ("grpc.initial_reconnect_backoff_ms", 250),
         ("grpc.min_reconnect_backoff_ms", 250),

@@ -26,19 +26,10 @@ import grpc
 
 from specdec import edge
 from specdec.errors import Refusal
-from specdec.startup import StartupError, read_file
+from specdec.files import StartupError, read_token  # noqa: F401 - read_token: the services' token flags
 
 EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # orchestrators and tooling need no token
 CLIENT_METHODS = frozenset({"Generate", "Info"})  # what a client token may call on the verify service
-
-
-def read_token(path: str, flag: str = "token file") -> str:
-    """The token in a file (surrounding whitespace stripped); StartupError naming the flag and the
-    file when it cannot be read (missing, a directory, not text) or is empty."""
-    token = read_file(path, flag, "r").strip()
-    if not token:
-        raise StartupError(f"{flag} {path}: the file is empty")
-    return token
 
 
 def header(token: str) -> tuple[str, str]:

@@ -164,6 +164,14 @@ _KINDS = {(False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
           (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler)}
 
 
+async def _received(request, context, call: _Call, method: str, streaming: bool) -> None:
+    """A call's request is in: an undecodable one ends it with INVALID_ARGUMENT; a unary one is counted."""
+    if isinstance(request, Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
+    if not streaming:
+        call.received(request)
+
+
 class RequestObserver(grpc.aio.ServerInterceptor):
     """Put it first in the server's interceptors, so it also sees calls that later
     interceptors (authentication) refuse."""
@@ -186,10 +194,7 @@ class RequestObserver(grpc.aio.ServerInterceptor):
             async def wrapped(request, context):
                 call = _Call(method, metadata)
                 with observe(call, context):
-                    if isinstance(request, Undecodable):
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
-                    if not handler.request_streaming:
-                        call.received(request)
+                    await _received(request, context, call, method, handler.request_streaming)
                     # aclosing: a caller that goes away ends the handler's generator now (its finally runs)
                     async with contextlib.aclosing(behavior(request, _ObservedContext(context, call))) as responses:
                         async for msg in responses:
@@ -199,10 +204,7 @@ class RequestObserver(grpc.aio.ServerInterceptor):
             async def wrapped(request, context):
                 call = _Call(method, metadata)
                 with observe(call, context):
-                    if isinstance(request, Undecodable):
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
-                    if not handler.request_streaming:
-                        call.received(request)
+                    await _received(request, context, call, method, handler.request_streaming)
                     response = await behavior(request, _ObservedContext(context, call))
                     if response is not None:
                         call.sent(response)

@@ -73,12 +73,19 @@ def channel_credentials(ca: str | None, cert: str | None = None, key: str | None
                                         certificate_chain=_read(cert, f"{flag}-cert"))
 
 
-def server_options(args) -> list[tuple[str, int]]:
-    opts = [
-        ("grpc.max_receive_message_length", args.max_message_bytes),
-        ("grpc.max_send_message_length", args.max_message_bytes),
+def link_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """The gRPC options both ends of a service link share: the message size limit both ways and
+    keepalive pings (a dead peer is noticed in about 40 s)."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
+    ]
+
+
+def server_options(args) -> list[tuple[str, int]]:
+    opts = link_options(args.max_message_bytes) + [
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.so_reuseport", 0),  # gRPC's default is on: a second server on the port would share its connections

@@ -18,9 +18,7 @@ import os
 import socket
 import sys
 
-
-class StartupError(Exception):
-    """The service cannot start; the message names the flag or file and the reason."""
+from specdec.files import StartupError, read_file  # noqa: F401 - the services import them from here
 
 
 class Parser(argparse.ArgumentParser):
@@ -48,17 +46,6 @@ def number(kind=int, low: float | None = None, above: float | None = None, high:
 
 
 PORT = number(int, low=0, high=65535)
-
-
-def read_file(path: str, flag: str, mode: str = "rb"):
-    """A file's contents, or StartupError naming the flag, the file and why it cannot be read."""
-    try:
-        with open(path, mode) as f:
-            return f.read()
-    except OSError as e:
-        raise StartupError(f"{flag} {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise StartupError(f"{flag} {path}: not UTF-8 text") from None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # one of them: a tokenizer transformers can load

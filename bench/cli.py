@@ -1,0 +1,32 @@
+"""What the benchmark commands share on the command line and on disk: the model pair and the
+results folder (flags and their defaults), and writing a run's JSON and its Markdown report."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from specdec.testing.launch import ROOT
+
+TARGET = os.path.join(ROOT, "models", "stdlib-code-target")
+DRAFT = os.path.join(ROOT, "models", "stdlib-code-draft")
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+
+def add_pair_args(p: argparse.ArgumentParser, out: bool = True) -> None:
+    """--target and --draft (the shipped pair by default) and, with `out`, --out (bench/results)."""
+    p.add_argument("--target", default=TARGET)
+    p.add_argument("--draft", default=DRAFT)
+    if out:
+        p.add_argument("--out", default=RESULTS)
+
+
+def write_report(out: str, stem: str, report_name: str, res: dict, render) -> str:
+    """Writes res to OUT/STEM.json and render(res) to OUT/REPORT_NAME; prints and returns the report."""
+    with open(os.path.join(out, f"{stem}.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    report = render(res)
+    with open(os.path.join(out, report_name), "w") as fh:
+        fh.write(report)
+    print(report)
+    return report

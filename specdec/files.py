@@ -1,0 +1,28 @@
+"""Reading the files a process is pointed at by a flag (certificates, keys, token files), with an
+error that names the flag, the file and the reason. Standard library only: the services' start-up
+(specdec/startup.py, specdec/auth.py) and the client (which needs no torch) share it."""
+from __future__ import annotations
+
+
+class StartupError(Exception):
+    """The service cannot start; the message names the flag or file and the reason."""
+
+
+def read_file(path: str, flag: str, mode: str = "rb"):
+    """A file's contents, or StartupError naming the flag, the file and why it cannot be read."""
+    try:
+        with open(path, mode) as f:
+            return f.read()
+    except OSError as e:
+        raise StartupError(f"{flag} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise StartupError(f"{flag} {path}: not UTF-8 text") from None
+
+
+def read_token(path: str, flag: str = "token file") -> str:
+    """The token in a file (surrounding whitespace stripped); StartupError naming the flag and the
+    file when it cannot be read (missing, a directory, not text) or is empty."""
+    token = read_file(path, flag, "r").strip()
+    if not token:
+        raise StartupError(f"{flag} {path}: the file is empty")
+    return token
