@@ -26,10 +26,9 @@ from draft_service.lookup import lookup
 from draft_service.stepbatch import StepBatcher
 from specdec.kvcache import KVCache
 from specdec.lm import LM
-from specdec.proposal import Proposal
-from specdec.sampling import DRAFT, keyed_generator, probs_from_logits, sample, sparsify
+from specdec.proposal import Proposal, ids_only, wire_q
+from specdec.sampling import DRAFT, keyed_generator, probs_from_logits, sample
 from specdec.validation import GenParams
-from specdec.v1 import specdec_pb2 as pb
 
 __all__ = ["Drafter", "DraftState", "PredraftControl", "Proposal"]
 
@@ -102,29 +101,21 @@ class Drafter:
             if stop is not None and stop.is_set():
                 break
             logits = self._feed(st, context)  # [V]
-            greedy = prm.mode == pb.PROPOSAL_MODE_GREEDY  # ids-only: q is the one-hot at the argmax
-            if greedy or prm.sampling.greedy:
+            if ids_only(prm.mode) or prm.sampling.greedy:  # q is the one-hot at the argmax
                 if i and prm.early_stop_p > 0 and float(torch.softmax(logits, -1).max()) < prm.early_stop_p:
                     break  # the draft is unsure: end the round here
                 x = int(logits.argmax())
-                if greedy:
-                    out.add(x, prm.mode)
-                else:  # greedy sampling: q is the one-hot at the argmax, whatever the mode
-                    out.add(x, prm.mode, *((torch.ones(1), torch.tensor([x])) if prm.mode == pb.PROPOSAL_MODE_SPARSE else
-                                          (torch.nn.functional.one_hot(torch.tensor(x), logits.shape[-1]).float(), None)))
+                out.add_one_hot(x, prm.mode, logits.shape[-1])
                 context.append(x)
                 continue
             q = probs_from_logits(logits, prm.sampling)  # [V]
             if i and float(q.max()) < prm.early_stop_p:
                 break
             g = keyed_generator(st.generator, prm.seed, len(context), DRAFT)
-            if prm.mode == pb.PROPOSAL_MODE_DENSE:
-                x = sample(q, g)
-                out.add(x, prm.mode, q.cpu())
-            else:
-                ids, vals = sparsify(q, prm.sparse_k)  # [k'], [k'] renormalized q~
-                x = int(ids[sample(vals, g)])
-                out.add(x, prm.mode, vals.cpu(), ids.cpu())
+            vals, ids = wire_q(q, prm.mode, prm.sparse_k)  # what the wire carries is what the draft samples from
+            j = sample(vals, g)
+            x = j if ids is None else int(ids[j])
+            out.add(x, prm.mode, vals.cpu(), None if ids is None else ids.cpu())
             context.append(x)
         return out
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.errors import invalid
+from specdec.sampling import sparsify
 from specdec.v1 import specdec_pb2 as pb
 
 MAX_ROUND_TOKENS = 64  # proposals per round the verifier accepts
@@ -35,7 +36,8 @@ class Proposal:
         return pb.Round(round=number, tokens=self.tokens, q_counts=self.q_counts, q_ids=self.q_ids, q_probs=self.q_probs)
 
     def add(self, token: int, mode: int, q: torch.Tensor | None = None, q_ids: torch.Tensor | None = None) -> None:
-        """Appends one proposal: dense mode takes q [V]; sparse mode q [k] (renormalized) with q_ids [k]."""
+        """Appends one proposal with q as `wire_q` gives it: dense mode takes q [V]; sparse mode
+        q~ [k] (renormalized) with q_ids [k]; ids-only mode nothing."""
         self.tokens.append(token)
         if mode == pb.PROPOSAL_MODE_DENSE:
             self.q_probs.extend(q.tolist())
@@ -44,18 +46,38 @@ class Proposal:
             self.q_ids.extend(q_ids.tolist())
             self.q_probs.extend(q.tolist())
 
+    def add_one_hot(self, token: int, mode: int, vocab_size: int) -> None:
+        """Appends one proposal whose q is the one-hot at `token` (greedy drafting, prompt lookup),
+        in the session's mode."""
+        if mode == pb.PROPOSAL_MODE_SPARSE:
+            self.add(token, mode, torch.ones(1), torch.tensor([token]))
+        elif mode == pb.PROPOSAL_MODE_DENSE:
+            self.add(token, mode, torch.nn.functional.one_hot(torch.tensor(token), vocab_size).float())
+        else:
+            self.add(token, mode)
+
     @classmethod
     def one_hot(cls, tokens: list[int], mode: int, vocab_size: int) -> "Proposal":
         """Proposals with q = one-hot (prompt lookup), encoded in the session's mode."""
-        out = cls(tokens=list(tokens), lookup=True)
-        if mode == pb.PROPOSAL_MODE_SPARSE:
-            out.q_counts, out.q_ids, out.q_probs = [1] * len(tokens), list(tokens), [1.0] * len(tokens)
-        elif mode == pb.PROPOSAL_MODE_DENSE:
-            for t in tokens:
-                row = [0.0] * vocab_size
-                row[t] = 1.0
-                out.q_probs.extend(row)
+        out = cls(lookup=True)
+        for t in tokens:
+            out.add_one_hot(t, mode, vocab_size)
         return out
+
+
+def ids_only(mode: int) -> bool:
+    """Whether `mode` sends no q: the verifier takes q as the one-hot at each proposal, so the draft
+    proposes its argmax."""
+    return mode == pb.PROPOSAL_MODE_GREEDY
+
+
+def wire_q(q: torch.Tensor, mode: int, sparse_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The draft distribution q [V] as `mode` carries it, which is also the distribution the draft
+    samples its proposal from: dense, (q, None); sparse, its top-k renormalized (q~ [k'], ids [k'])."""
+    if mode == pb.PROPOSAL_MODE_DENSE:
+        return q, None
+    ids, vals = sparsify(q, sparse_k)
+    return vals, ids
 
 
 def decode_round(r: pb.Round, *, expected: int, room: int, vocab_size: int, mode: int, greedy: bool,
