@@ -50,7 +50,8 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.target = None
         self.max_context = lm.max_context
         self.set_target(target)
-        self.adaptive, self.predraft, self.proposer = adaptive, predraft, proposer
+        # what a request that leaves a field unset gets: the flags (validation applies them)
+        self.defaults = validation.Defaults(proposer=proposer, adaptive=adaptive, predraft=predraft, adaptive_tau=ADAPTIVE_MAX_TAU)
         self.draft_fallback = draft_fallback  # stop drafting in sessions where the model does not pay (decode.py)
         self.goodput = goodput  # adaptive tau follows the verifier's load (decode.py, adaptive.py)
         self.round_timeout_s = round_timeout_s
@@ -123,15 +124,11 @@ class DraftServicer(pb_grpc.DraftServicer):
         call = None
         metrics.LIVE_SESSIONS.labels(SERVICE).inc()
         try:
-            g = await validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context)
+            g = await validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context, self.defaults)
             g.request_id = serving.request_id(context, g.request_id)
-            if not request.proposer:
-                g.proposer = self.proposer  # the service's default
             if not self._paired:
                 await self.check_pairing()
-            adaptive = self.adaptive if g.adaptive is None else g.adaptive
-            if adaptive and not request.num_draft_tokens:
-                g.tau = ADAPTIVE_MAX_TAU  # adaptive tau picks up to this many per round
+            adaptive = g.adaptive
             costs = await self.costs() if adaptive or (self.draft_fallback and g.proposer != pb.PROPOSER_LOOKUP) else None
             replicas = self.replicas.ranked()
             if not replicas:
@@ -139,7 +136,7 @@ class DraftServicer(pb_grpc.DraftServicer):
             for i, replica in enumerate(replicas):
                 loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
                                   costs=costs if adaptive else None, fallback=costs if self._judge(g) else None,
-                                  predraft=self.predraft if g.predraft is None else g.predraft, goodput=self.goodput,
+                                  predraft=g.predraft, goodput=self.goodput,
                                   round_timeout_s=self.round_timeout_s)
                 call = replica.stub.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
                 out = Chunks(self.lm.tokenizer, g.stop, g.request_id)

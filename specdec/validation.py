@@ -39,9 +39,19 @@ class GenParams:
     sparse_k: int = DEFAULT_SPARSE_K
     request_id: str = ""
     proposer: int = pb.PROPOSER_DRAFT
-    adaptive: bool | None = None  # None: the draft service's default
-    predraft: bool | None = None
+    adaptive: bool = False  # the request's choice, else the service's (Defaults)
+    predraft: bool = False
     early_stop_p: float = 0.0
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a service uses for the GenerateRequest fields a request leaves unset: its flags."""
+    proposer: int = pb.PROPOSER_DRAFT
+    adaptive: bool = False
+    predraft: bool = False
+    tau: int = DEFAULT_TAU  # num_draft_tokens 0, fixed tau
+    adaptive_tau: int = DEFAULT_TAU  # num_draft_tokens 0, adaptive tau: the most it may pick per round
 
 
 def parse_sampling(s: pb.SamplingParams) -> Sampling:
@@ -78,15 +88,17 @@ def check_request_id(rid: str, what: str = "request_id") -> str:
 LARGE_REQUEST = 1 << 16  # prompt characters or ids: above this, parse_generate_async runs off the event loop
 
 
-async def parse_generate_async(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_context: int) -> GenParams:
+async def parse_generate_async(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_context: int,
+                               defaults: Defaults = Defaults()) -> GenParams:
     """parse_generate, in a worker thread when the prompt is large (tokenizing megabytes of text
     takes seconds, which would stall every other call on the event loop)."""
     if len(req.prompt) + len(req.prompt_ids) > LARGE_REQUEST:
-        return await asyncio.to_thread(parse_generate, req, tokenizer, vocab_size, max_context)
-    return parse_generate(req, tokenizer, vocab_size, max_context)
+        return await asyncio.to_thread(parse_generate, req, tokenizer, vocab_size, max_context, defaults)
+    return parse_generate(req, tokenizer, vocab_size, max_context, defaults)
 
 
-def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_context: int) -> GenParams:
+def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_context: int, defaults: Defaults = Defaults()) -> GenParams:
+    """The checked request, with `defaults` (the service's) for what it leaves unset."""
     if req.prompt and req.prompt_ids:
         raise invalid("set exactly one of prompt and prompt_ids, not both")
     if req.prompt_ids:
@@ -122,6 +134,7 @@ def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_cont
     mode = req.proposal_mode or pb.PROPOSAL_MODE_SPARSE
     if sampling.greedy:
         mode = pb.PROPOSAL_MODE_GREEDY  # q is one-hot at temperature 0 whatever the request says
+    adaptive = req.adaptive if req.HasField("adaptive") else defaults.adaptive
     return GenParams(
         prompt_ids=ids,
         max_new_tokens=int(req.max_new_tokens),
@@ -129,12 +142,12 @@ def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_cont
         seed=parse_seed(req.sampling),
         seeded=req.sampling.HasField("seed"),
         stop=list(req.stop),
-        tau=req.num_draft_tokens or DEFAULT_TAU,
+        tau=req.num_draft_tokens or (defaults.adaptive_tau if adaptive else defaults.tau),
         mode=mode,
         sparse_k=req.sparse_k or DEFAULT_SPARSE_K,
         request_id=req.request_id or uuid.uuid4().hex,
-        proposer=req.proposer or pb.PROPOSER_DRAFT,
-        adaptive=req.adaptive if req.HasField("adaptive") else None,
-        predraft=req.predraft if req.HasField("predraft") else None,
+        proposer=req.proposer or defaults.proposer,
+        adaptive=adaptive,
+        predraft=req.predraft if req.HasField("predraft") else defaults.predraft,
         early_stop_p=float(req.early_stop_p),
     )
