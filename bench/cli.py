@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 from specdec.testing.launch import ROOT
 
@@ -19,6 +20,19 @@ def add_pair_args(p: argparse.ArgumentParser, out: bool = True) -> None:
     p.add_argument("--draft", default=DRAFT)
     if out:
         p.add_argument("--out", default=RESULTS)
+
+
+def add_run_args(p: argparse.ArgumentParser, max_new_tokens: int, repeats: int | None = None) -> None:
+    """--max-new-tokens per request and (when the command repeats its measurements) --repeats."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    if repeats is not None:
+        p.add_argument("--repeats", type=int, default=repeats)
+
+
+def run_header(a) -> dict:
+    """What every result file starts with: when it ran and which pair (paths from the checkout)."""
+    return dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), target=os.path.relpath(a.target, ROOT),
+                draft=os.path.relpath(a.draft, ROOT))
 
 
 def write_report(out: str, stem: str, report_name: str, res: dict, render) -> str:

@@ -21,9 +21,9 @@ import time
 
 from tqdm import tqdm
 
-from bench.cli import add_pair_args
+from bench.cli import add_pair_args, run_header
 from client import AsyncClient
-from specdec.testing.launch import ENV, ROOT, Service
+from specdec.testing.launch import ENV, Service
 
 
 def scrape(svc: Service, name: str) -> float:
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     base = rows[0]["concurrent"]["tok_s"]
     for r in rows:
         r["vs_one_session"] = r["concurrent"]["tok_s"] / base
-    res = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), target=os.path.relpath(a.target, ROOT), draft=os.path.relpath(a.draft, ROOT), drafts=a.drafts,
+    res = dict(**run_header(a), drafts=a.drafts,
                max_new_tokens=a.max_new_tokens, verify_threads_before=threads0, rows=rows)
     with open(os.path.join(a.out, "concurrency.json"), "w") as fh:
         json.dump(res, fh, indent=1)

@@ -30,7 +30,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.cli import add_pair_args
+from bench.cli import add_pair_args, add_run_args
 from bench.prompts import CODE_PROMPTS, heldout_prompts
 from specdec.testing.launch import ENV, Service
 from client import Client
@@ -168,8 +168,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.engine")
     add_pair_args(p)
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2)
+    add_run_args(p, max_new_tokens=128, repeats=2)
     p.add_argument("--sets", default="code,heldout", help="prompt sets: code (CODE_PROMPTS), heldout (held-out stdlib prompts)")
     p.add_argument("--heldout-dtypes", default="bfloat16", help="dtypes the held-out set runs in")
     a = p.parse_args(argv)

@@ -21,11 +21,11 @@ import statistics
 import sys
 import time
 
-from bench.cli import add_pair_args, write_report
+from bench.cli import add_pair_args, add_run_args, run_header, write_report
 from bench.concurrency import scrape
 from bench.prompts import CODE_PROMPTS
 from client import AsyncClient
-from specdec.testing.launch import ENV, ROOT, Service
+from specdec.testing.launch import ENV, Service
 
 KINDS = ("target-only", "steered", "unsteered")
 
@@ -54,8 +54,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.goodput")
     add_pair_args(p)
     p.add_argument("--levels", default="1,4,8,16")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
+    add_run_args(p, max_new_tokens=64, repeats=2)
     a = p.parse_args(argv)
     levels = [int(x) for x in a.levels.split(",")]
     os.makedirs(a.out, exist_ok=True)
@@ -88,8 +87,7 @@ def main(argv=None) -> int:
         for d in drafts.values():
             d.stop()
         verify.stop()
-    res = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), target=os.path.relpath(a.target, ROOT),
-               draft=os.path.relpath(a.draft, ROOT), max_new_tokens=a.max_new_tokens, repeats=a.repeats, rows=rows)
+    res = dict(**run_header(a), max_new_tokens=a.max_new_tokens, repeats=a.repeats, rows=rows)
     write_report(a.out, "goodput", "GOODPUT.md", res, render)
     return 0
 

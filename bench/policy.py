@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 
-from bench.cli import add_pair_args
+from bench.cli import add_pair_args, add_run_args
 from bench import split
 from bench.demo import PROMPT as DEMO_PROMPT
 from bench.prompts import CODE_PROMPTS
@@ -110,8 +110,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.policy")
     add_pair_args(p)
     p.add_argument("--rtt-ms", default="0,10,50")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=2)
+    add_run_args(p, max_new_tokens=96, repeats=2)
     a = p.parse_args(argv)
     ok, why = split.netns_supported()
     if not ok:

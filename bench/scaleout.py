@@ -21,10 +21,10 @@ import statistics
 import sys
 import time
 
-from bench.cli import add_pair_args, write_report
+from bench.cli import add_pair_args, add_run_args, run_header, write_report
 from bench.goodput import run_batch
 from bench.prompts import CODE_PROMPTS
-from specdec.testing.launch import ENV, ROOT, Service
+from specdec.testing.launch import ENV, Service
 
 
 def sessions(v: Service) -> float:
@@ -45,8 +45,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.scaleout")
     add_pair_args(p)
     p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    add_run_args(p, max_new_tokens=64, repeats=3)
     p.add_argument("--proposer", default="hybrid", choices=("draft", "hybrid", "lookup"))
     a = p.parse_args(argv)
     env = dict(ENV, OMP_NUM_THREADS="1")
@@ -78,8 +77,7 @@ def main(argv=None) -> int:
         for s in [*drafts.values(), *vs]:
             s.stop()
     med = {n: statistics.median(r["tok_s"] for r in runs[n]) for n in runs}
-    res = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), target=os.path.relpath(a.target, ROOT),
-               draft=os.path.relpath(a.draft, ROOT), sessions=a.sessions, max_new_tokens=a.max_new_tokens, proposer=a.proposer,
+    res = dict(**run_header(a), sessions=a.sessions, max_new_tokens=a.max_new_tokens, proposer=a.proposer,
                repeats=a.repeats, cores=os.cpu_count(), runs=runs, median_tok_s=med, ratio=med[2] / med[1], wall_s=wall, cpu_s=cpu)
     os.makedirs(a.out, exist_ok=True)
     write_report(a.out, "scaleout", "SCALEOUT.md", res, render)
