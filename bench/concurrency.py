@@ -22,7 +22,7 @@ import time
 from tqdm import tqdm
 
 from client import AsyncClient
-from specdec.testing.launch import ENV, ROOT, Service
+from bench.launch import ENV, ROOT, Service
 
 
 def scrape(svc: Service, name: str) -> float:

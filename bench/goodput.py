@@ -25,7 +25,7 @@ import time
 from bench.concurrency import scrape
 from bench.prompts import CODE_PROMPTS
 from client import AsyncClient
-from specdec.testing.launch import ENV, ROOT, Service
+from bench.launch import ENV, ROOT, Service
 
 KINDS = ("target-only", "steered", "unsteered")
 

@@ -24,7 +24,7 @@ import time
 
 from bench.goodput import run_batch
 from bench.prompts import CODE_PROMPTS
-from specdec.testing.launch import ENV, ROOT, Service
+from bench.launch import ENV, ROOT, Service
 
 
 def sessions(v: Service) -> float:

@@ -25,8 +25,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.launch import ENV, ROOT, Service
 from client import Client
-from conftest import ENV, ROOT, Service, metric, wait_for
+from helpers import metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 

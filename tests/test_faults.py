@@ -7,9 +7,9 @@ import time
 import grpc
 import pytest
 
+from bench.launch import Service, service_pair
 from client import Client
-from conftest import Service, metric, wait_for
-from specdec.testing.launch import service_pair
+from helpers import metric, wait_for
 
 LONG = dict(prompt_ids=[3, 4], max_new_tokens=3000, num_draft_tokens=2)  # greedy: no EOS on long-target, runs for many seconds
 

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ENV, ROOT
+from bench.launch import ENV, ROOT
 
 
 def load(server: str, out, *extra: str) -> None:

@@ -6,9 +6,9 @@ import json
 import grpc
 import pytest
 
+from bench.launch import Service, service_pair
 from client import Client, make_request
-from conftest import Service, metric, wait_for
-from specdec.testing.launch import service_pair
+from helpers import metric, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_opentelemetry_spans_link_both_hops(model_dir):
     """--trace console (here through SPECDEC_TRACE): one span per request on each hop, the
     verify's Session span a child of the draft's Generate span (W3C traceparent metadata)."""
     pytest.importorskip("opentelemetry.sdk")
-    from conftest import ENV
+    from bench.launch import ENV
 
     env = dict(ENV, SPECDEC_TRACE="console")
     v = Service("verify_service", "--model", model_dir("target"), env=env)

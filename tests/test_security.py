@@ -18,8 +18,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from bench.launch import ENV, ROOT, Service
 from client import Client
-from conftest import ENV, ROOT, Service, metric
+from helpers import metric
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 

@@ -264,7 +264,7 @@ def test_compiled_training_step_trains(tmp_path, tiny_pair_inputs):
     import subprocess
     import sys
 
-    from specdec.testing.launch import ENV, ROOT
+    from bench.launch import ENV, ROOT
 
     tdir, cdir, _ = tiny_pair_inputs
     run = tmp_path / "run"
