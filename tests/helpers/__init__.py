@@ -1,5 +1,5 @@
-"""What the tests share by name: polling, reading a Prometheus exposition, reading a service's
-JSON log lines, and probing health and reflection. Pytest fixtures stay in tests/conftest.py
+"""What the tests share by name: polling, a free port, reading a Prometheus exposition, reading a
+service's JSON log lines, and probing health and reflection. Pytest fixtures stay in tests/conftest.py
 (pytest injects them); everything a test imports lives here or in this package's modules:
 
 * `reference`: independent numpy reference implementations (sampling transform, chi-square);
@@ -10,6 +10,7 @@ and the benchmarks start services the same way, and bench never imports tests.""
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 
@@ -21,6 +22,13 @@ def wait_for(cond, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return bool(cond())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a service that must be told one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def metric(text: str, name: str, **labels) -> float:
