@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-from specdec.testing.launch import ROOT
+from bench.launch import ROOT
 
 TARGET = os.path.join(ROOT, "models", "stdlib-code-target")
 DRAFT = os.path.join(ROOT, "models", "stdlib-code-draft")

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from bench.cli import add_pair_args, run_header
 from client import AsyncClient
-from specdec.testing.launch import ENV, Service
+from bench.launch import ENV, Service
 
 
 def scrape(svc: Service, name: str) -> float:

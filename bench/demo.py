@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from bench.cli import add_pair_args
 from client import Client
-from specdec.testing.launch import ENV, Service
+from bench.launch import ENV, Service
 
 # Ends at the end of a line, without its newline: the shipped tokenizer merges a newline with the
 # next line's indentation (bench/prompts.py, CODE_PROMPTS).
@@ -31,7 +31,7 @@ def walk_python_files(root):
 
 def tiny_pair(path: str) -> tuple[str, str]:
     """Random tiny models, for when the shipped pair is missing (output is gibberish)."""
-    from specdec.testing import tinymodels  # needs only what the services need
+    from bench import tinymodels  # needs only what the services need
 
     return tinymodels.build(os.path.join(path, "target"), seed=0, hidden=256, layers=6, sharpen=4.0, max_context=2048), \
         tinymodels.build(os.path.join(path, "draft"), seed=1, hidden=32, layers=1, sharpen=4.0, max_context=2048)

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.cli import add_pair_args, add_run_args
 from bench.prompts import CODE_PROMPTS, heldout_prompts
-from specdec.testing.launch import ENV, Service
+from bench.launch import ENV, Service
 from client import Client
 
 
@@ -146,7 +146,7 @@ def tiny_round(n: int) -> dict:
     """The services' own cost per round, with models that cost almost nothing: a 2-layer, 64-wide
     target and a 1-layer, 32-wide draft (random weights), at a fixed tau=4 from the draft model
     without pre-drafting (the request policy the per-round figures were first measured with)."""
-    from specdec.testing import tinymodels  # noqa: PLC0415
+    from bench import tinymodels  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="specdec-engine-") as tmp:
         t = tinymodels.build(os.path.join(tmp, "target"), vocab_size=256, hidden=64, layers=2, max_context=1024, seed=0)

@@ -25,7 +25,7 @@ from bench.cli import add_pair_args, add_run_args, run_header, write_report
 from bench.concurrency import scrape
 from bench.prompts import CODE_PROMPTS
 from client import AsyncClient
-from specdec.testing.launch import ENV, Service
+from bench.launch import ENV, Service
 
 KINDS = ("target-only", "steered", "unsteered")
 

@@ -67,7 +67,7 @@ def build(shape: str, path: str, context: int, device: torch.device) -> str:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)
     del model
-    from specdec.testing.tinymodels import word_tokenizer  # noqa: PLC0415 - the bench's tokenizer: ids only
+    from bench.tinymodels import word_tokenizer  # noqa: PLC0415 - the bench's tokenizer: ids only
 
     word_tokenizer(vocab).save_pretrained(path)
     return path

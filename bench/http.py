@@ -19,7 +19,7 @@ import time
 from bench.cli import add_pair_args
 from bench.prompts import BUILTIN_PROMPTS
 from client import Client
-from specdec.testing.launch import ENV, ROOT, Service
+from bench.launch import ENV, ROOT, Service
 
 WAYS = ("grpc", "http", "http-sse")
 

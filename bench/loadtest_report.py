@@ -29,14 +29,15 @@ def _group_key(cell) -> str:
     return f"RTT {t['rtt_ms']} ms" if "rtt_ms" in t else (_tags(cell) if t else "all")
 
 
-def _log_x(ax, levels) -> None:
+def log_x_axis(ax, levels) -> None:
+    """A log x axis ticked at exactly `levels`, written as plain numbers."""
     ax.set_xscale("log")
     ax.set_xticks(levels)
     ax.set_xticklabels([f"{v:g}" for v in levels])
     ax.minorticks_off()
 
 
-def _log_y(ax) -> None:
+def log_y_axis(ax) -> None:
     """A log y axis with readable ticks: 1-2-5 in every decade, so a panel whose data span less
     than a decade still shows several, written as plain numbers."""
     import matplotlib.ticker
@@ -66,7 +67,7 @@ def plot(cells: list[dict], out_dir: str) -> list[str]:
         for g, cs in sorted(groups.items(), key=lambda kv: _group_order(kv[1][0])):
             cs = sorted(cs, key=lambda c: c[xkey])
             ax.plot([c[xkey] for c in cs], [c["summary"]["output_tokens_per_s"] for c in cs], marker="o", label=g)
-        _log_x(ax, sorted({c[xkey] for c in sel}))
+        log_x_axis(ax, sorted({c[xkey] for c in sel}))
         ax.set_xlabel(xlabel)
         ax.set_ylabel("output tokens/s")
         ax.set_ylim(bottom=0)
@@ -89,8 +90,8 @@ def plot(cells: list[dict], out_dir: str) -> list[str]:
                 for q, style in (("p50", "-"), ("p95", "--"), ("p99", ":")):
                     ys = [1000 * c["summary"][metric][q] if c["summary"][metric][q] is not None else math.nan for c in cs]
                     ax.plot(xs, ys, style, color=color, marker="o", markersize=3, label=f"{g} {q}")
-            _log_x(ax, sorted({c[xkey] for c in sel}))
-            _log_y(ax)
+            log_x_axis(ax, sorted({c[xkey] for c in sel}))
+            log_y_axis(ax)
             ax.set_xlabel(xlabel)
             ax.set_ylabel("ms")
             ax.set_title(title)

@@ -32,7 +32,7 @@ from bench.demo import PROMPT as DEMO_PROMPT
 from bench.prompts import CODE_PROMPTS
 from bench.run import alpha_from
 from specdec.costmodel import Costs, expected_tokens, tokens_per_second
-from specdec.testing.launch import ENV, ROOT, Service
+from bench.launch import ENV, ROOT, Service
 
 FIXED = [1, 2, 3, 4, 5, 6, 8]
 

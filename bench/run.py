@@ -36,7 +36,7 @@ from tqdm import tqdm
 from bench.cli import add_pair_args
 from client import Client
 from specdec.costmodel import expected_tokens, round_cost
-from specdec.testing.launch import ENV, ROOT, Service
+from bench.launch import ENV, ROOT, Service
 
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=1.0, seed=1234)

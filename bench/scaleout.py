@@ -24,7 +24,7 @@ import time
 from bench.cli import add_pair_args, add_run_args, run_header, write_report
 from bench.goodput import run_batch
 from bench.prompts import CODE_PROMPTS
-from specdec.testing.launch import ENV, Service
+from bench.launch import ENV, Service
 
 
 def sessions(v: Service) -> float:

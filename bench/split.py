@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from specdec.testing.launch import ENV, ROOT, Service
+from bench.launch import ENV, ROOT, Service
 
 DRAFT_IP, VERIFY_IP, PREFIX = "10.77.0.1", "10.77.0.2", 24
 

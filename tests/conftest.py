@@ -1,8 +1,8 @@
-"""Shared fixtures: tiny models on disk, and real service processes on loopback."""
+"""Shared fixtures: tiny models on disk, and real service processes on loopback. Tests import
+nothing from here by name: what they share by name is in tests/helpers/."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -16,29 +16,8 @@ os.environ.setdefault("SPECDEC_PROPOSER", "draft")
 # and no fallback to target-only rounds (the tiny random drafts would trigger it); tests/test_pairing.py turns it on
 os.environ.setdefault("SPECDEC_DRAFT_FALLBACK", "0")
 
-from specdec.testing import tinymodels  # noqa: E402
-from specdec.testing.launch import ENV, ROOT, Service  # noqa: E402,F401 - re-exported to the test modules
-
-
-def wait_for(cond, timeout: float = 10.0) -> bool:
-    """Polls cond() until it is true or the timeout passes; returns its last value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return bool(cond())
-
-
-def metric(text: str, name: str, **labels) -> float:
-    """The value of one sample in a Prometheus exposition (0 if absent)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return 0.0
+from bench import tinymodels  # noqa: E402
+from bench.launch import Service  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from reference import chi_square_p
+from helpers.reference import chi_square_p
 from specdec import acceptance
 
 T = torch.tensor

@@ -29,11 +29,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import archmodels
-from archmodels import CTX, EOS, SPECS, TRANSFORMED, V, WINDOW
+from bench.launch import ENV, ROOT, Service
 from client import AsyncClient, Client
-from conftest import ENV, ROOT, Service, metric
-from reference import chi_square_p
+from helpers import archmodels, metric
+from helpers.archmodels import CTX, EOS, SPECS, TRANSFORMED, V, WINDOW
+from helpers.reference import chi_square_p
 
 LLAMA_EOS_PROMPT = list(range(3, 20))  # the prompt archmodels.build picks the extra llama EOS ids from
 
@@ -190,7 +190,7 @@ def test_every_eos_id_of_generation_config_ends_generation(arch):
 def _bloom(path: str) -> str:
     from transformers import BloomConfig, BloomForCausalLM
 
-    from specdec.testing.tinymodels import word_tokenizer
+    from bench.tinymodels import word_tokenizer
 
     torch.manual_seed(0)
     BloomForCausalLM(BloomConfig(vocab_size=V, hidden_size=32, n_layer=2, n_head=4, eos_token_id=EOS)).save_pretrained(path)
@@ -201,7 +201,7 @@ def _bloom(path: str) -> str:
 def _lfm2(path: str) -> str:
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
-    from specdec.testing.tinymodels import word_tokenizer
+    from bench.tinymodels import word_tokenizer
 
     torch.manual_seed(0)
     cfg = Lfm2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -215,7 +215,7 @@ def _lfm2(path: str) -> str:
 def _t5(path: str) -> str:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from specdec.testing.tinymodels import word_tokenizer
+    from bench.tinymodels import word_tokenizer
 
     torch.manual_seed(0)
     cfg = T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, eos_token_id=EOS, pad_token_id=1,

@@ -9,17 +9,15 @@ the token of the other role and the right one."""
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from bench.launch import ENV, ROOT, Service
 from client import AsyncClient, Client
-from conftest import ENV, ROOT, Service, metric, wait_for
+from helpers import assert_health_and_reflection, free_port, json_log_lines, metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -86,18 +84,6 @@ def call(stub_cls, address, method, token, rid=None, fingerprint=""):
             return e.code(), []
 
 
-def log_lines(svc, rid):
-    out = []
-    for line in list(svc.stderr):
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if d.get("request_id") == rid:
-            out.append(d)
-    return out
-
-
 @pytest.mark.parametrize("cred", list(CREDS))
 @pytest.mark.parametrize("method", list(VERIFY_MATRIX))
 def test_verify_rpc_by_credential(pair, method, cred):
@@ -119,8 +105,8 @@ def test_verify_rpc_by_credential(pair, method, cred):
         return
     # a refusal: counted, and logged once (at WARNING, with the reason), naming no token
     assert wait_for(lambda: errors() == before + 1, 5)
-    assert wait_for(lambda: log_lines(v, rid), 5), v.stderr[-3:]
-    (line,) = log_lines(v, rid)
+    assert wait_for(lambda: json_log_lines(v, request_id=rid), 5), v.stderr[-3:]
+    (line,) = json_log_lines(v, request_id=rid)
     assert line["level"] == "warning" and line["code"] == want.name and line["method"] == method and line["peer"]
     assert line["error"] == {"none": "missing bearer token", "wrong": "invalid bearer token"}.get(cred, f"this token may not call {method}")
     text = "".join(v.stderr)
@@ -138,8 +124,8 @@ def test_draft_rpc_by_credential(pair, method, cred):
     if want == OK and method == "Generate":  # speculative: the draft's session with the verify was authenticated
         assert out[-1].finish_reason and out[-1].stats.rounds >= 1
     if want != OK:
-        assert wait_for(lambda: log_lines(d, rid), 5), d.stderr[-3:]
-        (line,) = log_lines(d, rid)
+        assert wait_for(lambda: json_log_lines(d, request_id=rid), 5), d.stderr[-3:]
+        (line,) = json_log_lines(d, request_id=rid)
         assert line["level"] == "warning" and line["code"] == "UNAUTHENTICATED"
         assert not [x for x in "".join(d.stderr).split("\n") if SESSION_TOKEN in x or CLIENT_TOKEN in x or WRONG_TOKEN in x]
 
@@ -154,15 +140,9 @@ def test_speculative_generation_through_authenticated_hops(pair):
     assert spec.served_by == "draft" and spec.stats["drafted"] >= 1 and spec.stats["rounds"] >= 1
     assert spec.token_ids == target.token_ids  # greedy: the target's own output, through both hops
     assert sampled.seed == 5 and sampled.token_ids
-    assert wait_for(lambda: [x for x in log_lines(v, "auth-e2e") if x["msg"] == "session done"], 5)
-    (session,) = [x for x in log_lines(v, "auth-e2e") if x["msg"] == "session done"]
+    assert wait_for(lambda: json_log_lines(v, request_id="auth-e2e", msg="session done"), 5)
+    (session,) = json_log_lines(v, request_id="auth-e2e", msg="session done")
     assert session["code"] == "OK" and session["rounds"] == spec.stats["rounds"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_fallback_to_the_verify_service_with_a_token(pair):
@@ -194,12 +174,7 @@ def test_health_and_reflection_are_open(pair):
     v, d = pair
     for svc, name in ((d, "specdec.v1.Draft"), (v, "specdec.v1.Verify")):
         with grpc.insecure_channel(svc.address) as ch:
-            for service in ("", name):
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
-                assert r.status == health_pb2.HealthCheckResponse.SERVING
-            refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-            (r,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
-            assert name in {s.name for s in r.list_services_response.service}
+            assert_health_and_reflection(ch, name)
 
 
 def test_cli_and_load_tester_take_a_token_file(pair, tokens, tmp_path):

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.launch import Service
 from client import AsyncClient, Client
-from conftest import Service, metric, wait_for
+from helpers import metric, wait_for
 from specdec.lm import LM
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -273,7 +274,7 @@ def test_a_failing_session_fails_alone_and_its_batch_mates_get_their_solo_verdic
 def wide_dir(tmp_path_factory):
     """A random Llama as wide as the shipped target's MLP (1408): one-row bf16 matmuls of this
     width take a kernel whose sums round differently from two rows up."""
-    from specdec.testing import tinymodels
+    from bench import tinymodels
 
     return tinymodels.build(str(tmp_path_factory.mktemp("wide")), vocab_size=512, hidden=704, layers=2, heads=8,
                             max_context=256, seed=5)
@@ -337,7 +338,7 @@ def test_batch_invariance_holds_at_real_widths(dtype, prefill, matmuls, tmp_path
     nothing is padded, and the prefill chunk still has a GEMM of its own."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdec.testing.tinymodels import word_tokenizer
+    from bench.tinymodels import word_tokenizer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -576,7 +577,7 @@ def tied_dir(tmp_path_factory):
     """A small random Llama whose output layer is tied to its input embeddings, as the shipped pair's are."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdec.testing.tinymodels import word_tokenizer
+    from bench.tinymodels import word_tokenizer
 
     path = tmp_path_factory.mktemp("tied")
     torch.manual_seed(3)

@@ -3,7 +3,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ENV, ROOT
+from bench.launch import ENV, ROOT
 
 
 def test_bench_run_measures_the_services_and_generate_in_one_dtype(tmp_path):

@@ -7,8 +7,9 @@ import time
 import grpc
 import pytest
 
+from bench.launch import Service
 from client import AsyncClient, Client
-from conftest import Service, metric, wait_for
+from helpers import metric, wait_for
 from specdec import serving
 
 LONG = dict(prompt_ids=[3, 4], max_new_tokens=3000)  # greedy: no EOS on long-target, runs for many seconds

@@ -15,7 +15,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT
+from bench.launch import ROOT
 
 OVERLAYS = ["local-cpu", "gpu", "gpu-mtls"]
 CPU_LIMIT = {"1": 1, "2": 2, "4": 4, "8": 8, "500m": 0.5, "250m": 0.25}

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from specdec.testing.launch import ROOT
+from bench.launch import ROOT
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 CODE_SPAN = re.compile(r"`[^`\n]*`")

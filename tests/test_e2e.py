@@ -6,11 +6,10 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from bench.launch import ENV, ROOT, Service
 from client import AsyncClient, Client
-from conftest import ENV, ROOT, Service, metric, wait_for
+from helpers import assert_health_and_reflection, metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -92,12 +91,7 @@ def test_health_and_reflection_on_both_services(services):
     v, d = services("target", "draft")
     for svc, name in ((v, "specdec.v1.Verify"), (d, "specdec.v1.Draft")):
         with grpc.insecure_channel(svc.address) as ch:
-            for service in ("", name):
-                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
-                assert resp.status == health_pb2.HealthCheckResponse.SERVING
-            refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-            (r,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
-            assert name in {s.name for s in r.list_services_response.service}
+            assert_health_and_reflection(ch, name)
 
 
 def test_fingerprint_mismatch_is_refused(services, model_dir):

@@ -25,20 +25,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.launch import ENV, ROOT, Service
 from client import Client
-from conftest import ENV, ROOT, Service, metric, wait_for
+from helpers import free_port, metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 SESSION_TOKEN, CLIENT_TOKEN = "session-token-27", "client-token-27"
 TIMEOUT = 60
 PIN = ("--engine-choices", "attention=model,prepack=off,per-row=off")  # less load-time timing: a faster start (warns in float32)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listening_socket(reuseport: bool) -> socket.socket:

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
+from bench.launch import ENV, ROOT, Service
 from client import AsyncClient, Client
-from conftest import ENV, ROOT, Service
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
@@ -166,7 +166,7 @@ def test_a_target_only_stream_ends_with_its_request(services):
     """Generate on the verify service is a stream that the scheduler thread runs ahead of the
     handler. A stop string or a client that goes away ends it early: the session and its cache
     are freed, and no pass runs for it afterwards."""
-    from conftest import metric, wait_for
+    from helpers import metric, wait_for
 
     v, _ = services("long-target", "long-draft")
 

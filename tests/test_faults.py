@@ -1,23 +1,16 @@
 """Faults with real processes (issue 7, point 2): kill -9 either service mid-generation, restart
 the verify service, fall back to target-only generation, and deadlines through both hops.
 (SIGTERM drain and client cancellation are in tests/test_e2e.py.)"""
-import socket
 import time
 
 import grpc
 import pytest
 
+from bench.launch import Service, service_pair
 from client import Client
-from conftest import Service, metric, wait_for
-from specdec.testing.launch import service_pair
+from helpers import free_port, metric, wait_for
 
 LONG = dict(prompt_ids=[3, 4], max_new_tokens=3000, num_draft_tokens=2)  # greedy: no EOS on long-target, runs for many seconds
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def live(svc: Service, service: str) -> float:

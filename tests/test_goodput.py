@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from client import Client
-from conftest import metric
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
+from helpers import metric
 from specdec.costmodel import Costs
 from specdec.lm import LM
 from specdec.sampling import Sampling

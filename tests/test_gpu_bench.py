@@ -3,7 +3,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ENV, ROOT
+from bench.launch import ENV, ROOT
 
 
 def test_gpu_bench_smoke_on_cpu(tmp_path):

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ENV, ROOT
+from bench.launch import ENV, ROOT
 
 
 def load(server: str, out, *extra: str) -> None:
@@ -40,11 +40,11 @@ def test_latency_panels_have_several_log_ticks():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bench.loadtest_report import _log_y
+    from bench.loadtest_report import log_y_axis
 
     fig, ax = plt.subplots()
     ax.plot([1, 2, 4], [30, 45, 60])
-    _log_y(ax)
+    log_y_axis(ax)
     fig.canvas.draw()
     lo, hi = ax.get_ylim()
     shown = [t for t in ax.get_yticks() if lo <= t <= hi]

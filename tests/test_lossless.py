@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import AsyncClient
-from reference import chi_square_p, transform
+from helpers.reference import chi_square_p, transform
 
 PROMPT = [3, 4, 5]
 EOS = 0

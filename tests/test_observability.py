@@ -1,32 +1,18 @@
 """Observability (issue 7, point 4): the real /metrics endpoints move exactly as a known set of
 requests says they should (checked against the per-request stats the client gets back), and each
 request leaves one JSON log line on each hop carrying the same request id."""
-import json
-
 import grpc
 import pytest
 
+from bench.launch import Service, service_pair
 from client import Client, make_request
-from conftest import Service, metric, wait_for
-from specdec.testing.launch import service_pair
+from helpers import json_log_lines, metric, wait_for
 
 
 @pytest.fixture(scope="module")
 def pair(model_dir):
     with service_pair(model_dir("target"), model_dir("draft"), "--log-level", "INFO") as p:
         yield p
-
-
-def json_lines(svc: Service, msg: str) -> list[dict]:
-    out = []
-    for line in list(svc.stderr):
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if d.get("msg") == msg:
-            out.append(d)
-    return out
 
 
 DRAFT_COUNTERS = ["specdec_spec_decode_num_drafts_total", "specdec_spec_decode_num_draft_tokens_total",
@@ -122,25 +108,25 @@ def test_request_id_on_both_hops(pair):
     assert named.request_id == "trace-me-123"
     assert len(anon.request_id) == 32  # made by the draft service, returned to the caller
     for r in (named, anon):
-        assert wait_for(lambda r=r: [x for x in json_lines(v, "session done") if x["request_id"] == r.request_id], 5), v.stderr[-5:]
-        assert wait_for(lambda r=r: [x for x in json_lines(d, "request done") if x["request_id"] == r.request_id], 5), d.stderr[-5:]
-        (dl,) = [x for x in json_lines(d, "request done") if x["request_id"] == r.request_id]
-        (vl,) = [x for x in json_lines(v, "session done") if x["request_id"] == r.request_id]
+        assert wait_for(lambda r=r: json_log_lines(v, msg="session done", request_id=r.request_id), 5), v.stderr[-5:]
+        assert wait_for(lambda r=r: json_log_lines(d, msg="request done", request_id=r.request_id), 5), d.stderr[-5:]
+        (dl,) = json_log_lines(d, msg="request done", request_id=r.request_id)
+        (vl,) = json_log_lines(v, msg="session done", request_id=r.request_id)
         assert dl["code"] == "OK" and dl["service"] == "draft" and dl["tokens"] == len(r.token_ids)
         assert dl["rounds"] == vl["rounds"] == r.stats["rounds"]
         assert dl["finish_reason"] == vl["finish_reason"] == r.finish_reason
         assert vl["service"] == "verify" and vl["tokens"] == len(r.token_ids) and vl["prompt_tokens"] == r.stats["prompt_tokens"]
         for line in (dl, vl):
             assert line["level"] == "info" and line["ts"].endswith("Z") and line["duration_s"] >= 0
-    assert wait_for(lambda: [x for x in json_lines(d, "request done") if x["request_id"] == "bad-one"], 5), d.stderr[-5:]
-    (bad,) = [x for x in json_lines(d, "request done") if x["request_id"] == "bad-one"]
+    assert wait_for(lambda: json_log_lines(d, msg="request done", request_id="bad-one"), 5), d.stderr[-5:]
+    (bad,) = json_log_lines(d, msg="request done", request_id="bad-one")
     assert bad["code"] == "INVALID_ARGUMENT" and "max_new_tokens" in bad["error"]
-    assert not [x for x in json_lines(v, "session done") if x["request_id"] == "bad-one"]  # never reached the verify
+    assert not json_log_lines(v, msg="session done", request_id="bad-one")  # never reached the verify
     # target-only requests are logged by the verify service too
     with Client(v.address, target_only=True, timeout=60) as c:
         c.generate(prompt_ids=[3], max_new_tokens=3, request_id="direct-1")
-    assert wait_for(lambda: [x for x in json_lines(v, "request done") if x["request_id"] == "direct-1"], 5), v.stderr[-5:]
-    (t,) = [x for x in json_lines(v, "request done") if x["request_id"] == "direct-1"]
+    assert wait_for(lambda: json_log_lines(v, msg="request done", request_id="direct-1"), 5), v.stderr[-5:]
+    (t,) = json_log_lines(v, msg="request done", request_id="direct-1")
     assert t["code"] == "OK" and t["tokens"] == 3 and t["finish_reason"] == "length"
 
 
@@ -148,7 +134,7 @@ def test_opentelemetry_spans_link_both_hops(model_dir):
     """--trace console (here through SPECDEC_TRACE): one span per request on each hop, the
     verify's Session span a child of the draft's Generate span (W3C traceparent metadata)."""
     pytest.importorskip("opentelemetry.sdk")
-    from conftest import ENV
+    from bench.launch import ENV
 
     env = dict(ENV, SPECDEC_TRACE="console")
     v = Service("verify_service", "--model", model_dir("target"), env=env)
@@ -158,15 +144,7 @@ def test_opentelemetry_spans_link_both_hops(model_dir):
             r = c.generate(prompt="w3 w4", max_new_tokens=6, request_id="traced-1")
 
         def spans(svc, name):
-            out = []
-            for line in list(svc.stderr):
-                try:
-                    s = json.loads(line)
-                except ValueError:
-                    continue
-                if s.get("name") == name and s.get("attributes", {}).get("specdec.request_id") == "traced-1":
-                    out.append(s)
-            return out
+            return [s for s in json_log_lines(svc, name=name) if s.get("attributes", {}).get("specdec.request_id") == "traced-1"]
 
         assert wait_for(lambda: spans(d, "specdec.draft/Generate") and spans(v, "specdec.verify/Session"), 10), (d.stderr[-3:], v.stderr[-3:])
         (ds,), (vs,) = spans(d, "specdec.draft/Generate"), spans(v, "specdec.verify/Session")

@@ -15,9 +15,10 @@ import socket
 import openai
 import pytest
 
+from bench import tinymodels
+from bench.launch import Service
 from client import Client
-from conftest import Service, metric, wait_for
-from specdec.testing import tinymodels
+from helpers import metric, wait_for
 
 TOKEN = "http-front-door-token"
 MODEL = "long-target"  # the model id: the verify service's model

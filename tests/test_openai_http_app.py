@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 from starlette.testclient import TestClient
 
+from bench.tinymodels import word_tokenizer
 from draft_service.http import FrontDoor
 from specdec import serving
 from specdec.errors import Refusal, RequestError
-from specdec.testing.tinymodels import word_tokenizer
 from specdec.v1 import specdec_pb2 as pb
 
 

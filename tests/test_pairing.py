@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+from bench import tinymodels
+from bench.launch import ENV, ROOT, Service, service_pair
 from client import Client
-from conftest import ENV, ROOT, Service, metric
-from specdec.testing import tinymodels
-from specdec.testing.launch import service_pair
+from helpers import metric
 
 SHIPPED = Path(ROOT) / "models" / "stdlib-code-target"  # its tokenizer files (8192 tokens, TokenizersBackend)
 FALLBACK_ENV = dict(ENV, SPECDEC_DRAFT_FALLBACK="1")

@@ -8,8 +8,8 @@ import sys
 import threading
 import time
 
+from bench.launch import ENV, ROOT
 from bench.proxy import DelayProxy, ThreadedDelayProxy
-from specdec.testing.launch import ENV, ROOT
 
 
 async def _echo_server():

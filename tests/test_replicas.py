@@ -8,8 +8,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.launch import Service
 from client import Client
-from conftest import Service, metric, wait_for
+from helpers import metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -184,7 +185,7 @@ def test_scaleout_bench_spreads_one_burst_over_two_replicas(model_dir, tmp_path)
     import subprocess
     import sys
 
-    from conftest import ENV, ROOT
+    from bench.launch import ENV, ROOT
 
     cmd = [sys.executable, "-m", "bench.scaleout", "--target", model_dir("long-target"), "--draft", model_dir("long-draft"),
            "--sessions", "4", "--max-new-tokens", "8", "--repeats", "1", "--out", str(tmp_path)]

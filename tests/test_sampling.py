@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from reference import transform
+from helpers.reference import transform
 from specdec.sampling import Sampling, probs_from_logits, sparsify
 
 CASES = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.6), (0.5, 4, 0.9), (2.0, 1, 1.0), (1.0, 0, 1e-6), (0.0, 0, 1.0)]

@@ -15,11 +15,10 @@ import sys
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from bench.launch import ENV, ROOT, Service
 from client import Client
-from conftest import ENV, ROOT, Service, metric
+from helpers import assert_health_and_reflection, metric
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -143,12 +142,7 @@ def test_health_and_reflection_need_no_token(secure_pair, pki):
     v, d = secure_pair
     for svc, name in ((d, "specdec.v1.Draft"), (v, "specdec.v1.Verify")):
         with channel(pki, svc.address) as ch:
-            for service in ("", name):
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
-                assert r.status == health_pb2.HealthCheckResponse.SERVING
-            refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-            (r,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
-            assert name in {s.name for s in r.list_services_response.service}
+            assert_health_and_reflection(ch, name)
 
 
 def test_cli_with_tls_and_token(secure_pair, pki):

@@ -17,8 +17,9 @@ import time
 import grpc
 import pytest
 
+from bench.launch import Service
 from client import AsyncClient, make_request
-from conftest import Service, metric, wait_for
+from helpers import metric, wait_for
 
 SOAK_S = float(os.environ.get("SPECDEC_SOAK_S", "25"))
 WORKERS = int(os.environ.get("SPECDEC_SOAK_WORKERS", "8"))

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from bench.launch import ENV, ROOT
 from bench.split import netns_supported
-from conftest import ENV, ROOT
 
 ok, why = (False, "needs root (CAP_NET_ADMIN/CAP_SYS_ADMIN) for `ip netns add`") if os.geteuid() != 0 else netns_supported()
 pytestmark = pytest.mark.skipif(not ok, reason=f"network namespaces not available: {why}")

@@ -30,8 +30,8 @@ def test_heldout_split_is_deterministic_and_disjoint():
     assert 0.01 < len(held) / len(names) < 0.12
     assert [corpus.is_heldout(n) for n in names] == [corpus.is_heldout(n) for n in names]
     # The split depends only on the relative path, and the two splits do not overlap.
-    train = {d.name for d in corpus._select(corpus.stdlib_root(), names[:200], "train")}
-    heldout = {d.name for d in corpus._select(corpus.stdlib_root(), names[:200], "heldout")}
+    train = {d.name for d in corpus.select_documents(corpus.stdlib_root(), names[:200], "train")}
+    heldout = {d.name for d in corpus.select_documents(corpus.stdlib_root(), names[:200], "heldout")}
     assert train and heldout and not (train & heldout)
     assert train | heldout <= set(names[:200])
 
@@ -192,13 +192,13 @@ def test_a_top_level_name_two_distributions_install_takes_its_own_license(monkey
     from train import corpus
 
     own = corpus.package_license("packaging")
-    monkeypatch.setattr(corpus, "_distributions", lambda: {"packaging": ["torch", "packaging"], "stray": ["torch", "packaging"]})
-    assert corpus.package_license("packaging") == own and "(torch)" not in own
-    both = corpus.package_license("stray")
+    dists = {"packaging": ["torch", "packaging"], "stray": ["torch", "packaging"]}
+    assert corpus.package_license("packaging", dists) == own and "(torch)" not in own
+    both = corpus.package_license("stray", dists)
     assert "(torch)" in both and "(packaging)" in both
     monkeypatch.setattr(corpus.importlib.metadata, "metadata", lambda d: {"License-Expression": "GPL-3.0" if d == "torch" else "MIT"})
-    assert not corpus.is_permissive(corpus.package_license("stray"))
-    assert corpus.is_permissive(corpus.package_license("packaging"))
+    assert not corpus.is_permissive(corpus.package_license("stray", dists))
+    assert corpus.is_permissive(corpus.package_license("packaging", dists))
 
 
 def test_code_prompt_quality_scores_loops_low():
@@ -264,7 +264,7 @@ def test_compiled_training_step_trains(tmp_path, tiny_pair_inputs):
     import subprocess
     import sys
 
-    from specdec.testing.launch import ENV, ROOT
+    from bench.launch import ENV, ROOT
 
     tdir, cdir, _ = tiny_pair_inputs
     run = tmp_path / "run"

@@ -94,10 +94,12 @@ def _read_text(path: Path) -> str | None:
 def stdlib_documents(split: str = "train", include_tests: bool = True) -> List[Document]:
     """The stdlib corpus, one split: ``"train"``, ``"heldout"`` or ``"all"``."""
     root = stdlib_root()
-    return _select(root, stdlib_files(include_tests), split)
+    return select_documents(root, stdlib_files(include_tests), split)
 
 
-def _select(root: Path, names: Iterable[str], split: str, prefix: str = "") -> List[Document]:
+def select_documents(root: Path, names: Iterable[str], split: str, prefix: str = "") -> List[Document]:
+    """The readable text files among `names` (paths under `root`) that fall in `split`: which split
+    a file is in depends only on `prefix` + its relative path (``is_heldout``)."""
     if split not in ("train", "heldout", "all"):
         raise ValueError(f"unknown split {split!r}")
     docs = []
@@ -135,7 +137,7 @@ def user_documents(paths: Sequence[str], split: str = "train") -> List[Document]
             names, root = [path.name], path.parent
         else:
             raise FileNotFoundError(f"corpus path not found: {p}")
-        for d in _select(root, names, split):
+        for d in select_documents(root, names, split):
             docs.append(Document(f"{i}:{d.name}", d.text))
     if not docs and split == "train":
         # A tiny corpus may hash every file into the held-out split; train on all of it then.
@@ -165,7 +167,7 @@ def package_documents(name: str, split: str = "train") -> List[Document]:
     root = package_root(name)
     names = sorted(n for n in _walk_text_files(root)
                    if n.endswith(".py") and (root / n).stat().st_size <= MAX_PACKAGE_FILE_BYTES)
-    docs = [Document(f"{name}/{d.name}", d.text) for d in _select(root, names, split, prefix=f"{name}/")]
+    docs = [Document(f"{name}/{d.name}", d.text) for d in select_documents(root, names, split, prefix=f"{name}/")]
     kept, total = [], 0
     for d in sorted(docs, key=lambda d: hashlib.sha256(d.name.encode("utf-8")).digest()):
         total += len(d.text)
@@ -181,13 +183,14 @@ def _distributions() -> dict:
     return importlib.metadata.packages_distributions()
 
 
-def package_license(name: str) -> str:
+def package_license(name: str, distributions: dict | None = None) -> str:
     """The license an installed package declares (SPDX expression, License field or classifier).
     Where several distributions install the same top-level name (a wheel that also ships a stray
     `build/` directory, say), the one named like the package decides; failing that, every one's
-    license is listed, so that `is_permissive` refuses the package if any of them is not."""
+    license is listed, so that `is_permissive` refuses the package if any of them is not.
+    `distributions` maps top-level names to distributions (default: this interpreter's)."""
     top = name.split(".")[0]
-    dists = list(dict.fromkeys(_distributions().get(top, [])))
+    dists = list(dict.fromkeys((_distributions() if distributions is None else distributions).get(top, [])))
     own = [d for d in dists if canonicalize_name(d) == canonicalize_name(top)]
     found = []
     for dist in own or dists:

@@ -1,5 +1,8 @@
 """Starts specdec services as their own processes through their real command lines, and reads
-the `listening on HOST:PORT` line they print (and the `metrics on` and `http on` lines before it). Used by the demo, the benchmarks and the tests."""
+the `listening on HOST:PORT` line they print (and the `metrics on` and `http on` lines before it).
+
+Used by the demo, the benchmarks and the tests (tests may import bench; bench never imports
+tests). It needs a checkout of the repository: services start with `python -m` from its root."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +13,7 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
            TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
 ENV.setdefault("OMP_NUM_THREADS", "1")

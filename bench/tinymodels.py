@@ -1,4 +1,5 @@
-"""Tiny seeded models and tokenizers built on the fly for the tests (nothing is downloaded)."""
+"""Tiny seeded Llama models and word-level tokenizers built on disk for the demo, the benchmarks
+and the tests (nothing is downloaded)."""
 from __future__ import annotations
 
 import os

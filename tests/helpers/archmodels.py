@@ -9,7 +9,7 @@ import torch
 import transformers as tf
 from transformers import GenerationConfig
 
-from specdec.testing.tinymodels import word_tokenizer
+from bench.tinymodels import word_tokenizer
 
 V, CTX, WINDOW = 48, 96, 8  # vocabulary, context limit, sliding window (prompts are longer than it)
 EOS = 0
