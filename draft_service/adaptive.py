@@ -110,6 +110,7 @@ class Pace:
     until: float = 0.0  # target-only until then
     hold: float = HOLD_S[0]
     lost: int = 0  # probes speculation lost (for stats and tests)
+    probe_rounds: int = PROBE_ROUNDS
 
     def now(self) -> float:
         import time
@@ -127,7 +128,7 @@ class Pace:
         self.tokens += tokens
         self.seconds += seconds
         self.rounds += 1
-        if self.rounds < PROBE_ROUNDS or not self.target_only_s or not self.seconds:
+        if self.rounds < self.probe_rounds or not self.target_only_s or not self.seconds:
             return
         if self.tokens / self.seconds < 1.0 / self.target_only_s:
             self.until = self.now() + self.hold
