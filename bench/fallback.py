@@ -6,7 +6,8 @@ each configuration interleaved with Verify.Generate on the same verify service, 
 
 Draft.Generate with the service's defaults (hybrid proposals) and with --proposer draft: after
 its judging rounds the session asks the verifier for a run of target-only steps (DESIGN.md §7).
-Reports tok/s (generated tokens over wall time, all prompts) and the ratio to Verify.Generate.
+Reports tok/s (generated tokens over wall time, all prompts; median) and the median of the ratios
+of each run to the Verify.Generate run next to it (this shared machine's speed drifts).
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", default=os.path.join(ROOT, "models", "stdlib-code-target"))
     p.add_argument("--like", default=os.path.join(ROOT, "models", "stdlib-code-draft"))
     p.add_argument("--lengths", default="48,128")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     a = p.parse_args(argv)
     env = dict(ENV, OMP_NUM_THREADS="1")
@@ -77,7 +78,9 @@ def main(argv=None) -> int:
                     for name, addr, plain in (order if rep % 2 == 0 else order[::-1]):
                         runs[name].append(timed(addr, plain, n))
             med = {k: statistics.median(r["tok_s"] for r in v) for k, v in runs.items()}
-            rows.append(dict(max_new_tokens=n, runs=runs, tok_s=med, ratio={k: med[k] / med["target-only"] for k in drafts},
+            plain = runs["target-only"]  # paired: each kind's run against the Verify.Generate run next to it
+            pairs = {k: [r["tok_s"] / plain[i * len(drafts) + j]["tok_s"] for i, r in enumerate(runs[k])] for j, k in enumerate(drafts)}
+            rows.append(dict(max_new_tokens=n, runs=runs, tok_s=med, ratio={k: statistics.median(pairs[k]) for k in drafts},
                              run_share={k: statistics.median(r["run_share"] for r in runs[k]) for k in drafts}))
             print(n, {k: round(v, 3) for k, v in rows[-1]["ratio"].items()}, flush=True)
     finally:
@@ -92,8 +95,8 @@ def main(argv=None) -> int:
         json.dump(res, fh, indent=1)
     lines = ["# A useless draft's fallback against the target alone", "",
              f"Run {res['date']}; `{res['target']}` with a randomly initialised draft of the shipped draft's shape, one torch "
-             f"thread each, greedy, {res['prompts']} code prompts one at a time; median of {res['repeats']} runs, each "
-             "interleaved with Verify.Generate on the same verify service. Command: `python -m bench.fallback`.", "",
+             f"thread each, greedy, {res['prompts']} code prompts one at a time; {res['repeats']} runs of each kind, each "
+             "next to a Verify.Generate run on the same verify service (alternating order); × is the median of the paired ratios. Command: `python -m bench.fallback`.", "",
              "| new tokens | Verify.Generate tok/s | hybrid (default) tok/s | × | draft model tok/s | × | steps in runs |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
