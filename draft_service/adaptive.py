@@ -88,7 +88,8 @@ class DraftJudge:
 
 
 RUN_MIN, RUN_MAX = 8, 256  # tokens in one run of target-only steps (Round.target_only_steps)
-PROBE_ROUNDS = 8  # speculative rounds, over the draft's sessions, that a comparison needs
+PROBE_ROUNDS = 8  # speculative rounds, over the draft's sessions, that a comparison needs ...
+PROBE_S = 0.5  # ... and their seconds, summed: one session's few rounds are too short to judge on a shared machine
 MARGIN = 0.9  # speculation must fall below this share of the quoted target-only speed: through the draft each
 # token of a run is relayed (one more message each way), which cost about a tenth of Verify.Generate's speed here
 HOLD_S = (1.0, 8.0)  # how long target-only holds after speculation lost: first, and at most (doubling)
@@ -101,7 +102,7 @@ class Pace:
     speculative rounds (tokens over wall time, verdict to verdict) against the speed the verifier
     quotes for a target-only session now (VerifyResponse.target_only_s). When speculation is
     slower (below MARGIN of it), sessions run target-only for `hold` seconds (runs of target-only steps on the
-    verifier), then speculate again for PROBE_ROUNDS rounds to measure anew; each lost probe
+    verifier), then speculate again for PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each lost probe
     doubles the hold (up to HOLD_S[1]), a won one resets it. Reads a clock: seeded sampled
     requests never use it."""
     clock: object = None  # time.monotonic unless a test gives one
@@ -130,7 +131,7 @@ class Pace:
         self.tokens += tokens
         self.seconds += seconds
         self.rounds += 1
-        if self.rounds < self.probe_rounds or not self.target_only_s or not self.seconds:
+        if self.rounds < self.probe_rounds or self.seconds < PROBE_S or not self.target_only_s:
             return
         if self.tokens / self.seconds < MARGIN / self.target_only_s:
             self.until = self.now() + self.hold

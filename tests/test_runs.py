@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from client import Client
-from draft_service.adaptive import HOLD_S, PROBE_ROUNDS, Pace
+from draft_service.adaptive import HOLD_S, PROBE_ROUNDS, PROBE_S, Pace
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
 from specdec.costmodel import Costs
@@ -86,17 +86,21 @@ def test_runs_on_the_verifier_are_exact_and_speculation_resumes(model_dir):
 def test_pace_holds_target_only_while_speculation_loses_and_probes_again():
     clock = Clock()
     p = Pace(clock=clock)
-    for _ in range(PROBE_ROUNDS):  # 3 tokens in 30 ms: 100 tok/s against a target-only 200 tok/s (below MARGIN of it)
-        p.observe(3, 0.03, 0.005)
+    for _ in range(PROBE_ROUNDS):  # rounds too short to judge on: no verdict yet
+        p.observe(1, PROBE_S / PROBE_ROUNDS / 2, 1.0)
+    assert p.lost == 0 and p.rounds == PROBE_ROUNDS
+    p = Pace(clock=clock)
+    for _ in range(PROBE_ROUNDS):  # 3 tokens in 100 ms: 30 tok/s against a target-only 200 tok/s (below MARGIN of it)
+        p.observe(3, 0.1, 0.005)
     assert p.lost == 1 and p.run() == int(HOLD_S[0] / 0.005)
     clock.t += HOLD_S[0]
     assert p.run() == 0  # the hold is over: speculate, and measure again
     for _ in range(PROBE_ROUNDS):
-        p.observe(3, 0.03, 0.005)
+        p.observe(3, 0.1, 0.005)
     assert p.lost == 2 and p.hold == min(4 * HOLD_S[0], HOLD_S[1])  # lost again: a longer hold next time
     clock.t += 2 * HOLD_S[0]
-    for _ in range(PROBE_ROUNDS):  # the load dropped: target-only would give 50 tok/s now
-        p.observe(3, 0.03, 0.02)
+    for _ in range(PROBE_ROUNDS):  # the load dropped: speculation gives 300 tok/s now, above target-only's 200
+        p.observe(30, 0.1, 0.005)
     assert p.lost == 2 and p.run() == 0 and p.hold == HOLD_S[0]  # speculation wins: it stays
     p.observe(3, 0.03, 0.0)  # no quote (an old verifier): never target-only on no evidence
     assert Pace().run() == 0
