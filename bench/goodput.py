@@ -46,8 +46,9 @@ async def run_batch(address: str, target_only: bool, prompts: list[str], max_new
     rounds = sum(s.get("rounds", 0) for _, s in res)
     drafted = sum(s.get("drafted", 0) for _, s in res)
     plain = sum(s.get("target_only_rounds", 0) for _, s in res)
+    run = sum(s.get("run_steps", 0) for _, s in res)
     return dict(tokens=tokens, wall_s=wall, tok_s=tokens / wall, rounds=rounds, mean_tau=drafted / max(rounds, 1),
-                target_only_share=plain / max(rounds, 1))
+                target_only_share=plain / max(rounds, 1), run_share=run / max(tokens, 1))
 
 
 def main(argv=None) -> int:
@@ -98,12 +99,14 @@ def render(res: dict) -> str:
              f"(load-steered tau on / off), one torch thread each, greedy, {res['max_new_tokens']} new tokens per request, code "
              f"prompts from outside the standard library, the services' defaults otherwise; median of {res['repeats']} alternating "
              "runs. Command: `python -m bench.goodput`. Level 1 is four requests one after another.", "",
-             "| sessions | target-only tok/s | steered tok/s | × target-only | mean τ | target-only rounds | unsteered tok/s | × target-only | mean τ |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| sessions | target-only tok/s | steered tok/s | × target-only | mean τ | target-only rounds | tokens from runs "
+             "| unsteered tok/s | × target-only | mean τ |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         m, x = r["median"], r["ratio"]
         lines.append(f"| {r['sessions']} | {m['target-only']['tok_s']:.1f} | {m['steered']['tok_s']:.1f} | **{x['steered']:.2f}×** | "
-                     f"{m['steered']['mean_tau']:.2f} | {100 * m['steered']['target_only_share']:.0f}% | {m['unsteered']['tok_s']:.1f} | "
+                     f"{m['steered']['mean_tau']:.2f} | {100 * m['steered']['target_only_share']:.0f}% | "
+                     f"{100 * m['steered'].get('run_share', 0):.0f}% | {m['unsteered']['tok_s']:.1f} | "
                      f"{x['unsteered']:.2f}× | {m['unsteered']['mean_tau']:.2f} |")
     lines += ["", "Only ratios within one run count: this shared 2-core machine's speed drifts.", ""]
     return "\n".join(lines)

@@ -85,3 +85,69 @@ class DraftJudge:
         alpha = min(self.accepted / self.trials, 0.999) if self.trials else 0.999
         best = max(tokens_per_second(self.costs, alpha, g, self.predraft) for g in range(min(self.min_tau, self.max_tau), self.max_tau + 1))
         return best >= 1.0 / self.costs.verify(0)
+
+
+RUN_MIN, RUN_MAX = 8, 256  # tokens in one run of target-only steps (Round.target_only_steps)
+PROBE_ROUNDS = 8  # speculative rounds, over the draft's sessions, that a comparison needs ...
+PROBE_S = 0.5  # ... and their seconds, summed: one session's few rounds are too short to judge on a shared machine
+MARGIN = 0.9  # speculation must fall below this share of the quoted target-only speed: through the draft each
+# token of a run is relayed (one more message each way), which cost about a tenth of Verify.Generate's speed here
+HOLD_S = (1.0, 8.0)  # how long target-only holds after speculation lost: first, and at most (doubling)
+
+
+@dataclass
+class Pace:
+    """Whether speculation pays at the verifier's current load, for all of one draft process's
+    sessions that follow the load (DESIGN.md §7): the draft's measured speed per session in its
+    speculative rounds (tokens over wall time, verdict to verdict) against the speed the verifier
+    quotes for a target-only session now (VerifyResponse.target_only_s). When speculation is
+    slower (below MARGIN of it), sessions run target-only for `hold` seconds (runs of target-only steps on the
+    verifier), then speculate again for PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each lost probe
+    doubles the hold (up to HOLD_S[1]), a won one resets it. Reads a clock: seeded sampled
+    requests never use it."""
+    clock: object = None  # time.monotonic unless a test gives one
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: int = 0
+    target_only_s: float = 0.0
+    until: float = 0.0  # target-only until then
+    hold: float = HOLD_S[0]
+    lost: int = 0  # probes speculation lost (for stats and tests)
+    probe_rounds: int = PROBE_ROUNDS
+
+    def now(self) -> float:
+        import time
+        return (self.clock or time.monotonic)()
+
+    def quote(self, target_only_s: float) -> None:
+        if target_only_s > 0:
+            self.target_only_s = target_only_s
+
+    def observe(self, tokens: int, seconds: float, target_only_s: float) -> None:
+        """One speculative round of some session: its committed tokens and wall seconds."""
+        self.quote(target_only_s)
+        if self.now() < self.until:
+            return  # a round of a session that came out of a run early: the window is for the probe
+        self.tokens += tokens
+        self.seconds += seconds
+        self.rounds += 1
+        if self.rounds < self.probe_rounds or self.seconds < PROBE_S or not self.target_only_s:
+            return
+        if self.tokens / self.seconds < MARGIN / self.target_only_s:
+            self.until = self.now() + self.hold
+            self.hold = min(2 * self.hold, HOLD_S[1])
+            self.lost += 1
+        else:
+            self.hold = HOLD_S[0]
+        self.tokens = self.seconds = 0.0
+        self.rounds = 0
+
+    def run(self) -> int:
+        """Target-only steps a session should run now (0: speculate): enough to last the hold."""
+        left = self.until - self.now()
+        if left <= 0 or not self.target_only_s:
+            return 0
+        return max(RUN_MIN, min(RUN_MAX, int(left / self.target_only_s)))
+
+
+PACE = Pace()  # the draft process's (decode.py): its sessions share one verdict on the load

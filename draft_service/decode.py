@@ -37,7 +37,7 @@ from typing import AsyncIterator, Protocol
 
 import grpc
 
-from draft_service.adaptive import DraftJudge, TauController
+from draft_service.adaptive import PACE, DraftJudge, Pace, TauController
 from draft_service.drafter import Drafter, PredraftControl, Proposal
 from specdec.costmodel import Costs
 from specdec import metrics
@@ -66,7 +66,7 @@ class DecodeLoop:
 
     def __init__(self, drafter: Drafter, params: GenParams, fingerprint: str, max_context: int,
                  costs: Costs | None = None, predraft: bool = False, fallback: Costs | None = None, goodput: bool = True,
-                 round_timeout_s: float | None = None):
+                 round_timeout_s: float | None = None, pace: Pace | None = None):
         self.drafter = drafter
         self.round_timeout_s = round_timeout_s  # a write or a verdict that takes longer: the verify service stopped answering
         self.params = params
@@ -79,6 +79,9 @@ class DecodeLoop:
         # the verifier's load (`goodput`) unless a seeded sampled request needs load-free taus
         steer = goodput and (params.sampling.greedy or not params.seeded)
         self.tau = TauController(max_tau=params.tau, costs=costs, predraft=self.predraft, steer=steer) if costs else None
+        # the draft process's verdict on whether speculation pays at the verifier's load (adaptive.Pace)
+        self.pace = (PACE if pace is None else pace) if steer and costs else None
+        self.runs_ok = True  # the verifier runs target-only steps on its own (Round.target_only_steps); an old one does not
         self.stats = pb.Stats(prompt_tokens=len(params.prompt_ids), accepted_per_position=[0] * params.tau)
         use_model = params.proposer != pb.PROPOSER_LOOKUP
         self.judge = DraftJudge(fallback, params.tau, self.predraft) if fallback and use_model else None
@@ -129,7 +132,20 @@ class DecodeLoop:
             await asyncio.to_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
             stats.prefill_s = time.perf_counter() - t1
             prop = None
+            t_mark = time.perf_counter()  # the last verdict: a round's wall time for Pace runs from there
             while True:
+                run = self._run_wanted() if prop is None else 0
+                if run:
+                    async for item in self._run(call, run):
+                        yield item
+                        if item[1]:
+                            return
+                    t_mark = time.perf_counter()
+                    continue
+                if self.fallen_back and not self._lookup_left():
+                    async for item in self._target_only(call):  # a verifier without runs: rounds written ahead
+                        yield item
+                    return
                 tau = ctl.choose() if ctl else self.params.tau
                 if self.judge and not self.judge.accepted:
                     tau = min(tau, 1)  # no proposal of the model accepted yet: gather the judge's evidence cheaply
@@ -175,6 +191,12 @@ class DecodeLoop:
                 if ctl:
                     ctl.observe(len(sent.tokens), n)
                     ctl.load(v.row_price)
+                if self.pace:
+                    if sent.tokens and stats.rounds > 1:  # the first round's time holds the prompt's prefill
+                        self.pace.observe(len(new), t3 - t_mark, v.target_only_s)
+                    else:
+                        self.pace.quote(v.target_only_s)
+                t_mark = t3
                 if self.judge and not sent.lookup:
                     self._judge(len(sent.tokens), n)
                 if self.lookup_judge and sent.lookup and not self.lookup_off:
@@ -184,13 +206,63 @@ class DecodeLoop:
                 yield new, v.finish_reason
                 if v.finish_reason:
                     return
-                if self.fallen_back and not (self.params.proposer == pb.PROPOSER_HYBRID and not self.lookup_off):
-                    async for item in self._target_only(call):  # nothing left to propose: no verdict to wait for
-                        yield item
-                    return
         finally:
             if pending is not None:
                 pending[1].reject()  # the thread stops after its current step
+
+    def _lookup_left(self) -> bool:
+        """Whether hybrid prompt lookup still proposes for the session."""
+        return self.params.proposer == pb.PROPOSER_HYBRID and not self.lookup_off
+
+    def _left(self) -> int:
+        """Tokens the session may still commit."""
+        st = self.state
+        return max(0, min(self.params.max_new_tokens - (len(st.ids) - st.prompt_len), self.max_context - len(st.ids)))
+
+    def _run_wanted(self) -> int:
+        """Target-only steps to ask the verifier for now (0: a round): the rest of the request once
+        the draft model does not pay and nothing else proposes; else what the load asks (Pace)."""
+        if not self.runs_ok:
+            return 0
+        if self.fallen_back and not self._lookup_left():
+            return self._left()
+        return min(self.pace.run(), self._left()) if self.pace else 0
+
+    async def _run(self, call: VerifyStream, n: int) -> AsyncIterator[tuple[list[int], int]]:
+        """A run of n target-only steps on the verifier (Round.target_only_steps): one message out,
+        the verifier steps on its own and sends a verdict per token; the draft relays them. Its
+        own cache catches up (one forward over the run's tokens) when it next drafts (drafter._feed)."""
+        st, stats = self.state, self.stats
+        await self._timed(call.write(pb.VerifyRequest(round=pb.Round(round=stats.rounds + 1, target_only_steps=n))))
+        got, t0 = 0, time.perf_counter()
+        while True:
+            v = await self._timed(call.read(), self._first_read_scale() if stats.rounds == 0 else 1)
+            if v is grpc.aio.EOF:
+                raise RequestError(Refusal.UNAVAILABLE, "verify service ended the session without a verdict")
+            got += 1
+            stats.rounds += 1
+            stats.target_only_rounds += 1
+            stats.fallback_rounds += self.fallen_back
+            stats.run_steps += 1
+            metrics.PROPOSALS_PER_ROUND.observe(0)
+            t1 = time.perf_counter()
+            stats.verify_s += t1 - t0
+            t0 = t1
+            stats.verify_forward_s += v.forward_s
+            if self.tau:
+                self.tau.load(v.row_price)
+            if self.pace:
+                self.pace.quote(v.target_only_s)
+            new = [v.next_token] if v.HasField("next_token") else []
+            st.ids.extend(new)
+            self._count(0, 0)
+            yield new, v.finish_reason
+            if v.finish_reason:
+                return
+            if not v.steps_left:
+                if got == 1 and n > 1:
+                    self.runs_ok = False  # a verifier that answers a run with one verdict has no runs
+                return
 
     async def _target_only(self, call: VerifyStream) -> AsyncIterator[tuple[list[int], int]]:
         """The rest of a session that proposes nothing: rounds without proposals, one written ahead

@@ -68,6 +68,12 @@ class PassCost:
         return self.per_row_s * self.tokens_per_s * self.utilisation
 
 
+    def target_only_s(self, sessions: int) -> float:
+        """Seconds per token of a target-only session now: a pass with `sessions` sessions of one
+        row each (every open session in every pass, as Verify.Generate's streams run)."""
+        return max(self.base_s + max(sessions, 1) * (self.per_row_s + self.per_session_s), 0.0)
+
+
 def _normal(points: list[tuple[int, int, float]], weight: float) -> tuple[torch.Tensor, torch.Tensor]:
     """X'WX and X'Wy of (rows, sessions, seconds) points for seconds ~ [1, rows, sessions]."""
     x = torch.tensor([[1.0, r, s] for r, s, _ in points], dtype=torch.float64).reshape(-1, 3)

@@ -50,9 +50,12 @@ class _Job:
     enqueued: float = field(default_factory=time.perf_counter)
     finished: bool = False
     stream: asyncio.Queue | None = None  # target-only steps: gets every (ok, Verdict or error); the thread runs the next step at once
+    left: int | None = None  # a stream's steps still allowed (None: until the session finishes)
 
     def resolve(self, ok: bool, result) -> None:
-        self.finished = self.stream is None or not ok or bool(result.finish)
+        if self.left is not None and ok:
+            self.left -= 1
+        self.finished = self.stream is None or not ok or bool(result.finish) or self.left == 0
         self.enqueued = time.perf_counter()  # a stream's next step is queued from now
         try:
             if self.stream is None:
@@ -136,19 +139,21 @@ class Scheduler:
             tokens, q = tokens[:left], None if q is None else q[:left]
         return await self._submit(s, list(tokens), q)
 
-    async def steps(self, s: Session) -> AsyncIterator[Verdict]:
-        """Target-only: the prompt's prefill, then one-token steps until the session finishes.
+    async def steps(self, s: Session, limit: int | None = None) -> AsyncIterator[Verdict]:
+        """Target-only: the prompt's prefill, then one-token steps until the session finishes
+        (or after `limit` steps: a run of a Verify.Session stream, verify_service/server.py).
         The first step shares the pass of the prompt's last chunk (`_run`). The scheduler thread
         runs each step as soon as the last one is committed, without waiting for the caller to
         take its verdict (DESIGN.md §6). Stops when the caller closes the session."""
         verdicts: asyncio.Queue = asyncio.Queue()
-        self._queue.put(_Job(s, None, asyncio.get_running_loop(), [], stream=verdicts))
+        self._queue.put(_Job(s, None, asyncio.get_running_loop(), [], stream=verdicts, left=limit))
         while True:
             ok, v = await verdicts.get()
             if not ok:
                 raise v
             yield v
-            if v.finish:
+            limit = None if limit is None else limit - 1
+            if v.finish or limit == 0:
                 return
 
     async def _submit(self, s: Session, tokens=None, q=None):

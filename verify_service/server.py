@@ -82,16 +82,33 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                 if kind != "round":
                     raise invalid("round: a message with neither `start` nor `round` set")
                 tokens, q = self._check_round(s, req.round)
+                if not tokens and req.round.target_only_steps > 1:
+                    await self._run(s, req.round, context)
+                    continue
                 v = await self.engine.step(s, tokens, q)
-                await context.write(pb.VerifyResponse(
-                    round=req.round.round, num_accepted=v.num_accepted, next_token=v.next_token,
-                    finish_reason=edge.finish_reason(v.finish), forward_s=v.forward_s, queue_s=v.queue_s, seed=s.seed,
-                    row_cost_s=v.row_cost_s, row_price=v.row_price))
+                await context.write(self._verdict(s, req.round.round, v))
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Session", e)
         finally:
             if s is not None:
                 self.engine.close(s)
+
+    def _verdict(self, s, number: int, v, steps_left: int = 0) -> pb.VerifyResponse:
+        return pb.VerifyResponse(
+            round=number, num_accepted=v.num_accepted, next_token=v.next_token, finish_reason=edge.finish_reason(v.finish),
+            forward_s=v.forward_s, queue_s=v.queue_s, seed=s.seed, row_cost_s=v.row_cost_s, row_price=v.row_price,
+            steps_left=steps_left, target_only_s=self.engine.cost.target_only_s(len(self.engine.sessions)))
+
+    async def _run(self, s, r: pb.Round, context) -> None:
+        """A run of target-only steps (Round.target_only_steps): the scheduler runs them back to
+        back as it does Generate's (Scheduler.steps), one verdict each, numbered on from the round's;
+        never past max_new_tokens (the session finishes there)."""
+        limit = min(r.target_only_steps, s.max_new_tokens - s.generated)
+        done = 0
+        async for v in self.engine.steps(s, limit):
+            done += 1
+            await context.write(self._verdict(s, r.round + done - 1, v, 0 if v.finish else limit - done))
+        s.next_round += done
 
     async def Generate(self, request, context):
         """Target-only generation: rounds with no proposals (each yields the next token)."""

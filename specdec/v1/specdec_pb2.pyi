@@ -156,7 +156,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., proposal_mode: _Optional[_Union[ProposalMode, str]] = ..., sparse_k: _Optional[int] = ..., request_id: _Optional[str] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., adaptive: _Optional[bool] = ..., predraft: _Optional[bool] = ..., early_stop_p: _Optional[float] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_s", "verify_s", "verify_forward_s", "prefill_s", "prompt_tokens", "generated_tokens", "server_s", "predraft_hits", "predraft_misses", "lookup_rounds", "fallback_rounds", "target_only_rounds")
+    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_s", "verify_s", "verify_forward_s", "prefill_s", "prompt_tokens", "generated_tokens", "server_s", "predraft_hits", "predraft_misses", "lookup_rounds", "fallback_rounds", "target_only_rounds", "run_steps")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class Stats(_message.Message):
     LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_ONLY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEPS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted: int
     accepted: int
@@ -193,7 +194,8 @@ class Stats(_message.Message):
     lookup_rounds: int
     fallback_rounds: int
     target_only_rounds: int
-    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., verify_forward_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., server_s: _Optional[float] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ..., lookup_rounds: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., target_only_rounds: _Optional[int] = ...) -> None: ...
+    run_steps: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., verify_forward_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., server_s: _Optional[float] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ..., lookup_rounds: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., target_only_rounds: _Optional[int] = ..., run_steps: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats", "seed", "request_id")
@@ -228,18 +230,20 @@ class SessionStart(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., proposal_mode: _Optional[_Union[ProposalMode, str]] = ..., vocab_fingerprint: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Round(_message.Message):
-    __slots__ = ("round", "tokens", "q_counts", "q_ids", "q_probs")
+    __slots__ = ("round", "tokens", "q_counts", "q_ids", "q_probs", "target_only_steps")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_COUNTS_FIELD_NUMBER: _ClassVar[int]
     Q_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ONLY_STEPS_FIELD_NUMBER: _ClassVar[int]
     round: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q_counts: _containers.RepeatedScalarFieldContainer[int]
     q_ids: _containers.RepeatedScalarFieldContainer[int]
     q_probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, round: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_counts: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    target_only_steps: int
+    def __init__(self, round: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_counts: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., target_only_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("start", "round")
@@ -250,7 +254,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[SessionStart, _Mapping]] = ..., round: _Optional[_Union[Round, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("round", "num_accepted", "next_token", "finish_reason", "forward_s", "queue_s", "seed", "row_cost_s", "row_price")
+    __slots__ = ("round", "num_accepted", "next_token", "finish_reason", "forward_s", "queue_s", "seed", "row_cost_s", "row_price", "steps_left", "target_only_s")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +264,8 @@ class VerifyResponse(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     ROW_COST_S_FIELD_NUMBER: _ClassVar[int]
     ROW_PRICE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ONLY_S_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_accepted: int
     next_token: int
@@ -269,4 +275,6 @@ class VerifyResponse(_message.Message):
     seed: int
     row_cost_s: float
     row_price: float
-    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., forward_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., seed: _Optional[int] = ..., row_cost_s: _Optional[float] = ..., row_price: _Optional[float] = ...) -> None: ...
+    steps_left: int
+    target_only_s: float
+    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., forward_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., seed: _Optional[int] = ..., row_cost_s: _Optional[float] = ..., row_price: _Optional[float] = ..., steps_left: _Optional[int] = ..., target_only_s: _Optional[float] = ...) -> None: ...

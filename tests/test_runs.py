@@ -1,0 +1,106 @@
+"""Runs of target-only steps (Round.target_only_steps, DESIGN.md §7): the verifier steps on its
+own and sends a verdict per token; the draft asks for them when its process's Pace says
+speculation loses at the verifier's load, and comes back to speculation after the hold.
+(A useless draft's session using them: tests/test_pairing.py.)"""
+import asyncio
+
+import grpc
+
+from client import Client
+from draft_service.adaptive import HOLD_S, PROBE_ROUNDS, PROBE_S, Pace
+from draft_service.decode import DecodeLoop
+from draft_service.drafter import Drafter
+from specdec.costmodel import Costs
+from specdec.lm import LM
+from specdec.sampling import Sampling
+from bench.launch import Service
+from specdec.validation import GenParams
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+COSTS = Costs(draft_step=0.001, verify_base=0.010, verify_per_token=0.0002)
+PROMPT = [3, 4, 5, 6]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def params(n, temperature=0.0, seeded=False):
+    return GenParams(prompt_ids=PROMPT, max_new_tokens=n, sampling=Sampling(temperature=temperature), seed=7, seeded=seeded,
+                     tau=4, proposer=pb.PROPOSER_DRAFT, mode=pb.PROPOSAL_MODE_GREEDY if temperature == 0 else pb.PROPOSAL_MODE_SPARSE)
+
+
+async def _session(address, loop):
+    async with grpc.aio.insecure_channel(address) as ch:
+        call = pb_grpc.VerifyStub(ch).Session(timeout=60)
+        out = []
+        async for new, _ in loop.rounds(call):
+            out += new
+        call.cancel()
+        return out
+
+
+def test_runs_on_the_verifier_are_exact_and_speculation_resumes(model_dir):
+    """A session held target-only runs its tokens as runs on a real verify service, then drafts
+    again after the hold (its cache caught up): greedy output equals Verify.Generate's; a
+    seeded sampled session run target-only throughout repeats Verify.Generate's seeded tokens
+    (the same draws, keyed by position)."""
+    target = model_dir("long-target")
+    v = Service("verify_service", "--model", target)
+    try:
+        with Client(v.address, target_only=True, timeout=60) as c:
+            greedy = c.generate(prompt_ids=PROMPT, max_new_tokens=80).token_ids
+            sampled = c.generate(prompt_ids=PROMPT, max_new_tokens=40, temperature=1.0, seed=7).token_ids
+        lm = LM.load(target, "cpu", "float32")  # the target as its own draft: every proposal accepted
+        clock = Clock()
+        # speculation lost: target-only for a second (10 steps); no new verdict after (timing is not tested)
+        pace = Pace(clock=clock, target_only_s=0.1, until=clock.t + 1.0, probe_rounds=10**6)
+        loop = DecodeLoop(Drafter(lm), params(80), lm.fingerprint, lm.max_context, costs=COSTS, pace=pace)
+        real = loop._run
+
+        async def run_then_tick(call, n):  # the hold ends after the first run
+            async for item in real(call, n):
+                yield item
+            clock.t += 2.0
+        loop._run = run_then_tick
+        assert asyncio.run(_session(v.address, loop)) == greedy
+        s = loop.summary()
+        assert s.run_steps == 10 and s.target_only_rounds == s.run_steps  # one run, then drafting
+        assert s.drafted > 0 and s.accepted == s.drafted  # its cache caught up: the target agrees with itself
+        assert s.rounds - s.run_steps < 80 - s.run_steps  # the rest in rounds of several tokens
+
+        pace = Pace(clock=Clock(), target_only_s=0.01, until=1e9)
+        loop = DecodeLoop(Drafter(lm), params(40, 1.0, seeded=True), lm.fingerprint, lm.max_context, costs=COSTS)
+        loop.pace = pace  # as if it followed the load (seeded sampled requests do not): all target-only
+        assert asyncio.run(_session(v.address, loop)) == sampled
+        assert loop.summary().run_steps == len(sampled) and loop.summary().drafted == 0
+    finally:
+        v.stop()
+
+
+def test_pace_holds_target_only_while_speculation_loses_and_probes_again():
+    clock = Clock()
+    p = Pace(clock=clock)
+    for _ in range(PROBE_ROUNDS):  # rounds too short to judge on: no verdict yet
+        p.observe(1, PROBE_S / PROBE_ROUNDS / 2, 1.0)
+    assert p.lost == 0 and p.rounds == PROBE_ROUNDS
+    p = Pace(clock=clock)
+    for _ in range(PROBE_ROUNDS):  # 3 tokens in 100 ms: 30 tok/s against a target-only 200 tok/s (below MARGIN of it)
+        p.observe(3, 0.1, 0.005)
+    assert p.lost == 1 and p.run() == int(HOLD_S[0] / 0.005)
+    clock.t += HOLD_S[0]
+    assert p.run() == 0  # the hold is over: speculate, and measure again
+    for _ in range(PROBE_ROUNDS):
+        p.observe(3, 0.1, 0.005)
+    assert p.lost == 2 and p.hold == min(4 * HOLD_S[0], HOLD_S[1])  # lost again: a longer hold next time
+    clock.t += 2 * HOLD_S[0]
+    for _ in range(PROBE_ROUNDS):  # the load dropped: speculation gives 300 tok/s now, above target-only's 200
+        p.observe(30, 0.1, 0.005)
+    assert p.lost == 2 and p.run() == 0 and p.hold == HOLD_S[0]  # speculation wins: it stays
+    p.observe(3, 0.03, 0.0)  # no quote (an old verifier): never target-only on no evidence
+    assert Pace().run() == 0
