@@ -63,7 +63,7 @@ class Services:
 
     def __init__(self, target: str, draft: str, dtype: str, env_extra: dict | None = None):
         env = dict(ENV, SPECDEC_DTYPE=dtype, **(env_extra or {}))
-        # INFO: the engine's load-time choices (specdec.kvcache) go into the report
+        # INFO: the engine's load-time choices (specdec.engine) go into the report
         self.v = Service("verify_service", "--model", target, "--threads", "1", "--log-level", "INFO", env=env)
         self.d = Service("draft_service", "--model", draft, "--verify", self.v.address, "--threads", "1", "--log-level", "INFO", env=env)
         self.cv = Client(self.v.address, timeout=300, target_only=True)
@@ -82,7 +82,7 @@ class Services:
         self.v.stop()
 
     def choices(self) -> dict:
-        """What each service's engine chose at load on this CPU (its specdec.kvcache log lines)."""
+        """What each service's engine chose at load on this CPU (its specdec.engine log lines)."""
         out = {}
         for name, svc in (("verify", self.v), ("draft", self.d)):
             out[name] = []
@@ -91,7 +91,7 @@ class Services:
                     rec = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(rec, dict) and rec.get("logger") == "specdec.kvcache":
+                if isinstance(rec, dict) and rec.get("logger") == "specdec.engine":
                     out[name].append(rec.get("msg", ""))
         return out
 

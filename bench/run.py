@@ -228,7 +228,7 @@ def render(res: dict, files: list[str]) -> str:
         "* S = E/(γc+1) with E = (1−α^(γ+1))/(1−α) (DESIGN.md §7); S_net adds ρ; efficiency = measured speed-up / S",
         "* speed-up is against target-only through the verify service (greedy rows) or its T=1 run (sampled rows); "
         "`vs hf generate` is against transformers' own `generate()` in-process, which pays no RPC and, for single-token "
-        "steps, no batch-invariance padding (passes on the CPU are padded to a calibrated minimum row count; see specdec/kvcache.py)", "",
+        "steps, no batch-invariance padding (passes on the CPU are padded to a calibrated minimum row count; see specdec/engine/cpu/rows.py)", "",
         "| configuration | tok/s | ms/token | speed-up | vs hf generate | γ | tokens/round | ρ | S | S_net | efficiency | exact |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -15,7 +15,7 @@ import grpc
 import torch
 
 from specdec.costmodel import Costs
-from specdec.kvcache import KVCache
+from specdec.engine import KVCache
 from specdec.v1 import specdec_pb2 as pb
 
 PROBE_GAMMA = 8

@@ -42,7 +42,7 @@ from draft_service.drafter import Drafter, PredraftControl, Proposal
 from specdec.costmodel import Costs
 from specdec import metrics
 from specdec.errors import Refusal, RequestError
-from specdec.kvcache import PREFILL_CHUNK
+from specdec.engine import PREFILL_CHUNK
 from specdec.validation import GenParams
 from specdec.v1 import specdec_pb2 as pb
 

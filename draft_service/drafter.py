@@ -1,7 +1,7 @@
 """The draft model's side of a session: its KV cache, and proposing tau tokens with the
 distribution each was sampled from (or one-hot proposals from prompt lookup).
 
-The cache (a KVCache, specdec/kvcache.py) holds the tokens in `DraftState.cached`; forward
+The cache (a KVCache in the engine's pool, specdec/engine) holds the tokens in `DraftState.cached`; forward
 steps go through the StepBatcher, which runs the steps of all sessions together. Before each
 proposal it is cropped to the longest prefix it shares with the context to draft from, and the
 missing tokens are fed first;
@@ -24,7 +24,7 @@ import torch
 
 from draft_service.lookup import lookup
 from draft_service.stepbatch import StepBatcher
-from specdec.kvcache import KVCache
+from specdec.engine import KVCache
 from specdec.lm import LM
 from specdec.proposal import Proposal, ids_only, wire_q
 from specdec.sampling import DRAFT, keyed_generator, probs_from_logits, sample
@@ -68,7 +68,7 @@ class DraftState:
 class Drafter:
     def __init__(self, lm: LM):
         self.lm = lm
-        self.batcher = StepBatcher(lm.model)
+        self.batcher = StepBatcher(lm.engine)
 
     def new_state(self, params: GenParams, max_context: int | None = None) -> DraftState:
         limit = max_context or self.lm.max_context

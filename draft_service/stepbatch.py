@@ -1,6 +1,5 @@
 """Batched draft steps: the forward steps that sessions ask for at the same time run as ONE packed
-pass of the draft model (specdec/kvcache.py: per-session caches, the same numbers alone or
-batched).
+pass of the draft model (specdec/engine: one pooled cache, the same numbers alone or batched).
 
 No thread of its own: each session drafts in its own worker thread and calls `forward()`. The
 first caller to find the model idle becomes the leader: it takes every step queued so far, runs
@@ -16,7 +15,7 @@ import threading
 import torch
 
 from specdec import metrics
-from specdec.kvcache import PREFILL_CHUNK, KVCache, forward_packed
+from specdec.engine import PREFILL_CHUNK, Engine, KVCache
 
 STEP_TOKENS = 8  # a forward over at most this many tokens counts as a decode step
 MAX_BATCH = 128  # decode steps per pass
@@ -33,8 +32,8 @@ class _Step:
 
 
 class StepBatcher:
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, engine: Engine):
+        self.engine = engine
         self._cv = threading.Condition()
         self._waiting: list[_Step] = []
         self._busy = False
@@ -71,7 +70,7 @@ class StepBatcher:
             self._waiting = [s for s in self._waiting if all(s is not b for b in steps)]
         metrics.DRAFT_BATCH_SIZE.observe(len(steps))
         try:
-            outs = forward_packed(self.model, [s.tokens for s in steps], [s.cache for s in steps], [s.logits for s in steps])
+            outs = self.engine.forward([s.tokens for s in steps], [s.cache for s in steps], [s.logits for s in steps])
             for s, o in zip(steps, outs):
                 s.result = None if o is None else o[-1]
         except Exception as e:  # noqa: BLE001 - handed to the waiting sessions

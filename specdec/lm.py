@@ -1,7 +1,8 @@
 """A causal LM loaded from a local Hugging Face directory onto a device in a dtype, with what the
-services report about it (vocabulary fingerprint, context limit, end-of-sequence ids). Forward
-passes go through specdec/kvcache.py; `check_supported` refuses, at start-up, an architecture
-that pass cannot serve exactly (specdec/architectures.py)."""
+services report about it (vocabulary fingerprint, context limit, end-of-sequence ids) and its
+engine (specdec/engine). `LM.load` takes three separate steps: load the model, prepare its
+engine, and check that the engine serves it exactly (specdec/architectures.py), refusing at
+start-up what it cannot."""
 from __future__ import annotations
 
 import hashlib
@@ -13,13 +14,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
+from specdec import architectures
+from specdec.architectures import Unsupported
+from specdec.engine import Engine, prepare
 from specdec.startup import TOKENIZER_FILES, StartupError, add_model_args, check_model_dir  # noqa: F401 - add_model_args: the services' flags
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class Unsupported(StartupError):
-    """The model cannot be served as asked (no such device, an architecture the engine refuses)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -98,6 +98,7 @@ class LM:
     num_parameters: int
     device: torch.device
     dtype: torch.dtype
+    engine: Engine | None = None  # None only when loaded with prepare=False
 
     @property
     def eos_token_id(self) -> int | None:
@@ -105,11 +106,13 @@ class LM:
         return min(self.eos) if self.eos else None
 
     @classmethod
-    def load(cls, path: str, device: str = "cpu", dtype: str = "float32", check: bool = True, choices: dict | None = None) -> "LM":
-        """Loads the model, refusing (Unsupported) what the engine cannot serve exactly. choices:
-        the engine's pinned load-time choices (kvcache.parse_choices), else they are timed."""
-        from specdec import architectures  # noqa: PLC0415 - it imports this module
-
+    def load(cls, path: str, device: str = "cpu", dtype: str = "float32", check: bool = True, choices: dict | None = None,
+             prepare_engine: bool = True, timer=None) -> "LM":
+        """Loads the model and prepares its engine (choices: the engine's pinned load-time choices,
+        engine.cpu.choose.parse_choices, else they are timed, by timer where given:
+        engine.cpu.rows.clock); with check, first refuses
+        (Unsupported) an architecture the engine cannot serve, and after checks that the engine's
+        logits are the model's own."""
         check_model_dir(path)  # StartupError (one line at start-up) for everything that cannot be loaded
         dev = resolve_device(device)
         hf_logging.disable_progress_bar()  # no "Loading weights" bars on stderr: a refusal is one line there
@@ -154,8 +157,11 @@ class LM:
             device=dev,
             dtype=dt,
         )
-        if check:
-            architectures.check_supported(lm, choices)  # raises Unsupported; switches to the packed attention
+        reference = architectures.reference(lm) if check else None  # refuses what the engine cannot serve, before switching
+        if prepare_engine:
+            lm.engine = prepare(model, **(choices or {}), timer=timer)
+        if reference is not None and lm.engine is not None:
+            architectures.probe(lm, reference)  # raises Unsupported
         return lm
 
 

@@ -61,3 +61,39 @@ def services(model_dir):
     for v, d in started.values():
         d.stop()
         v.stop()
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def packed(request, model_dir):
+    """The tiny target loaded as the services load it (packed attention), in both CPU dtypes."""
+    import torch  # noqa: PLC0415 - only the engine's tests need torch here
+
+    from specdec.lm import LM  # noqa: PLC0415
+
+    torch.set_num_threads(1)  # the services' setting: GEMM row results are invariant only within one thread
+    return LM.load(model_dir("target"), "cpu", request.param)
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    """A random Llama as wide as the shipped target's MLP (1408): one-row bf16 matmuls of this
+    width take a kernel whose sums round differently from two rows up."""
+    return tinymodels.build(str(tmp_path_factory.mktemp("wide")), vocab_size=512, hidden=704, layers=2, heads=8,
+                            max_context=256, seed=5)
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    """A small random Llama whose output layer is tied to its input embeddings, as the shipped pair's are."""
+    import torch  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    from bench.tinymodels import word_tokenizer  # noqa: PLC0415
+
+    path = tmp_path_factory.mktemp("tied")
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    word_tokenizer(512).save_pretrained(path)
+    return str(path)

@@ -158,7 +158,7 @@ def test_sampling_follows_the_models_own_softmax(arch):
     from transformers, i.e. after the architecture's post-head transform.
 
     Checked by hand once (this test's power), in a copy of the tree: with the transform dropped
-    from the engine -- forward_packed applying model.get_output_embeddings() to
+    from the engine -- Engine.forward applying model.get_output_embeddings() to
     model.base_model's hidden states instead of calling the model's own CausalLM forward -- and
     the start-up probe's comparison disabled (on its own it refuses such an engine: its logits
     differ from the model's forward), this test failed for gemma2 (final soft-cap 3.0, p=0),

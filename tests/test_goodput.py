@@ -111,13 +111,13 @@ def test_a_pass_takes_rounds_in_arrival_order_within_its_row_bound(model_dir, mo
     lm = LM.load(model_dir("target"), "cpu", "float32")
     passes = []
 
-    def recorded(model, inputs, caches, logits=True):
+    def recorded(inputs, caches, logits=True):
         passes.append((len(inputs), sum(len(x) for x in inputs), list(caches)))
-        return real(model, inputs, caches, logits)
+        return real(inputs, caches, logits)
 
-    real = scheduler.forward_packed
+    real = lm.engine.forward
     eng = scheduler.Scheduler(lm, max_sessions=8, max_pass_rows=12)
-    monkeypatch.setattr(scheduler, "forward_packed", recorded)
+    monkeypatch.setattr(lm.engine, "forward", recorded)
 
     async def run():
         ss = [eng.open([3, 4, 5 + i], 20, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY) for i in range(4)]

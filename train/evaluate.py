@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.costmodel import best_gamma, round_cost, speedup
-from specdec.kvcache import cache_kwargs, returned_cache
+from specdec.engine import cache_kwargs, returned_cache
 from train import corpus
 from train.code_prompts import CODE_PROMPTS
 from train.data import tokenize_documents

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from specdec.kvcache import cache_kwargs, returned_cache
+from specdec.engine import cache_kwargs, returned_cache
 
 
 @torch.no_grad()

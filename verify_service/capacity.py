@@ -2,8 +2,9 @@
 (RESOURCE_EXHAUSTED, with a retry hint from the server) when it is full.
 
 Every session reserves room for its whole run at admission, min(prompt + max_new_tokens,
-context), and its cache buffers are that size (specdec/kvcache.py), so the token budget is
-the memory budget: tokens x kv_bytes_per_token in the cache's dtype (specdec.kvcache.attention_dtype).
+context), and its cache takes that many slots of the engine's pool (specdec/engine/cache.py, rounded up to
+whole pages), so the token budget is the memory budget: tokens x kv_bytes_per_token in the
+pool's dtype (the engine plan's kv_dtype).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from specdec import metrics
 from specdec.errors import Refusal, RequestError
-from specdec.kvcache import attention_dtype, available_memory_bytes
+from specdec.engine import available_memory_bytes
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
@@ -31,7 +32,7 @@ def default_cache_budget(lm, max_sessions: int, memory_fraction: float | None = 
     if mem is None:
         return full
     share = memory_fraction if memory_fraction is not None else (0.9 if lm.device.type == "cuda" else 0.5)
-    return max(lm.max_context, min(full, int(mem * share / kv_bytes_per_token(lm.model.config, attention_dtype(lm.model)))))
+    return max(lm.max_context, min(full, int(mem * share / kv_bytes_per_token(lm.model.config, lm.engine.plan.kv_dtype))))
 
 
 class Capacity:

@@ -1,7 +1,8 @@
 """The verify scheduler: one thread owns the target model; each iteration it runs ONE packed pass
-(specdec/kvcache.py) over every round waiting across sessions plus the next chunk of one
-prompt, applies the acceptance rule to each session on the model's device, and moves the
-verdicts of the whole batch to the host at once (a few integers per session).
+(specdec/engine) over every round waiting across sessions plus the next chunk of as many waiting
+prompts as the pass's row budget leaves room for (at least one), applies the acceptance rule to
+each session on the model's device, and moves the verdicts of the whole batch to the host at once
+(a few integers per session).
 
 Sessions talk to it from the asyncio event loop: `prefill` and `step` put a job on the queue
 and await a future that the thread resolves with `call_soon_threadsafe`; `steps` (target-only)
@@ -28,7 +29,7 @@ import torch
 from specdec import metrics
 from specdec.acceptance import accept, accept_greedy
 from specdec.errors import Refusal, RequestError
-from specdec.kvcache import PREFILL_CHUNK, KVCache, forward_packed
+from specdec.engine import PREFILL_CHUNK, KVCache
 from specdec.lm import LM
 from specdec.sampling import VERIFY, Sampling, keyed_generator, probs_from_logits
 from verify_service.capacity import Capacity, default_cache_budget
@@ -103,7 +104,7 @@ class Scheduler:
             sid, self._next_sid = self._next_sid, self._next_sid + 1
             s = Session(sid=sid, request_id=request_id, ids=list(prompt_ids), prompt_len=len(prompt_ids),
                         max_new_tokens=max_new_tokens, sampling=sampling, mode=mode, seed=seed,
-                        generator=torch.Generator(device=self.lm.device), cache=KVCache(need), reserved=need)
+                        generator=torch.Generator(device=self.lm.device), cache=self.lm.engine.cache(need), reserved=need)
             self.sessions[sid] = s
         return s
 
@@ -167,9 +168,9 @@ class Scheduler:
         start-up probe), through the same engine and host sync as a round's."""
         caches = [KVCache(len(c) + len(x)) for c, x in zip(contexts, inputs)]
         try:
-            forward_packed(self.lm.model, contexts, caches, False)
+            self.lm.engine.forward(contexts, caches, False)
             t0 = time.perf_counter()
-            logits = forward_packed(self.lm.model, inputs, caches)
+            logits = self.lm.engine.forward(inputs, caches)
             torch.stack([lg[-1].argmax() for lg in logits]).tolist()
             return time.perf_counter() - t0
         finally:
@@ -211,59 +212,69 @@ class Scheduler:
             while rounds and (not batch or used + len(rounds[0].tokens) + 1 <= self.max_pass_rows):
                 used += len(rounds[0].tokens) + 1
                 batch.append(rounds.pop(0))
-            self._run(batch, prefills[0] if prefills else None)
+            filling, budget = [], max(PREFILL_CHUNK, self.max_pass_rows - used)  # at least one chunk a pass; more where rows are left
+            for j in prefills:
+                n = min(PREFILL_CHUNK, len(j.session.ids) - 1 - j.session.cache.length)
+                if filling and n > budget:
+                    break
+                filling.append(j)
+                budget -= n
+            self._run(batch, filling)
             rounds += [j for j in batch if not j.finished]  # streams whose sessions go on
-            if prefills and (prefills[0].finished or not _unfilled(prefills[0].session)):
-                j = prefills.popleft()
-                if not j.finished:  # a stream with its prompt in: its steps go on as rounds
-                    rounds.append(j)
+            for j in filling:
+                if j.finished or not _unfilled(j.session):
+                    prefills.remove(j)
+                    if not j.finished:  # a stream with its prompt in: its steps go on as rounds
+                        rounds.append(j)
             metrics.CACHED_TOKENS.set(self.cached_tokens())
 
-    def _run(self, batch: list[_Job], prefill: _Job | None) -> None:
-        """One pass over the rounds in `batch` and the next chunk of `prefill`'s prompt; resolves
-        every job it finishes (a prefill once its last chunk is in). A stream in `prefill`'s place
-        (target-only) takes its first step in the pass of its prompt's last chunk, as a second
-        input of the same session, so its first token costs no pass of its own."""
+    def _run(self, batch: list[_Job], prefills: list[_Job]) -> None:
+        """One pass over the rounds in `batch` and the next chunk of each prompt in `prefills`;
+        resolves every job it finishes (a prefill once its last chunk is in). A stream among the
+        prefills (target-only) takes its first step in the pass of its prompt's last chunk, as a
+        second input of the same session, so its first token costs no pass of its own."""
         t0 = time.perf_counter()
         jobs = [j for j in batch if not self._dropped(j)]
-        if prefill is not None and self._dropped(prefill):
-            prefill = None
-        chunk: list[int] = []
-        merged = False  # the prefill is a stream whose first step joins this pass
-        if prefill is not None:
-            s = prefill.session
+        prefills = [j for j in prefills if not self._dropped(j)]
+        chunks, merged = [], []  # each prefill's next chunk; the streams whose first step joins this pass
+        for p in prefills:
+            s = p.session
             have, goal = s.cache.length, len(s.ids) - 1
-            chunk = s.ids[have : min(goal, have - have % PREFILL_CHUNK + PREFILL_CHUNK)]  # boundaries fixed by position
-            merged = prefill.stream is not None and have + len(chunk) == goal
-        jobs += [prefill] if merged else []
-        everyone = jobs + ([prefill] if prefill is not None and not merged else [])
+            chunks.append(s.ids[have : min(goal, have - have % PREFILL_CHUNK + PREFILL_CHUNK)])  # boundaries fixed by position
+            if p.stream is not None and have + len(chunks[-1]) == goal:
+                merged.append(p)
+        jobs += merged
+        everyone = jobs + [p for p in prefills if p not in merged]
         if not everyone:
             return
-        inputs = ([chunk] if chunk else []) + [[j.session.ids[-1], *j.tokens] for j in jobs]  # the chunk first: it precedes its session's step
-        caches = ([prefill.session.cache] if chunk else []) + [j.session.cache for j in jobs]
+        filling = [(p, c) for p, c in zip(prefills, chunks) if c]
+        inputs = [c for _, c in filling] + [[j.session.ids[-1], *j.tokens] for j in jobs]  # chunks first: each precedes its session's step
+        caches = [p.session.cache for p, _ in filling] + [j.session.cache for j in jobs]
         proposals = torch.tensor([t for j in jobs for t in j.tokens], dtype=torch.long).to(self.lm.device, non_blocking=True)  # all sessions'
         try:
-            logits = forward_packed(self.lm.model, inputs, caches, ([False] if chunk else []) + [True] * len(jobs))
+            logits = self.lm.engine.forward(inputs, caches, [False] * len(filling) + [True] * len(jobs))
         except Exception as e:  # noqa: BLE001 - nothing was committed: retry alone to find whose it is
             if len(everyone) == 1:
                 everyone[0].resolve(False, e)
                 return
             log.warning("batched pass failed (%s: %s); retrying its %d sessions one by one", type(e).__name__, e, len(everyone))
             for j in jobs:
-                if j is not prefill:  # a merged stream is retried with its chunk, below
-                    self._run([j], None)
-            if prefill is not None:
-                self._run([], prefill)
+                if j not in merged:  # a merged stream is retried with its chunk, below
+                    self._run([j], [])
+            for p in prefills:
+                self._run([], [p])
             return
-        if chunk and not _unfilled(prefill.session):  # before the verdicts: a stream's handler reads it with its first
-            prefill.session.prefill_s = time.perf_counter() - prefill.enqueued
-            prefill.enqueued = t0  # a merged first step waited for its prompt only, which prefill_s counts
+        for p, _ in filling:
+            if not _unfilled(p.session):  # before the verdicts: a stream's handler reads it with its first
+                p.session.prefill_s = time.perf_counter() - p.enqueued
+                p.enqueued = t0  # a merged first step waited for its prompt only, which prefill_s counts
         if jobs:
             metrics.BATCH_SIZE.observe(len(jobs))
             metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
-            self._verdicts(jobs, logits[bool(chunk) :], proposals, t0, (sum(len(x) for x in inputs), len(inputs)))
-        if prefill is not None and prefill.stream is None and not _unfilled(prefill.session):
-            prefill.resolve(True, None)
+            self._verdicts(jobs, logits[len(filling) :], proposals, t0, (sum(len(x) for x in inputs), len(inputs)))
+        for p in prefills:
+            if p.stream is None and not _unfilled(p.session):
+                p.resolve(True, None)
 
     def _verdicts(self, jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor, t0: float,
                   layout: tuple[int, int]) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import Finish
-from specdec.kvcache import KVCache
+from specdec.engine import KVCache
 from specdec.sampling import Sampling
 
 

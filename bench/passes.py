@@ -1,0 +1,86 @@
+"""What one verify pass costs as sessions are added to it: the engine's own work per session.
+
+    python -m bench.passes [--sessions 1,2,4,8,16,32,64 --tau 4 --context 64 --repeats 30 --out bench/results]
+
+A tiny Llama target (built here, so the model's own compute is small and the engine's work shows)
+is loaded as the verify service loads it, in float32 with one torch thread. N sessions are opened
+on a real Scheduler and prefilled with a context of --context tokens; then every session proposes
+tau tokens at once, so each pass verifies N rounds of tau + 1 rows, through the scheduler's own
+path (pass, acceptance, one host transfer). A pass's time is the verdicts' `forward_s`, the
+median over --repeats passes; the table gives it against one session's. Writes PASSES.md and
+passes.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+
+import torch
+
+from bench import tinymodels
+from bench.cli import RESULTS, write_report
+from specdec.lm import LM
+from specdec.sampling import Sampling
+from specdec.v1 import specdec_pb2 as pb
+from verify_service.scheduler import Scheduler
+
+
+async def pass_seconds(eng: Scheduler, n: int, tau: int, context: int, repeats: int) -> list[float]:
+    """forward_s of `repeats` passes of n sessions' rounds of tau proposals each."""
+    ss = [eng.open([3 + (i + j) % 200 for j in range(context)], tau * (repeats + 2) + 2, Sampling(), seed=1,
+                   mode=pb.PROPOSAL_MODE_GREEDY) for i in range(n)]
+    try:
+        for s in ss:
+            await eng.prefill(s)
+        times = []
+        for _ in range(repeats + 1):  # the first pass warms up
+            vs = await asyncio.gather(*(eng.step(s, [s.ids[-1]] * tau, None) for s in ss))
+            times.append(vs[0].forward_s)
+        return times[1:]
+    finally:
+        for s in ss:
+            eng.close(s)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.passes")
+    p.add_argument("--sessions", default="1,2,4,8,16,32,64")
+    p.add_argument("--tau", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--out", default=RESULTS)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    counts = [int(x) for x in a.sessions.split(",")]
+    with tempfile.TemporaryDirectory() as d:
+        tinymodels.build(d, vocab_size=256, hidden=64, layers=2, heads=4, max_context=a.context + a.tau * (a.repeats + 4) + 8)
+        lm = LM.load(d, "cpu", "float32")
+        eng = Scheduler(lm, max_sessions=max(counts))
+        try:
+            rows = []
+            for n in counts:
+                ts = asyncio.run(pass_seconds(eng, n, a.tau, a.context, a.repeats))
+                rows.append(dict(sessions=n, median_ms=1e3 * statistics.median(ts), p10_ms=1e3 * sorted(ts)[len(ts) // 10]))
+        finally:
+            eng.shutdown()
+    one = rows[0]["median_ms"]
+    for r in rows:
+        r["vs_one"] = r["median_ms"] / one
+    res = dict(tau=a.tau, context=a.context, repeats=a.repeats, plan=repr(lm.engine.plan), rows=rows)
+    write_report(a.out, "passes", "PASSES.md", res, render)
+
+
+def render(res: dict) -> str:
+    out = ["# Verify pass time against sessions in the pass", "",
+           f"Tiny Llama target (hidden 64, 2 layers, vocab 256), float32, one thread; context {res['context']}, "
+           f"rounds of tau = {res['tau']}; median of {res['repeats']} passes (scheduler's forward_s: pass, acceptance, "
+           f"host transfer). Engine plan: `{res['plan']}`.", "",
+           "| sessions | pass ms (median) | p10 ms | vs one session |", "|---|---|---|---|"]
+    out += [f"| {r['sessions']} | {r['median_ms']:.2f} | {r['p10_ms']:.2f} | {r['vs_one']:.2f}x |" for r in res["rows"]]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""The engine: one pooled KV cache per model and one packed forward pass for all sessions.
+
+  cache.py      the pool, its pages, and a session's handle into it (KVCache)
+  attention.py  the pass layout and the attention transformers' layers call during a pass
+  forward.py    Engine (model + plan + pool), its forward pass, `prepare`
+  plan.py       the load-time plan
+  cpu/          the CPU tier: calibrated matmul row counts, per-row products, prepacked weights
+                and the attention dtype (never imported on a GPU)
+"""
+from specdec.engine.attention import ROW_BY_ROW
+from specdec.engine.cache import PAGE, KVCache, Pool, available_memory_bytes
+from specdec.engine.forward import PREFILL_CHUNK, Engine, cache_kwargs, prepare, returned_cache
+from specdec.engine.plan import Plan
+
+__all__ = ["PAGE", "PREFILL_CHUNK", "ROW_BY_ROW", "Engine", "KVCache", "Plan", "Pool", "available_memory_bytes", "cache_kwargs",
+           "prepare", "returned_cache"]

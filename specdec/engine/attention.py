@@ -1,0 +1,219 @@
+"""The pass layout and the attention that transformers' attention layers call during a pass.
+
+A pass runs the new tokens of many sessions as one packed sequence [1, T] (forward.py). In every
+layer, `PassCache.update` writes all the new keys and values into the pool with one
+`index_copy_` each, and `packed_attention` attends all the sessions' queries in one call per
+group of inputs:
+
+* **Short inputs** (steps, rounds, short prefill chunks: up to ROW_BY_ROW tokens) go into groups
+  by size (up to 8, 16, 32, 64 tokens: one group in a steady decode). A group's keys are read
+  from the pool with one gather, [B, H_kv, Lb, D], Lb the group's longest session padded to a
+  multiple of PAGE, and each QUERY is its own attention problem: the queries of a session are laid
+  out along the head axis ([B, H_kv * n * rep, 1, D], GQA's kv head h // (n * rep) is still the
+  query's own), each with its own causal (and sliding-window) mask row. So a query is computed
+  exactly as a one-token step at its position computes it, whatever the group's size, its other
+  sessions or its Lb: on the CPU, with one thread, bitwise (tests/test_pool.py), because masked
+  key positions add exact zeros and every key length is a multiple of PAGE.
+* **Long inputs** (prefill chunks of more tokens) attend in one masked call each, queries
+  together: their numbers then depend on the chunk alone, whose bounds depend on the prompt alone.
+
+Soft-capped attention (Gemma 2) runs the same layouts through transformers' eager order of ops.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, Cache
+
+from specdec.engine.cache import PAGE, KVCache, Pool
+
+ATTN = "specdec_packed"
+ROW_BY_ROW = 64  # inputs of up to this many tokens attend a query at a time (in one call per group); longer ones together
+GROUPS = (8, 16, 32, ROW_BY_ROW)  # short inputs are grouped by the first of these their length fits
+
+
+@dataclass
+class Group:
+    """Inputs attended in one call: B sessions' inputs padded to n rows each, keys padded to Lb."""
+
+    inputs: list[int]  # indices into the pass's inputs
+    n: int  # query rows per input (the longest input's)
+    Lb: int  # key positions per input, a multiple of PAGE
+    gather: torch.Tensor  # [B * Lb] pool slots of each input's key positions (trash beyond its pages)
+    rows: torch.Tensor  # [B * n] packed row of each (input, query j) (padding: the input's last row)
+    qpos: torch.Tensor  # [B, n] absolute position of each query (padding: the input's last)
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None, heads: int, rep: int) -> torch.Tensor:
+        """[B, heads * n * rep, 1, Lb] bool for the head layout (one query per head row), or [B, 1, n, Lb]
+        with heads = 0 (queries together): query at p sees key position k iff k <= p and, with a
+        window, k > p - window."""
+        key = (window, heads, rep)
+        if key not in self._masks:
+            k = torch.arange(self.Lb, device=self.qpos.device)[None, None, :]  # [1, 1, Lb]
+            p = self.qpos[:, :, None]  # [B, n, 1]
+            m = k <= p
+            if window:
+                m &= k > p - window
+            B = m.shape[0]
+            if heads:
+                m = m[:, None, :, None, :].expand(B, heads, self.n, rep, self.Lb).reshape(B, heads * self.n * rep, 1, self.Lb)
+            else:
+                m = m[:, None]
+            self._masks[key] = m
+        return self._masks[key]
+
+
+@dataclass
+class Pass:
+    """The layout of one packed pass: input i's n_i new tokens are rows off_i..off_i+n_i."""
+
+    pool: Pool
+    caches: list[KVCache]
+    offsets: list[int]
+    counts: list[int]
+    starts: list[int]  # tokens each cache held before the pass
+    rows: int  # T, with padding
+    lead: list[int]  # row counts of the prefill chunks that come first, each in a matmul product of its own (cpu/rows.py)
+    slots: torch.Tensor  # [T] where each row's keys and values go (padding rows: the trash page)
+    short: list[Group]  # inputs attended a query at a time
+    long: list[Group]  # inputs attended together, one group each
+    back: torch.Tensor  # [T] for each packed row, its row in the concatenated group outputs (padding: the zero row)
+
+
+def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[int], rows: int, lead: list[int]) -> Pass:
+    """The pass's index tensors, built on the host and moved to the device in one copy."""
+    offsets = [sum(counts[:i]) for i in range(len(counts))]
+    real = sum(counts)
+    slots = [s for c, L, n in zip(caches, starts, counts) for s in c.slots(L, L + n)] + [i % PAGE for i in range(rows - real)]
+    plan, lo = [], 0  # (inputs, n) per group: the short ones by size, then each long one alone
+    for top in GROUPS:
+        members = [i for i, n in enumerate(counts) if lo < n <= top]
+        lo = top
+        if members:
+            plan.append((members, max(counts[i] for i in members)))
+    short = len(plan)
+    plan += [([i], n) for i, n in enumerate(counts) if n > ROW_BY_ROW]
+    flat, shapes = list(slots), []  # everything in one host list: one copy to the device
+    for members, n in plan:
+        pages = -(-max(starts[i] + counts[i] for i in members) // PAGE)  # key pages per input
+        table = [(caches[i].pages + [0] * pages)[:pages] for i in members]  # past its own pages: the trash page
+        rws = [offsets[i] + min(j, counts[i] - 1) for i in members for j in range(n)]
+        qpos = [starts[i] + min(j, counts[i] - 1) for i in members for j in range(n)]
+        shapes.append((len(members) * pages, len(rws), len(qpos)))
+        flat += [x for t in table for x in t] + rws + qpos
+    back, at = [0] * rows, 0
+    for members, n in plan:
+        for i in members:
+            for j in range(counts[i]):
+                back[offsets[i] + j] = at + j
+            at += n
+    back[real:] = [at] * (rows - real)  # the zero row after every group's output
+    flat += back
+    dev = torch.tensor(flat, dtype=torch.long).to(pool.device, non_blocking=True)
+    parts = dev.split([rows] + [x for s in shapes for x in s] + [rows])
+    within = torch.arange(PAGE, device=pool.device)
+    groups = []
+    for k, (members, n) in enumerate(plan):
+        table, rws, qpos = parts[1 + 3 * k : 4 + 3 * k]
+        B = len(members)
+        gather = (table.view(B, -1, 1) * PAGE + within).view(-1)  # [B * Lb] slots
+        groups.append(Group(members, n, gather.shape[0] // B, gather, rws, qpos.view(B, n)))
+    return Pass(pool, caches, offsets, counts, starts, rows, lead, parts[0], groups[:short], groups[short:], parts[-1])
+
+
+_current: contextvars.ContextVar[Pass] = contextvars.ContextVar("specdec_pass")
+
+
+def current() -> Pass | None:
+    """The pass running on this thread, if any."""
+    return _current.get(None)
+
+
+@contextlib.contextmanager
+def running(p: Pass):
+    """Makes p the pass that this thread's attention calls and matmuls see."""
+    token = _current.set(p)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+class PassCache(Cache):
+    """What the model sees as its KV cache during a pass (forward.cache_kwargs): `update` writes
+    the pass's new keys and values into the pool; attention reads them there (packed_attention)."""
+
+    def __init__(self, p: Pass):
+        super().__init__(layers=[])
+        self.p = p
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # [1, H_kv, T, D]
+        p = self.p
+        k, v = p.pool.layer(layer_idx, key_states)  # [slots, H_kv, D]
+        k.index_copy_(0, p.slots, key_states[0].transpose(0, 1).to(k.dtype))
+        v.index_copy_(0, p.slots, value_states[0].transpose(0, 1).to(v.dtype))
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """query [1, H, T, D] -> ([1, T, H, D], None); keys and values come from the pool."""
+    if s_aux is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported")
+    p = _current.get()
+    K, V = p.pool.k[module.layer_idx], p.pool.v[module.layer_idx]  # [slots, H_kv, D]
+    H, D = query.shape[1], query.shape[3]
+    H_kv = K.shape[1]
+    rep = H // H_kv
+    scale = scaling if scaling is not None else D**-0.5
+    q_all = query[0].transpose(0, 1)  # [T, H, D]
+    outs = []
+    for g, alone in [(g, False) for g in p.short] + [(g, True) for g in p.long]:
+        B = len(g.inputs)
+        k = K.index_select(0, g.gather).view(B, g.Lb, H_kv, D).transpose(1, 2)  # [B, H_kv, Lb, D]
+        v = V.index_select(0, g.gather).view(B, g.Lb, H_kv, D).transpose(1, 2)
+        q = q_all.index_select(0, g.rows).to(K.dtype)  # [B * n, H, D]
+        if alone:  # [1, H, n, D]: the chunk's queries together
+            q = q.view(B, g.n, H, D).transpose(1, 2)
+            mask = g.mask(sliding_window, 0, rep)
+        else:  # [B, H_kv * n * rep, 1, D]: one query per head row
+            q = q.view(B, g.n, H_kv, rep, D).transpose(1, 2).reshape(B, H_kv * g.n * rep, 1, D)
+            mask = g.mask(sliding_window, H_kv, rep)
+        if softcap:
+            o = _eager(q, k, v, mask, scale, softcap)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != H_kv)
+        if alone:  # -> [B * n, H, D]
+            o = o.transpose(1, 2).reshape(B * g.n, H, D)
+        else:
+            o = o.view(B, H_kv, g.n, rep, D).transpose(1, 2).reshape(B * g.n, H, D)
+        outs.append(o)
+    outs.append(outs[0].new_zeros(1, H, D))  # the zero row: padding rows' output, never read
+    o = torch.cat(outs).index_select(0, p.back)  # [T, H, D], back in packed order
+    return o[None].to(query.dtype), None
+
+
+def _eager(q, k, v, mask, scaling: float, softcap: float) -> torch.Tensor:
+    """Attention with tanh logit soft-capping (Gemma 2), in transformers' eager order of ops."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    w = torch.matmul(q, k.transpose(2, 3)) * scaling  # [B, Hq, n, Lb]
+    w = torch.tanh(w / softcap) * softcap
+    w = w.masked_fill(~mask, torch.finfo(w.dtype).min)
+    w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(w, v)
+
+
+AttentionInterface.register(ATTN, packed_attention)  # no mask function: masks are built per pass

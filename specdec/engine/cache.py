@@ -1,0 +1,135 @@
+"""One pooled, paged KV cache per model, and the sessions' handles into it.
+
+The pool holds, per layer, one K and one V tensor [slots, H_kv, D] on the model's device, cut
+into pages of PAGE token slots. A session's cache (`KVCache`) owns whole pages: as many as its
+reservation needs (prompt + max_new_tokens, capped at the context), taken once, at admission
+(`Pool.cache`) or at its first pass. A token's keys and values live at slot
+page[pos // PAGE] * PAGE + pos % PAGE; a pass writes its new tokens there with one `index_copy_`
+per layer, and reads a session's keys back through the same mapping (specdec/engine/attention.py).
+A rejection only moves the session's length back. Page 0 is the trash page: a pass's padding
+rows write there and masked key positions read there, and nothing reads it unmasked.
+
+The pool's tensors start as zeros and grow (doubling) on the thread that runs the passes, when
+pages past their end are handed out; pages come back to a free list when a cache is released or
+garbage-collected. Nothing is copied when sessions join, leave or share a pass.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+PAGE = 16  # token slots per page; a pass pads each session's keys to a multiple of it (attention.py)
+
+
+class Pool:
+    """The model's KV slots, handed out as pages (thread-safe: sessions come and go on other
+    threads than the one that runs the passes)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device = dtype, device
+        self.k: list[torch.Tensor] = []  # per layer [slots, H_kv, D]
+        self.v: list[torch.Tensor] = []
+        self._pages = 1  # pages handed out so far, the trash page 0 included
+        self._free: list[int] = []
+        self._lock = threading.RLock()  # a finalizer may hand pages back from inside `take`
+
+    def cache(self, capacity: int) -> "KVCache":
+        """A session's cache with its pages taken now."""
+        c = KVCache(capacity)
+        c.bind(self)
+        return c
+
+    def take(self, n: int) -> list[int]:
+        with self._lock:
+            got = [self._free.pop() for _ in range(min(n, len(self._free)))]
+            fresh = n - len(got)
+            got += range(self._pages, self._pages + fresh)
+            self._pages += fresh
+            return got
+
+    def give(self, pages: list[int]) -> None:
+        with self._lock:
+            self._free.extend(pages)
+
+    @property
+    def slots(self) -> int:
+        """Slots the tensors must hold for every page handed out so far."""
+        return self._pages * PAGE
+
+    def layer(self, i: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's (K, V) [slots, H_kv, D], made or grown to hold every page handed out so far;
+        like [1, H_kv, T, D] gives the shape of a layer's keys. Called on the passes' thread only."""
+        need = self.slots
+        if len(self.k) == i:
+            shape = (max(need, 8 * PAGE), like.shape[1], like.shape[3])
+            self.k.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self.v.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+        elif self.k[i].shape[0] < need:
+            for t in (self.k, self.v):
+                old = t[i]
+                t[i] = torch.zeros((max(need, 2 * old.shape[0]), *old.shape[1:]), dtype=old.dtype, device=old.device)
+                t[i][: old.shape[0]] = old
+        return self.k[i], self.v[i]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class KVCache:
+    """One session's pages in a pool: the tokens it holds are positions 0..length-1."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.length = 0  # tokens held
+        self.pages: list[int] = []
+        self.pool: Pool | None = None
+        self._done = None
+
+    def bind(self, pool: Pool) -> None:
+        """Takes the pages for the whole capacity from `pool` (once)."""
+        if self.pool is None:
+            self.pool = pool
+            self.pages = pool.take(-(-self.capacity // PAGE))
+            self._done = weakref.finalize(self, pool.give, list(self.pages))  # pages go back when the cache is dropped
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def release(self) -> None:
+        """Gives the pages back to the pool (the cache is empty and unbound after)."""
+        if self._done is not None:
+            self._done()  # pool.give, at most once
+        self.pool, self.pages, self.length, self._done = None, [], 0, None
+
+    def slots(self, start: int, stop: int) -> list[int]:
+        """The slots of positions start..stop-1."""
+        return [self.pages[p // PAGE] * PAGE + p % PAGE for p in range(start, stop)]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values of the tokens held, [H_kv, length, D] each (a copy), for tests and tools."""
+        idx = torch.tensor(self.slots(0, self.length), dtype=torch.long, device=self.pool.device)
+        return tuple(t[i].index_select(0, idx).transpose(0, 1) for t in (self.pool.k, self.pool.v))
+
+    @property
+    def layers(self) -> int:
+        return len(self.pool.k) if self.pool is not None else 0
+
+    def nbytes(self) -> int:
+        """Bytes of pool this cache's pages take (0 before its first pass)."""
+        if self.pool is None or not self.pool.k:
+            return 0
+        per_slot = sum(t[0].numel() * t.element_size() for t in self.pool.k + self.pool.v)
+        return len(self.pages) * PAGE * per_slot
+
+
+def available_memory_bytes(device: torch.device | None = None) -> int | None:
+    """Free memory on `device`: the CUDA device's free memory, or the host's MemAvailable."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None

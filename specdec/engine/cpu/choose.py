@@ -1,0 +1,144 @@
+"""The CPU tier's load-time choices: the dtype a half-precision model attends in, prepacked
+weights, per-row products, and the calibrated row counts. Each choice is timed at load (its
+contenders in turn, the best of five each) or pinned by --engine-choices; the checks of the
+numbers run either way. `choose` returns the engine's Plan."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specdec.engine.cpu.prepack import holders
+from specdec.engine.cpu.prepack import prepack as prepack_weights
+from specdec.engine.cpu.rows import PER_ROW_LEAD, blocked, clock, calibrate_rows, per_row_pays, row_modules
+from specdec.engine.cpu.rows import per_row as per_row_forward
+from specdec.engine.plan import Plan
+
+log = logging.getLogger("specdec.engine")
+
+ATTN_FLOAT32_GAIN = 1.5  # a half-precision model attends in float32 on the CPU where that is this much faster
+PINS = {"attention": ("float32", "model"), "prepack": ("on", "off"), "per-row": ("on", "off")}
+HALF = (torch.bfloat16, torch.float16)
+
+
+def parse_choices(text: str | None) -> dict[str, bool | str]:
+    """--engine-choices ('attention=float32,prepack=on,per-row=off', any of them; '' for none) ->
+    `choose`'s keyword arguments. ValueError names what is wrong."""
+    out: dict[str, bool | str] = {}
+    for part in filter(None, (x.strip() for x in (text or "").split(","))):
+        name, _, value = part.partition("=")
+        name, value = name.strip(), value.strip()
+        if name not in PINS or value not in PINS[name]:
+            raise ValueError(f"--engine-choices: {part!r} is not one of " +
+                             ", ".join(f"{n}={'|'.join(v)}" for n, v in PINS.items()))
+        key = name.replace("-", "_")
+        if key in out:
+            raise ValueError(f"--engine-choices: {name} given twice")
+        out[key] = value if name == "attention" else value == "on"
+    if out.get("prepack") and out.get("per_row"):
+        raise ValueError("--engine-choices: prepack=on and per-row=on exclude each other (per-row products read the plain weights)")
+    return out
+
+
+def faster_attention(model, keys: int = 256, timer=None) -> torch.dtype:
+    """For a half-precision model: float32 if one query over `keys` keys, at the model's head shape,
+    attends at least ATTN_FLOAT32_GAIN times faster in float32 (the query cast there and the output
+    cast back included) than in the model's dtype; else the model's dtype. CPU bf16 attention
+    kernels differ widely from machine to machine."""
+    cfg, dt = model.config.get_text_config(), model.dtype
+    try:
+        H = cfg.num_attention_heads
+        D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+        H_kv = getattr(cfg, "num_key_value_heads", None) or H
+    except AttributeError:
+        return dt
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, D, generator=g) for h, n in ((H, 1), (H_kv, keys), (H_kv, keys)))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    qh, kh, vh = q.to(dt), k.to(dt), v.to(dt)  # a cache in the model's dtype, or (k, v) one in float32
+    own, wide = (timer or clock)("attention", [lambda: sdpa(qh, kh, vh, enable_gqa=H_kv != H),
+                                                lambda: sdpa(qh.float(), k, v, enable_gqa=H_kv != H).to(dt)])
+    return torch.float32 if own > ATTN_FLOAT32_GAIN * wide else dt
+
+
+def choose(model, per_row: bool | None = None, prepack: bool | None = None, attention: str | None = None, timer=None) -> Plan:
+    """The CPU plan for `model`, its matmul modules switched to it. per_row, prepack and attention
+    ('float32' or 'model') pin a choice instead of timing it; timer(what, fns) -> seconds per call of
+    each fn replaces the clock (rows.clock: `what` names the choice timed; tests)."""
+    name = f"{type(model).__name__} in {model.dtype}"
+    pins = {k: v for k, v in (("attention", attention), ("prepack", prepack), ("per-row", per_row)) if v is not None}
+    plan = _choose(model, per_row, prepack, attention, timer)
+    plan.made = _made(model, plan)
+    for k, v in pins.items():
+        want = v if k == "attention" else ("on" if v else "off")
+        if k not in plan.made:
+            log.warning("%s: the pinned %s=%s does not apply to this dtype; ignored", name, k, want)
+        elif plan.made[k] != want:
+            log.warning("%s: the pinned %s=%s could not be kept (its check failed: see above); %s=%s instead",
+                        name, k, want, k, plan.made[k])
+    log.info("%s: engine choices %s (%s; --engine-choices pins them)", name, plan.choices(),
+             f"pinned: {', '.join(pins)}" if pins else "timed")
+    return plan
+
+
+def _made(model, plan: Plan) -> dict[str, str]:
+    out = {}
+    if model.dtype in HALF:
+        out["attention"] = "float32" if plan.kv_dtype == torch.float32 else "model"
+        out["prepack"] = "on" if plan.prepacked else "off"
+    out["per-row"] = "on" if plan.per_row else "off"
+    return out
+
+
+def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | None, timer) -> Plan:
+    plan = Plan(kv_dtype=model.dtype)
+    name = f"{type(model).__name__} in {model.dtype}"
+    if model.dtype in HALF:
+        if attention is None:
+            with torch.inference_mode():
+                plan.kv_dtype = faster_attention(model, timer=timer)
+        else:
+            plan.kv_dtype = torch.float32 if attention == "float32" else model.dtype
+        log.info("%s: KV cache and attention in %s on this CPU", name, plan.kv_dtype)
+    unpacked = None
+    if model.dtype in HALF and per_row is not True and prepack is not False:
+        unpacked = prepack_weights(model, force=bool(prepack), timer=timer)  # {module: plain forward}, or None
+    mods = row_modules(model)
+    rows = calibrate_rows(model) if per_row is not True else None
+    if unpacked is not None:
+        if rows is None:  # no row counts agree: back to the plain forwards, so per-row products can be tried
+            for m, fwd in unpacked.items():
+                m.forward = fwd
+        else:  # kept, without per-row products (slower than GEMMs in bf16)
+            plan.prepacked = True
+            per_row = False
+    if per_row is not False and (per_row or rows is None or rows[0] > 1):
+        probes: dict = {}  # one module of each kind's per-row forward, for calibration and timing alike
+
+        def probe(m):
+            return probes.setdefault(m, per_row_forward(m))
+
+        # timed first: calibrating per-row products costs far more where they are slow (bf16 here: a minute)
+        pays = per_row or rows is None or per_row_pays(model, rows[0], probe, timer)
+        per = calibrate_rows(model, forward_of=probe) if pays else None
+        if per is not None and per[0] == 1:
+            held = holders(model)
+            gemm = {m: m.forward for m in mods}
+            for m in mods:
+                m.forward = blocked(per_row_forward(m, own_weight=held[id(m.weight)] == 1), per[1], gemm[m])
+            plan.rows, plan.pad_to, plan.top, plan.per_row = per, 1, PER_ROW_LEAD, True
+            log.info("%s: per-row matmul products (no padding rows), blocks of up to %d rows", name, per[1])
+            return plan
+        if per_row:
+            rows = calibrate_rows(model)
+    plan.rows = rows
+    if rows is None:
+        plan.pad_to = 4  # the old fixed rule
+        log.warning("%s: no row counts give this CPU's matmuls the same numbers per row; a session's numbers may "
+                    "change with its batch-mates (only near-ties can flip)", name)
+        return plan
+    plan.pad_to, plan.top = rows
+    for m in mods:
+        m.forward = blocked(m.forward, rows[1])
+    log.info("%s: matmuls padded to %d rows, cut into blocks of %d-%d rows", name, rows[0], *rows)
+    return plan

@@ -1,0 +1,126 @@
+"""The engine: a model, its load-time plan and its pooled KV cache, and the packed forward pass.
+
+A pass (`Engine.forward`) runs the new tokens of many sessions as ONE packed sequence [1, T]:
+the sessions' tokens one after another, each with its own absolute positions (on the CPU padded
+to the plan's minimum row count). Through transformers' attention interface the model's own
+attention layers call the engine's attention (attention.py), which writes every new key and value
+into the pool in one op per layer and attends all sessions in one call per group. The model's own
+CausalLM head runs on the real rows only, so whatever an architecture does after lm_head is kept.
+
+`prepare` switches a model to the engine. On the CPU it first makes the CPU tier's load-time
+choices (cpu/choose.py: calibrated matmul row counts, per-row products, prepacked weights, the
+attention dtype), which keep a token's numbers bitwise the same alone or batched and in a step or
+a round; a GPU never imports that tier.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import torch
+
+from specdec.engine.attention import ATTN, PassCache, layout, running
+from specdec.engine.cache import KVCache, Pool
+from specdec.engine.plan import Plan
+
+log = logging.getLogger("specdec.engine")
+
+PREFILL_CHUNK = 256  # prompt tokens per prefill pass, on both services (boundaries depend only on the prompt)
+
+
+class Engine:
+    def __init__(self, model, plan: Plan):
+        self.model, self.plan = model, plan
+        self.pool = Pool(plan.kv_dtype, model.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def cache(self, capacity: int) -> KVCache:
+        """A session's cache, its pages taken from the pool now."""
+        return self.pool.cache(capacity)
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[list[int]], caches: list[KVCache], logits: bool | list[bool] = True) -> list[torch.Tensor | None]:
+        """Runs inputs[i] after caches[i] for every i in one pass, writing the new keys and values in
+        place. Returns, per input, its logits [n_i, V] (float32, on the model's device) where
+        logits (or logits[i]) is true, else None. A failed pass leaves every cache's length as it was."""
+        model, device, plan = self.model, self.device, self.plan
+        want = [logits] * len(inputs) if isinstance(logits, bool) else list(logits)
+        # A prefill chunk longer than the plan's top (its keys and values only) goes first, in one
+        # matmul product of its own: its numbers then depend on the chunk alone (cpu/rows.py).
+        own = {i for i, x in enumerate(inputs) if plan.top is not None and not want[i] and len(x) > plan.top}
+        order = sorted(range(len(inputs)), key=lambda i: i not in own)
+        inputs, caches, want = [inputs[i] for i in order], [caches[i] for i in order], [want[i] for i in order]
+        counts = [len(x) for x in inputs]
+        starts, ends = [], {}  # a cache may take two inputs (a prompt's last chunk, then a step): the second starts after the first
+        for c, n in zip(caches, counts):
+            starts.append(ends.get(id(c), c.length))
+            ends[id(c)] = starts[-1] + n
+        for c, L, n in zip(caches, starts, counts):
+            if L + n > c.capacity:
+                raise ValueError(f"cache overflow: {L} + {n} tokens > capacity {c.capacity}")
+            c.bind(self.pool)
+        lead = counts[: len(own)]  # rows of the own products, first in the pass
+        real = sum(counts)
+        rest = real - sum(lead)  # the other sessions' rows, padded to pad_to
+        T = sum(lead) + (max(rest, plan.pad_to) if rest or not lead else 0)
+        flat = [t for x in inputs for t in x] + [0] * (T - real)  # padding rows: token 0 at position 0, never attended
+        pos = [L + j for L, n in zip(starts, counts) for j in range(n)] + [0] * (T - real)
+        ids, position_ids = torch.tensor([flat, pos], dtype=torch.long, device=device).split(1)  # [1, T] each, one copy to the device
+        offsets = [sum(counts[:i]) for i in range(len(counts))]
+        keep = [r for i, n in enumerate(counts) if want[i] for r in range(offsets[i], offsets[i] + n)]  # rows with logits
+        p = layout(self.pool, caches, counts, starts, T, lead)
+        with running(p):
+            cache = PassCache(p)
+            if keep:
+                # >= pad_to rows for the head too; every row (0): no index to copy to the device
+                rows = 0 if len(keep) == T else torch.tensor(keep + [keep[-1]] * (plan.pad_to - len(keep)), device=device)
+                out = model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=rows, **cache_kwargs(model, cache)).logits[0]
+            else:
+                model.base_model(input_ids=ids, position_ids=position_ids, use_cache=True, **cache_kwargs(model.base_model, cache))
+        for c, n in zip(caches, counts):
+            c.length += n
+        res: list[torch.Tensor | None] = [None] * len(inputs)
+        at = 0
+        for k, (i, n) in enumerate(zip(order, counts)):  # back to the callers' order
+            if want[k]:
+                res[i] = out[at : at + n].float()
+                at += n
+        return res
+
+
+def prepare(model, per_row: bool | None = None, prepack: bool | None = None, attention: str | None = None,
+            timer=None) -> Engine:
+    """Switches `model` to the engine's attention and returns its Engine. On the CPU the CPU tier makes
+    its load-time choices first (pinned by per_row, prepack and attention where given; timed
+    with timer, for tests, else the clock); on a GPU there are none to make."""
+    model.set_attn_implementation(ATTN)
+    name = f"{type(model).__name__} in {model.dtype}"
+    if model.device.type != "cpu":
+        pins = [k for k, v in (("attention", attention), ("prepack", prepack), ("per-row", per_row)) if v is not None]
+        if pins:
+            log.warning("%s: engine choices are made on the CPU only; the pinned %s ignored on %s", name, ", ".join(pins), model.device)
+        return Engine(model, Plan(kv_dtype=model.dtype))
+    from specdec.engine.cpu.choose import choose  # noqa: PLC0415 - the CPU tier: never imported on a GPU
+
+    return Engine(model, choose(model, per_row, prepack, attention, timer))
+
+
+@functools.cache
+def _cache_kwarg(cls) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """{name: cache}, under the name `model`'s forward takes a KV cache by: `cache` from
+    transformers 5.24 on (which deprecates `past_key_values`, to be removed in 5.40, and pays a
+    warning per call for it), `past_key_values` before."""
+    return {_cache_kwarg(type(model)): cache}
+
+
+def returned_cache(out):
+    """The KV cache a forward returned: `cache` from transformers 5.24 on, `past_key_values` before."""
+    return out["cache"] if "cache" in out else out.past_key_values

@@ -1,0 +1,23 @@
+"""What the engine decided at load for one model on one device (held by `Engine`, never set on
+the Hugging Face model)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Plan:
+    kv_dtype: torch.dtype  # the dtype the pool is kept and attended in
+    pad_to: int = 1  # a pass has at least this many rows (the CPU's calibrated lo; a GPU pads nothing)
+    top: int | None = None  # a prefill chunk (no logits) of more tokens goes through every matmul in a product of its own
+    rows: tuple[int, int] | None = None  # the CPU's calibrated row counts (lo, hi), if any agree
+    per_row: bool = False  # per-row matmul products (cpu/rows.py)
+    prepacked: bool = False  # half-precision weights prepacked for oneDNN (cpu/prepack.py)
+    made: dict[str, str] = field(default_factory=dict)  # the CPU choices as --engine-choices spells them
+
+    def choices(self) -> str:
+        """The choices in --engine-choices' format ('' on a GPU): given back at the next start they are
+        made again without timing (the checks still run), so the engine computes the same numbers."""
+        return ",".join(f"{k}={v}" for k, v in self.made.items())

@@ -1,0 +1,59 @@
+"""What the engine's tests share: a cache filled by a pass of its own, steps against rounds,
+a model loaded with its matmuls forced one way, and the logits of a short session."""
+from __future__ import annotations
+
+import torch
+
+from specdec.engine import KVCache
+from specdec.engine.cpu.rows import PER_ROW_LEAD
+from specdec.lm import LM
+
+BF16_ONEDNN = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def cached(engine, s, c):
+    """A cache of len(s) holding s[:c], put there by a pass of its own."""
+    kv = KVCache(len(s))
+    if c:
+        engine.forward([s[:c]], [kv], logits=False)
+    return kv
+
+
+def same_cache(a: KVCache, b: KVCache, n: int) -> bool:
+    """Whether two caches hold bitwise the same keys and values for their first n positions."""
+    return a.layers == b.layers and all(torch.equal(x[:, :n], y[:, :n]) for i in range(a.layers) for x, y in zip(a.layer(i), b.layer(i)))
+
+
+def steps_and_rounds(engine, ids: list[int]):
+    """The logits of ids' second half after its first half in the cache: one token a pass, and
+    five tokens a pass (rounds of tau = 4); and the stepped cache."""
+    half = len(ids) // 2
+    a, b = KVCache(len(ids)), KVCache(len(ids))
+    engine.forward([ids[:half]], [a], logits=False)
+    engine.forward([ids[:half]], [b], logits=False)
+    steps = torch.cat([engine.forward([[t]], [a])[0] for t in ids[half:]])
+    rounds = torch.cat([engine.forward([ids[i:i + 5]], [b])[0] for i in range(half, len(ids), 5)])
+    return steps, rounds, a
+
+
+def load_packed(path: str, dtype: str, matmuls: str) -> LM:
+    """The model as the services load it ("calibrated": GEMMs, or per-row products where the
+    calibration says they pay), with per-row matmul products forced ("per-row"), or in half
+    precision with prepacked GEMMs forced where oneDNN has bf16 ("prepacked") or with the module's
+    own GEMMs ("unpacked")."""
+    if matmuls == "calibrated":
+        return LM.load(path, "cpu", dtype)
+    if matmuls in ("prepacked", "unpacked"):
+        lm = LM.load(path, "cpu", dtype, check=False, choices=dict(prepack=matmuls == "prepacked"))
+        assert lm.engine.plan.prepacked == (matmuls == "prepacked" and BF16_ONEDNN)
+        return lm
+    lm = LM.load(path, "cpu", dtype, check=False, choices=dict(per_row=True))
+    assert lm.engine.plan.pad_to == 1 and lm.engine.plan.top == PER_ROW_LEAD  # kept: no padding rows
+    return lm
+
+
+def logits_of_a_session(engine) -> torch.Tensor:
+    c = KVCache(48)
+    outs = [engine.forward([[3 + i % 13 for i in range(30)]], [c])[0], engine.forward([[7, 8, 9, 10, 11]], [c])[0],
+            engine.forward([[12]], [c])[0]]
+    return torch.cat(outs)

@@ -1,0 +1,245 @@
+"""The CPU tier: calibrated matmul row counts, per-row products, prepacked half-precision weights,
+and the load-time choices (timed through an injected timer here, or pinned by --engine-choices)."""
+import pytest
+import torch
+
+from helpers.engine import BF16_ONEDNN, logits_of_a_session
+from specdec.engine import prepare
+from specdec.engine.cpu import choose
+from specdec.engine.cpu import prepack as prepack_mod
+from specdec.engine.cpu.choose import parse_choices
+from specdec.engine.cpu.prepack import prepacked
+from specdec.engine.cpu.rows import class_top, per_row
+from specdec.lm import LM
+
+
+def test_row_calibration_finds_where_a_kernel_changes():
+    """calibrate_rows' search, on a matmul whose results change at 1 row and from 10 rows on."""
+    def fwd(x):  # [1, k, 16], row by row (no real GEMM, whose kernels vary too): nudged at 1 row and from 10 rows on
+        k = x.shape[1]
+        return x[..., :8] * 3.0 + (1e-3 if k >= 10 or k == 1 else 0.0)
+
+    x = torch.randn(65, 16)
+    assert class_top(fwd, x, 1) == 1
+    assert class_top(fwd, x, 2) == 9
+    assert class_top(lambda x: x[..., :8] * 3.0, x, 2) == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_row_products_give_a_row_the_same_numbers_at_any_row_count(dtype):
+    """A per-row product (one row per batch entry) is the module's own product up to rounding,
+    and gives each row bitwise the same numbers whatever the row count and wherever it sits."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 40, 96).to(dtype)
+    for m in (torch.nn.Linear(96, 200), torch.nn.Linear(96, 200, bias=False), Conv1D(200, 96)):
+        m = m.to(dtype)
+        fwd = per_row(m)
+        full = fwd(x)
+        torch.testing.assert_close(full, m(x), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+        for k in (1, 2, 3, 5, 17):
+            for at in (0, 7, 40 - k):
+                assert torch.equal(fwd(x[:, at : at + k]), full[:, at : at + k])
+
+
+def test_per_row_products_keep_one_copy_of_each_weight(wide_dir):
+    """Switching to per-row products transposes each weight once and keeps only that copy (the
+    original is freed; a weight tied to the embeddings stays, and its transposed copy is the one
+    extra), and the model's own forward still gives its logits."""
+    import gc
+    import weakref
+
+    torch.set_num_threads(1)
+    model = LM.load(wide_dir, "cpu", "float32", check=False, prepare_engine=False).model
+    ids = torch.tensor([[5, 9, 13, 40, 7]])
+    with torch.inference_mode():
+        want = model(ids).logits
+    embedding = model.get_input_embeddings().weight
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    originals = [(weakref.ref(m.weight), m.weight is embedding) for m in linears]
+    prepare(model, per_row=True)
+    gc.collect()
+    assert [w() is None for w, tied in originals] == [not tied for _, tied in originals]
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU: the engine keeps its GEMMs")
+def test_prepacked_products_are_the_modules_own_numbers():
+    """A prepacked product (the weight reordered once for oneDNN) gives bitwise the numbers of the
+    module's own bf16 product, at any row count, with and without a bias, and for GPT-2's Conv1D."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 40, 96).to(torch.bfloat16)
+    conv = Conv1D(200, 96)
+    torch.nn.init.normal_(conv.bias)  # zeros by default: a dropped bias would pass unseen
+    with torch.inference_mode():
+        for m in (torch.nn.Linear(96, 200), torch.nn.Linear(96, 200, bias=False), conv):
+            m = m.to(torch.bfloat16)
+            fwd = prepacked(m)
+            for k in (1, 2, 3, 5, 17, 40):
+                assert torch.equal(fwd(x[:, :k]), m(x[:, :k])), (type(m).__name__, k)
+
+
+PINS = [("float32", "per-row=on"), ("float32", "per-row=off"), ("bfloat16", "attention=model,prepack=off,per-row=off"),
+        pytest.param("bfloat16", "attention=float32,prepack=on,per-row=off",
+                     marks=pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU"))]
+
+
+def refuse_timing(what, fns):
+    raise AssertionError(f"a pinned choice was timed: {what}")
+
+
+@pytest.mark.parametrize("dtype,pin", PINS)
+def test_pinned_engine_choices_are_made_as_given_without_timing(model_dir, dtype, pin):
+    """--engine-choices: each pinned choice is made as given (where its checks pass, as they do
+    here), with no timing at all; two loads with the same pins compute bitwise the same logits."""
+    torch.set_num_threads(1)
+    lms = [LM.load(model_dir("target"), "cpu", dtype, choices=parse_choices(pin), timer=refuse_timing) for _ in range(2)]
+    assert [lm.engine.plan.choices() for lm in lms] == [pin, pin]
+    assert torch.equal(logits_of_a_session(lms[0].engine), logits_of_a_session(lms[1].engine))
+
+
+INF = float("inf")
+OUTCOMES = [  # dtype, attention timed faster in float32, prepack gain timed, per-row products timed to pay, GEMMs calibrate
+    ("float32", None, None, True, True), ("float32", None, None, False, True), ("float32", None, None, True, False),
+    ("bfloat16", True, 2.0, False, True), ("bfloat16", False, 1.0, True, True), ("bfloat16", False, 1.0, False, True),
+    ("bfloat16", True, 2.0, True, False),  # prepacking kept, then undone: no GEMM row counts agree
+]
+
+
+@pytest.mark.parametrize("dtype,fp32_attention,gain,pays,gemms", OUTCOMES)
+def test_a_timed_loads_choices_pinned_give_its_numbers(model_dir, monkeypatch, dtype, fp32_attention, gain, pays, gemms):
+    """Whatever the timings decide (a timer forces one outcome each), the choices a load logs, pinned
+    at the next load, are made again without timing and give bitwise the same logits."""
+    def timer(what, fns):  # seconds per call of each contender: the first is the plain one
+        if what == "attention":  # the model's dtype, then float32
+            return [2.0, 1.0] if fp32_attention else [1.0, 1.0]
+        if what == "prepack":  # plain, then prepacked
+            return [gain or 1.0, 1.0]
+        assert what == "per-row"  # a step's lo-row GEMM, a per-row step, a per-row round, a round's GEMM
+        return [2.0, 1.0, 1.0, 1.0] if pays else [1.0, 1.0, 1.0, 1.0]
+
+    if not gemms:
+        real = choose.calibrate_rows
+        monkeypatch.setattr(choose, "calibrate_rows", lambda model, seeds=2, **kw: real(model, seeds, **kw) if kw else None)
+    torch.set_num_threads(1)
+    timed = LM.load(model_dir("target"), "cpu", dtype, timer=timer)
+    chosen = timed.engine.plan.choices()
+    if dtype == "bfloat16":
+        assert chosen.startswith(f"attention={'float32' if fp32_attention else 'model'},")
+        if BF16_ONEDNN:
+            assert ("prepack=on" in chosen) == (gain == 2.0 and gemms), chosen  # kept, or undone where no GEMM rows agree
+    pinned = LM.load(model_dir("target"), "cpu", dtype, choices=parse_choices(chosen), timer=refuse_timing)
+    assert pinned.engine.plan.choices() == chosen
+    assert pinned.engine.plan.rows == timed.engine.plan.rows
+    assert torch.equal(logits_of_a_session(pinned.engine), logits_of_a_session(timed.engine))
+
+
+def test_engine_choices_parse_and_refuse():
+    assert parse_choices("") == {} and parse_choices(None) == {}
+    assert parse_choices(" attention=float32 , prepack=off,per-row=on") == {"attention": "float32", "prepack": False, "per_row": True}
+    for bad in ("prepack", "prepack=yes", "attention=bfloat16", "rows=4", "per-row=on,per-row=off", "prepack=on,per-row=on"):
+        with pytest.raises(ValueError, match="--engine-choices"):
+            parse_choices(bad)
+
+
+@pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU: the engine keeps its GEMMs")
+@pytest.mark.parametrize("timings,kept", [([1.0, 2.0, 2.0, 2.0], True), ([1.0] * 6, False)])
+def test_a_prepacking_that_misses_the_bar_is_timed_again(tied_dir, monkeypatch, timings, kept):
+    """One slow timing (a loaded machine) does not drop the prepacking: up to PREPACK_TRIES tries
+    of (step, round) gains, kept at the first that clears PREPACK_GAIN."""
+    gains = iter(timings)
+    tries = []
+    monkeypatch.setattr(prepack_mod, "matmul_seconds", lambda model, runs, timer=None, what="": tries.append(1) or [next(gains), 1.0])
+    torch.set_num_threads(1)
+    model = LM.load(tied_dir, "cpu", "bfloat16", check=False, prepare_engine=False).model
+    assert (prepack_mod.prepack(model) is not None) == kept
+    assert len(tries) == (4 if kept else 2 * prepack_mod.PREPACK_TRIES)  # a step and a round per try: bad, then good
+@pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU: the engine keeps its GEMMs")
+def test_modules_that_share_a_weight_share_its_packed_copy(monkeypatch):
+    """Two Linear modules holding one weight (each with a bias of its own) get one packed copy of
+    it between them, counted once against the memory share; a module with a weight of its own gets
+    its own. Each module keeps its own bias."""
+    class Shared(torch.nn.Module):
+        dtype = torch.bfloat16
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = (torch.nn.Linear(64, 96) for _ in range(3))
+            self.b.weight = self.a.weight
+
+    torch.manual_seed(0)
+    model = Shared().to(torch.bfloat16)
+    made = []
+    monkeypatch.setattr(prepack_mod, "packed_weight", lambda m, real=prepack_mod.packed_weight: made.append(m) or real(m))
+    # two distinct bf16 weights take 24,576 bytes and fit in a quarter of 120,000; three (36,864) would not
+    monkeypatch.setattr(prepack_mod, "available_memory_bytes", lambda device=None: 120_000)
+    former = prepack_mod.prepack(model, force=True)
+    assert former is not None and set(former) == {model.a, model.b, model.c}
+    assert len(made) == 2 and {model.a, model.b} & set(made) and model.c in made
+    x = torch.randn(1, 3, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        for m in (model.a, model.b, model.c):
+            assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight, m.bias))
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    """A small random Llama whose output layer is tied to its input embeddings, as the shipped pair's are."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.tinymodels import word_tokenizer
+
+    path = tmp_path_factory.mktemp("tied")
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    word_tokenizer(512).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU: the engine keeps its GEMMs")
+def test_prepacked_matmuls_keep_the_models_numbers_and_its_weights(tied_dir, monkeypatch):
+    """bf16 on the CPU: after prepacking, the model's own forward gives bitwise the logits it gave
+    before, and its plain weights are all still there (whatever reads one directly gets the right
+    numbers). Where the packed copies would not fit in a quarter of the free memory, nothing is packed."""
+    torch.set_num_threads(1)
+    model = LM.load(tied_dir, "cpu", "bfloat16", check=False, prepare_engine=False).model
+    ids = torch.tensor([[5, 9, 13, 40, 7]])
+    with torch.inference_mode():
+        want = model(ids).logits
+    weights = {n: p.clone() for n, p in model.named_parameters()}
+    assert prepare(model, prepack=True).plan.prepacked
+    assert {n: p for n, p in model.named_parameters()}.keys() == weights.keys()
+    assert all(p.device.type == "cpu" and torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, want)
+
+    monkeypatch.setattr(prepack_mod, "available_memory_bytes", lambda device=None: 1 << 20)  # 1 MiB free
+    small = LM.load(tied_dir, "cpu", "bfloat16", check=False, prepare_engine=False).model
+    assert not prepare(small, prepack=True).plan.prepacked
+
+
+def test_prepacking_is_undone_where_no_row_counts_agree(tied_dir, monkeypatch):
+    """If the prepacked GEMMs calibrate to no row counts, the modules go back to their plain
+    forwards, so per-row products can be tried."""
+    real = choose.calibrate_rows
+    monkeypatch.setattr(choose, "calibrate_rows", lambda model, seeds=2, **kw: real(model, seeds, **kw) if kw else None)
+    torch.set_num_threads(1)
+    model = LM.load(tied_dir, "cpu", "bfloat16", check=False, prepare_engine=False).model
+    plan = prepare(model, prepack=True).plan
+    assert not plan.prepacked
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if plan.rows is None:  # per-row products did not calibrate either: the plain modules serve
+        assert all(m.forward.__func__ is type(m).forward for m in linears)
+    else:  # per-row products were kept
+        assert plan.rows[0] == 1
+
+

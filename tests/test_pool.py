@@ -1,0 +1,180 @@
+"""The engine's pass: one pooled, paged KV cache, and a session's numbers bitwise its own alone or
+batched, in a one-token step or inside a round, at the shipped widths, in both CPU dtypes."""
+import random
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers.engine import cached, load_packed, same_cache, steps_and_rounds
+from specdec.engine import KVCache
+from specdec.engine.cpu.rows import clock
+from specdec.lm import LM
+
+
+def test_batched_pass_is_bitwise_equal_to_each_session_alone(packed, model_dir):
+    reference = AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=packed.dtype).eval()
+    eng = packed.engine
+    r = random.Random(0)
+    seqs = [[r.randrange(1, 16) for _ in range(r.randint(2, 40))] for _ in range(7)]
+    cut = [r.randint(0, len(s) - 1) for s in seqs]  # cached prefix lengths, 0 included
+
+    batch = [cached(eng, s, c) for s, c in zip(seqs, cut)]
+    news = [s[c:] for s, c in zip(seqs, cut)]
+    logits = eng.forward(news, batch)
+    for s, c, new, kv, lg in zip(seqs, cut, news, batch, logits):
+        alone_kv = cached(eng, s, c)
+        (alone,) = eng.forward([new], [alone_kv])
+        assert torch.equal(alone, lg)  # bitwise: the batch does not change a session's numbers
+        assert kv.length == len(s) and same_cache(alone_kv, kv, len(s))
+        with torch.no_grad():
+            full = reference(torch.tensor([s])).logits[0, c:].float()
+        tol = dict(atol=1e-5, rtol=1e-4) if packed.dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+        torch.testing.assert_close(lg, full, **tol)
+
+
+def test_caches_keep_their_pages_and_sessions_never_touch_each_other(packed):
+    """A session's pages are taken once, at its first pass, and stay its own while others join,
+    share passes, leave (giving their pages back), and while it is cropped and extended."""
+    eng = packed.engine
+    a = KVCache(30)
+    eng.forward([[3, 4, 5, 6]], [a], logits=False)
+    pages = list(a.pages)
+    before = [t[:, :4].clone() for i in range(a.layers) for t in a.layer(i)]
+    b, c = KVCache(20), KVCache(20)
+    eng.forward([[7, 8], [9, 10, 11], [12]], [a, b, c])
+    assert not set(a.pages) & set(b.pages) and not set(b.pages) & set(c.pages) and 0 not in a.pages + b.pages + c.pages
+    freed = list(b.pages)
+    b.release()
+    d = KVCache(20)
+    eng.forward([[4, 4]], [d])  # takes the pages b gave back
+    assert set(d.pages) == set(freed)
+    a.crop(5)  # a rejection: only the length moves
+    eng.forward([[13, 14], [15]], [a, c])
+    assert a.pages == pages and a.length == 7
+    assert all(torch.equal(t[:, :4], x) for t, x in zip([t for i in range(a.layers) for t in a.layer(i)], before))  # earlier entries untouched
+    with pytest.raises(ValueError, match="cache overflow"):
+        eng.forward([[1] * 30], [a])
+    assert a.length == 7  # a failed pass commits nothing
+
+
+def test_a_growing_pool_keeps_what_its_sessions_hold(packed):
+    """The pool grows (its tensors reallocated) when pages past their end are taken: the sessions
+    already there keep bitwise their keys and values and their logits."""
+    eng = packed.engine
+    ids = [3 + i % 13 for i in range(40)]
+    a, ref = KVCache(48), KVCache(48)
+    eng.forward([ids], [a], logits=False)
+    eng.forward([ids], [ref], logits=False)
+    slots = eng.pool.k[0].shape[0]
+    big = [KVCache(16 * 64) for _ in range(4)]  # more pages than the pool's tensors hold now
+    eng.forward([[5]] * 4, big)
+    assert eng.pool.k[0].shape[0] > slots
+    assert same_cache(a, ref, 40)
+    assert torch.equal(eng.forward([[7, 8]], [a])[0], eng.forward([[7, 8]], [ref])[0])
+
+
+def test_dropped_caches_give_their_pages_back():
+    """A cache that is garbage-collected without release() returns its pages to the pool."""
+    import gc
+
+    from specdec.engine import Pool
+
+    pool = Pool(torch.float32, torch.device("cpu"))
+    c = pool.cache(40)
+    taken = set(c.pages)
+    del c
+    gc.collect()
+    assert set(pool.cache(40).pages) == taken
+
+
+def test_a_pass_hands_transformers_its_cache_under_the_current_name(packed):
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns on
+    every call and goes in 5.40): a pass, with logits or keys and values only, uses whichever name
+    the installed version's forward takes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        packed.engine.forward([[3, 4, 5]], [KVCache(3)])  # the CausalLM's forward
+        packed.engine.forward([[3, 4, 5]], [KVCache(3)], logits=False)  # the base model's
+
+
+def test_cache_budget_is_sized_from_the_model_and_memory(packed):
+    from specdec.engine import PAGE
+    from verify_service.capacity import default_cache_budget, kv_bytes_per_token
+
+    kv = KVCache(5)
+    packed.engine.forward([[3, 4, 5, 6, 7]], [kv], logits=False)
+    dt = packed.engine.plan.kv_dtype  # the model's, or float32 for a half-precision model where this CPU attends faster so
+    assert dt in (packed.dtype, torch.float32)
+    assert kv.layer(0)[0].dtype == dt and kv_bytes_per_token(packed.model.config, dt) == kv.nbytes() / (len(kv.pages) * PAGE)
+    budget = default_cache_budget(packed, max_sessions=8)
+    assert packed.max_context <= budget <= 8 * packed.max_context
+
+
+MATMULS = [("float32", "calibrated"), ("bfloat16", "prepacked"), ("float32", "per-row"), ("bfloat16", "unpacked")]
+
+
+@pytest.mark.parametrize("dtype,matmuls", MATMULS)
+def test_one_token_steps_and_rounds_give_bitwise_equal_logits(wide_dir, dtype, matmuls):
+    """A position's logits are the same computed in a one-token step or inside a round of tau+1
+    tokens, so greedy speculative output is the service's own target-only output bitwise."""
+    torch.set_num_threads(1)
+    lm = load_packed(wide_dir, dtype, matmuls)
+    steps, rounds, _ = steps_and_rounds(lm.engine, torch.randint(3, 512, (80,), generator=torch.Generator().manual_seed(0)).tolist())
+    assert torch.equal(steps, rounds), float((steps - rounds).abs().max())
+
+
+@pytest.mark.parametrize("dtype,matmuls", MATMULS)
+@pytest.mark.parametrize("prefill", [False, True], ids=["chunk-with-logits", "prefill-chunk"])
+def test_batch_invariance_holds_at_real_widths(dtype, prefill, matmuls, tmp_path):
+    """At the shipped target's widths, CPU GEMM kernels change with the row count (float32 here:
+    1, 2-15 and 16+ rows are three classes), so a pass is padded to the calibrated lo rows and each
+    matmul cuts longer inputs into blocks of lo..hi rows: a session's numbers stay its own in a
+    pass of a few hundred rows, a 90-token chunk among them. As a prefill chunk (no logits)
+    that chunk goes first, in one product of its own: its keys and values are those of the chunk
+    prefilled alone, and its batch-mates' numbers are unchanged by it. With per-row products
+    nothing is padded, and the prefill chunk still has a GEMM of its own."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.tinymodels import word_tokenizer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    word_tokenizer(8192).save_pretrained(tmp_path)
+    lm = load_packed(str(tmp_path), dtype, matmuls)
+    lo, hi = lm.engine.plan.rows
+    assert 1 <= lo <= 8 and hi >= 2 * lo
+    eng = lm.engine
+    r = random.Random(1)
+    n = 60  # sessions in rounds: enough rows for several blocks wherever the CPU's classes end (hi <= ROW_PROBE)
+    seqs = [[r.randrange(3, 8192) for _ in range(r.randint(8, 60))] for _ in range(n)] + [[r.randrange(3, 8192) for _ in range(100)]]
+    cut = [len(s) - r.randint(1, 5) for s in seqs[:-1]] + [10]  # rounds of 1-5 tokens, and a 90-token chunk, last as the scheduler puts it
+    want = [True] * n + [not prefill]
+
+    batch = [cached(eng, s, c) for s, c in zip(seqs, cut)]
+    news = [s[c:] for s, c in zip(seqs, cut)]
+    assert sum(map(len, news[:-1])) > 2 * hi and len(news[-1]) > hi
+    logits = eng.forward(news, batch, want)
+    assert (logits[-1] is None) == prefill
+    for s, c, new, kv, lg, w in zip(seqs, cut, news, batch, logits, want):
+        alone_kv = cached(eng, s, c)
+        (alone,) = eng.forward([new], [alone_kv], w)
+        assert (alone is None and lg is None) or torch.equal(alone, lg)
+        assert same_cache(alone_kv, kv, len(s))
+
+
+@pytest.mark.parametrize("gain,expect", [(2.0, torch.float32), (1.0, torch.bfloat16)], ids=["float32-attention", "bf16-attention"])
+def test_a_half_precision_model_attends_in_the_dtype_chosen_at_load(wide_dir, gain, expect):
+    """On the CPU a bf16 model keeps its cache and attends in float32 where that is ATTN_FLOAT32_GAIN
+    times faster (timed at load), else in bf16 (a timer forces either here). Either way a
+    position's logits are bitwise the same in a one-token step and inside a round."""
+    torch.set_num_threads(1)
+    lm = LM.load(wide_dir, "cpu", "bfloat16", timer=lambda what, fns: [gain, 1.0] if what == "attention" else clock(what, fns))
+    assert lm.engine.plan.kv_dtype == expect
+    steps, rounds, cache = steps_and_rounds(lm.engine, torch.randint(3, 512, (60,), generator=torch.Generator().manual_seed(1)).tolist())
+    assert cache.layer(0)[0].dtype == expect
+    assert torch.equal(steps, rounds), float((steps - rounds).abs().max())
