@@ -13,8 +13,9 @@ guesses the bonus token (the draft's own argmax) and drafts round k+1 after it. 
 proposals of round k+1 are still samples from q given their context, and are used only when
 the verdict shows that context was right.
 
-Each sample the draft draws at absolute position i uses a generator keyed by (seed, i), so a
-pre-draft that is thrown away, or a step timed differently, changes no later draw.
+Each sample the draft draws at absolute position i uses the keyed uniform at (seed, i, DRAFT)
+(specdec/sampling.py), so a pre-draft that is thrown away, or a step timed differently, changes
+no later draw.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from draft_service.stepbatch import StepBatcher
 from specdec.engine import KVCache
 from specdec.lm import LM
 from specdec.proposal import Proposal, ids_only, wire_q
-from specdec.sampling import DRAFT, keyed_generator, probs_from_logits, sample
+from specdec.sampling import DRAFT, probs_from_logits, sample
 from specdec.validation import GenParams
 
 __all__ = ["Drafter", "DraftState", "PredraftControl", "Proposal"]
@@ -56,7 +57,6 @@ class PredraftControl:
 class DraftState:
     ids: list[int]  # committed: prompt + generated
     params: GenParams
-    generator: torch.Generator  # on the draft's device, re-seeded per draw from (seed, position)
     cache: KVCache
     cached: list[int] = field(default_factory=list)  # tokens the cache holds
     prompt_len: int = field(init=False)
@@ -73,8 +73,7 @@ class Drafter:
     def new_state(self, params: GenParams, max_context: int | None = None) -> DraftState:
         limit = max_context or self.lm.max_context
         room = min(len(params.prompt_ids) + params.max_new_tokens + 2 * params.tau + 2, limit)  # pre-drafts look ahead
-        return DraftState(ids=list(params.prompt_ids), params=params, generator=torch.Generator(device=self.lm.device),
-                          cache=KVCache(room))
+        return DraftState(ids=list(params.prompt_ids), params=params, cache=KVCache(room))
 
     def prefill(self, st: DraftState) -> None:
         if len(st.ids) > 1:
@@ -111,9 +110,8 @@ class Drafter:
             q = probs_from_logits(logits, prm.sampling)  # [V]
             if i and float(q.max()) < prm.early_stop_p:
                 break
-            g = keyed_generator(st.generator, prm.seed, len(context), DRAFT)
             vals, ids = wire_q(q, prm.mode, prm.sparse_k)  # what the wire carries is what the draft samples from
-            j = sample(vals, g)
+            j = sample(vals, prm.seed, len(context), DRAFT)
             x = j if ids is None else int(ids[j])
             out.add(x, prm.mode, vals.cpu(), None if ids is None else ids.cpu())
             context.append(x)

@@ -4,9 +4,13 @@ Both services call exactly this code: the draft samples from T(draft logits) and
 the verifier compares against T(target logits). Any difference between the two sides would
 silently change the output distribution (DESIGN.md §3).
 
-Random numbers are keyed, not streamed: every draw comes from a generator seeded with
-(request seed, absolute position, purpose) (`keyed_generator`), so the same request gives the
-same tokens however its rounds were timed, batched or pre-drafted (DESIGN.md §3).
+`probs_from_logits_rows` is the same transform over rows with settings of their own (the
+verifier's batch of sessions), row for row bitwise equal to `probs_from_logits` on the CPU.
+
+Random numbers are keyed, not streamed: every uniform is a hash of (request seed, absolute
+position, purpose, index) (`keyed_uniforms`, counter-based, int64 tensor ops on any device),
+so the same request gives the same tokens however its rounds were timed, batched or pre-drafted,
+on any device, with no generator state and no host sync (DESIGN.md §3).
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ def probs_from_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if s.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # stable: ties in index order on every device
         # keep a token if the mass strictly before it is < top_p: the smallest nucleus >= top_p
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p
         drop_sorted = before >= s.top_p
@@ -46,6 +50,44 @@ def probs_from_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def probs_from_logits_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                           top_p: torch.Tensor) -> torch.Tensor:
+    """logits [N, V]; temperature, top_k, top_p [N]: each row's own Sampling, on the CPU (host data:
+    they are copied to the device, and a filter no row uses is skipped without a device sync).
+    -> probabilities [N, V] float32, each row bitwise what probs_from_logits gives it on the CPU
+    (the same ops, with the settings cast to float32 as a Python scalar is)."""
+    logits = logits.float()
+    N, V = logits.shape
+    dev = logits.device
+    greedy = temperature == 0  # [N]
+    use_k = (top_k > 0) & (top_k < V)  # [N]
+    use_p = top_p < 1.0  # [N]
+    t = to_device(torch.where(greedy, 1.0, temperature).float(), dev)  # [N]
+    x = logits / t[:, None]  # [N, V]
+    if use_k.any():
+        k = torch.where(use_k, top_k, 1)  # [N]
+        kth = torch.topk(x, int(k.max()), dim=-1).values.gather(1, to_device(k - 1, dev)[:, None])  # [N, 1] the k-th largest
+        x = torch.where(to_device(use_k, dev)[:, None], x.masked_fill(x < kth, float("-inf")), x)
+    probs = torch.softmax(x, dim=-1)  # [N, V]
+    if use_p.any():
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [N, V]
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= to_device(top_p.float(), dev)[:, None])
+        kept = probs.masked_fill(drop, 0.0)
+        kept = kept / kept.sum(-1, keepdim=True)
+        probs = torch.where(to_device(use_p, dev)[:, None], kept, probs)
+    if greedy.any():
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)  # [N, V]
+        probs = torch.where(to_device(greedy, dev)[:, None], one_hot, probs)
+    return probs
+
+
+def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host data to the device without waiting for the work queued there (a blocking copy to a
+    GPU would first sync its stream)."""
+    return x.to(device, non_blocking=True)
 
 
 def sparsify(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,24 +99,41 @@ def sparsify(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # purposes of a keyed draw
-VERIFY = 0  # the verifier's uniforms of one round
-DRAFT = 1  # the draft's sample at one position
+VERIFY = 0  # the verifier's uniforms of one round (index 0..tau)
+DRAFT = 1  # the draft's sample at one position (index 0)
 
-_MASK64 = (1 << 64) - 1
-
-
-def mix(seed: int, position: int, purpose: int) -> int:
-    """A 63-bit generator seed from (seed, position, purpose): SplitMix64's finalizer over their sum
-    with odd multipliers, so nearby positions give unrelated streams."""
-    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + purpose * 0xABC98388FB8FAC03 + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 (SplitMix64's increment) as a signed int64
+_M1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+_M2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
 
 
-def keyed_generator(generator: torch.Generator, seed: int, position: int, purpose: int) -> torch.Generator:
-    """Re-seeds `generator` (on the tensors' device) for the draws at (seed, position, purpose)."""
-    return generator.manual_seed(mix(seed, position, purpose))
+def int64(x: int) -> int:
+    """A Python int as the signed int64 with the same low 64 bits (a uint64 seed)."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64: torch's >> is arithmetic, so mask off the copied sign bits."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _fmix(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer (a bijection on 64 bits); int64 products wrap in torch."""
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    return z ^ _shr(z, 31)
+
+
+def keyed_uniforms(seed, position, purpose, index, device: torch.device | str = "cpu") -> torch.Tensor:
+    """float64 uniforms in [0, 1) from the key (seed, position, purpose, index): Python ints
+    (any seed; wrapped to int64) or int64 tensors (seeds already int64()), broadcast together.
+    Counter-based: h = fmix(h * golden + x + 1) over the four parts, then the top 53 bits, so a
+    value depends on its key only, never on the batch or device it is computed in."""
+    h = torch.zeros((), dtype=torch.long, device=device)
+    for x in (seed, position, purpose, index):
+        x = to_device(x, device) if isinstance(x, torch.Tensor) else int64(x)  # a Python int stays a scalar operand: no copy
+        h = _fmix(h * _GOLDEN + x + 1)
+    return _shr(h, 11).double() * 2.0**-53  # 53 bits: at most 1 - 2^-53
 
 
 def sample_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -87,7 +146,7 @@ def sample_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(c, x, right=True).squeeze(-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One draw from probs [V] with a uniform from `generator` (a host sync: draft side)."""
-    u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)
-    return int(sample_with(probs, u))
+def sample(probs: torch.Tensor, seed: int, position: int, purpose: int) -> int:
+    """One draw from probs [V] with the keyed uniform at (seed, position, purpose, 0) (a host
+    sync: draft side)."""
+    return int(sample_with(probs, keyed_uniforms(seed, position, purpose, 0, device=probs.device)))

@@ -1,4 +1,5 @@
-"""The acceptance rule as a pure function: table-driven cases and its exactness in distribution."""
+"""The acceptance rule as a pure function: table-driven cases, its exactness in distribution, and
+the batched rule over a pass equal to the per-session rule."""
 import collections
 
 import numpy as np
@@ -7,6 +8,7 @@ import torch
 
 from helpers.reference import chi_square_p
 from specdec import acceptance
+from specdec.sampling import VERIFY, Sampling, int64, keyed_uniforms, probs_from_logits
 
 T = torch.tensor
 
@@ -130,3 +132,86 @@ def test_the_next_token_is_drawn_with_the_last_uniform():
     q2 = T([[0.0, 1.0, 0.0, 0.0]])  # x = 1, p/q = 0.5: accepted iff u_1 <= 0.5; the bonus from p_2
     assert [int(v) for v in acceptance.accept(p, T([1]), q2, T([0.4, 0.99], dtype=torch.float64))] == [1, 3]
     assert [int(v) for v in acceptance.accept(p, T([1]), q2, T([0.6, 0.99], dtype=torch.float64))] == [0, 2]
+
+
+# ---- the batched rule over a pass --------------------------------------------------------------
+
+def _session_verdict(lg, tokens, q, s, seed, position):
+    """One session as the scheduler used to decide it: the per-session transform, the session's
+    keyed uniforms, then accept / accept_greedy."""
+    if s.greedy:
+        return [int(v) for v in acceptance.accept_greedy(lg.argmax(-1), tokens)]
+    u = keyed_uniforms(seed, position, VERIFY, torch.arange(tokens.shape[0] + 1))  # [tau+1]
+    q = q if q is not None else torch.zeros(0, lg.shape[1])  # target-only: no proposals
+    return [int(v) for v in acceptance.accept(probs_from_logits(lg, s), tokens, q, u)]
+
+
+def _batch_verdicts(sessions):
+    """sessions: (logits [tau+1, V], tokens [tau], q [tau, V] or None, Sampling, seed, position)
+    padded into one batch as the scheduler pads them -> [[n, next]] from accept_batch."""
+    B, V = len(sessions), sessions[0][0].shape[1]
+    T = max(x[1].shape[0] for x in sessions)
+    logits = torch.zeros(B, T + 1, V)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    q = torch.zeros(B, T, V)
+    for i, (lg, x, qi, *_) in enumerate(sessions):
+        logits[i, : lg.shape[0]], tokens[i, : x.shape[0]] = lg, x
+        if qi is not None:
+            q[i, : qi.shape[0]] = qi
+    col = lambda f, dtype=None: torch.tensor([f(x) for x in sessions], dtype=dtype)  # noqa: E731
+    n, nxt = acceptance.accept_batch(logits, tokens, col(lambda x: x[1].shape[0]), q, col(lambda x: x[3].greedy),
+                                     col(lambda x: int64(x[4])), col(lambda x: x[5]), col(lambda x: x[3].temperature, torch.float64),
+                                     col(lambda x: x[3].top_k), col(lambda x: x[3].top_p, torch.float64))
+    return torch.stack([n, nxt], 1).tolist()
+
+
+def _random_session(g, V, tau, s, seed):
+    """A round whose proposals are drawn from q = T(draft logits) near the target's, so that
+    some are accepted and some rejected."""
+    target = torch.randn(tau + 1, V, generator=g) * 2  # [tau+1, V]
+    draft = target[:tau] + torch.randn(tau, V, generator=g) * 0.7  # [tau, V]
+    if s.greedy:
+        tokens = torch.where(torch.rand(tau, generator=g) < 0.8, target[:tau].argmax(-1), draft.argmax(-1))
+        return target, tokens, None, s, seed, int(torch.randint(1, 500, (), generator=g))
+    q = probs_from_logits(draft, s)  # [tau, V]
+    tokens = torch.multinomial(q, 1, generator=g).squeeze(1) if tau else torch.zeros(0, dtype=torch.long)
+    return target, tokens, q, s, seed, int(torch.randint(1, 500, (), generator=g))
+
+
+SETTINGS = [Sampling(), Sampling(1.0), Sampling(0.8, 5, 1.0), Sampling(1.0, 0, 0.9), Sampling(0.6, 8, 0.8), Sampling(1.3)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_rule_equals_the_per_session_rule(seed):
+    """Mixed greedy and sampled sessions, taus from 0 to 6, different settings and seeds (one a
+    uint64 past 2^63): every session's (n, next) from one batched call is its per-session verdict."""
+    g = torch.Generator().manual_seed(seed)
+    V = 12
+    for trial in range(25):
+        B = int(torch.randint(1, 7, (), generator=g))
+        sessions = [_random_session(g, V, int(torch.randint(0, 7, (), generator=g)), SETTINGS[int(torch.randint(0, 6, (), generator=g))],
+                                    2**64 - 1 - i if i == 0 else 1000 * trial + i) for i in range(B)]
+        want = [_session_verdict(*x) for x in sessions]
+        assert _batch_verdicts(sessions) == want, (trial, want)
+        assert all(n <= x[1].shape[0] for (n, _), x in zip(want, sessions))
+
+
+def test_padding_is_never_accepted():
+    """A short round beside a long one: the padding ids (0) match the argmax of the zero padding
+    rows, and would be accepted if padding counted; a sampled session's q is zero there."""
+    V = 4
+    short_greedy = (onehot_rows(1, 0, V=V), T([1]), None, Sampling(), 1, 10)  # all accepted: n = 1, bonus 0
+    short_sampled = (onehot_rows(2, 0, V=V) * 10, T([2]), onehot_rows(2, V=V), Sampling(1.0), 2, 10)
+    target_only = (onehot_rows(3, V=V) * 10, T([], dtype=torch.long), None, Sampling(1.0), 3, 10)
+    long = (onehot_rows(0, 0, 0, 0, V=V), T([0, 0, 0]), None, Sampling(), 4, 10)
+    got = _batch_verdicts([short_greedy, short_sampled, target_only, long])
+    assert got[0] == [1, 0] and got[1][0] == 1 and got[2][0] == 0 and got[3] == [3, 0]
+    assert got == [_session_verdict(*x) for x in (short_greedy, short_sampled, target_only, long)]
+
+
+def test_the_same_session_gets_the_same_verdict_in_any_batch():
+    g = torch.Generator().manual_seed(9)
+    sessions = [_random_session(g, 10, tau, SETTINGS[1 + i % 5], 50 + i) for i, tau in enumerate([3, 0, 5, 1, 2])]
+    alone = [_batch_verdicts([x])[0] for x in sessions]
+    assert _batch_verdicts(sessions) == alone
+    assert _batch_verdicts(sessions[::-1]) == alone[::-1]

@@ -1,8 +1,8 @@
 """The verify scheduler: one thread owns the target model; each iteration it runs ONE packed pass
 (specdec/engine) over every round waiting across sessions plus the next chunk of as many waiting
 prompts as the pass's row budget leaves room for (at least one), applies the acceptance rule to
-each session on the model's device, and moves the verdicts of the whole batch to the host at once
-(a few integers per session).
+all its sessions at once on the model's device (`accept_batch`, specdec/acceptance.py), and moves
+the verdicts of the whole batch to the host at once (two integers per session).
 
 Sessions talk to it from the asyncio event loop: `prefill` and `step` put a job on the queue
 and await a future that the thread resolves with `call_soon_threadsafe`; `steps` (target-only)
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import metrics
-from specdec.acceptance import accept, accept_greedy
+from specdec.acceptance import accept_batch
 from specdec.errors import Refusal, RequestError
 from specdec.engine import PREFILL_CHUNK, KVCache
 from specdec.lm import LM
-from specdec.sampling import VERIFY, Sampling, keyed_generator, probs_from_logits
+from specdec.sampling import Sampling, int64
 from verify_service.capacity import Capacity, default_cache_budget
 from verify_service.passcost import PassCost, probe
 from verify_service.session import Session, Verdict, commit
@@ -104,7 +104,7 @@ class Scheduler:
             sid, self._next_sid = self._next_sid, self._next_sid + 1
             s = Session(sid=sid, request_id=request_id, ids=list(prompt_ids), prompt_len=len(prompt_ids),
                         max_new_tokens=max_new_tokens, sampling=sampling, mode=mode, seed=seed,
-                        generator=torch.Generator(device=self.lm.device), cache=self.lm.engine.cache(need), reserved=need)
+                        cache=self.lm.engine.cache(need), reserved=need)
             self.sessions[sid] = s
         return s
 
@@ -250,7 +250,9 @@ class Scheduler:
         filling = [(p, c) for p, c in zip(prefills, chunks) if c]
         inputs = [c for _, c in filling] + [[j.session.ids[-1], *j.tokens] for j in jobs]  # chunks first: each precedes its session's step
         caches = [p.session.cache for p, _ in filling] + [j.session.cache for j in jobs]
-        proposals = torch.tensor([t for j in jobs for t in j.tokens], dtype=torch.long).to(self.lm.device, non_blocking=True)  # all sessions'
+        T = max((len(j.tokens) for j in jobs), default=0)
+        proposals = torch.tensor([j.tokens + [0] * (T - len(j.tokens)) for j in jobs], dtype=torch.long).view(len(jobs), T)
+        proposals = proposals.to(self.lm.device, non_blocking=True)  # [B, T] all sessions', padded with 0: one copy
         try:
             logits = self.lm.engine.forward(inputs, caches, [False] * len(filling) + [True] * len(jobs))
         except Exception as e:  # noqa: BLE001 - nothing was committed: retry alone to find whose it is
@@ -278,28 +280,28 @@ class Scheduler:
 
     def _verdicts(self, jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor, t0: float,
                   layout: tuple[int, int]) -> None:
-        """Acceptance for every session on the device, then one transfer of all (n, next); the
-        pass's time (forward + acceptance) is taken after that transfer, when a GPU is done, and
-        feeds the pass cost model with the pass's layout (rows, inputs)."""
-        results, ok = [], []
-        at = 0
-        for j, lg in zip(jobs, logits):  # lg [tau+1, V]
-            tokens = proposals[at : at + len(j.tokens)]  # [tau]
-            at += len(j.tokens)
+        """Acceptance for every session in one batched call on the device, then one transfer of
+        all (n, next); the pass's time (forward + acceptance) is taken after that transfer, when a
+        GPU is done, and feeds the pass cost model with the pass's layout (rows, inputs).
+        logits: [tau+1, V] per job; proposals [B, T]: each job's tokens padded with 0."""
+        keep = []
+        for i, (j, lg) in enumerate(zip(jobs, logits)):
             try:
-                results.append(self._accept(j, lg, tokens))
-                ok.append(j)
+                _check(j, lg, logits[0].shape[-1])
+                keep.append(i)
             except Exception as e:  # noqa: BLE001 - fails this session only
                 j.resolve(False, e)
-        if not ok:
+        if len(keep) < len(jobs):
+            jobs, logits, proposals = [jobs[i] for i in keep], [logits[i] for i in keep], proposals[keep]
+        done = self._decide(jobs, logits, proposals) if jobs else []
+        if not done:
             return
-        host = torch.stack(results).tolist()  # [B, 2]: the only host sync of the round
         forward_s = time.perf_counter() - t0
         metrics.FORWARD_TIME.observe(forward_s)
-        self.cost.observe(*layout, sum(n + 1 for n, _ in host), forward_s, t0)
+        self.cost.observe(*layout, sum(n + 1 for _, (n, _) in done), forward_s, t0)
         metrics.PASS_UTILISATION.set(self.cost.utilisation)
         metrics.ROW_PRICE.set(self.cost.price)
-        for j, (n, nxt) in zip(ok, host):
+        for j, (n, nxt) in done:
             s = j.session
             try:
                 v = commit(s, j.tokens[:n] + [nxt], n, self.lm.eos, self.lm.max_context)
@@ -310,17 +312,17 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001
                 j.resolve(False, e)
 
-    @staticmethod
-    def _accept(j: _Job, lg: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """One session's (accepted count, next token) on the device, not yet on the host."""
-        s = j.session
-        if s.sampling.greedy:
-            return torch.stack(accept_greedy(lg.argmax(-1), tokens))
-        p = probs_from_logits(lg, s.sampling)  # [tau+1, V]
-        q = j.q if j.q is not None else p.new_zeros(0, p.shape[1])  # target-only: no proposals
-        g = keyed_generator(s.generator, s.seed, len(s.ids), VERIFY)  # draws keyed by (seed, position)
-        u = torch.rand(len(j.tokens) + 1, generator=g, dtype=torch.float64, device=lg.device)  # [tau+1]
-        return torch.stack(accept(p, tokens, q, u))
+    def _decide(self, jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor) -> list[tuple[_Job, list[int]]]:
+        """[(job, [n, next])] from one batched acceptance and ONE host transfer; if the batch
+        raises, each session is retried alone, so a failure fails its own session only."""
+        try:
+            return list(zip(jobs, torch.stack(_accept(jobs, logits, proposals), 1).tolist()))  # [B, 2]: the only host sync
+        except Exception as e:  # noqa: BLE001
+            if len(jobs) == 1:
+                jobs[0].resolve(False, e)
+                return []
+            log.warning("batched acceptance failed (%s: %s); retrying its %d sessions one by one", type(e).__name__, e, len(jobs))
+            return [d for i in range(len(jobs)) for d in self._decide(jobs[i : i + 1], logits[i : i + 1], proposals[i : i + 1])]
 
     @staticmethod
     def _dropped(j: _Job) -> bool:
@@ -331,6 +333,37 @@ class Scheduler:
 
 
 _STOP = object()
+
+
+def _check(j: _Job, lg: torch.Tensor, V: int) -> None:
+    """A session's inputs fit the batch: logits [tau+1, V], q [tau, V] or None."""
+    tau = len(j.tokens)
+    if tuple(lg.shape) != (tau + 1, V):
+        raise ValueError(f"logits of shape {tuple(lg.shape)} for a round of {tau} proposals over {V} ids")
+    if j.q is not None and not j.session.sampling.greedy and tuple(j.q.shape) != (tau, V):
+        raise ValueError(f"q of shape {tuple(j.q.shape)} for a round of {tau} proposals over {V} ids")
+
+
+def _accept(jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sessions' (n accepted [B], next token [B]) on the device: accept_batch over their
+    rounds padded to the longest. logits: [tau+1, V] per job; proposals [B, >= T]."""
+    B, V = len(jobs), logits[0].shape[-1]
+    lg = torch.nn.utils.rnn.pad_sequence(logits, batch_first=True)  # [B, T+1, V], zero rows past a session's tau+1
+    T = lg.shape[1] - 1
+    qs = [(i, j.q) for i, j in enumerate(jobs) if j.q is not None and not j.session.sampling.greedy]
+    if qs:
+        q = lg.new_zeros(B, T, V, dtype=torch.float32)  # [B, T, V]: zeros where absent or greedy
+        for i, qi in qs:
+            q[i, : qi.shape[0]] = qi
+    else:  # all greedy or target-only: a zero q that takes no memory
+        q = lg.new_zeros((), dtype=torch.float32).expand(B, T, V)
+    ss = [j.session for j in jobs]
+    return accept_batch(lg, proposals[:, :T], torch.tensor([len(j.tokens) for j in jobs]), q,
+                        torch.tensor([s.sampling.greedy for s in ss]), torch.tensor([int64(s.seed) for s in ss]),
+                        torch.tensor([len(s.ids) for s in ss]),
+                        torch.tensor([s.sampling.temperature for s in ss], dtype=torch.float64),
+                        torch.tensor([s.sampling.top_k for s in ss]),
+                        torch.tensor([s.sampling.top_p for s in ss], dtype=torch.float64))
 
 
 def _unfilled(s: Session) -> bool:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from specdec.errors import Finish
 from specdec.engine import KVCache
 from specdec.sampling import Sampling
@@ -27,8 +25,7 @@ class Session:
     max_new_tokens: int
     sampling: Sampling
     mode: int  # the proposal mode (specdec/proposal.py)
-    seed: int
-    generator: torch.Generator  # on the model's device; re-seeded per round from (seed, position)
+    seed: int  # keys the round's uniforms with the position (specdec/sampling.py keyed_uniforms)
     cache: KVCache
     reserved: int  # cache tokens reserved at admission
     next_round: int = 1
