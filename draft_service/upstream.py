@@ -27,7 +27,7 @@ def verify_channel(args, address: str, authority: str | None = None) -> grpc.aio
         # reconnect soon after a verify restart (gRPC's default backoff grows to 120 s)
         ("grpc.initial_reconnect_backoff_ms", 250),
         ("grpc.min_reconnect_backoff_ms", 250),
-        ("grpc.max_reconnect_backoff_ms", 5_000),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
     creds = serving.channel_credentials(args.verify_tls_ca, args.verify_tls_cert, args.verify_tls_key, flag="--verify-tls")
     interceptors = tracing.client_interceptors()  # traceparent on Verify.Session when --trace is on

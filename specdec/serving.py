@@ -132,8 +132,9 @@ async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: 
     else:
         log.exception("internal error in %s", method)
         code, msg = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        # retry-after-ms for people and our own tools; grpc-retry-pushback-ms for gRPC's retry policy
+    if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+        # retry-after-ms for people and our own tools; grpc-retry-pushback-ms for gRPC's retry policy (a
+        # full service, or one whose upstream is restarting: retries spaced a second apart outlast a restart)
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)), (PUSHBACK_KEY, str(RETRY_AFTER_MS))))
     await context.abort(code, msg)
 
