@@ -254,7 +254,7 @@ class Scheduler:
         proposals = torch.tensor([j.tokens + [0] * (T - len(j.tokens)) for j in jobs], dtype=torch.long).view(len(jobs), T)
         proposals = proposals.to(self.lm.device, non_blocking=True)  # [B, T] all sessions', padded with 0: one copy
         try:
-            logits = self.lm.engine.forward(inputs, caches, [False] * len(filling) + [True] * len(jobs))
+            logits = self.lm.engine.forward(inputs, caches, [False] * len(filling) + [True] * len(jobs), padded=True)  # [B, T+1, V]
         except Exception as e:  # noqa: BLE001 - nothing was committed: retry alone to find whose it is
             if len(everyone) == 1:
                 everyone[0].resolve(False, e)
@@ -273,26 +273,27 @@ class Scheduler:
         if jobs:
             metrics.BATCH_SIZE.observe(len(jobs))
             metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
-            self._verdicts(jobs, logits[len(filling) :], proposals, t0, (sum(len(x) for x in inputs), len(inputs)))
+            self._verdicts(jobs, logits, proposals, t0, (sum(len(x) for x in inputs), len(inputs)))
         for p in prefills:
             if p.stream is None and not _unfilled(p.session):
                 p.resolve(True, None)
 
-    def _verdicts(self, jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor, t0: float,
+    def _verdicts(self, jobs: list[_Job], logits: torch.Tensor, proposals: torch.Tensor, t0: float,
                   layout: tuple[int, int]) -> None:
         """Acceptance for every session in one batched call on the device, then one transfer of
         all (n, next); the pass's time (forward + acceptance) is taken after that transfer, when a
         GPU is done, and feeds the pass cost model with the pass's layout (rows, inputs).
-        logits: [tau+1, V] per job; proposals [B, T]: each job's tokens padded with 0."""
+        logits [B, T+1, V]: each job's rows padded by repeating its last; proposals [B, T]: each
+        job's tokens padded with 0."""
         keep = []
-        for i, (j, lg) in enumerate(zip(jobs, logits)):
+        for i, j in enumerate(jobs):
             try:
-                _check(j, lg, logits[0].shape[-1])
+                _check(j, logits.shape[-1])
                 keep.append(i)
             except Exception as e:  # noqa: BLE001 - fails this session only
                 j.resolve(False, e)
         if len(keep) < len(jobs):
-            jobs, logits, proposals = [jobs[i] for i in keep], [logits[i] for i in keep], proposals[keep]
+            jobs, logits, proposals = [jobs[i] for i in keep], logits[keep], proposals[keep]
         done = self._decide(jobs, logits, proposals) if jobs else []
         if not done:
             return
@@ -305,14 +306,14 @@ class Scheduler:
             s = j.session
             try:
                 v = commit(s, j.tokens[:n] + [nxt], n, self.lm.eos, self.lm.max_context)
-                v.forward_s, v.queue_s = forward_s, t0 - j.enqueued
+                v.forward_s, v.queue_s, v.pass_rounds = forward_s, t0 - j.enqueued, len(jobs)
                 v.row_cost_s, v.row_price = self.cost.per_row_s, self.cost.price
                 metrics.QUEUE_WAIT.observe(t0 - j.enqueued)
                 j.resolve(True, v)
             except Exception as e:  # noqa: BLE001
                 j.resolve(False, e)
 
-    def _decide(self, jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor) -> list[tuple[_Job, list[int]]]:
+    def _decide(self, jobs: list[_Job], logits: torch.Tensor, proposals: torch.Tensor) -> list[tuple[_Job, list[int]]]:
         """[(job, [n, next])] from one batched acceptance and ONE host transfer; if the batch
         raises, each session is retried alone, so a failure fails its own session only."""
         try:
@@ -335,21 +336,18 @@ class Scheduler:
 _STOP = object()
 
 
-def _check(j: _Job, lg: torch.Tensor, V: int) -> None:
-    """A session's inputs fit the batch: logits [tau+1, V], q [tau, V] or None."""
+def _check(j: _Job, V: int) -> None:
+    """A session's q fits the batch: [tau, V] or None."""
     tau = len(j.tokens)
-    if tuple(lg.shape) != (tau + 1, V):
-        raise ValueError(f"logits of shape {tuple(lg.shape)} for a round of {tau} proposals over {V} ids")
     if j.q is not None and not j.session.sampling.greedy and tuple(j.q.shape) != (tau, V):
         raise ValueError(f"q of shape {tuple(j.q.shape)} for a round of {tau} proposals over {V} ids")
 
 
-def _accept(jobs: list[_Job], logits: list[torch.Tensor], proposals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _accept(jobs: list[_Job], lg: torch.Tensor, proposals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sessions' (n accepted [B], next token [B]) on the device: accept_batch over their
-    rounds padded to the longest. logits: [tau+1, V] per job; proposals [B, >= T]."""
-    B, V = len(jobs), logits[0].shape[-1]
-    lg = torch.nn.utils.rnn.pad_sequence(logits, batch_first=True)  # [B, T+1, V], zero rows past a session's tau+1
-    T = lg.shape[1] - 1
+    rounds padded to the longest. lg [B, T+1, V] (rows past a session's tau+1 are padding);
+    proposals [B, >= T]."""
+    B, T, V = lg.shape[0], lg.shape[1] - 1, lg.shape[2]
     qs = [(i, j.q) for i, j in enumerate(jobs) if j.q is not None and not j.session.sampling.greedy]
     if qs:
         q = lg.new_zeros(B, T, V, dtype=torch.float32)  # [B, T, V]: zeros where absent or greedy

@@ -47,11 +47,12 @@ class Group:
     qpos: torch.Tensor  # [B, n] absolute position of each query (padding: the input's last)
     _masks: dict = field(default_factory=dict)
 
-    def mask(self, window: int | None, heads: int, rep: int) -> torch.Tensor:
-        """[B, heads * n * rep, 1, Lb] bool for the head layout (one query per head row), or [B, 1, n, Lb]
+    def mask(self, window: int | None, heads: int, rep: int, additive: torch.dtype | None = None) -> torch.Tensor:
+        """[B, heads * n * rep, 1, Lb] for the head layout (one query per head row), or [B, 1, n, Lb]
         with heads = 0 (queries together): query at p sees key position k iff k <= p and, with a
-        window, k > p - window."""
-        key = (window, heads, rep)
+        window, k > p - window. Bool, or additive in that dtype (0 / -inf: what SDPA would make of a
+        bool mask in every call)."""
+        key = (window, heads, rep, additive)
         if key not in self._masks:
             k = torch.arange(self.Lb, device=self.qpos.device)[None, None, :]  # [1, 1, Lb]
             p = self.qpos[:, :, None]  # [B, n, 1]
@@ -63,6 +64,8 @@ class Group:
                 m = m[:, None, :, None, :].expand(B, heads, self.n, rep, self.Lb).reshape(B, heads * self.n * rep, 1, self.Lb)
             else:
                 m = m[:, None]
+            if additive:
+                m = torch.zeros(m.shape, dtype=additive, device=m.device).masked_fill_(~m, float("-inf"))
             self._masks[key] = m
         return self._masks[key]
 
@@ -85,10 +88,12 @@ class Pass:
 
 
 def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[int], rows: int, lead: list[int]) -> Pass:
-    """The pass's index tensors, built on the host and moved to the device in one copy."""
-    offsets = [sum(counts[:i]) for i in range(len(counts))]
+    """The pass's index tensors. A few integers per input (its length, start, first row, where its
+    attention output goes) and its page table go to the device in one copy; every per-row index is
+    computed there."""
+    N, dev = len(counts), pool.device
+    offsets = [sum(counts[:i]) for i in range(N)]
     real = sum(counts)
-    slots = [s for c, L, n in zip(caches, starts, counts) for s in c.slots(L, L + n)] + [i % PAGE for i in range(rows - real)]
     plan, lo = [], 0  # (inputs, n) per group: the short ones by size, then each long one alone
     for top in GROUPS:
         members = [i for i, n in enumerate(counts) if lo < n <= top]
@@ -97,32 +102,34 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
             plan.append((members, max(counts[i] for i in members)))
     short = len(plan)
     plan += [([i], n) for i, n in enumerate(counts) if n > ROW_BY_ROW]
-    flat, shapes = list(slots), []  # everything in one host list: one copy to the device
+    out_at, at = [0] * N, 0  # where each input's first attention output row goes in the concatenated group outputs
     for members, n in plan:
-        pages = -(-max(starts[i] + counts[i] for i in members) // PAGE)  # key pages per input
-        table = [(caches[i].pages + [0] * pages)[:pages] for i in members]  # past its own pages: the trash page
-        rws = [offsets[i] + min(j, counts[i] - 1) for i in members for j in range(n)]
-        qpos = [starts[i] + min(j, counts[i] - 1) for i in members for j in range(n)]
-        shapes.append((len(members) * pages, len(rws), len(qpos)))
-        flat += [x for t in table for x in t] + rws + qpos
-    back, at = [0] * rows, 0
+        for b, i in enumerate(members):
+            out_at[i] = at + b * n
+        at += len(members) * n
+    P = -(-max(L + n for L, n in zip(starts, counts)) // PAGE)  # key pages of the longest input
+    table = [x for c in caches for x in (c.pages + [0] * P)[:P]]  # past a cache's own pages: the trash page
+    members = [i for m, _ in plan for i in m]
+    host = torch.tensor(counts + starts + offsets + out_at + members + table, dtype=torch.long)
+    cnt, st, off, oat, mem, tab = host.to(dev, non_blocking=True).split([N, N, N, N, len(members), N * P])
+    tab = tab.view(N, P)
+    inp = torch.repeat_interleave(torch.arange(N, device=dev), cnt, output_size=real)  # [real] each row's input
+    j = torch.arange(real, device=dev) - off[inp]  # [real] each row's place in its input
+    pos = st[inp] + j  # [real] absolute positions
+    pad = torch.arange(rows - real, device=dev)
+    slots = torch.cat([tab[inp, pos // PAGE] * PAGE + pos % PAGE, pad % PAGE])  # [T] padding rows: the trash page
+    back = torch.cat([oat[inp] + j, pad * 0 + at])  # [T] padding rows: the zero row after every group's output
+    within = torch.arange(PAGE, device=dev)
+    groups, k = [], 0
     for members, n in plan:
-        for i in members:
-            for j in range(counts[i]):
-                back[offsets[i] + j] = at + j
-            at += n
-    back[real:] = [at] * (rows - real)  # the zero row after every group's output
-    flat += back
-    dev = torch.tensor(flat, dtype=torch.long).to(pool.device, non_blocking=True)
-    parts = dev.split([rows] + [x for s in shapes for x in s] + [rows])
-    within = torch.arange(PAGE, device=pool.device)
-    groups = []
-    for k, (members, n) in enumerate(plan):
-        table, rws, qpos = parts[1 + 3 * k : 4 + 3 * k]
         B = len(members)
-        gather = (table.view(B, -1, 1) * PAGE + within).view(-1)  # [B * Lb] slots
-        groups.append(Group(members, n, gather.shape[0] // B, gather, rws, qpos.view(B, n)))
-    return Pass(pool, caches, offsets, counts, starts, rows, lead, parts[0], groups[:short], groups[short:], parts[-1])
+        m = mem[k : k + B]  # [B]
+        k += B
+        jc = torch.minimum(torch.arange(n, device=dev)[None, :], cnt[m, None] - 1)  # [B, n] padding queries: the input's last
+        pages = -(-max(starts[i] + counts[i] for i in members) // PAGE)
+        gather = (tab[m, :pages, None] * PAGE + within).view(-1)  # [B * Lb] slots of each input's key positions
+        groups.append(Group(members, n, pages * PAGE, gather, (off[m, None] + jc).view(-1), st[m, None] + jc))
+    return Pass(pool, caches, offsets, counts, starts, rows, lead, slots, groups[:short], groups[short:], back)
 
 
 _current: contextvars.ContextVar[Pass] = contextvars.ContextVar("specdec_pass")
@@ -186,10 +193,11 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         q = q_all.index_select(0, g.rows).to(K.dtype)  # [B * n, H, D]
         if alone:  # [1, H, n, D]: the chunk's queries together
             q = q.view(B, g.n, H, D).transpose(1, 2)
-            mask = g.mask(sliding_window, 0, rep)
+            heads = 0
         else:  # [B, H_kv * n * rep, 1, D]: one query per head row
             q = q.view(B, g.n, H_kv, rep, D).transpose(1, 2).reshape(B, H_kv * g.n * rep, 1, D)
-            mask = g.mask(sliding_window, H_kv, rep)
+            heads = H_kv
+        mask = g.mask(sliding_window, heads, rep, None if softcap else K.dtype)
         if softcap:
             o = _eager(q, k, v, mask, scale, softcap)
         else:

@@ -43,10 +43,13 @@ class Engine:
         return self.pool.cache(capacity)
 
     @torch.inference_mode()
-    def forward(self, inputs: list[list[int]], caches: list[KVCache], logits: bool | list[bool] = True) -> list[torch.Tensor | None]:
+    def forward(self, inputs: list[list[int]], caches: list[KVCache], logits: bool | list[bool] = True,
+                padded: bool = False) -> list[torch.Tensor | None] | torch.Tensor:
         """Runs inputs[i] after caches[i] for every i in one pass, writing the new keys and values in
         place. Returns, per input, its logits [n_i, V] (float32, on the model's device) where
-        logits (or logits[i]) is true, else None. A failed pass leaves every cache's length as it was."""
+        logits (or logits[i]) is true, else None; with `padded`, one tensor [K, R, V] for the K inputs
+        with logits (in order), R their longest, rows past an input's own repeating its last. A failed
+        pass leaves every cache's length as it was."""
         model, device, plan = self.model, self.device, self.plan
         want = [logits] * len(inputs) if isinstance(logits, bool) else list(logits)
         # A prefill chunk longer than the plan's top (its keys and values only) goes first, in one
@@ -71,24 +74,29 @@ class Engine:
         pos = [L + j for L, n in zip(starts, counts) for j in range(n)] + [0] * (T - real)
         ids, position_ids = torch.tensor([flat, pos], dtype=torch.long, device=device).split(1)  # [1, T] each, one copy to the device
         offsets = [sum(counts[:i]) for i in range(len(counts))]
-        keep = [r for i, n in enumerate(counts) if want[i] for r in range(offsets[i], offsets[i] + n)]  # rows with logits
+        at = {i: k for k, i in enumerate(order)}  # caller's index -> the pass's
+        callers = [i for i in range(len(order)) if want[at[i]]]  # the inputs with logits, in the callers' order
+        R = max((counts[at[i]] for i in callers), default=0) if padded else 0
+        keep = [offsets[at[i]] + min(j, counts[at[i]] - 1) for i in callers for j in range(R or counts[at[i]])]  # the head's rows
         p = layout(self.pool, caches, counts, starts, T, lead)
         with running(p):
             cache = PassCache(p)
             if keep:
                 # >= pad_to rows for the head too; every row (0): no index to copy to the device
-                rows = 0 if len(keep) == T else torch.tensor(keep + [keep[-1]] * (plan.pad_to - len(keep)), device=device)
+                rows = 0 if keep == list(range(T)) else torch.tensor(keep + [keep[-1]] * (plan.pad_to - len(keep)), device=device)
                 out = model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=rows, **cache_kwargs(model, cache)).logits[0]
             else:
                 model.base_model(input_ids=ids, position_ids=position_ids, use_cache=True, **cache_kwargs(model.base_model, cache))
         for c, n in zip(caches, counts):
             c.length += n
+        if padded:
+            return out[: len(keep)].view(len(callers), R, -1).float() if keep else torch.empty(0, 0, 0, device=device)
         res: list[torch.Tensor | None] = [None] * len(inputs)
-        at = 0
-        for k, (i, n) in enumerate(zip(order, counts)):  # back to the callers' order
-            if want[k]:
-                res[i] = out[at : at + n].float()
-                at += n
+        row = 0
+        for i in callers:  # back to the callers' order
+            n = counts[at[i]]
+            res[i] = out[row : row + n].float()
+            row += n
         return res
 
 
