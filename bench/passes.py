@@ -1,6 +1,6 @@
 """What one verify pass costs as sessions are added to it: the engine's own work per session.
 
-    python -m bench.passes [--sessions 1,2,4,8,16,32,64 --tau 4 --context 64 --repeats 30 --out bench/results]
+    python -m bench.passes [--sessions 1,2,4,8,16,32,64 --tau 4 --context 64 --hidden 32 --repeats 30 --out bench/results]
 
 A tiny Llama target (built here, so the model's own compute is small and the engine's work shows)
 is loaded as the verify service loads it, in float32 with one torch thread. N sessions are opened
@@ -52,13 +52,14 @@ def main() -> None:
     p.add_argument("--sessions", default="1,2,4,8,16,32,64")
     p.add_argument("--tau", type=int, default=4)
     p.add_argument("--context", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=32, help="the tiny target's width (32: its own compute is small)")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args()
     torch.set_num_threads(1)
     counts = [int(x) for x in a.sessions.split(",")]
     with tempfile.TemporaryDirectory() as d:
-        tinymodels.build(d, vocab_size=256, hidden=64, layers=2, heads=4, max_context=a.context + (a.tau + 1) * (4 * a.repeats + 4))
+        tinymodels.build(d, vocab_size=256, hidden=a.hidden, layers=2, heads=4, max_context=a.context + (a.tau + 1) * (4 * a.repeats + 4))
         lm = LM.load(d, "cpu", "float32")
         eng = Scheduler(lm, max_sessions=max(counts))
         try:
@@ -71,13 +72,13 @@ def main() -> None:
     one = rows[0]["median_ms"]
     for r in rows:
         r["vs_one"] = r["median_ms"] / one
-    res = dict(tau=a.tau, context=a.context, repeats=a.repeats, plan=repr(lm.engine.plan), rows=rows)
+    res = dict(tau=a.tau, context=a.context, hidden=a.hidden, repeats=a.repeats, plan=repr(lm.engine.plan), rows=rows)
     write_report(a.out, "passes", "PASSES.md", res, render)
 
 
 def render(res: dict) -> str:
     out = ["# Verify pass time against sessions in the pass", "",
-           f"Tiny Llama target (hidden 64, 2 layers, vocab 256), float32, one thread; context {res['context']}, "
+           f"Tiny Llama target (hidden {res['hidden']}, 2 layers, 4 heads, vocab 256), float32, one thread; context {res['context']}, "
            f"rounds of tau = {res['tau']}; median of {res['repeats']} passes (scheduler's forward_s: pass, acceptance, "
            f"host transfer). Engine plan: `{res['plan']}`.", "",
            "| sessions | pass ms (median) | p10 ms | vs one session |", "|---|---|---|---|"]
