@@ -187,22 +187,6 @@ def test_modules_that_share_a_weight_share_its_packed_copy(monkeypatch):
             assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight, m.bias))
 
 
-@pytest.fixture(scope="module")
-def tied_dir(tmp_path_factory):
-    """A small random Llama whose output layer is tied to its input embeddings, as the shipped pair's are."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from bench.tinymodels import word_tokenizer
-
-    path = tmp_path_factory.mktemp("tied")
-    torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    word_tokenizer(512).save_pretrained(path)
-    return str(path)
-
-
 @pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU: the engine keeps its GEMMs")
 def test_prepacked_matmuls_keep_the_models_numbers_and_its_weights(tied_dir, monkeypatch):
     """bf16 on the CPU: after prepacking, the model's own forward gives bitwise the logits it gave

@@ -178,3 +178,25 @@ def test_a_half_precision_model_attends_in_the_dtype_chosen_at_load(wide_dir, ga
     steps, rounds, cache = steps_and_rounds(lm.engine, torch.randint(3, 512, (60,), generator=torch.Generator().manual_seed(1)).tolist())
     assert cache.layer(0)[0].dtype == expect
     assert torch.equal(steps, rounds), float((steps - rounds).abs().max())
+
+
+def test_the_core_path_without_the_cpu_tier_serves_the_models_own_logits(model_dir):
+    """The engine as a GPU runs it (a bare plan: no padding rows, no matmul blocks, no CPU tier),
+    here on the CPU: a batched pass of prefills, rounds and steps gives the model's own logits."""
+    from specdec.engine import Engine, Plan
+    from specdec.engine.attention import ATTN
+
+    torch.set_num_threads(1)
+    lm = LM.load(model_dir("target"), "cpu", "float32", prepare_engine=False, check=False)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=torch.float32).eval()
+    lm.model.set_attn_implementation(ATTN)
+    eng = Engine(lm.model, Plan(kv_dtype=torch.float32))
+    r = random.Random(2)
+    seqs = [[r.randrange(1, 16) for _ in range(r.randint(3, 40))] for _ in range(6)]
+    caches = [KVCache(len(s)) for s in seqs]
+    eng.forward([s[:-3] for s in seqs], caches, logits=False)
+    rounds = eng.forward([s[-3:] for s in seqs], caches)
+    for s, lg in zip(seqs, rounds):
+        with torch.no_grad():
+            want = reference(torch.tensor([s])).logits[0, -3:]
+        torch.testing.assert_close(lg, want, atol=1e-5, rtol=1e-4)

@@ -47,7 +47,7 @@ class _Job:
     future: asyncio.Future | None  # resolved with the Verdict; None for a stream
     loop: asyncio.AbstractEventLoop
     tokens: list[int] | None = None  # a round: the proposals; None: a prefill
-    q: torch.Tensor | None = None  # [tau, V] on the device, or None (greedy sampling)
+    q: torch.Tensor | None = None  # [tau, V] on the host (all sessions' go to the device in one copy per pass), or None
     enqueued: float = field(default_factory=time.perf_counter)
     finished: bool = False
     stream: asyncio.Queue | None = None  # target-only steps: gets every (ok, Verdict or error); the thread runs the next step at once
@@ -350,9 +350,10 @@ def _accept(jobs: list[_Job], lg: torch.Tensor, proposals: torch.Tensor) -> tupl
     B, T, V = lg.shape[0], lg.shape[1] - 1, lg.shape[2]
     qs = [(i, j.q) for i, j in enumerate(jobs) if j.q is not None and not j.session.sampling.greedy]
     if qs:
-        q = lg.new_zeros(B, T, V, dtype=torch.float32)  # [B, T, V]: zeros where absent or greedy
+        q = torch.zeros(B, T, V, dtype=torch.float32)  # [B, T, V] on the host: zeros where absent or greedy
         for i, qi in qs:
             q[i, : qi.shape[0]] = qi
+        q = q.to(lg.device, non_blocking=True)  # one copy per pass
     else:  # all greedy or target-only: a zero q that takes no memory
         q = lg.new_zeros((), dtype=torch.float32).expand(B, T, V)
     ss = [j.session for j in jobs]

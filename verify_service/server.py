@@ -57,9 +57,10 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         return self.engine.open(list(st.prompt_ids), st.max_new_tokens, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE, st.request_id)
 
     def _check_round(self, s, r: pb.Round):
-        """The round's proposals as (token ids, q on the model's device or None), every wire rule checked."""
+        """The round's proposals as (token ids, q on the host or None), every wire rule checked; the
+        scheduler moves all sessions' q to the device in one copy per pass."""
         tokens, q = decode_round(r, expected=s.next_round, room=self.engine.room(s), vocab_size=self.lm.vocab_size,
-                                 mode=s.mode, greedy=s.sampling.greedy, device=self.lm.device)
+                                 mode=s.mode, greedy=s.sampling.greedy)
         return r.tokens, q
 
     async def Session(self, request_iterator, context):
