@@ -250,9 +250,9 @@ def test_a_long_target_only_stream_beside_rounds_gives_its_solo_tokens(model_dir
     lm = LM.load(model_dir("long-target"), "cpu", dtype)
     real = lm.engine.forward
 
-    def recorded(inputs, caches, logits=True):
+    def recorded(inputs, caches, logits=True, **kw):
         passes.append((len(inputs), len({id(c) for c in caches})))
-        return real(inputs, caches, logits)
+        return real(inputs, caches, logits, **kw)
 
     monkeypatch.setattr(lm.engine, "forward", recorded)
     r = random.Random(3)

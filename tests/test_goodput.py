@@ -111,9 +111,9 @@ def test_a_pass_takes_rounds_in_arrival_order_within_its_row_bound(model_dir, mo
     lm = LM.load(model_dir("target"), "cpu", "float32")
     passes = []
 
-    def recorded(inputs, caches, logits=True):
+    def recorded(inputs, caches, logits=True, **kw):
         passes.append((len(inputs), sum(len(x) for x in inputs), list(caches)))
-        return real(inputs, caches, logits)
+        return real(inputs, caches, logits, **kw)
 
     real = lm.engine.forward
     eng = scheduler.Scheduler(lm, max_sessions=8, max_pass_rows=12)
