@@ -45,7 +45,14 @@ class Group:
     gather: torch.Tensor  # [B * Lb] pool slots of each input's key positions (trash beyond its pages)
     rows: torch.Tensor  # [B * n] packed row of each (input, query j) (padding: the input's last row)
     qpos: torch.Tensor  # [B, n] absolute position of each query (padding: the input's last)
+    first_slot: int | None = None  # one input whose key pages are consecutive: its keys are a view of the pool from here
     _masks: dict = field(default_factory=dict)
+
+    def keys(self, t: torch.Tensor) -> torch.Tensor:
+        """The group's keys (or values) from a pool tensor [slots, H_kv, D]: [B, H_kv, Lb, D]."""
+        B, Lb = len(self.inputs), self.Lb
+        x = t.narrow(0, self.first_slot, Lb) if self.first_slot is not None else t.index_select(0, self.gather)
+        return x.view(B, Lb, t.shape[1], t.shape[2]).transpose(1, 2)
 
     def mask(self, window: int | None, heads: int, rep: int, additive: torch.dtype | None = None) -> torch.Tensor:
         """[B, heads * n * rep, 1, Lb] for the head layout (one query per head row), or [B, 1, n, Lb]
@@ -84,7 +91,8 @@ class Pass:
     slots: torch.Tensor  # [T] where each row's keys and values go (padding rows: the trash page)
     short: list[Group]  # inputs attended a query at a time
     long: list[Group]  # inputs attended together, one group each
-    back: torch.Tensor  # [T] for each packed row, its row in the concatenated group outputs (padding: the zero row)
+    back: torch.Tensor | None  # [T] for each packed row, its row in the concatenated group outputs (padding: the zero row);
+    # None where the one group's rows are the packed rows in order
 
 
 def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[int], rows: int, lead: list[int]) -> Pass:
@@ -128,8 +136,11 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
         jc = torch.minimum(torch.arange(n, device=dev)[None, :], cnt[m, None] - 1)  # [B, n] padding queries: the input's last
         pages = -(-max(starts[i] + counts[i] for i in members) // PAGE)
         gather = (tab[m, :pages, None] * PAGE + within).view(-1)  # [B * Lb] slots of each input's key positions
-        groups.append(Group(members, n, pages * PAGE, gather, (off[m, None] + jc).view(-1), st[m, None] + jc))
-    return Pass(pool, caches, offsets, counts, starts, rows, lead, slots, groups[:short], groups[short:], back)
+        own = caches[members[0]].pages[:pages]
+        first = own[0] * PAGE if B == 1 and own == list(range(own[0], own[0] + pages)) else None  # a view, no gather
+        groups.append(Group(members, n, pages * PAGE, gather, (off[m, None] + jc).view(-1), st[m, None] + jc, first))
+    ordered = len(plan) == 1 and rows == real and all(c == plan[0][1] for c in counts)  # one group, in packed order, no padding
+    return Pass(pool, caches, offsets, counts, starts, rows, lead, slots, groups[:short], groups[short:], None if ordered else back)
 
 
 _current: contextvars.ContextVar[Pass] = contextvars.ContextVar("specdec_pass")
@@ -188,9 +199,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     outs = []
     for g, alone in [(g, False) for g in p.short] + [(g, True) for g in p.long]:
         B = len(g.inputs)
-        k = K.index_select(0, g.gather).view(B, g.Lb, H_kv, D).transpose(1, 2)  # [B, H_kv, Lb, D]
-        v = V.index_select(0, g.gather).view(B, g.Lb, H_kv, D).transpose(1, 2)
-        q = q_all.index_select(0, g.rows).to(K.dtype)  # [B * n, H, D]
+        k, v = g.keys(K), g.keys(V)  # [B, H_kv, Lb, D]
+        q = (q_all if p.back is None else q_all.index_select(0, g.rows)).to(K.dtype)  # [B * n, H, D]
         if alone:  # [1, H, n, D]: the chunk's queries together
             q = q.view(B, g.n, H, D).transpose(1, 2)
             heads = 0
@@ -207,8 +217,11 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         else:
             o = o.view(B, H_kv, g.n, rep, D).transpose(1, 2).reshape(B * g.n, H, D)
         outs.append(o)
-    outs.append(outs[0].new_zeros(1, H, D))  # the zero row: padding rows' output, never read
-    o = torch.cat(outs).index_select(0, p.back)  # [T, H, D], back in packed order
+    if p.back is None:  # one group, already in packed order
+        o = outs[0]
+    else:
+        outs.append(outs[0].new_zeros(1, H, D))  # the zero row: padding rows' output, never read
+        o = torch.cat(outs).index_select(0, p.back)  # [T, H, D], back in packed order
     return o[None].to(query.dtype), None
 
 
