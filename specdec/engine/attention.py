@@ -82,10 +82,6 @@ class Pass:
     """The layout of one packed pass: input i's n_i new tokens are rows off_i..off_i+n_i."""
 
     pool: Pool
-    caches: list[KVCache]
-    offsets: list[int]
-    counts: list[int]
-    starts: list[int]  # tokens each cache held before the pass
     rows: int  # T, with padding
     lead: list[int]  # row counts of the prefill chunks that come first, each in a matmul product of its own (cpu/rows.py)
     slots: torch.Tensor  # [T] where each row's keys and values go (padding rows: the trash page)
@@ -140,7 +136,7 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
         first = own[0] * PAGE if B == 1 and own == list(range(own[0], own[0] + pages)) else None  # a view, no gather
         groups.append(Group(members, n, pages * PAGE, gather, (off[m, None] + jc).view(-1), st[m, None] + jc, first))
     ordered = len(plan) == 1 and rows == real and all(c == plan[0][1] for c in counts)  # one group, in packed order, no padding
-    return Pass(pool, caches, offsets, counts, starts, rows, lead, slots, groups[:short], groups[short:], None if ordered else back)
+    return Pass(pool, rows, lead, slots, groups[:short], groups[short:], None if ordered else back)
 
 
 _current: contextvars.ContextVar[Pass] = contextvars.ContextVar("specdec_pass")
