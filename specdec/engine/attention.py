@@ -42,7 +42,7 @@ class Group:
     inputs: list[int]  # indices into the pass's inputs
     n: int  # query rows per input (the longest input's)
     Lb: int  # key positions per input, a multiple of PAGE
-    gather: torch.Tensor  # [B * Lb] pool slots of each input's key positions (trash beyond its pages)
+    gather: torch.Tensor | None  # [B * Lb] pool slots of each input's key positions (trash beyond its pages); None: a view
     rows: torch.Tensor  # [B * n] packed row of each (input, query j) (padding: the input's last row)
     qpos: torch.Tensor  # [B, n] absolute position of each query (padding: the input's last)
     first_slot: int | None = None  # one input whose key pages are consecutive: its keys are a view of the pool from here
@@ -91,12 +91,12 @@ class Pass:
     # None where the one group's rows are the packed rows in order
 
 
-def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[int], rows: int, lead: list[int]) -> Pass:
+def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[int], offsets: list[int], rows: int,
+           lead: list[int]) -> Pass:
     """The pass's index tensors. A few integers per input (its length, start, first row, where its
     attention output goes) and its page table go to the device in one copy; every per-row index is
     computed there."""
     N, dev = len(counts), pool.device
-    offsets = [sum(counts[:i]) for i in range(N)]
     real = sum(counts)
     plan, lo = [], 0  # (inputs, n) per group: the short ones by size, then each long one alone
     for top in GROUPS:
@@ -131,9 +131,9 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
         k += B
         jc = torch.minimum(torch.arange(n, device=dev)[None, :], cnt[m, None] - 1)  # [B, n] padding queries: the input's last
         pages = -(-max(starts[i] + counts[i] for i in members) // PAGE)
-        gather = (tab[m, :pages, None] * PAGE + within).view(-1)  # [B * Lb] slots of each input's key positions
         own = caches[members[0]].pages[:pages]
         first = own[0] * PAGE if B == 1 and own == list(range(own[0], own[0] + pages)) else None  # a view, no gather
+        gather = None if first is not None else (tab[m, :pages, None] * PAGE + within).view(-1)  # [B * Lb] slots of its key positions
         groups.append(Group(members, n, pages * PAGE, gather, (off[m, None] + jc).view(-1), st[m, None] + jc, first))
     ordered = len(plan) == 1 and rows == real and all(c == plan[0][1] for c in counts)  # one group, in packed order, no padding
     return Pass(pool, rows, lead, slots, groups[:short], groups[short:], None if ordered else back)

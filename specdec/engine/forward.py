@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 
 import torch
@@ -73,12 +74,12 @@ class Engine:
         flat = [t for x in inputs for t in x] + [0] * (T - real)  # padding rows: token 0 at position 0, never attended
         pos = [L + j for L, n in zip(starts, counts) for j in range(n)] + [0] * (T - real)
         ids, position_ids = torch.tensor([flat, pos], dtype=torch.long, device=device).split(1)  # [1, T] each, one copy to the device
-        offsets = [sum(counts[:i]) for i in range(len(counts))]
+        offsets = [0, *itertools.accumulate(counts)][: len(counts)]  # each input's first row
         at = {i: k for k, i in enumerate(order)}  # caller's index -> the pass's
         callers = [i for i in range(len(order)) if want[at[i]]]  # the inputs with logits, in the callers' order
         R = max((counts[at[i]] for i in callers), default=0) if padded else 0
         keep = [offsets[at[i]] + min(j, counts[at[i]] - 1) for i in callers for j in range(R or counts[at[i]])]  # the head's rows
-        p = layout(self.pool, caches, counts, starts, T, lead)
+        p = layout(self.pool, caches, counts, starts, offsets, T, lead)
         with running(p):
             cache = PassCache(p)
             if keep:
