@@ -46,6 +46,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from specdec.lm import LM, resolve_device
 from specdec.sampling import Sampling
 from specdec.v1 import specdec_pb2 as pb
+from specdec.engine.graphs import BUCKETS
 from verify_service.scheduler import Scheduler
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
@@ -140,17 +141,30 @@ def compiled_generate(lm: LM, ids: torch.Tensor, kw: dict, reference: list[int])
 
 
 class Proposer:
-    """Proposes the target's greedy token with probability alpha, else a wrong one (seeded)."""
+    """Proposes the engine's own target-only greedy continuation: what a perfect draft would."""
 
-    def __init__(self, reference: list[int], alpha: float, vocab: int, seed: int = 0):
-        self.ref, self.alpha, self.vocab, self.rng = reference, alpha, vocab, random.Random(seed)
+    def __init__(self, reference: list[int]):
+        self.ref = reference
 
     def propose(self, at: int, tau: int) -> list[int]:
-        out = []
-        for i in range(at, min(at + tau, len(self.ref))):
-            good = self.rng.random() < self.alpha
-            out.append(self.ref[i] if good else (self.ref[i] + 1) % self.vocab)
-        return out
+        return self.ref[at : at + tau]
+
+
+class Forced:
+    """The scheduler's benchmark-only forced acceptance: each proposal of a round is accepted with
+    probability alpha until the first rejection (per session, seeded), so tokens per round are
+    (1 - alpha^(tau+1)) / (1 - alpha) on average whatever the random weights' near-ties do."""
+
+    def __init__(self):
+        self.alpha = 0.0
+        self._rngs: dict[int, random.Random] = {}
+
+    def __call__(self, session, tau: int) -> int:
+        rng = self._rngs.setdefault(session.sid, random.Random(session.sid))
+        n = 0
+        while n < tau and rng.random() < self.alpha:
+            n += 1
+        return n
 
 
 async def run_session(eng: Scheduler, prompt: list[int], n: int, tau: int, proposer: Proposer | None) -> tuple[int, int, float, list[int]]:
@@ -169,6 +183,28 @@ async def run_session(eng: Scheduler, prompt: list[int], n: int, tau: int, propo
         eng.close(s)
 
 
+def replay_ms(engine, sessions: int, rows: int) -> float | None:
+    """Device milliseconds of one replay of the CUDA graph most used for `sessions` sessions' rounds
+    of `rows` rows (median of 20, timed with CUDA events), or None where none was captured."""
+    u = engine.uniform
+    if u is None or not u.graphs:
+        return None
+    B = next((b for b in BUCKETS if b >= sessions), None)
+    shapes = [sh for (b, n, _), sh in u._shapes.items() if b == B and n == rows and sh.graph is not None]
+    if not shapes:
+        return None
+    sh = max(shapes, key=lambda x: x.seen)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        sh.graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.gpu")
     p.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
@@ -177,6 +213,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--sessions", default="1,8,32,64")
+    p.add_argument("--tau", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3, help="timed generate() / target-only pairs, alternating; the medians are reported")
     p.add_argument("--out", default=os.path.join("bench", "results", "gpu"))
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a target-only session and a generate()")
@@ -186,13 +223,15 @@ def main(argv=None) -> None:
     if a.repeats < 1:
         p.error("--repeats must be at least 1")
     context = a.prompt_len + a.tokens + 64
-    res: dict = {"shape": a.shape, "dims": SHAPES[a.shape], "dtype": a.dtype, "tokens": a.tokens, "prompt_len": a.prompt_len}
+    res: dict = {"shape": a.shape, "dims": SHAPES[a.shape], "dtype": a.dtype, "tokens": a.tokens, "prompt_len": a.prompt_len, "tau": a.tau}
     with tempfile.TemporaryDirectory() as tmp:
         print(f"building a random {a.shape} model ...", file=sys.stderr, flush=True)
         t_build = time.perf_counter()
         lm = LM.load(build(a.shape, tmp, context, resolve_device(a.device)), a.device, a.dtype)
         res["device"] = torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "cpu"
         res["torch"], res["build_and_load_s"] = torch.__version__, round(time.perf_counter() - t_build, 1)
+        res["cuda_graphs"] = lm.engine.uniform is not None and lm.engine.uniform.graphs
+        weight_bytes = sum(t.numel() * t.element_size() for t in lm.model.parameters())
         prompt = torch.randint(1, lm.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
         # transformers' generate() on the same weights and dtype, with the model's own (sdpa) attention; every
         # timed run below follows an identical untimed one, so per-shape kernel set-up is paid before timing
@@ -206,45 +245,65 @@ def main(argv=None) -> None:
                 sync(lm)
                 return a.tokens / (time.perf_counter() - t0), out
 
-        eng = Scheduler(lm, max_sessions=max(int(x) for x in a.sessions.split(",")))
+        forced = Forced()
+        eng = Scheduler(lm, max_sessions=max(int(x) for x in a.sessions.split(",")), forced_acceptance=forced)
+        uniform = lm.engine.uniform
+
+        async def timed(k: int, tau: int, proposer: Proposer | None) -> dict:
+            """k concurrent sessions (after an identical untimed run): tok/s, and what a round's pass
+            costs: its time from the engine's start to the verdicts on the host (pass_ms), the same
+            pass's device time (a replay of its CUDA graph, where captured), the host's share of the
+            pass, and the bytes a pass must read (weights, keys and values) over its time."""
+            await asyncio.gather(*[run_session(eng, prompt, a.tokens, tau, proposer) for _ in range(k)])
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(*[run_session(eng, prompt, a.tokens, tau, proposer) for _ in range(k)])
+            wall = time.perf_counter() - t0
+            n, rounds = sum(o[0] for o in outs), sum(o[1] for o in outs)
+            pass_ms = 1e3 * sum(o[2] for o in outs) / rounds  # every session of a pass sees the same pass time
+            device_ms = replay_ms(lm.engine, k, tau + 1)
+            kv = k * (a.prompt_len + a.tokens // 2) * kv_bytes_per_token(lm)  # keys and values a pass reads, on average
+            return {"tok_s": n / wall, "tokens_per_round": n / rounds, "round_ms": 1e3 * wall * k / rounds, "pass_ms": pass_ms,
+                    "graph_replay_ms": device_ms, "host_share": None if device_ms is None else max(0.0, 1 - device_ms / pass_ms),
+                    "bandwidth_gb_s": (weight_bytes + kv) / (pass_ms / 1e3) / 1e9, "outs": [o[3] for o in outs]}
 
         async def bench() -> None:
             nonlocal reference
-            generate()  # warm-ups
-            await run_session(eng, prompt, a.tokens, 0, None)
+            generate()  # warm-up
+            await timed(1, 0, None)
             runs = []
             for _ in range(a.repeats):  # alternating, so the host's noise hits both alike
                 tok_s, reference = generate()
-                t0 = time.perf_counter()
-                n, rounds, fwd, out = await run_session(eng, prompt, a.tokens, 0, None)
-                wall = time.perf_counter() - t0
-                runs.append((tok_s, n / wall, 1e3 * (wall - fwd) / rounds))
-            res["generate_runs_tok_s"], res["target_only_runs_tok_s"], overheads = (list(x) for x in zip(*runs))
+                r = await timed(1, 0, None)
+                runs.append((tok_s, r["tok_s"]))
+            res["generate_runs_tok_s"], res["target_only_runs_tok_s"] = (list(x) for x in zip(*runs))
             res["generate_tok_s"] = statistics.median(res["generate_runs_tok_s"])
             res["target_only_tok_s"] = statistics.median(res["target_only_runs_tok_s"])
-            res["target_only_equals_generate"] = out == reference
-            res["target_only_first_difference"] = next((i for i, (x, y) in enumerate(zip(out, reference)) if x != y), None)
-            own = out  # the engine's own greedy output: the synthetic proposer's source, so alpha is what it says
-            res["overhead_ms_per_round_target_only"] = statistics.median(overheads)
+            res["target_only"] = {k: v for k, v in r.items() if k != "outs"}  # the last run's pass figures
+            own = r["outs"][0]  # the engine's own greedy output: the proposals, so a forced acceptance commits what the target would
+            res["target_only_equals_generate"] = own == reference
+            res["target_only_first_difference"] = next((i for i, (x, y) in enumerate(zip(own, reference)) if x != y), None)
+            if uniform is not None:  # the same engine without uniform passes (no CUDA graphs): the packed eager pass
+                lm.engine.uniform = None
+                r = await timed(1, 0, None)
+                lm.engine.uniform = uniform
+                res["target_only_packed_tok_s"] = r["tok_s"]
             checkpoint(res, a.out)
             res["speculative"] = {}
-            for alpha in (0.5, 0.7, 0.9):
-                await run_session(eng, prompt, a.tokens, 4, Proposer(own, alpha, lm.vocab_size))  # warm-up
-                t0 = time.perf_counter()
-                n, rounds, fwd, out = await run_session(eng, prompt, a.tokens, 4, Proposer(own, alpha, lm.vocab_size))
-                wall = time.perf_counter() - t0
-                res["speculative"][str(alpha)] = {"tok_s": n / wall, "tokens_per_round": n / rounds, "equals_generate": out == reference,
-                                                  "equals_target_only": out == own,
-                                                  "overhead_ms_per_round": 1e3 * (wall - fwd) / rounds}
+            for alpha in (0.5, 0.8, 0.9):
+                forced.alpha = alpha
+                r = await timed(1, a.tau, Proposer(own))
+                res["speculative"][str(alpha)] = {k: v for k, v in r.items() if k != "outs"} | {
+                    "equals_generate": r["outs"][0] == reference, "equals_target_only": r["outs"][0] == own}
                 checkpoint(res, a.out)
+            forced.alpha = 0.8
             res["batch"] = {}
             for k in [int(x) for x in a.sessions.split(",")]:
-                t0 = time.perf_counter()
-                outs = await asyncio.gather(*[run_session(eng, prompt, a.tokens, 4, Proposer(own, 0.8, lm.vocab_size, seed=i)) for i in range(k)])
-                wall = time.perf_counter() - t0
-                res["batch"][str(k)] = {"tok_s": sum(o[0] for o in outs) / wall, "tokens_per_round": sum(o[0] for o in outs) / sum(o[1] for o in outs), "all_equal_generate": all(o[3] == reference for o in outs),
-                                        "all_equal_target_only": all(o[3] == own for o in outs)}
+                r = await timed(k, a.tau, Proposer(own))
+                res["batch"][str(k)] = {k: v for k, v in r.items() if k != "outs"} | {
+                    "all_equal_generate": all(o == reference for o in r["outs"]), "all_equal_target_only": all(o == own for o in r["outs"])}
                 checkpoint(res, a.out)
+            if uniform is not None:
+                res["graphs"] = {"captured": uniform.captures, "capture_s": uniform.capture_s, "memory_bytes": uniform.graph_bytes}
 
         reference: list[int] = []
         asyncio.run(bench())
@@ -268,6 +327,11 @@ def main(argv=None) -> None:
     write(res, a.out)
 
 
+def kv_bytes_per_token(lm: LM) -> int:
+    pool = lm.engine.pool
+    return sum(t[0].numel() * t.element_size() for t in pool.k + pool.v)
+
+
 def checkpoint(res: dict, out: str) -> None:
     """gpu.json after each stage, so a run cut short still leaves what it measured."""
     os.makedirs(out, exist_ok=True)
@@ -279,26 +343,52 @@ def checkpoint(res: dict, out: str) -> None:
 def write(res: dict, out: str) -> None:
     checkpoint(res, out)
     g = res["generate_tok_s"]
-    lines = [f"# Engine on {res['device']}: random {res['shape']} {res['dims']}, {res['dtype']}, prompt {res['prompt_len']}, "
-             f"{res['tokens']} tokens, greedy; generate() and target-only: median of {len(res['generate_runs_tok_s'])} alternating runs", "",
-             "| what | tok/s | vs generate() | identical to generate() | identical to target-only |", "|---|---|---|---|---|",
-             f"| transformers generate() | {g:.1f} | 1.00x | - | - |"]
     c = res.get("generate_compiled")
+    cg = c["tok_s"] if c and c["error"] is None else None
+
+    def vs(x: float) -> str:
+        return f"{x / g:.2f}x | " + (f"{x / cg:.2f}x" if cg else "-")
+
+    lines = [f"# Engine on {res['device']}: random {res['shape']} {res['dims']}, {res['dtype']}, prompt {res['prompt_len']}, "
+             f"{res['tokens']} tokens, greedy, CUDA graphs {'on' if res['cuda_graphs'] else 'off'}; generate() and target-only: "
+             f"median of {len(res['generate_runs_tok_s'])} alternating runs", "",
+             "| what | tok/s | vs generate() | vs compiled generate() | identical to generate() |", "|---|---|---|---|---|",
+             f"| transformers generate() | {g:.1f} | 1.00x | - | - |"]
     if c:  # the compile's own mode: reduce-overhead (CUDA graphs) on cuda, default on the CPU
         what = f"generate(), static cache + torch.compile {c['mode']}{' (CUDA graphs)' if c['mode'] == 'reduce-overhead' else ''}"
         error = " ".join((c["error"] or "").split())[:120].replace("|", "/")
-        lines.append(f"| {what}; warm-up {c['warmup_s']:.1f} s | {c['tok_s']:.1f} | {c['tok_s'] / g:.2f}x | {c['equals_generate']} | - |"
+        lines.append(f"| {what}; warm-up {c['warmup_s']:.1f} s | {c['tok_s']:.1f} | {c['tok_s'] / g:.2f}x | 1.00x | {c['equals_generate']} |"
                      if c["error"] is None else f"| {what}: failed ({error}) | - | - | - | - |")
-    lines.append(f"| scheduler target-only | {res['target_only_tok_s']:.1f} | {res['target_only_tok_s'] / g:.2f}x | {res['target_only_equals_generate']} | - |")
+    lines.append(f"| scheduler target-only | {res['target_only_tok_s']:.1f} | {vs(res['target_only_tok_s'])} | {res['target_only_equals_generate']} |")
+    if "target_only_packed_tok_s" in res:
+        lines.append(f"| scheduler target-only, packed eager pass (no uniform shapes, no graphs) | {res['target_only_packed_tok_s']:.1f} "
+                     f"| {vs(res['target_only_packed_tok_s'])} | - |")
     for alpha, r in res["speculative"].items():
-        lines.append(f"| speculative tau=4, alpha={alpha} (draft cost 0; {r['tokens_per_round']:.2f} tokens/round) | {r['tok_s']:.1f} | {r['tok_s'] / g:.2f}x "
-                     f"| {r['equals_generate']} | {r['equals_target_only']} |")
-    lines += ["", f"Overhead per round (wall - target pass): target-only {res['overhead_ms_per_round_target_only']:.2f} ms; "
-              + ", ".join(f"alpha={k}: {r['overhead_ms_per_round']:.2f} ms" for k, r in res["speculative"].items()), "",
-              "| concurrent sessions (tau=4, alpha=0.8) | total tok/s | tokens per round | all identical to generate() | all identical to target-only |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {k} | {r['tok_s']:.1f} | {r['tokens_per_round']:.2f} | {r['all_equal_generate']} | {r['all_equal_target_only']} |"
-              for k, r in res["batch"].items()]
+        lines.append(f"| speculative tau={res['tau']}, forced acceptance alpha={alpha} ({r['tokens_per_round']:.2f} tokens/round, draft cost 0) "
+                     f"| {r['tok_s']:.1f} | {vs(r['tok_s'])} | {r['equals_generate']} |")
+    one = res["batch"].get("1", {}).get("tok_s")
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    lines += ["", "Passes (a round's pass: from the engine's start to the verdicts on the host; device: a replay of its CUDA graph; "
+              "host share = 1 - device / pass; GB/s: weights plus the keys and values read, over the pass):", "",
+              "| sessions | tau | total tok/s | x one session | tokens/round | round ms | pass ms | device ms | host share | GB/s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [("1 (target-only)", 0, res["target_only"])] + [(k, res["tau"], r) for k, r in res["batch"].items()]
+    for k, tau, r in rows:
+        x = f"{r['tok_s'] / one:.1f}x" if one and tau else "-"
+        share = "-" if r["host_share"] is None else f"{100 * r['host_share']:.0f}%"
+        lines.append(f"| {k} | {tau} | {r['tok_s']:.1f} | {x} | {r['tokens_per_round']:.2f} | {r['round_ms']:.2f} | {r['pass_ms']:.2f} "
+                     f"| {ms(r['graph_replay_ms'])} | {share} | {r['bandwidth_gb_s']:.0f} |")
+    if "graphs" in res:
+        gr = res["graphs"]
+        lines += ["", f"CUDA graphs: {gr['captured']} captured in {gr['capture_s']:.2f} s in all, {gr['memory_bytes'] / 2**20:.0f} MiB "
+                  "of device memory reserved while capturing."]
+    lines += ["", "Forced acceptance (benchmark only, `Scheduler(forced_acceptance=...)`): each proposal of a round is accepted with "
+              "probability alpha until the first rejection, and the round commits those proposals (the engine's own target-only "
+              "output) and the target's token after them. Random weights have near-tied logits that no draft predicts, so this "
+              "is how a round's cost at a given acceptance is measured; the verify pass itself is the real one."]
     if "host_ops_per_token" in res:
         h = res["host_ops_per_token"]
         lines += ["", f"Host-side profiler events per token ({h['tokens']} tokens, prefill included): target-only {h['target_only']:.0f}, "

@@ -107,10 +107,11 @@ class LM:
 
     @classmethod
     def load(cls, path: str, device: str = "cpu", dtype: str = "float32", check: bool = True, choices: dict | None = None,
-             prepare_engine: bool = True, timer=None) -> "LM":
+             prepare_engine: bool = True, timer=None, graphs: bool | None = None) -> "LM":
         """Loads the model and prepares its engine (choices: the engine's pinned load-time choices,
         engine.cpu.choose.parse_choices, else they are timed, by timer where given:
-        engine.cpu.rows.clock); with check, first refuses
+        engine.cpu.rows.clock; graphs: CUDA graphs for passes of rounds, default on CUDA);
+        with check, first refuses
         (Unsupported) an architecture the engine cannot serve, and after checks that the engine's
         logits are the model's own."""
         check_model_dir(path)  # StartupError (one line at start-up) for everything that cannot be loaded
@@ -159,7 +160,7 @@ class LM:
         )
         reference = architectures.reference(lm) if check else None  # refuses what the engine cannot serve, before switching
         if prepare_engine:
-            lm.engine = prepare(model, **(choices or {}), timer=timer)
+            lm.engine = prepare(model, **(choices or {}), timer=timer, graphs=graphs)
         if reference is not None and lm.engine is not None:
             architectures.probe(lm, reference)  # raises Unsupported
         return lm

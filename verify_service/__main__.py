@@ -4,6 +4,7 @@ Flags and token files are checked before the model libraries load; any start-up 
 stderr line and exit code 2 (specdec/startup.py)."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 from specdec import auth, startup
@@ -17,6 +18,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-sessions", type=number(int, low=1), default=64, help="live sessions before RESOURCE_EXHAUSTED (>= 1)")
     p.add_argument("--max-cached-tokens", type=number(int, low=1), default=None, help="token budget of all KV caches (default: max-sessions x context, capped by the free memory where the caches live: 90%% of a GPU's, 50%% of the host's)")
     p.add_argument("--idle-timeout-s", type=number(float, above=0), default=60.0, help="close a session that sends nothing for this long (> 0)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="on CUDA, capture each uniform shape of a pass of rounds as a CUDA graph and replay it "
+                        "(default: on where the model runs on CUDA; the CPU has none)")
     auth.add_server_args(p, client_tokens=True)
     args = p.parse_args(argv)
     token_auth = auth.server_interceptor(args)  # reads the token files: fail at start-up, not on the first request
@@ -36,7 +40,7 @@ def main(argv=None) -> None:
     logs.setup(args.log_format, args.log_level)
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices)
+    lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices, graphs=args.cuda_graphs)
     engine = Scheduler(lm, max_sessions=args.max_sessions, max_cached_tokens=args.max_cached_tokens)
     servicer = VerifyServicer(engine, idle_timeout_s=args.idle_timeout_s)
     asyncio.run(serving.serve(args, "specdec.v1.Verify", lambda s: pb_grpc.add_VerifyServicer_to_server(servicer, s),

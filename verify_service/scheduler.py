@@ -69,11 +69,17 @@ class _Job:
 
 class Scheduler:
     def __init__(self, lm: LM, max_sessions: int = 64, max_cached_tokens: int | None = None, max_pass_rows: int = MAX_BATCH_TOKENS,
-                 thread_context: Callable[[], contextlib.AbstractContextManager] | None = None):
+                 thread_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 forced_acceptance: Callable[[Session, int], int] | None = None):
         """max_pass_rows bounds the rows of rounds in one pass (a round is never split: one that
         does not fit waits for the next pass, first in line). thread_context: a context the
-        scheduler thread (the one that runs the model) runs its whole life in, e.g. a profiler."""
+        scheduler thread (the one that runs the model) runs its whole life in, e.g. a profiler.
+        forced_acceptance (benchmarks only, never the services): how many of a round's tau
+        proposals to accept, given its session and tau, in place of the rule; the round commits
+        those proposals and the target's own token after them, so a benchmark measures throughput at
+        a chosen acceptance on random-weight models, whose proposals no draft can predict."""
         self.lm = lm
+        self._forced = forced_acceptance
         self.max_pass_rows = max_pass_rows
         self.capacity = Capacity(max_sessions, max_cached_tokens or default_cache_budget(lm, max_sessions))
         self.sessions: dict[int, Session] = {}
@@ -317,7 +323,11 @@ class Scheduler:
         """[(job, [n, next])] from one batched acceptance and ONE host transfer; if the batch
         raises, each session is retried alone, so a failure fails its own session only."""
         try:
-            return list(zip(jobs, torch.stack(_accept(jobs, logits, proposals), 1).tolist()))  # [B, 2]: the only host sync
+            n, nxt = _accept(jobs, logits, proposals)
+            if self._forced is not None:
+                n = torch.tensor([max(0, min(self._forced(j.session, len(j.tokens)), len(j.tokens))) for j in jobs], device=logits.device)
+                nxt = logits[torch.arange(len(jobs), device=logits.device), n].argmax(-1)
+            return list(zip(jobs, torch.stack((n, nxt), 1).tolist()))  # [B, 2]: the only host sync
         except Exception as e:  # noqa: BLE001
             if len(jobs) == 1:
                 jobs[0].resolve(False, e)

@@ -55,10 +55,10 @@ class Group:
         return x.view(B, Lb, t.shape[1], t.shape[2]).transpose(1, 2)
 
     def mask(self, window: int | None, heads: int, rep: int, additive: torch.dtype | None = None) -> torch.Tensor:
-        """[B, heads * n * rep, 1, Lb] for the head layout (one query per head row), or [B, 1, n, Lb]
-        with heads = 0 (queries together): query at p sees key position k iff k <= p and, with a
-        window, k > p - window. Bool, or additive in that dtype (0 / -inf: what SDPA would make of a
-        bool mask in every call)."""
+        """[B, heads * n * rep, 1, Lb] for the head layout (one query per head row), or [B, 1, n * rep, Lb]
+        with heads = 0 (queries together, each one `rep` times): query at p sees key position k iff
+        k <= p and, with a window, k > p - window. Bool, or additive in that dtype (0 / -inf: what
+        SDPA would make of a bool mask in every call)."""
         key = (window, heads, rep, additive)
         if key not in self._masks:
             k = torch.arange(self.Lb, device=self.qpos.device)[None, None, :]  # [1, 1, Lb]
@@ -70,7 +70,7 @@ class Group:
             if heads:
                 m = m[:, None, :, None, :].expand(B, heads, self.n, rep, self.Lb).reshape(B, heads * self.n * rep, 1, self.Lb)
             else:
-                m = m[:, None]
+                m = m[:, None, :, None, :].expand(B, 1, self.n, rep, self.Lb).reshape(B, 1, self.n * rep, self.Lb)
             if additive:
                 m = torch.zeros(m.shape, dtype=additive, device=m.device).masked_fill_(~m, float("-inf"))
             self._masks[key] = m
@@ -89,10 +89,12 @@ class Pass:
     long: list[Group]  # inputs attended together, one group each
     back: torch.Tensor | None  # [T] for each packed row, its row in the concatenated group outputs (padding: the zero row);
     # None where the one group's rows are the packed rows in order
+    per_query: bool = False  # short groups: each query its own problem (the CPU's, for bitwise invariance), else a
+    # session's queries are the rows of one problem per KV head (what the GPU's fused kernels take)
 
 
 def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[int], offsets: list[int], rows: int,
-           lead: list[int]) -> Pass:
+           lead: list[int], per_query: bool = False) -> Pass:
     """The pass's index tensors. A few integers per input (its length, start, first row, where its
     attention output goes) and its page table go to the device in one copy; every per-row index is
     computed there."""
@@ -136,7 +138,7 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
         gather = None if first is not None else (tab[m, :pages, None] * PAGE + within).view(-1)  # [B * Lb] slots of its key positions
         groups.append(Group(members, n, pages * PAGE, gather, (off[m, None] + jc).view(-1), st[m, None] + jc, first))
     ordered = len(plan) == 1 and rows == real and all(c == plan[0][1] for c in counts)  # one group, in packed order, no padding
-    return Pass(pool, rows, lead, slots, groups[:short], groups[short:], None if ordered else back)
+    return Pass(pool, rows, lead, slots, groups[:short], groups[short:], None if ordered else back, per_query)
 
 
 _current: contextvars.ContextVar[Pass] = contextvars.ContextVar("specdec_pass")
@@ -199,11 +201,14 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         q = (q_all if p.back is None else q_all.index_select(0, g.rows)).to(K.dtype)  # [B * n, H, D]
         if alone:  # [1, H, n, D]: the chunk's queries together
             q = q.view(B, g.n, H, D).transpose(1, 2)
-            heads = 0
-        else:  # [B, H_kv * n * rep, 1, D]: one query per head row
+            heads, reps = 0, 1
+        elif p.per_query:  # [B, H_kv * n * rep, 1, D]: one query per head row
             q = q.view(B, g.n, H_kv, rep, D).transpose(1, 2).reshape(B, H_kv * g.n * rep, 1, D)
-            heads = H_kv
-        mask = g.mask(sliding_window, heads, rep, None if softcap else K.dtype)
+            heads, reps = H_kv, rep
+        else:  # [B, H_kv, n * rep, D]: a KV head's queries (rounds' rows x GQA's query heads) as the rows of one problem
+            q = q.view(B, g.n, H_kv, rep, D).transpose(1, 2).reshape(B, H_kv, g.n * rep, D)
+            heads, reps = 0, rep
+        mask = g.mask(sliding_window, heads, reps, None if softcap else K.dtype)
         if softcap:
             o = _eager(q, k, v, mask, scale, softcap)
         else:

@@ -23,6 +23,7 @@ import torch
 
 from specdec.engine.attention import ATTN, PassCache, layout, running
 from specdec.engine.cache import KVCache, Pool
+from specdec.engine.graphs import Uniform
 from specdec.engine.plan import Plan
 
 log = logging.getLogger("specdec.engine")
@@ -31,9 +32,12 @@ PREFILL_CHUNK = 256  # prompt tokens per prefill pass, on both services (boundar
 
 
 class Engine:
-    def __init__(self, model, plan: Plan):
+    def __init__(self, model, plan: Plan, uniform: bool | None = None):
+        """uniform: run passes of rounds in uniform shapes (graphs.py; default: where the plan captures
+        CUDA graphs)."""
         self.model, self.plan = model, plan
         self.pool = Pool(plan.kv_dtype, model.device)
+        self.uniform = Uniform(self, plan.graphs) if (plan.graphs if uniform is None else uniform) else None
 
     @property
     def device(self) -> torch.device:
@@ -67,6 +71,12 @@ class Engine:
             if L + n > c.capacity:
                 raise ValueError(f"cache overflow: {L} + {n} tokens > capacity {c.capacity}")
             c.bind(self.pool)
+        shape = self.uniform.shape(counts) if self.uniform is not None and padded and all(want) and inputs else None
+        if shape is not None:  # rounds only (so in the callers' order): one uniform pass, a CUDA graph where captured
+            out = self.uniform.run(inputs, caches, starts, *shape)
+            for c, n in zip(caches, counts):
+                c.length += n
+            return out[:, : max(counts)]
         lead = counts[: len(own)]  # rows of the own products, first in the pass
         real = sum(counts)
         rest = real - sum(lead)  # the other sessions' rows, padded to pad_to
@@ -79,7 +89,7 @@ class Engine:
         callers = [i for i in range(len(order)) if want[at[i]]]  # the inputs with logits, in the callers' order
         R = max((counts[at[i]] for i in callers), default=0) if padded else 0
         keep = [offsets[at[i]] + min(j, counts[at[i]] - 1) for i in callers for j in range(R or counts[at[i]])]  # the head's rows
-        p = layout(self.pool, caches, counts, starts, offsets, T, lead)
+        p = layout(self.pool, caches, counts, starts, offsets, T, lead, plan.per_query)
         with running(p):
             cache = PassCache(p)
             if keep:
@@ -102,17 +112,22 @@ class Engine:
 
 
 def prepare(model, per_row: bool | None = None, prepack: bool | None = None, attention: str | None = None,
-            timer=None) -> Engine:
+            timer=None, graphs: bool | None = None) -> Engine:
     """Switches `model` to the engine's attention and returns its Engine. On the CPU the CPU tier makes
     its load-time choices first (pinned by per_row, prepack and attention where given; timed
-    with timer, for tests, else the clock); on a GPU there are none to make."""
+    with timer, for tests, else the clock); on a GPU there are none to make, and passes of rounds
+    are captured as CUDA graphs unless graphs is False."""
     model.set_attn_implementation(ATTN)
     name = f"{type(model).__name__} in {model.dtype}"
     if model.device.type != "cpu":
         pins = [k for k, v in (("attention", attention), ("prepack", prepack), ("per-row", per_row)) if v is not None]
         if pins:
             log.warning("%s: engine choices are made on the CPU only; the pinned %s ignored on %s", name, ", ".join(pins), model.device)
-        return Engine(model, Plan(kv_dtype=model.dtype))
+        graphs = model.device.type == "cuda" and graphs is not False
+        log.info("%s on %s: CUDA graphs %s", name, model.device, "on" if graphs else "off")
+        return Engine(model, Plan(kv_dtype=model.dtype, graphs=graphs))
+    if graphs:
+        log.warning("%s: CUDA graphs need a CUDA device; off on the CPU", name)
     from specdec.engine.cpu.choose import choose  # noqa: PLC0415 - the CPU tier: never imported on a GPU
 
     return Engine(model, choose(model, per_row, prepack, attention, timer))

@@ -91,7 +91,7 @@ def _made(model, plan: Plan) -> dict[str, str]:
 
 
 def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | None, timer) -> Plan:
-    plan = Plan(kv_dtype=model.dtype)
+    plan = Plan(kv_dtype=model.dtype, per_query=True)
     name = f"{type(model).__name__} in {model.dtype}"
     if model.dtype in HALF:
         if attention is None:

@@ -1,0 +1,148 @@
+"""Uniform passes of rounds, and on CUDA their CUDA graphs.
+
+A pass of rounds only (every input wants its logits, none longer than MAX_ROWS tokens, at most
+BUCKETS[-1] inputs) runs in a uniform shape (B, n, P): B the first bucket (1, 2, 4, ..., 64) that
+holds its inputs, each input padded to n rows (the longest input's), and every input's keys read
+through P page-table entries (P a power of two, at least the longest input's pages). Its layout
+is computed on the device from one integer tensor [B, 2 + n + P] (per input: its row count, its
+first position, its token ids, its page table; padding inputs: one token 0 at position 0 on the
+trash page), so the whole pass (layout, model, head, the padded logits) is a fixed sequence of
+kernels over fixed buffers:
+
+* on CUDA, with graphs on, a shape's first pass runs eagerly (it warms up every kernel), its
+  second is captured once as a CUDA graph, and every pass of that shape after it is one copy of
+  the integer tensor to the device and one graph replay. All graphs share one memory pool; a
+  graph's output is read before the next pass starts, on the same stream. A grown KV pool drops
+  the graphs (their kernels hold the old pool's addresses); they are captured again.
+* elsewhere (or with graphs off) the same uniform pass runs eagerly. On the CPU the packed pass
+  (attention.layout) stays the default: its padding is the CPU's calibrated row count.
+
+Padding rows write their keys to the trash page and query at their input's last position, and a
+padding row's logits are replaced by its input's last real row's, as `Engine.forward(padded=True)`
+promises.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from specdec.engine.attention import Group, Pass, PassCache, running
+from specdec.engine.cache import PAGE, KVCache, Pool
+
+log = logging.getLogger("specdec.engine")
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # inputs per uniform pass
+MAX_ROWS = 16  # rows per input: a round of up to MAX_ROWS - 1 proposals
+
+
+def pages_bucket(pages: int) -> int:
+    """The power of two (at least 4) of page-table entries for inputs whose longest needs `pages`."""
+    return max(4, 1 << (pages - 1).bit_length())
+
+
+def uniform_layout(meta: torch.Tensor, pool: Pool, n: int) -> tuple[torch.Tensor, torch.Tensor, Pass]:
+    """From meta [B, 2 + n + P] (per input: rows, first position, n token ids, P pages) on the
+    device: (input ids [1, B*n], positions [1, B*n], the pass), by device ops alone."""
+    B, dev = meta.shape[0], meta.device
+    cnt, start, ids, table = meta[:, :1], meta[:, 1:2], meta[:, 2 : 2 + n], meta[:, 2 + n :]  # [B, 1], [B, 1], [B, n], [B, P]
+    j = torch.arange(n, device=dev)[None, :]  # [1, n]
+    qpos = start + torch.minimum(j, cnt - 1)  # [B, n] padding rows: the input's last position
+    page = torch.gather(table, 1, qpos // PAGE)
+    slots = torch.where(j < cnt, page * PAGE + qpos % PAGE, j % PAGE)  # padding rows: the trash page
+    gather = (table[:, :, None] * PAGE + torch.arange(PAGE, device=dev)).view(-1)  # [B * P * PAGE] key slots
+    rows = torch.arange(B * n, device=dev)
+    group = Group(list(range(B)), n, table.shape[1] * PAGE, gather, rows, qpos)
+    return ids.reshape(1, B * n), qpos.reshape(1, B * n), Pass(pool, B * n, [], slots.reshape(-1), [group], [], None)
+
+
+class _Shape:
+    def __init__(self, meta: torch.Tensor):
+        self.meta = meta  # the static input: [B, 2 + n + P] on the device
+        self.seen = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None  # the graph's output [B, n, V] float32
+
+
+class Uniform:
+    """Runs an engine's uniform passes; with `graphs` (CUDA only) captures each shape's."""
+
+    def __init__(self, engine, graphs: bool):
+        self.engine, self.graphs = engine, graphs
+        self._shapes: dict[tuple[int, int, int], _Shape] = {}
+        self._pool_slots = 0  # the pool's size when the graphs were captured
+        self._mempool = None
+        self.captures = 0
+        self.capture_s = 0.0  # seconds spent capturing, all graphs
+        self.graph_bytes = 0  # device memory reserved while capturing, all graphs
+
+    def shape(self, counts: list[int]) -> tuple[int, int] | None:
+        """(B, n) for these inputs' counts, or None where they do not fit a uniform pass."""
+        n = max(counts)
+        B = next((b for b in BUCKETS if b >= len(counts)), None)
+        return None if B is None or n > MAX_ROWS else (B, n)
+
+    def run(self, inputs: list[list[int]], caches: list[KVCache], starts: list[int], B: int, n: int) -> torch.Tensor:
+        """Logits [len(inputs), n, V] float32 (rows past an input's own repeat its last) of one
+        uniform pass; the caches are bound and their lengths not yet moved."""
+        engine = self.engine
+        pool = engine.pool
+        P = pages_bucket(-(-max(s + len(x) for s, x in zip(starts, inputs)) // PAGE))
+        host = torch.zeros(B, 2 + n + P, dtype=torch.long)
+        host[:, 0] = 1
+        for b, (x, c, s) in enumerate(zip(inputs, caches, starts)):
+            host[b, 0], host[b, 1] = len(x), s
+            host[b, 2 : 2 + len(x)] = torch.tensor(x)
+            host[b, 2 + n : 2 + n + len(c.pages[:P])] = torch.tensor(c.pages[:P])
+        key = (B, n, P)
+        sh = self._shapes.get(key)
+        if sh is None:
+            sh = self._shapes[key] = _Shape(torch.empty_like(host, device=pool.device))
+        sh.meta.copy_(host, non_blocking=True)
+        sh.seen += 1
+        graphed = self.graphs and pool.k and pool.k[0].shape[0] >= pool.slots
+        if graphed and self._pool_slots != pool.k[0].shape[0]:  # the pool grew: its old addresses are baked in
+            self._drop()
+            self._pool_slots = pool.k[0].shape[0]
+        if graphed and sh.graph is None and sh.seen >= 2:
+            self._capture(sh, n)
+        if sh.graph is not None:
+            sh.graph.replay()
+            out = sh.out
+        else:
+            out = self._pass(sh.meta, n)
+        return out[: len(inputs)]
+
+    def _pass(self, meta: torch.Tensor, n: int) -> torch.Tensor:
+        model = self.engine.model
+        from specdec.engine.forward import cache_kwargs  # noqa: PLC0415 - forward imports this module
+
+        ids, pos, p = uniform_layout(meta, self.engine.pool, n)
+        with running(p):
+            logits = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=0, **cache_kwargs(model, PassCache(p))).logits[0]
+        B = meta.shape[0]
+        last = (torch.arange(B, device=meta.device)[:, None] * n + torch.minimum(torch.arange(n, device=meta.device), meta[:, :1] - 1))
+        return logits.index_select(0, last.view(-1)).view(B, n, -1).float()  # padding rows: their input's last row
+
+    def _capture(self, sh: _Shape, n: int) -> None:
+        dev = sh.meta.device
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_reserved(dev)
+        t0 = time.perf_counter()
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._mempool, capture_error_mode="thread_local"):
+            sh.out = self._pass(sh.meta, n)
+        sh.graph = g
+        torch.cuda.synchronize(dev)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0
+        self.graph_bytes += torch.cuda.memory_reserved(dev) - before
+        log.info("captured a CUDA graph for %d inputs x %d rows, %d key pages (%.2f s)", *sh.meta.shape[:1], n,
+                 sh.meta.shape[1] - 2 - n, time.perf_counter() - t0)
+
+    def _drop(self) -> None:
+        for sh in self._shapes.values():
+            sh.graph, sh.out, sh.seen = None, None, 0

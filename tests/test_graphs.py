@@ -1,0 +1,143 @@
+"""Uniform passes of rounds (specdec/engine/graphs.py): on the CPU eagerly, on CUDA as CUDA graphs."""
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec.acceptance import accept_batch
+from specdec.engine import Engine, KVCache, Plan
+from specdec.engine.attention import ATTN
+from specdec.engine.graphs import pages_bucket
+from specdec.lm import LM
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+def engine_on(model_dir, device: str, graphs: bool | None) -> tuple[Engine, torch.nn.Module]:
+    """The tiny target's engine in float32 on `device` with uniform passes (graphs where asked), and the model itself."""
+    lm = LM.load(model_dir("target"), device, "float32", prepare_engine=False, check=False)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=torch.float32).eval().to(device)
+    lm.model.set_attn_implementation(ATTN)
+    return Engine(lm.model, Plan(kv_dtype=torch.float32, graphs=bool(graphs)), uniform=True), reference
+
+
+def sessions(seed: int, k: int) -> list[list[int]]:
+    r = random.Random(seed)
+    return [[r.randrange(1, 16) for _ in range(r.randint(20, 90))] for _ in range(k)]
+
+
+def rounds_of(eng: Engine, seqs: list[list[int]], sizes: list[list[int]]) -> list[torch.Tensor]:
+    """Prefills each sequence but its rounds, then runs every session's rounds (sizes[i]: its
+    rounds' lengths) together, pass by pass; returns each pass's padded logits."""
+    caches = [KVCache(len(s)) for s in seqs]
+    at = [len(s) - sum(z) for s, z in zip(seqs, sizes)]
+    eng.forward([s[:a] for s, a in zip(seqs, at)], caches, logits=False)
+    outs = []
+    for r in range(len(sizes[0])):
+        ins = [s[a : a + z[r]] for s, a, z in zip(seqs, at, sizes)]
+        outs.append(eng.forward(ins, caches, padded=True))
+        at = [a + z[r] for a, z in zip(at, sizes)]
+    for c in caches:
+        c.release()
+    return outs
+
+
+def check_against_model(reference, seqs, sizes, outs) -> None:
+    """Each pass's logits are the model's own at those positions; padding rows repeat their input's last."""
+    for k, s in enumerate(seqs):
+        with torch.no_grad():
+            want = reference(torch.tensor([s], device=outs[0].device)).logits[0].float()
+        at = len(s) - sum(sizes[k])
+        for r, out in enumerate(outs):
+            n = sizes[k][r]
+            torch.testing.assert_close(out[k, :n], want[at : at + n], atol=2e-5, rtol=1e-4)
+            assert torch.equal(out[k, n:], out[k, n - 1 : n].expand(out.shape[1] - n, -1))
+            at += n
+
+
+def test_uniform_passes_of_rounds_serve_the_models_own_logits(model_dir):
+    """Rounds of different lengths, 5 sessions in a bucket of 8, keys read through a power-of-two
+    page table: the model's own logits, every padding row its input's last."""
+    torch.set_num_threads(1)
+    eng, reference = engine_on(model_dir, "cpu", graphs=False)
+    seqs = sessions(2, 5)
+    sizes = [[random.Random(i).randint(1, 5) for _ in range(3)] for i in range(5)]
+    outs = rounds_of(eng, seqs, sizes)
+    assert len(eng.uniform._shapes) >= 1 and all(B == 8 for B, _, _ in eng.uniform._shapes)
+    check_against_model(reference, seqs, sizes, outs)
+
+
+def test_passes_that_do_not_fit_a_uniform_shape_take_the_packed_pass(model_dir):
+    eng, _ = engine_on(model_dir, "cpu", graphs=False)
+    assert eng.uniform.shape([5] * 64) == (64, 5)
+    assert eng.uniform.shape([5] * 65) is None  # more inputs than the largest bucket
+    assert eng.uniform.shape([17, 1]) is None  # a round longer than MAX_ROWS
+    assert [pages_bucket(p) for p in (1, 4, 5, 9, 33)] == [4, 4, 8, 16, 64]
+    c = KVCache(40)
+    eng.forward([[1, 2, 3]], [c], logits=False)  # a prefill: never uniform
+    eng.forward([[4, 5]], [c], logits=[True], padded=False)  # logits per input: the packed pass
+    assert eng.uniform._shapes == {}
+
+
+@CUDA
+def test_cuda_graph_replays_give_the_eager_passes_logits(model_dir):
+    eng, reference = engine_on(model_dir, "cuda", graphs=True)
+    seqs = sessions(3, 6)
+    sizes = [[5, 5, 3, 5, 1, 5] for _ in range(6)]
+    outs = rounds_of(eng, seqs, sizes)
+    assert eng.uniform.captures >= 1 and eng.uniform.capture_s > 0
+    check_against_model(reference, seqs, sizes, outs)
+    again = rounds_of(eng, seqs, sizes)  # every shape captured now: replays only
+    for a, b in zip(outs, again):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@CUDA
+def test_a_graphed_pass_and_its_acceptance_never_sync_the_host(model_dir):
+    """After a shape's warm-up pass and its capture, a pass of rounds and the batched acceptance on
+    its logits run under torch.cuda.set_sync_debug_mode("error"): the verdicts' one copy to the
+    host (the scheduler's .tolist()) is the pass's only sync."""
+    eng, _ = engine_on(model_dir, "cuda", graphs=True)
+    seqs = sessions(4, 3)
+    caches = [KVCache(len(s)) for s in seqs]
+    eng.forward([s[:10] for s in seqs], caches, logits=False)
+    B = len(seqs)
+    for at in (10, 15, 20):  # eager, capture, replay
+        ins = [s[at : at + 5] for s in seqs]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            lg = eng.forward(ins, caches, padded=True)
+            proposals = torch.tensor([x[1:] for x in ins]).to("cuda", non_blocking=True)
+            n, nxt = accept_batch(lg, proposals, torch.full((B,), 4), torch.zeros(B, 4, lg.shape[-1], device="cuda"),
+                                  torch.ones(B, dtype=torch.bool), torch.zeros(B, dtype=torch.long), torch.full((B,), at),
+                                  torch.ones(B, dtype=torch.float64), torch.zeros(B, dtype=torch.long), torch.ones(B, dtype=torch.float64))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.stack((n, nxt), 1).tolist()  # the one sync
+        for c in caches:
+            c.crop(at + 5)
+    assert eng.uniform.captures == 1
+
+
+@CUDA
+def test_a_grown_pool_drops_its_graphs_and_passes_stay_right(model_dir):
+    eng, reference = engine_on(model_dir, "cuda", graphs=True)
+    seqs = sessions(5, 2)
+    sizes = [[5] * 4, [5] * 4]
+    check_against_model(reference, seqs, sizes, rounds_of(eng, seqs, sizes))
+    captured = eng.uniform.captures
+    slots = eng.pool.k[0].shape[0]
+    hogs = [eng.cache(4 * slots) for _ in range(2)]  # pages past the pool's end: the next pass grows it
+    outs = rounds_of(eng, seqs, sizes)
+    assert eng.pool.k[0].shape[0] > slots and eng.uniform.captures > captured
+    check_against_model(reference, seqs, sizes, outs)
+    for h in hogs:
+        h.release()
+
+
+def test_the_cpu_keeps_the_packed_pass_and_refuses_graphs(model_dir, caplog):
+    lm = LM.load(model_dir("target"), "cpu", "float32", check=False, graphs=True)
+    assert lm.engine.uniform is None and not lm.engine.plan.graphs and lm.engine.plan.per_query
+    assert "CUDA graphs need a CUDA device" in caplog.text
