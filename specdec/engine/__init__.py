@@ -3,13 +3,14 @@
   cache.py      the pool, its pages, and a session's handle into it (KVCache)
   attention.py  the pass layout and the attention transformers' layers call during a pass
   forward.py    Engine (model + plan + pool), its forward pass, `prepare`
+  graphs.py     uniform passes of rounds, captured as CUDA graphs on CUDA
   plan.py       the load-time plan
   cpu/          the CPU tier: calibrated matmul row counts, per-row products, prepacked weights
                 and the attention dtype (never imported on a GPU)
 """
-from specdec.engine.attention import ROW_BY_ROW
+from specdec.engine.attention import ROW_BY_ROW, cache_kwargs, returned_cache
 from specdec.engine.cache import PAGE, KVCache, Pool, available_memory_bytes
-from specdec.engine.forward import PREFILL_CHUNK, Engine, cache_kwargs, prepare, returned_cache
+from specdec.engine.forward import PREFILL_CHUNK, Engine, prepare
 from specdec.engine.plan import Plan
 
 __all__ = ["PAGE", "PREFILL_CHUNK", "ROW_BY_ROW", "Engine", "KVCache", "Plan", "Pool", "available_memory_bytes", "cache_kwargs",

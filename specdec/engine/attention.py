@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -180,6 +182,23 @@ class PassCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+@functools.cache
+def _cache_kwarg(cls) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """{name: cache}, under the name `model`'s forward takes a KV cache by: `cache` from
+    transformers 5.24 on (which deprecates `past_key_values`, to be removed in 5.40, and pays a
+    warning per call for it), `past_key_values` before."""
+    return {_cache_kwarg(type(model)): cache}
+
+
+def returned_cache(out):
+    """The KV cache a forward returned: `cache` from transformers 5.24 on, `past_key_values` before."""
+    return out["cache"] if "cache" in out else out.past_key_values
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

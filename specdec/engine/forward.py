@@ -14,14 +14,12 @@ a round; a GPU never imports that tier.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import itertools
 import logging
 
 import torch
 
-from specdec.engine.attention import ATTN, PassCache, layout, running
+from specdec.engine.attention import ATTN, PassCache, cache_kwargs, layout, running
 from specdec.engine.cache import KVCache, Pool
 from specdec.engine.graphs import Uniform
 from specdec.engine.plan import Plan
@@ -131,20 +129,3 @@ def prepare(model, per_row: bool | None = None, prepack: bool | None = None, att
     from specdec.engine.cpu.choose import choose  # noqa: PLC0415 - the CPU tier: never imported on a GPU
 
     return Engine(model, choose(model, per_row, prepack, attention, timer))
-
-
-@functools.cache
-def _cache_kwarg(cls) -> str:
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
-
-
-def cache_kwargs(model, cache) -> dict:
-    """{name: cache}, under the name `model`'s forward takes a KV cache by: `cache` from
-    transformers 5.24 on (which deprecates `past_key_values`, to be removed in 5.40, and pays a
-    warning per call for it), `past_key_values` before."""
-    return {_cache_kwarg(type(model)): cache}
-
-
-def returned_cache(out):
-    """The KV cache a forward returned: `cache` from transformers 5.24 on, `past_key_values` before."""
-    return out["cache"] if "cache" in out else out.past_key_values

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from specdec.engine.attention import Group, Pass, PassCache, running
+from specdec.engine.attention import Group, Pass, PassCache, cache_kwargs, running
 from specdec.engine.cache import PAGE, KVCache, Pool
 
 log = logging.getLogger("specdec.engine")
@@ -116,8 +116,6 @@ class Uniform:
 
     def _pass(self, meta: torch.Tensor, n: int) -> torch.Tensor:
         model = self.engine.model
-        from specdec.engine.forward import cache_kwargs  # noqa: PLC0415 - forward imports this module
-
         ids, pos, p = uniform_layout(meta, self.engine.pool, n)
         with running(p):
             logits = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=0, **cache_kwargs(model, PassCache(p))).logits[0]
