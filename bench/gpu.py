@@ -168,9 +168,9 @@ class Forced:
 
 
 async def run_session(eng: Scheduler, prompt: list[int], n: int, tau: int, proposer: Proposer | None) -> tuple[int, int, float, list[int]]:
-    """Greedy session of n tokens; returns (tokens, rounds, forward seconds, ids)."""
+    """Greedy session of n tokens; returns (tokens, rounds, forward seconds, ids, sessions in its rounds' passes)."""
     s = eng.open(prompt, n, Sampling(), seed=0, mode=pb.PROPOSAL_MODE_GREEDY)
-    fwd, rounds = 0.0, 0
+    fwd, rounds, shared = 0.0, 0, 0
     try:
         await eng.prefill(s)
         while not s.finish:
@@ -178,9 +178,45 @@ async def run_session(eng: Scheduler, prompt: list[int], n: int, tau: int, propo
             v = await eng.step(s, toks, None)
             fwd += v.forward_s
             rounds += 1
-        return s.generated, rounds, fwd, s.ids[len(prompt):]
+            shared += v.pass_rounds
+        return s.generated, rounds, fwd, s.ids[len(prompt):], shared
     finally:
         eng.close(s)
+
+
+class PassLog:
+    """The bench's own wrapper on the engine's forward: per pass, whether it held prefill chunks
+    (the packed eager pass) or rounds only (uniform: a graph where captured), and its span on the
+    device (CUDA events around the call; on the CPU the call's wall time)."""
+
+    def __init__(self, engine):
+        self.passes: list[tuple[bool, object, object]] = []
+        forward = engine.forward
+        cuda = engine.device.type == "cuda"
+
+        def logged(inputs, caches, logits=True, padded=False):
+            prefill = logits is not True and not all(logits)
+            a = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if cuda:
+                a.record()
+            out = forward(inputs, caches, logits, padded)
+            b = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if cuda:
+                b.record()
+            self.passes.append((prefill, a, b))
+            return out
+
+        engine.forward = logged
+
+    def summary(self) -> dict:
+        """{kind: [passes, mean ms]} for the passes logged since the last summary."""
+        out: dict = {}
+        for prefill, a, b in self.passes:
+            ms = a.elapsed_time(b) if hasattr(a, "elapsed_time") else 1e3 * (b - a)
+            n, total = out.get("with_prefill" if prefill else "rounds_only", (0, 0.0))
+            out["with_prefill" if prefill else "rounds_only"] = (n + 1, total + ms)
+        self.passes.clear()
+        return {k: [n, total / n] for k, (n, total) in out.items()}
 
 
 def replay_ms(engine, sessions: int, rows: int) -> float | None:
@@ -248,6 +284,7 @@ def main(argv=None) -> None:
         forced = Forced()
         eng = Scheduler(lm, max_sessions=max(int(x) for x in a.sessions.split(",")), forced_acceptance=forced)
         uniform = lm.engine.uniform
+        passlog = PassLog(lm.engine)
 
         async def timed(k: int, tau: int, proposer: Proposer | None) -> dict:
             """k concurrent sessions (after an identical untimed run): tok/s, and what a round's pass
@@ -255,6 +292,8 @@ def main(argv=None) -> None:
             pass's device time (a replay of its CUDA graph, where captured), the host's share of the
             pass, and the bytes a pass must read (weights, keys and values) over its time."""
             await asyncio.gather(*[run_session(eng, prompt, a.tokens, tau, proposer) for _ in range(k)])
+            sync(lm)
+            passlog.passes.clear()
             t0 = time.perf_counter()
             outs = await asyncio.gather(*[run_session(eng, prompt, a.tokens, tau, proposer) for _ in range(k)])
             wall = time.perf_counter() - t0
@@ -262,7 +301,9 @@ def main(argv=None) -> None:
             pass_ms = 1e3 * sum(o[2] for o in outs) / rounds  # every session of a pass sees the same pass time
             device_ms = replay_ms(lm.engine, k, tau + 1)
             kv = k * (a.prompt_len + a.tokens // 2) * kv_bytes_per_token(lm)  # keys and values a pass reads, on average
-            return {"tok_s": n / wall, "tokens_per_round": n / rounds, "round_ms": 1e3 * wall * k / rounds, "pass_ms": pass_ms,
+            return {"tok_s": n / wall, "tokens_per_round": n / rounds, "sessions_per_pass": sum(o[4] for o in outs) / rounds,
+                    "pass_kinds": passlog.summary(),
+                    "round_ms": 1e3 * wall * k / rounds, "pass_ms": pass_ms,
                     "graph_replay_ms": device_ms, "host_share": None if device_ms is None else max(0.0, 1 - device_ms / pass_ms),
                     "bandwidth_gb_s": (weight_bytes + kv) / (pass_ms / 1e3) / 1e9, "outs": [o[3] for o in outs]}
 
@@ -373,13 +414,14 @@ def write(res: dict, out: str) -> None:
 
     lines += ["", "Passes (a round's pass: from the engine's start to the verdicts on the host; device: a replay of its CUDA graph; "
               "host share = 1 - device / pass; GB/s: weights plus the keys and values read, over the pass):", "",
-              "| sessions | tau | total tok/s | x one session | tokens/round | round ms | pass ms | device ms | host share | GB/s |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| sessions | tau | total tok/s | x one session | tokens/round | sessions/pass | round ms | pass ms | device ms | host share | GB/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [("1 (target-only)", 0, res["target_only"])] + [(k, res["tau"], r) for k, r in res["batch"].items()]
     for k, tau, r in rows:
         x = f"{r['tok_s'] / one:.1f}x" if one and tau else "-"
         share = "-" if r["host_share"] is None else f"{100 * r['host_share']:.0f}%"
-        lines.append(f"| {k} | {tau} | {r['tok_s']:.1f} | {x} | {r['tokens_per_round']:.2f} | {r['round_ms']:.2f} | {r['pass_ms']:.2f} "
+        lines.append(f"| {k} | {tau} | {r['tok_s']:.1f} | {x} | {r['tokens_per_round']:.2f} | {r['sessions_per_pass']:.1f} | {r['round_ms']:.2f} "
+                     f"| {r['pass_ms']:.2f} "
                      f"| {ms(r['graph_replay_ms'])} | {share} | {r['bandwidth_gb_s']:.0f} |")
     if "graphs" in res:
         gr = res["graphs"]

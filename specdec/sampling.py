@@ -90,6 +90,15 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return x.to(device, non_blocking=True)
 
 
+def to_host(x: torch.Tensor) -> list:
+    """A small device result as Python lists: on CUDA it first waits for the stream with the GIL
+    released (a stream's synchronize does; a bare .tolist() may wait holding it, and the event loop
+    that shares the process would stall for the whole pass)."""
+    if x.is_cuda:
+        torch.cuda.current_stream(x.device).synchronize()
+    return x.tolist()
+
+
 def sparsify(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q [V] -> (ids [k'], renormalized probs [k']) of its top-k nonzero entries (k' <= k)."""
     vals, ids = torch.topk(probs, min(k, probs.shape[-1]))

@@ -36,7 +36,7 @@ def rounds_of(eng: Engine, seqs: list[list[int]], sizes: list[list[int]]) -> lis
     outs = []
     for r in range(len(sizes[0])):
         ins = [s[a : a + z[r]] for s, a, z in zip(seqs, at, sizes)]
-        outs.append(eng.forward(ins, caches, padded=True))
+        outs.append(eng.forward(ins, caches, padded=True).clone())  # a graph's output buffer is the next pass's too
         at = [a + z[r] for a, z in zip(at, sizes)]
     for c in caches:
         c.release()

@@ -19,6 +19,7 @@ import collections
 import contextlib
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +32,7 @@ from specdec.acceptance import accept_batch
 from specdec.errors import Refusal, RequestError
 from specdec.engine import PREFILL_CHUNK, KVCache
 from specdec.lm import LM
-from specdec.sampling import Sampling, int64
+from specdec.sampling import Sampling, int64, to_host
 from verify_service.capacity import Capacity, default_cache_budget
 from verify_service.passcost import PassCost, probe
 from verify_service.session import Session, Verdict, commit
@@ -39,6 +40,8 @@ from verify_service.session import Session, Verdict, commit
 log = logging.getLogger("specdec.verify")
 
 MAX_BATCH_TOKENS = 1024  # new rows of rounds per pass, by default (fairness: DESIGN.md §7)
+SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a process that runs a scheduler (Scheduler.__init__)
+GATHER_SHARE = 0.25  # a pass waits at most this share of the last pass's time for the last pass's sessions' next rounds
 
 
 @dataclass
@@ -80,6 +83,14 @@ class Scheduler:
         a chosen acceptance on random-weight models, whose proposals no draft can predict."""
         self.lm = lm
         self._forced = forced_acceptance
+        self._back: set[int] = set()  # sessions whose next round the next pass waits for a little (`_gather`)
+        self._pass_s = 0.0  # the last pass's seconds
+        self._awaited: set[int] = set()  # while gathering: the sessions not queued yet (emptied by `_submit`)
+        self._arrived = threading.Event()  # set by `_submit` when the last awaited session is queued
+        # The event loop (gRPC handlers, the sessions' coroutines) and this thread share one GIL. At
+        # CPython's default 5 ms switch interval a pass's host work waits up to 5 ms each time the
+        # event loop holds it, many times a pass; 0.5 ms bounds that wait.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.max_pass_rows = max_pass_rows
         self.capacity = Capacity(max_sessions, max_cached_tokens or default_cache_budget(lm, max_sessions))
         self.sessions: dict[int, Session] = {}
@@ -167,6 +178,11 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         job = _Job(s, loop.create_future(), loop, tokens, q)
         self._queue.put(job)
+        awaited = self._awaited
+        if awaited:  # the scheduler thread is gathering (`_gather`): wake it when the last awaited session is in
+            awaited.discard(s.sid)
+            if not awaited:
+                self._arrived.set()
         return await job.future
 
     def _timed_pass(self, contexts: list[list[int]], inputs: list[list[int]]) -> float:
@@ -194,26 +210,50 @@ class Scheduler:
         with self._thread_context():
             self._work()
 
+    def _take(self, job, rounds: list[_Job], prefills: collections.deque[_Job]) -> bool:
+        """Files `job` (if any) and every job queued after it; False once told to stop."""
+        while True:
+            if job is None:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    return True
+            if job is _STOP:
+                return False
+            if isinstance(job, KVCache):  # a closed session's cache (`close`)
+                job.release()
+            elif job.session.closed:
+                job.resolve(False, RequestError(Refusal.CANCELLED, "session closed"))
+            else:  # a stream whose prompt is not in the cache yet takes its prefill's place
+                (prefills if job.tokens is None or _unfilled(job.session) else rounds).append(job)
+            job = None
+
+    def _gather(self, rounds: list[_Job], prefills: collections.deque[_Job]) -> bool:
+        """Waits, at most GATHER_SHARE of the last pass's time, for the next rounds of the sessions
+        whose verdicts the last pass gave (their drafts were already running): a pass that starts
+        without them would leave them a whole pass behind. The thread sleeps until the last of
+        them is queued (`_submit` wakes it once) or the time is up, so it takes no GIL meanwhile
+        from the event loop that is queueing them. False once told to stop."""
+        missing = self._back - {j.session.sid for j in rounds}
+        if missing:
+            self._arrived.clear()
+            self._awaited = missing  # published: from now on `_submit` takes sessions out of it
+            if not self._take(None, rounds, prefills):  # what was queued before it was published
+                return False
+            missing.difference_update(j.session.sid for j in rounds)
+            if missing:
+                self._arrived.wait(GATHER_SHARE * self._pass_s)
+            self._awaited = set()
+        return self._take(None, rounds, prefills)
+
     def _work(self) -> None:
         rounds: list[_Job] = []
         prefills: collections.deque[_Job] = collections.deque()
         while True:
-            job = self._queue.get() if not rounds and not prefills else None  # idle: block
-            while True:
-                if job is None:
-                    try:
-                        job = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                if job is _STOP:
-                    return
-                if isinstance(job, KVCache):  # a closed session's cache (`close`)
-                    job.release()
-                elif job.session.closed:
-                    job.resolve(False, RequestError(Refusal.CANCELLED, "session closed"))
-                else:  # a stream whose prompt is not in the cache yet takes its prefill's place
-                    (prefills if job.tokens is None or _unfilled(job.session) else rounds).append(job)
-                job = None
+            if not self._take(self._queue.get() if not rounds and not prefills else None, rounds, prefills):  # idle: block
+                return
+            if not self._gather(rounds, prefills):
+                return
             batch, used = [], 0
             while rounds and (not batch or used + len(rounds[0].tokens) + 1 <= self.max_pass_rows):
                 used += len(rounds[0].tokens) + 1
@@ -225,7 +265,10 @@ class Scheduler:
                     break
                 filling.append(j)
                 budget -= n
+            t0 = time.perf_counter()
             self._run(batch, filling)
+            self._pass_s = time.perf_counter() - t0
+            self._back = {j.session.sid for j in batch if j.stream is None and not j.session.finish and not j.session.closed}
             rounds += [j for j in batch if not j.finished]  # streams whose sessions go on
             for j in filling:
                 if j.finished or not _unfilled(j.session):
@@ -327,7 +370,7 @@ class Scheduler:
             if self._forced is not None:
                 n = torch.tensor([max(0, min(self._forced(j.session, len(j.tokens)), len(j.tokens))) for j in jobs], device=logits.device)
                 nxt = logits[torch.arange(len(jobs), device=logits.device), n].argmax(-1)
-            return list(zip(jobs, torch.stack((n, nxt), 1).tolist()))  # [B, 2]: the only host sync
+            return list(zip(jobs, to_host(torch.stack((n, nxt), 1))))  # [B, 2]: the only host sync
         except Exception as e:  # noqa: BLE001
             if len(jobs) == 1:
                 jobs[0].resolve(False, e)

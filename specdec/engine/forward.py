@@ -51,8 +51,9 @@ class Engine:
         """Runs inputs[i] after caches[i] for every i in one pass, writing the new keys and values in
         place. Returns, per input, its logits [n_i, V] (float32, on the model's device) where
         logits (or logits[i]) is true, else None; with `padded`, one tensor [K, R, V] for the K inputs
-        with logits (in order), R their longest, rows past an input's own repeating its last. A failed
-        pass leaves every cache's length as it was."""
+        with logits (in order), R their longest, rows past an input's own repeating its last (a pass
+        of rounds only may return a CUDA graph's output buffer: read it before the next pass). A
+        failed pass leaves every cache's length as it was."""
         model, device, plan = self.model, self.device, self.plan
         want = [logits] * len(inputs) if isinstance(logits, bool) else list(logits)
         # A prefill chunk longer than the plan's top (its keys and values only) goes first, in one

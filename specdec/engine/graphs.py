@@ -85,16 +85,17 @@ class Uniform:
 
     def run(self, inputs: list[list[int]], caches: list[KVCache], starts: list[int], B: int, n: int) -> torch.Tensor:
         """Logits [len(inputs), n, V] float32 (rows past an input's own repeat its last) of one
-        uniform pass; the caches are bound and their lengths not yet moved."""
+        uniform pass; the caches are bound and their lengths not yet moved. From a graph they are
+        a view of its output: valid until the next pass."""
         engine = self.engine
         pool = engine.pool
         P = pages_bucket(-(-max(s + len(x) for s, x in zip(starts, inputs)) // PAGE))
-        host = torch.zeros(B, 2 + n + P, dtype=torch.long)
-        host[:, 0] = 1
-        for b, (x, c, s) in enumerate(zip(inputs, caches, starts)):
-            host[b, 0], host[b, 1] = len(x), s
-            host[b, 2 : 2 + len(x)] = torch.tensor(x)
-            host[b, 2 + n : 2 + n + len(c.pages[:P])] = torch.tensor(c.pages[:P])
+        flat: list[int] = []
+        for x, c, s in zip(inputs, caches, starts):
+            pages = c.pages[:P]
+            flat += [len(x), s, *x, *[0] * (n - len(x)), *pages, *[0] * (P - len(pages))]
+        flat += [1, 0, *[0] * (n + P)] * (B - len(inputs))  # padding inputs: token 0 at position 0, on the trash page
+        host = torch.tensor(flat, dtype=torch.long).view(B, 2 + n + P)
         key = (B, n, P)
         sh = self._shapes.get(key)
         if sh is None:
@@ -126,6 +127,7 @@ class Uniform:
     def _capture(self, sh: _Shape, n: int) -> None:
         dev = sh.meta.device
         torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()  # as the capture itself does first: what it reserves after is the graph's
         before = torch.cuda.memory_reserved(dev)
         t0 = time.perf_counter()
         if self._mempool is None:
@@ -138,9 +140,10 @@ class Uniform:
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
         self.graph_bytes += torch.cuda.memory_reserved(dev) - before
-        log.info("captured a CUDA graph for %d inputs x %d rows, %d key pages (%.2f s)", *sh.meta.shape[:1], n,
+        log.info("captured a CUDA graph for %d inputs x %d rows, %d key pages (%.2f s)", sh.meta.shape[0], n,
                  sh.meta.shape[1] - 2 - n, time.perf_counter() - t0)
 
     def _drop(self) -> None:
         for sh in self._shapes.values():
             sh.graph, sh.out, sh.seen = None, None, 0
+        self._mempool = None  # its graphs are gone: the next capture starts a new pool
