@@ -130,11 +130,11 @@ def test_idle_session_times_out_and_frees_its_cache(model_dir):
 def _run_batch(eng, spec):
     """Runs the rounds [(session, proposals, q)] as ONE scheduler pass (no queue, so the batch is
     exactly this), returning each session's Verdict or exception."""
-    from verify_service.scheduler import _Job
+    from verify_service.jobs import Round
 
     loop = asyncio.new_event_loop()
     try:
-        jobs = [_Job(s, loop.create_future(), loop, toks, q) for s, toks, q in spec]
+        jobs = [Round(s, loop, loop.create_future(), toks, q) for s, toks, q in spec]
         eng._run(jobs, [])
         return loop.run_until_complete(asyncio.gather(*(j.future for j in jobs), return_exceptions=True))
     finally:
@@ -143,14 +143,14 @@ def _run_batch(eng, spec):
 
 def _prefilled(eng, prompts, sampling=None):
     from specdec.sampling import Sampling
-    from verify_service.scheduler import _Job
+    from verify_service.jobs import Prefill
 
     out = []
     for p in prompts:
         s = eng.open(p, 8, sampling or Sampling(), seed=3, mode=pb.PROPOSAL_MODE_GREEDY)
         loop = asyncio.new_event_loop()
         try:
-            job = _Job(s, loop.create_future(), loop)
+            job = Prefill(s, loop, loop.create_future())
             eng._run([], [job])
             loop.run_until_complete(job.future)
         finally:

@@ -1,7 +1,8 @@
 """The verify scheduler: one thread owns the target model; each iteration it runs ONE packed pass
 (specdec/engine) over every round waiting across sessions plus the next chunk of as many waiting
 prompts as the pass's row budget leaves room for (at least one), applies the acceptance rule to
-all its sessions at once on the model's device (`accept_batch`, specdec/acceptance.py), and moves
+all its sessions at once on the model's device (`accept_batch`, specdec/acceptance.py, through
+verify_service/jobs.py), and moves
 the verdicts of the whole batch to the host at once (two integers per session).
 
 Sessions talk to it from the asyncio event loop: `prefill` and `step` put a job on the queue
@@ -23,17 +24,16 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from specdec import metrics
-from specdec.acceptance import accept_batch
 from specdec.errors import Refusal, RequestError
 from specdec.engine import PREFILL_CHUNK, KVCache
 from specdec.lm import LM
-from specdec.sampling import Sampling, int64, to_host
+from specdec.sampling import Sampling, to_host
 from verify_service.capacity import Capacity, default_cache_budget
+from verify_service.jobs import Job, Prefill, Round, Stream, accept, check, unfilled
 from verify_service.passcost import PassCost, probe
 from verify_service.session import Session, Verdict, commit
 
@@ -42,32 +42,6 @@ log = logging.getLogger("specdec.verify")
 MAX_BATCH_TOKENS = 1024  # new rows of rounds per pass, by default (fairness: DESIGN.md §7)
 SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a process that runs a scheduler (Scheduler.__init__)
 GATHER_SHARE = 0.25  # a pass waits at most this share of the last pass's time for the last pass's sessions' next rounds
-
-
-@dataclass
-class _Job:
-    session: Session
-    future: asyncio.Future | None  # resolved with the Verdict; None for a stream
-    loop: asyncio.AbstractEventLoop
-    tokens: list[int] | None = None  # a round: the proposals; None: a prefill
-    q: torch.Tensor | None = None  # [tau, V] on the host (all sessions' go to the device in one copy per pass), or None
-    enqueued: float = field(default_factory=time.perf_counter)
-    finished: bool = False
-    stream: asyncio.Queue | None = None  # target-only steps: gets every (ok, Verdict or error); the thread runs the next step at once
-    left: int | None = None  # a stream's steps still allowed (None: until the session finishes)
-
-    def resolve(self, ok: bool, result) -> None:
-        if self.left is not None and ok:
-            self.left -= 1
-        self.finished = self.stream is None or not ok or bool(result.finish) or self.left == 0
-        self.enqueued = time.perf_counter()  # a stream's next step is queued from now
-        try:
-            if self.stream is None:
-                self.loop.call_soon_threadsafe(_resolve, self.future, ok, result)
-            else:
-                self.loop.call_soon_threadsafe(self.stream.put_nowait, (ok, result))
-        except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
-            self.finished = True
 
 
 class Scheduler:
@@ -145,7 +119,7 @@ class Scheduler:
     async def prefill(self, s: Session) -> float:
         """Puts prompt[:-1] into the session's cache; returns the seconds it took."""
         t0 = time.perf_counter()
-        if _unfilled(s):
+        if unfilled(s):
             await self._submit(s)
         return time.perf_counter() - t0
 
@@ -164,7 +138,7 @@ class Scheduler:
         runs each step as soon as the last one is committed, without waiting for the caller to
         take its verdict (DESIGN.md §6). Stops when the caller closes the session."""
         verdicts: asyncio.Queue = asyncio.Queue()
-        self._queue.put(_Job(s, None, asyncio.get_running_loop(), [], stream=verdicts, left=limit))
+        self._queue.put(Stream(s, asyncio.get_running_loop(), verdicts, limit))
         while True:
             ok, v = await verdicts.get()
             if not ok:
@@ -176,7 +150,7 @@ class Scheduler:
 
     async def _submit(self, s: Session, tokens=None, q=None):
         loop = asyncio.get_running_loop()
-        job = _Job(s, loop.create_future(), loop, tokens, q)
+        job = Round(s, loop, loop.create_future(), tokens, q) if tokens is not None else Prefill(s, loop, loop.create_future())
         self._queue.put(job)
         awaited = self._awaited
         if awaited:  # the scheduler thread is gathering (`_gather`): wake it when the last awaited session is in
@@ -210,7 +184,7 @@ class Scheduler:
         with self._thread_context():
             self._work()
 
-    def _take(self, job, rounds: list[_Job], prefills: collections.deque[_Job]) -> bool:
+    def _take(self, job, rounds: list[Job], prefills: collections.deque[Job]) -> bool:
         """Files `job` (if any) and every job queued after it; False once told to stop."""
         while True:
             if job is None:
@@ -225,10 +199,10 @@ class Scheduler:
             elif job.session.closed:
                 job.resolve(False, RequestError(Refusal.CANCELLED, "session closed"))
             else:  # a stream whose prompt is not in the cache yet takes its prefill's place
-                (prefills if job.tokens is None or _unfilled(job.session) else rounds).append(job)
+                (prefills if isinstance(job, Prefill) or unfilled(job.session) else rounds).append(job)
             job = None
 
-    def _gather(self, rounds: list[_Job], prefills: collections.deque[_Job]) -> bool:
+    def _gather(self, rounds: list[Job], prefills: collections.deque[Job]) -> bool:
         """Waits, at most GATHER_SHARE of the last pass's time, for the next rounds of the sessions
         whose verdicts the last pass gave (their drafts were already running): a pass that starts
         without them would leave them a whole pass behind. The thread sleeps until the last of
@@ -247,8 +221,8 @@ class Scheduler:
         return self._take(None, rounds, prefills)
 
     def _work(self) -> None:
-        rounds: list[_Job] = []
-        prefills: collections.deque[_Job] = collections.deque()
+        rounds: list[Job] = []
+        prefills: collections.deque[Job] = collections.deque()
         while True:
             if not self._take(self._queue.get() if not rounds and not prefills else None, rounds, prefills):  # idle: block
                 return
@@ -268,16 +242,16 @@ class Scheduler:
             t0 = time.perf_counter()
             self._run(batch, filling)
             self._pass_s = time.perf_counter() - t0
-            self._back = {j.session.sid for j in batch if j.stream is None and not j.session.finish and not j.session.closed}
+            self._back = {j.session.sid for j in batch if isinstance(j, Round) and not j.session.finish and not j.session.closed}
             rounds += [j for j in batch if not j.finished]  # streams whose sessions go on
             for j in filling:
-                if j.finished or not _unfilled(j.session):
+                if j.finished or not unfilled(j.session):
                     prefills.remove(j)
                     if not j.finished:  # a stream with its prompt in: its steps go on as rounds
                         rounds.append(j)
             metrics.CACHED_TOKENS.set(self.cached_tokens())
 
-    def _run(self, batch: list[_Job], prefills: list[_Job]) -> None:
+    def _run(self, batch: list[Job], prefills: list[Job]) -> None:
         """One pass over the rounds in `batch` and the next chunk of each prompt in `prefills`;
         resolves every job it finishes (a prefill once its last chunk is in). A stream among the
         prefills (target-only) takes its first step in the pass of its prompt's last chunk, as a
@@ -290,7 +264,7 @@ class Scheduler:
             s = p.session
             have, goal = s.cache.length, len(s.ids) - 1
             chunks.append(s.ids[have : min(goal, have - have % PREFILL_CHUNK + PREFILL_CHUNK)])  # boundaries fixed by position
-            if p.stream is not None and have + len(chunks[-1]) == goal:
+            if isinstance(p, Stream) and have + len(chunks[-1]) == goal:
                 merged.append(p)
         jobs += merged
         everyone = jobs + [p for p in prefills if p not in merged]
@@ -316,7 +290,7 @@ class Scheduler:
                 self._run([], [p])
             return
         for p, _ in filling:
-            if not _unfilled(p.session):  # before the verdicts: a stream's handler reads it with its first
+            if not unfilled(p.session):  # before the verdicts: a stream's handler reads it with its first
                 p.session.prefill_s = time.perf_counter() - p.enqueued
                 p.enqueued = t0  # a merged first step waited for its prompt only, which prefill_s counts
         if jobs:
@@ -324,10 +298,10 @@ class Scheduler:
             metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
             self._verdicts(jobs, logits, proposals, t0, (sum(len(x) for x in inputs), len(inputs)))
         for p in prefills:
-            if p.stream is None and not _unfilled(p.session):
+            if not isinstance(p, Stream) and not unfilled(p.session):
                 p.resolve(True, None)
 
-    def _verdicts(self, jobs: list[_Job], logits: torch.Tensor, proposals: torch.Tensor, t0: float,
+    def _verdicts(self, jobs: list[Job], logits: torch.Tensor, proposals: torch.Tensor, t0: float,
                   layout: tuple[int, int]) -> None:
         """Acceptance for every session in one batched call on the device, then one transfer of
         all (n, next); the pass's time (forward + acceptance) is taken after that transfer, when a
@@ -337,7 +311,7 @@ class Scheduler:
         keep = []
         for i, j in enumerate(jobs):
             try:
-                _check(j, logits.shape[-1])
+                check(j, logits.shape[-1])
                 keep.append(i)
             except Exception as e:  # noqa: BLE001 - fails this session only
                 j.resolve(False, e)
@@ -362,11 +336,11 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001
                 j.resolve(False, e)
 
-    def _decide(self, jobs: list[_Job], logits: torch.Tensor, proposals: torch.Tensor) -> list[tuple[_Job, list[int]]]:
+    def _decide(self, jobs: list[Job], logits: torch.Tensor, proposals: torch.Tensor) -> list[tuple[Job, list[int]]]:
         """[(job, [n, next])] from one batched acceptance and ONE host transfer; if the batch
         raises, each session is retried alone, so a failure fails its own session only."""
         try:
-            n, nxt = _accept(jobs, logits, proposals)
+            n, nxt = accept(jobs, logits, proposals)
             if self._forced is not None:
                 n = torch.tensor([max(0, min(self._forced(j.session, len(j.tokens)), len(j.tokens))) for j in jobs], device=logits.device)
                 nxt = logits[torch.arange(len(jobs), device=logits.device), n].argmax(-1)
@@ -379,7 +353,7 @@ class Scheduler:
             return [d for i in range(len(jobs)) for d in self._decide(jobs[i : i + 1], logits[i : i + 1], proposals[i : i + 1])]
 
     @staticmethod
-    def _dropped(j: _Job) -> bool:
+    def _dropped(j: Job) -> bool:
         if j.session.closed:
             j.resolve(False, RequestError(Refusal.CANCELLED, "session closed"))
             return True
@@ -387,46 +361,3 @@ class Scheduler:
 
 
 _STOP = object()
-
-
-def _check(j: _Job, V: int) -> None:
-    """A session's q fits the batch: [tau, V] or None."""
-    tau = len(j.tokens)
-    if j.q is not None and not j.session.sampling.greedy and tuple(j.q.shape) != (tau, V):
-        raise ValueError(f"q of shape {tuple(j.q.shape)} for a round of {tau} proposals over {V} ids")
-
-
-def _accept(jobs: list[_Job], lg: torch.Tensor, proposals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sessions' (n accepted [B], next token [B]) on the device: accept_batch over their
-    rounds padded to the longest. lg [B, T+1, V] (rows past a session's tau+1 are padding);
-    proposals [B, >= T]."""
-    B, T, V = lg.shape[0], lg.shape[1] - 1, lg.shape[2]
-    qs = [(i, j.q) for i, j in enumerate(jobs) if j.q is not None and not j.session.sampling.greedy]
-    if qs:
-        q = torch.zeros(B, T, V, dtype=torch.float32)  # [B, T, V] on the host: zeros where absent or greedy
-        for i, qi in qs:
-            q[i, : qi.shape[0]] = qi
-        q = q.to(lg.device, non_blocking=True)  # one copy per pass
-    else:  # all greedy or target-only: a zero q that takes no memory
-        q = lg.new_zeros((), dtype=torch.float32).expand(B, T, V)
-    ss = [j.session for j in jobs]
-    return accept_batch(lg, proposals[:, :T], torch.tensor([len(j.tokens) for j in jobs]), q,
-                        torch.tensor([s.sampling.greedy for s in ss]), torch.tensor([int64(s.seed) for s in ss]),
-                        torch.tensor([len(s.ids) for s in ss]),
-                        torch.tensor([s.sampling.temperature for s in ss], dtype=torch.float64),
-                        torch.tensor([s.sampling.top_k for s in ss]),
-                        torch.tensor([s.sampling.top_p for s in ss], dtype=torch.float64))
-
-
-def _unfilled(s: Session) -> bool:
-    """Whether some of the session's prompt is not in its cache yet (it holds ids[:-1] once filled)."""
-    return s.cache.length < len(s.ids) - 1
-
-
-def _resolve(fut: asyncio.Future, ok: bool, result) -> None:
-    if fut.done():  # the awaiting stream was cancelled meanwhile
-        return
-    if ok:
-        fut.set_result(result)
-    else:
-        fut.set_exception(result)

@@ -1,0 +1,129 @@
+"""What sessions hand the verify scheduler's thread (verify_service/scheduler.py), one type per
+kind of work, and the batched acceptance over a pass's rounds.
+
+* `Prefill`: put the session's prompt (but its last token) into its cache; its future resolves
+  once the last chunk is in.
+* `Round`: one round of proposals (tau >= 0, with their q where sampled); its future resolves
+  with the Verdict.
+* `Stream`: target-only steps, one a pass, each verdict posted to the caller's queue; the thread
+  runs the next step as soon as the last one is committed (at most `left` steps, else until the
+  session finishes).
+
+A job is resolved on the scheduler's thread and handed to its caller's event loop with
+`call_soon_threadsafe`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.acceptance import accept_batch
+from specdec.sampling import int64
+from verify_service.session import Session
+
+
+@dataclass
+class Job:
+    session: Session
+    loop: asyncio.AbstractEventLoop
+    enqueued: float = field(default_factory=time.perf_counter, kw_only=True)  # when its work was queued
+    finished: bool = field(default=False, kw_only=True)  # nothing more to do for it
+
+    def resolve(self, ok: bool, result) -> None:
+        self.finished = True
+        self._post(ok, result)
+
+    def _post(self, ok: bool, result) -> None:
+        try:
+            self._hand(ok, result)
+        except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
+            self.finished = True
+
+    def _hand(self, ok: bool, result) -> None:
+        self.loop.call_soon_threadsafe(_resolve, self.future, ok, result)
+
+
+class _NoProposals:
+    """A prefill's and a stream step's (empty) proposals, as a round's are read."""
+
+    @property
+    def tokens(self) -> list[int]:
+        return []
+
+    @property
+    def q(self) -> None:
+        return None
+
+
+@dataclass
+class Prefill(_NoProposals, Job):
+    future: asyncio.Future
+
+
+@dataclass
+class Round(Job):
+    future: asyncio.Future
+    tokens: list[int]  # the proposals
+    q: torch.Tensor | None = None  # [tau, V] on the host (all sessions' go to the device in one copy per pass), or None
+
+
+@dataclass
+class Stream(_NoProposals, Job):
+    verdicts: asyncio.Queue  # gets every (ok, Verdict or error)
+    left: int | None = None  # steps still allowed (None: until the session finishes)
+
+    def resolve(self, ok: bool, result) -> None:
+        if self.left is not None and ok:
+            self.left -= 1
+        self.finished = not ok or bool(result.finish) or self.left == 0
+        self.enqueued = time.perf_counter()  # its next step is queued from now
+        self._post(ok, result)
+
+    def _hand(self, ok: bool, result) -> None:
+        self.loop.call_soon_threadsafe(self.verdicts.put_nowait, (ok, result))
+
+
+def unfilled(s: Session) -> bool:
+    """Whether some of the session's prompt is not in its cache yet (it holds ids[:-1] once filled)."""
+    return s.cache.length < len(s.ids) - 1
+
+
+def check(j: Job, V: int) -> None:
+    """A session's q fits the batch: [tau, V] or None."""
+    tau = len(j.tokens)
+    if j.q is not None and not j.session.sampling.greedy and tuple(j.q.shape) != (tau, V):
+        raise ValueError(f"q of shape {tuple(j.q.shape)} for a round of {tau} proposals over {V} ids")
+
+
+def accept(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sessions' (n accepted [B], next token [B]) on the device: accept_batch over their
+    rounds padded to the longest. lg [B, T+1, V] (rows past a session's tau+1 are padding);
+    proposals [B, >= T]."""
+    B, T, V = lg.shape[0], lg.shape[1] - 1, lg.shape[2]
+    qs = [(i, j.q) for i, j in enumerate(jobs) if j.q is not None and not j.session.sampling.greedy]
+    if qs:
+        q = torch.zeros(B, T, V, dtype=torch.float32)  # [B, T, V] on the host: zeros where absent or greedy
+        for i, qi in qs:
+            q[i, : qi.shape[0]] = qi
+        q = q.to(lg.device, non_blocking=True)  # one copy per pass
+    else:  # all greedy or target-only: a zero q that takes no memory
+        q = lg.new_zeros((), dtype=torch.float32).expand(B, T, V)
+    ss = [j.session for j in jobs]
+    return accept_batch(lg, proposals[:, :T], torch.tensor([len(j.tokens) for j in jobs]), q,
+                        torch.tensor([s.sampling.greedy for s in ss]), torch.tensor([int64(s.seed) for s in ss]),
+                        torch.tensor([len(s.ids) for s in ss]),
+                        torch.tensor([s.sampling.temperature for s in ss], dtype=torch.float64),
+                        torch.tensor([s.sampling.top_k for s in ss]),
+                        torch.tensor([s.sampling.top_p for s in ss], dtype=torch.float64))
+
+
+def _resolve(fut: asyncio.Future, ok: bool, result) -> None:
+    if fut.done():  # the awaiting caller was cancelled meanwhile
+        return
+    if ok:
+        fut.set_result(result)
+    else:
+        fut.set_exception(result)
