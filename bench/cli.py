@@ -22,11 +22,17 @@ def add_pair_args(p: argparse.ArgumentParser, out: bool = True) -> None:
         p.add_argument("--out", default=RESULTS)
 
 
-def add_run_args(p: argparse.ArgumentParser, max_new_tokens: int, repeats: int | None = None) -> None:
-    """--max-new-tokens per request and (when the command repeats its measurements) --repeats."""
+def pair_run_parser(command: str, max_new_tokens: int, repeats: int, **flags: dict) -> argparse.ArgumentParser:
+    """`python -m bench.COMMAND`'s parser: the pair and --out (add_pair_args), each of `flags`
+    (--name: add_argument's keywords, e.g. levels=dict(default="1,4")), --max-new-tokens per request
+    and --repeats of its measurements."""
+    p = argparse.ArgumentParser(prog=f"python -m bench.{command}")
+    add_pair_args(p)
+    for name, kw in flags.items():
+        p.add_argument("--" + name.replace("_", "-"), **kw)
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    if repeats is not None:
-        p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--repeats", type=int, default=repeats)
+    return p
 
 
 def run_header(a) -> dict:
@@ -36,7 +42,8 @@ def run_header(a) -> dict:
 
 
 def write_report(out: str, stem: str, report_name: str, res: dict, render) -> str:
-    """Writes res to OUT/STEM.json and render(res) to OUT/REPORT_NAME; prints and returns the report."""
+    """Writes res to OUT/STEM.json and render(res) to OUT/REPORT_NAME (making OUT); prints and returns the report."""
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{stem}.json"), "w") as fh:
         json.dump(res, fh, indent=1)
     report = render(res)

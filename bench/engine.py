@@ -18,7 +18,6 @@ Reports which greedy outputs equal generate()'s and each other. Writes ENGINE.md
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -30,7 +29,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.cli import add_pair_args, add_run_args
+from bench.cli import pair_run_parser
 from bench.prompts import CODE_PROMPTS, heldout_prompts
 from bench.launch import ENV, Service
 from client import Client
@@ -165,10 +164,7 @@ def rate(pairs) -> float:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.engine")
-    add_pair_args(p)
-    p.add_argument("--dtypes", default="float32,bfloat16")
-    add_run_args(p, max_new_tokens=128, repeats=2)
+    p = pair_run_parser("engine", 128, 2, dtypes=dict(default="float32,bfloat16"))
     p.add_argument("--sets", default="code,heldout", help="prompt sets: code (CODE_PROMPTS), heldout (held-out stdlib prompts)")
     p.add_argument("--heldout-dtypes", default="bfloat16", help="dtypes the held-out set runs in")
     a = p.parse_args(argv)

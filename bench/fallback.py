@@ -12,7 +12,6 @@ of each run to the Verify.Generate run next to it (this shared machine's speed d
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -20,6 +19,7 @@ import sys
 import tempfile
 import time
 
+from bench.cli import write_report
 from bench.prompts import CODE_PROMPTS
 from client import Client
 from bench.launch import ENV, ROOT, Service
@@ -90,25 +90,23 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     res = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), target=os.path.relpath(a.target, ROOT), repeats=a.repeats,
                prompts=len(CODE_PROMPTS), rows=rows)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "fallback.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
+    write_report(a.out, "fallback", "FALLBACK.md", res, render)
+    return 0
+
+
+def render(res: dict) -> str:
     lines = ["# A useless draft's fallback against the target alone", "",
              f"Run {res['date']}; `{res['target']}` with a randomly initialised draft of the shipped draft's shape, one torch "
              f"thread each, greedy, {res['prompts']} code prompts one at a time; {res['repeats']} runs of each kind, each "
              "next to a Verify.Generate run on the same verify service (alternating order); × is the median of the paired ratios. Command: `python -m bench.fallback`.", "",
              "| new tokens | Verify.Generate tok/s | hybrid (default) tok/s | × | draft model tok/s | × | steps in runs |",
              "|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in res["rows"]:
         t, x = r["tok_s"], r["ratio"]
         lines.append(f"| {r['max_new_tokens']} | {t['target-only']:.1f} | {t['hybrid']:.1f} | **{x['hybrid']:.2f}×** | "
                      f"{t['draft']:.1f} | **{x['draft']:.2f}×** | {100 * r['run_share']['draft']:.0f}% |")
     lines += ["", "Only ratios within one run count: this shared 2-core machine's speed drifts.", ""]
-    with open(os.path.join(a.out, "FALLBACK.md"), "w") as fh:
-        fh.write("\n".join(lines))
-    print("\n".join(lines))
-    return 0
-
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     sys.exit(main())

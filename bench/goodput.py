@@ -14,14 +14,13 @@ the same run, on the same verify process. Everything runs with one torch thread 
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
 import sys
 import time
 
-from bench.cli import add_pair_args, add_run_args, run_header, write_report
+from bench.cli import pair_run_parser, run_header, write_report
 from bench.concurrency import scrape
 from bench.prompts import CODE_PROMPTS
 from client import AsyncClient
@@ -52,11 +51,7 @@ async def run_batch(address: str, target_only: bool, prompts: list[str], max_new
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.goodput")
-    add_pair_args(p)
-    p.add_argument("--levels", default="1,4,8,16")
-    add_run_args(p, max_new_tokens=64, repeats=2)
-    a = p.parse_args(argv)
+    a = pair_run_parser("goodput", 64, 2, levels=dict(default="1,4,8,16")).parse_args(argv)
     levels = [int(x) for x in a.levels.split(",")]
     os.makedirs(a.out, exist_ok=True)
     env = dict(ENV, OMP_NUM_THREADS="1")

@@ -19,14 +19,13 @@ token, and a verify round V(gamma) = a + b*gamma fitted to their verify wait per
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 
-from bench.cli import add_pair_args, add_run_args
+from bench.cli import pair_run_parser, write_report
 from bench import split
 from bench.demo import PROMPT as DEMO_PROMPT
 from bench.prompts import CODE_PROMPTS
@@ -107,11 +106,7 @@ def _median_row(reps: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.policy")
-    add_pair_args(p)
-    p.add_argument("--rtt-ms", default="0,10,50")
-    add_run_args(p, max_new_tokens=96, repeats=2)
-    a = p.parse_args(argv)
+    a = pair_run_parser("policy", 96, 2, rtt_ms=dict(default="0,10,50")).parse_args(argv)
     ok, why = split.netns_supported()
     if not ok:
         print(f"bench.policy needs network namespaces: {why}", file=sys.stderr)
@@ -131,9 +126,12 @@ def main(argv=None) -> int:
         for s in per.values():
             ids = [c.pop("ids") for c in s["configs"].values()]
             s["identical_outputs"] = all(x == ids[0] for x in ids)
-    with open(os.path.join(a.out, "policy.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
-    lines = [f"# Decode-loop policy vs fixed tau (greedy, {a.max_new_tokens} tokens, median of {a.repeats} alternating repeats, "
+    write_report(a.out, "policy", "POLICY.md", res, render)
+    return 0
+
+
+def render(res: dict) -> str:
+    lines = [f"# Decode-loop policy vs fixed tau (greedy, {res['max_new_tokens']} tokens, median of {res['repeats']} alternating repeats, "
              "one torch thread per service, services in two network namespaces with a delaying proxy)", ""]
     for rtt, per in res["rtt"].items():
         for s, summ in per.items():
@@ -147,11 +145,7 @@ def main(argv=None) -> int:
                 lines.append(f"| {name} | {c['mean_tau']:.2f} | {c['tokens_per_round']:.2f} | {c['tok_s']:.1f} | {c['tok_s'] / best:.2f}x | "
                              + (f"{pred:.1f} | {c['tok_s'] / pred:.2f} |" if pred else "— | — |"))
             lines.append("")
-    with open(os.path.join(a.out, "POLICY.md"), "w") as fh:
-        fh.write("\n".join(lines))
-    print("\n".join(lines))
-    return 0
-
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,14 +14,13 @@ are recorded too: on a machine with fewer cores than processes, that is what bou
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
 import sys
 import time
 
-from bench.cli import add_pair_args, add_run_args, run_header, write_report
+from bench.cli import pair_run_parser, run_header, write_report
 from bench.goodput import run_batch
 from bench.prompts import CODE_PROMPTS
 from bench.launch import ENV, Service
@@ -42,12 +41,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.scaleout")
-    add_pair_args(p)
-    p.add_argument("--sessions", type=int, default=8)
-    add_run_args(p, max_new_tokens=64, repeats=3)
-    p.add_argument("--proposer", default="hybrid", choices=("draft", "hybrid", "lookup"))
-    a = p.parse_args(argv)
+    a = pair_run_parser("scaleout", 64, 3, sessions=dict(type=int, default=8),
+                        proposer=dict(default="hybrid", choices=("draft", "hybrid", "lookup"))).parse_args(argv)
     env = dict(ENV, OMP_NUM_THREADS="1")
     vs = [Service("verify_service", "--model", os.path.abspath(a.target), "--threads", "1", "--metrics-port", "0", env=env)
           for _ in range(2)]
@@ -79,7 +74,6 @@ def main(argv=None) -> int:
     med = {n: statistics.median(r["tok_s"] for r in runs[n]) for n in runs}
     res = dict(**run_header(a), sessions=a.sessions, max_new_tokens=a.max_new_tokens, proposer=a.proposer,
                repeats=a.repeats, cores=os.cpu_count(), runs=runs, median_tok_s=med, ratio=med[2] / med[1], wall_s=wall, cpu_s=cpu)
-    os.makedirs(a.out, exist_ok=True)
     write_report(a.out, "scaleout", "SCALEOUT.md", res, render)
     return 0
 

@@ -232,7 +232,7 @@ class DecodeLoop:
         """A run of n target-only steps on the verifier (Round.target_only_steps): one message out,
         the verifier steps on its own and sends a verdict per token; the draft relays them. Its
         own cache catches up (one forward over the run's tokens) when it next drafts (drafter._feed)."""
-        st, stats = self.state, self.stats
+        stats = self.stats
         await self._timed(call.write(pb.VerifyRequest(round=pb.Round(round=stats.rounds + 1, target_only_steps=n))))
         got, t0 = 0, time.perf_counter()
         while True:
@@ -248,15 +248,11 @@ class DecodeLoop:
             t1 = time.perf_counter()
             stats.verify_s += t1 - t0
             t0 = t1
-            stats.verify_forward_s += v.forward_s
             if self.tau:
                 self.tau.load(v.row_price)
             if self.pace:
                 self.pace.quote(v.target_only_s)
-            new = [v.next_token] if v.HasField("next_token") else []
-            st.ids.extend(new)
-            self._count(0, 0)
-            yield new, v.finish_reason
+            yield self._committed(v), v.finish_reason
             if v.finish_reason:
                 return
             if not v.steps_left:
@@ -292,13 +288,17 @@ class DecodeLoop:
             stats.target_only_rounds += 1
             metrics.PROPOSALS_PER_ROUND.observe(0)
             stats.verify_s += time.perf_counter() - t0
-            stats.verify_forward_s += v.forward_s
-            new = [v.next_token] if v.HasField("next_token") else []
-            st.ids.extend(new)
-            self._count(0, 0)
-            yield new, v.finish_reason
+            yield self._committed(v), v.finish_reason
             if v.finish_reason:
                 return
+
+    def _committed(self, v: pb.Verdict) -> list[int]:
+        """A target-only verdict's token (none at a finish without one), added to the sequence and counted."""
+        self.stats.verify_forward_s += v.forward_s
+        new = [v.next_token] if v.HasField("next_token") else []
+        self.state.ids.extend(new)
+        self._count(0, 0)
+        return new
 
     def _judge(self, drafted: int, accepted: int) -> None:
         self.judge.observe(drafted, accepted)
