@@ -75,6 +75,15 @@ def packed(request, model_dir):
 
 
 @pytest.fixture(scope="module")
+def target(model_dir):
+    """The tiny target as transformers loads it (float32): the reference the exactness tests compare with."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    return AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
 def wide_dir(tmp_path_factory):
     """A random Llama as wide as the shipped target's MLP (1408): one-row bf16 matmuls of this
     width take a kernel whose sums round differently from two rows up."""

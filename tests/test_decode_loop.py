@@ -23,14 +23,9 @@ from specdec.lm import LM
 from specdec.validation import parse_generate
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from test_greedy import hf_greedy, prompts
+from helpers.greedy import hf_greedy, prompts
 
 EOS = 0
-
-
-@pytest.fixture(scope="module")
-def target(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -1,31 +1,11 @@
 """Greedy speculative output equals the target's own greedy output, token for token."""
-import random
-
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from client import Client
+from helpers.greedy import hf_greedy, prompts
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-
-
-@pytest.fixture(scope="module")
-def target(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=torch.float32).eval()
-
-
-def hf_greedy(model, prompt, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=n, pad_token_id=1)
-    return out[0, len(prompt):].tolist()
-
-
-def prompts(n, seed=0, vocab=16, max_len=20):
-    r = random.Random(seed)
-    return [[r.randrange(1, vocab) for _ in range(r.randint(1, max_len))] for _ in range(n)]
 
 
 @pytest.mark.parametrize("draft", ["draft", "target"])  # a different draft, and a perfect one (all accepted)

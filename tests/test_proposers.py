@@ -6,7 +6,7 @@ from client import Client
 from draft_service.adaptive import TauController
 from specdec.costmodel import Costs
 from draft_service.lookup import lookup
-from test_greedy import hf_greedy, prompts, target  # noqa: F401 - fixture reused
+from helpers.greedy import hf_greedy, prompts
 
 
 @pytest.mark.parametrize("ids,tau,expected", [
@@ -75,7 +75,7 @@ FEATURES = [
 
 @pytest.mark.parametrize("draft", ["draft", "target"])
 @pytest.mark.parametrize("features", FEATURES, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
-def test_greedy_exact_with_every_feature(services, target, draft, features):  # noqa: F811
+def test_greedy_exact_with_every_feature(services, target, draft, features):
     _, d = services("target", draft)
     with Client(d.address, timeout=60) as c:
         hits = 0

@@ -30,6 +30,19 @@ class Clock:
         return self.t
 
 
+class TickingPace(Pace):
+    """A pace whose clock jumps 2 s at its 10th verdict quote: the end of a first run of 10 target-only
+    steps, after which a hold of 1 s is over."""
+
+    quotes = 0
+
+    def quote(self, target_only_s: float) -> None:
+        super().quote(target_only_s)
+        self.quotes += 1
+        if self.quotes == 10:
+            self.clock.t += 2.0
+
+
 def params(n, temperature=0.0, seeded=False):
     return GenParams(prompt_ids=PROMPT, max_new_tokens=n, sampling=Sampling(temperature=temperature), seed=7, seeded=seeded,
                      tau=4, proposer=pb.PROPOSER_DRAFT, mode=pb.PROPOSAL_MODE_GREEDY if temperature == 0 else pb.PROPOSAL_MODE_SPARSE)
@@ -59,15 +72,8 @@ def test_runs_on_the_verifier_are_exact_and_speculation_resumes(model_dir):
         lm = LM.load(target, "cpu", "float32")  # the target as its own draft: every proposal accepted
         clock = Clock()
         # speculation lost: target-only for a second (10 steps); no new verdict after (timing is not tested)
-        pace = Pace(clock=clock, target_only_s=0.1, until=clock.t + 1.0, probe_rounds=10**6)
+        pace = TickingPace(clock=clock, target_only_s=0.1, until=clock.t + 1.0, probe_rounds=10**6)
         loop = DecodeLoop(Drafter(lm), params(80), lm.fingerprint, lm.max_context, costs=COSTS, pace=pace)
-        real = loop._run
-
-        async def run_then_tick(call, n):  # the hold ends after the first run
-            async for item in real(call, n):
-                yield item
-            clock.t += 2.0
-        loop._run = run_then_tick
         assert asyncio.run(_session(v.address, loop)) == greedy
         s = loop.summary()
         assert s.run_steps == 10 and s.target_only_rounds == s.run_steps  # one run, then drafting
