@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from specdec.acceptance import accept_batch
 from specdec.engine import Engine, KVCache, Plan
 from specdec.engine.attention import ATTN
-from specdec.engine.graphs import pages_bucket
+from specdec.engine.graphs import pages_bucket, uniform_pass
 from specdec.lm import LM
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -78,6 +78,28 @@ def test_passes_that_do_not_fit_a_uniform_shape_take_the_packed_pass(model_dir):
     eng.forward([[1, 2, 3]], [c], logits=False)  # a prefill: never uniform
     eng.forward([[4, 5]], [c], logits=[True], padded=False)  # logits per input: the packed pass
     assert eng.uniform._shapes == {}
+
+
+def test_the_uniform_pass_compiles_whole_without_graph_breaks(model_dir):
+    """torch.compile(fullgraph=True) traces a uniform pass (layout, model, head) in one graph, and
+    the compiled pass gives the eager one's logits and writes the same keys and values."""
+    torch.set_num_threads(1)
+    eng, _ = engine_on(model_dir, "cpu", graphs=False)
+    seqs = sessions(6, 3)
+    caches = [KVCache(len(s)) for s in seqs]
+    eng.forward([s[:12] for s in seqs], caches, logits=False)
+    n, P = 4, 4
+    meta = torch.tensor([[n, 12, *s[12:16], *c.pages[:P], *[0] * (P - len(c.pages[:P]))] for s, c in zip(seqs, caches)]
+                        + [[1, 0, *[0] * (n + P)]])  # three sessions' rounds and a padding input: a bucket of 4
+    with torch.inference_mode():
+        eager = uniform_pass(eng, meta, n)
+        kv = [t.clone() for t in eng.pool.k]
+        explained = torch._dynamo.explain(uniform_pass)(eng, meta, n)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        compiled = torch.compile(uniform_pass, fullgraph=True)(eng, meta, n)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-4)
+    for a, b in zip(kv, eng.pool.k):  # the same keys written again in place (inductor's fused kernels round their own way)
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
 
 
 @CUDA

@@ -33,6 +33,7 @@ from transformers import AttentionInterface, Cache
 from specdec.engine.cache import PAGE, KVCache, Pool
 
 ATTN = "specdec_packed"
+PASS_KWARG = "specdec_pass"  # the model-call keyword that hands a pass down to its attention (where the model passes keywords on)
 ROW_BY_ROW = 64  # inputs of up to this many tokens attend a query at a time (in one call per group); longer ones together
 GROUPS = (8, 16, 32, ROW_BY_ROW)  # short inputs are grouped by the first of these their length fits
 
@@ -206,7 +207,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     """query [1, H, T, D] -> ([1, T, H, D], None); keys and values come from the pool."""
     if s_aux is not None:
         raise NotImplementedError("attention sinks (s_aux) are not supported")
-    p = _current.get()
+    p = kwargs.get(PASS_KWARG) or _current.get()
     K, V = p.pool.k[module.layer_idx], p.pool.v[module.layer_idx]  # [slots, H_kv, D]
     H, D = query.shape[1], query.shape[3]
     H_kv = K.shape[1]

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from specdec.engine.attention import Group, Pass, PassCache, cache_kwargs, running
+from specdec.engine.attention import PASS_KWARG, Group, Pass, PassCache, cache_kwargs, running
 from specdec.engine.cache import PAGE, KVCache, Pool
 
 log = logging.getLogger("specdec.engine")
@@ -55,6 +55,26 @@ def uniform_layout(meta: torch.Tensor, pool: Pool, n: int) -> tuple[torch.Tensor
     rows = torch.arange(B * n, device=dev)
     group = Group(list(range(B)), n, table.shape[1] * PAGE, gather, rows, qpos)
     return ids.reshape(1, B * n), qpos.reshape(1, B * n), Pass(pool, B * n, [], slots.reshape(-1), [group], [], None)
+
+
+def uniform_pass(engine, meta: torch.Tensor, n: int) -> torch.Tensor:
+    """One uniform pass from meta (uniform_layout): logits [B, n, V] float32, a padding row's
+    those of its input's last real row. Device ops alone, no host sync, and no graph break:
+    `torch.compile(uniform_pass, fullgraph=True)` traces it whole (tests/test_graphs.py). The
+    pass reaches the attention layers as a keyword of the model's call, which transformers hands
+    down to its attention functions; `running` also makes it the thread's pass, for a model that
+    does not (outside a compiled trace, which cannot follow a context variable)."""
+    model = engine.model
+    ids, pos, p = uniform_layout(meta, engine.pool, n)
+    kw = {**cache_kwargs(model, PassCache(p)), PASS_KWARG: p}
+    if torch.compiler.is_compiling():
+        logits = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=0, **kw).logits[0]
+    else:
+        with running(p):
+            logits = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=0, **kw).logits[0]
+    B = meta.shape[0]
+    last = torch.arange(B, device=meta.device)[:, None] * n + torch.minimum(torch.arange(n, device=meta.device), meta[:, :1] - 1)
+    return logits.index_select(0, last.view(-1)).view(B, n, -1).float()  # padding rows: their input's last row
 
 
 class _Shape:
@@ -112,17 +132,8 @@ class Uniform:
             sh.graph.replay()
             out = sh.out
         else:
-            out = self._pass(sh.meta, n)
+            out = uniform_pass(self.engine, sh.meta, n)
         return out[: len(inputs)]
-
-    def _pass(self, meta: torch.Tensor, n: int) -> torch.Tensor:
-        model = self.engine.model
-        ids, pos, p = uniform_layout(meta, self.engine.pool, n)
-        with running(p):
-            logits = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=0, **cache_kwargs(model, PassCache(p))).logits[0]
-        B = meta.shape[0]
-        last = (torch.arange(B, device=meta.device)[:, None] * n + torch.minimum(torch.arange(n, device=meta.device), meta[:, :1] - 1))
-        return logits.index_select(0, last.view(-1)).view(B, n, -1).float()  # padding rows: their input's last row
 
     def _capture(self, sh: _Shape, n: int) -> None:
         dev = sh.meta.device
@@ -134,7 +145,7 @@ class Uniform:
             self._mempool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._mempool, capture_error_mode="thread_local"):
-            sh.out = self._pass(sh.meta, n)
+            sh.out = uniform_pass(self.engine, sh.meta, n)
         sh.graph = g
         torch.cuda.synchronize(dev)
         self.captures += 1
