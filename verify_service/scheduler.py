@@ -11,7 +11,9 @@ puts one job that the thread runs step after step, posting each verdict to the c
 in chunks whose boundaries depend only on the prompt (multiples of PREFILL_CHUNK), so a long
 prompt does not stall the sessions already decoding, and a session's numbers never depend on
 what else is running. A failed batched pass is retried session by session (nothing is
-committed by a failed pass), so one session's failure fails that session only.
+committed by a failed pass), so one session's failure fails that session only. Before a pass the
+thread waits a little (at most GATHER_SHARE of the last pass) for the rounds of the sessions the
+last pass answered, so that sessions in step stay in one pass (`_gather`).
 """
 from __future__ import annotations
 
