@@ -159,6 +159,18 @@ def test_a_grown_pool_drops_its_graphs_and_passes_stay_right(model_dir):
         h.release()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="makes a capture fail by asking for one without CUDA")
+def test_a_failed_capture_leaves_the_passes_eager_and_right(model_dir, caplog):
+    """A shape's second pass tries a capture; where it fails (here: no CUDA at all) the engine logs
+    it once, turns graphs off and serves every pass eagerly, the failed one included."""
+    eng, reference = engine_on(model_dir, "cpu", graphs=True)
+    seqs = sessions(7, 2)
+    sizes = [[5, 5, 5], [5, 5, 5]]
+    check_against_model(reference, seqs, sizes, rounds_of(eng, seqs, sizes))
+    assert not eng.uniform.graphs and eng.uniform.captures == 0
+    assert caplog.text.count("CUDA graph capture failed") == 1
+
+
 def test_the_cpu_keeps_the_packed_pass_and_refuses_graphs(model_dir, caplog):
     lm = LM.load(model_dir("target"), "cpu", "float32", check=False, graphs=True)
     assert lm.engine.uniform is None and not lm.engine.plan.graphs and lm.engine.plan.per_query

@@ -127,7 +127,12 @@ class Uniform:
             self._drop()
             self._pool_slots = pool.k[0].shape[0]
         if graphed and sh.graph is None and sh.seen >= 2:
-            self._capture(sh, n)
+            try:
+                self._capture(sh, n)
+            except Exception as e:  # noqa: BLE001 - a model whose pass cannot be captured still runs, eagerly
+                log.warning("CUDA graph capture failed (%s: %s); passes run eagerly from now on", type(e).__name__, str(e)[:300])
+                self.graphs = False
+                self._drop()
         if sh.graph is not None:
             sh.graph.replay()
             out = sh.out
