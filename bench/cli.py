@@ -41,8 +41,14 @@ def run_header(a) -> dict:
                 draft=os.path.relpath(a.draft, ROOT))
 
 
-def write_report(out: str, stem: str, report_name: str, res: dict, render) -> str:
-    """Writes res to OUT/STEM.json and render(res) to OUT/REPORT_NAME (making OUT); prints and returns the report."""
+def pair_run(res: dict, where: str = "") -> str:
+    """The opening of a pair benchmark's report: "Run DATE[ where]; shipped pair (`target`, `draft`)"."""
+    return f"Run {res['date']}{where}; shipped pair (`{res['target']}`, `{res['draft']}`)"
+
+
+def write_report(out: str, stem: str, report_name: str, res: dict, render) -> int:
+    """Writes res to OUT/STEM.json and render(res) to OUT/REPORT_NAME (making OUT) and prints the
+    report; returns the command's exit status (0)."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{stem}.json"), "w") as fh:
         json.dump(res, fh, indent=1)
@@ -50,4 +56,4 @@ def write_report(out: str, stem: str, report_name: str, res: dict, render) -> st
     with open(os.path.join(out, report_name), "w") as fh:
         fh.write(report)
     print(report)
-    return report
+    return 0

@@ -90,8 +90,7 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     res = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), target=os.path.relpath(a.target, ROOT), repeats=a.repeats,
                prompts=len(CODE_PROMPTS), rows=rows)
-    write_report(a.out, "fallback", "FALLBACK.md", res, render)
-    return 0
+    return write_report(a.out, "fallback", "FALLBACK.md", res, render)
 
 
 def render(res: dict) -> str:

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-from bench.cli import pair_run_parser, run_header, write_report
+from bench.cli import pair_run, pair_run_parser, run_header, write_report
 from bench.concurrency import scrape
 from bench.prompts import CODE_PROMPTS
 from client import AsyncClient
@@ -84,13 +84,12 @@ def main(argv=None) -> int:
             d.stop()
         verify.stop()
     res = dict(**run_header(a), max_new_tokens=a.max_new_tokens, repeats=a.repeats, rows=rows)
-    write_report(a.out, "goodput", "GOODPUT.md", res, render)
-    return 0
+    return write_report(a.out, "goodput", "GOODPUT.md", res, render)
 
 
 def render(res: dict) -> str:
     lines = ["# Goodput of a shared verifier: speculative against target-only", "",
-             f"Run {res['date']}; shipped pair (`{res['target']}`, `{res['draft']}`), one verify service and two draft services "
+             pair_run(res) + ", one verify service and two draft services "
              f"(load-steered tau on / off), one torch thread each, greedy, {res['max_new_tokens']} new tokens per request, code "
              f"prompts from outside the standard library, the services' defaults otherwise; median of {res['repeats']} alternating "
              "runs. Command: `python -m bench.goodput`. Level 1 is four requests one after another.", "",

@@ -126,8 +126,7 @@ def main(argv=None) -> int:
         for s in per.values():
             ids = [c.pop("ids") for c in s["configs"].values()]
             s["identical_outputs"] = all(x == ids[0] for x in ids)
-    write_report(a.out, "policy", "POLICY.md", res, render)
-    return 0
+    return write_report(a.out, "policy", "POLICY.md", res, render)
 
 
 def render(res: dict) -> str:

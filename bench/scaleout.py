@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-from bench.cli import pair_run_parser, run_header, write_report
+from bench.cli import pair_run, pair_run_parser, run_header, write_report
 from bench.goodput import run_batch
 from bench.prompts import CODE_PROMPTS
 from bench.launch import ENV, Service
@@ -74,13 +74,12 @@ def main(argv=None) -> int:
     med = {n: statistics.median(r["tok_s"] for r in runs[n]) for n in runs}
     res = dict(**run_header(a), sessions=a.sessions, max_new_tokens=a.max_new_tokens, proposer=a.proposer,
                repeats=a.repeats, cores=os.cpu_count(), runs=runs, median_tok_s=med, ratio=med[2] / med[1], wall_s=wall, cpu_s=cpu)
-    write_report(a.out, "scaleout", "SCALEOUT.md", res, render)
-    return 0
+    return write_report(a.out, "scaleout", "SCALEOUT.md", res, render)
 
 
 def render(res: dict) -> str:
     lines = ["# Scale-out: one verify replica, then two, behind one draft tier", "",
-             f"Run {res['date']} on {res['cores']} cores; shipped pair (`{res['target']}`, `{res['draft']}`), one torch thread per "
+             pair_run(res, f" on {res['cores']} cores") + ", one torch thread per "
              f"process, {res['sessions']} concurrent greedy requests of {res['max_new_tokens']} tokens (code prompts from outside the "
              f"standard library), proposer `{res['proposer']}`, median of {res['repeats']} alternating runs. "
              "Command: `python -m bench.scaleout`.", "",

@@ -157,13 +157,14 @@ def main(argv=None) -> int:
     p.add_argument("--verify-args", default="", help="extra verify_service arguments (one string)")
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     c = p.add_argument_group("credentials (run the pair secured; files only)")
-    c.add_argument("--tls-cert", help="server certificate of both services (SANs: 127.0.0.1 and " + VERIFY_IP + ")")
-    c.add_argument("--tls-key", help="its private key")
-    c.add_argument("--tls-ca", help="the CA that signed the certificates (the draft and the load tester check servers with it)")
-    c.add_argument("--tls-client-cert", help="client certificate of the draft and the load tester: mTLS on both hops")
-    c.add_argument("--tls-client-key", help="its private key")
-    c.add_argument("--verify-token-file", help="session token: the verify service requires it, the draft sends it")
-    c.add_argument("--token-file", help="client token: the draft requires it, the load tester sends it")
+    for flag, what in (("tls-cert", f"server certificate of both services (SANs: 127.0.0.1 and {VERIFY_IP})"),
+                       ("tls-key", "its private key"),
+                       ("tls-ca", "the CA that signed the certificates (the draft and the load tester check servers with it)"),
+                       ("tls-client-cert", "client certificate of the draft and the load tester: mTLS on both hops"),
+                       ("tls-client-key", "its private key"),
+                       ("verify-token-file", "session token: the verify service requires it, the draft sends it"),
+                       ("token-file", "client token: the draft requires it, the load tester sends it")):
+        c.add_argument("--" + flag, help=what)
     a = p.parse_args(argv)
     n = names(a.id)
     if a.cleanup:

@@ -12,7 +12,7 @@ import logging
 import os
 
 from specdec import auth, startup
-from specdec.startup import StartupError, env, env_flag, number
+from specdec.startup import StartupError, add_switch, env, number
 
 PROPOSERS = ("draft", "hybrid", "lookup")  # pb.Proposer's names, lower case
 log = logging.getLogger("specdec.draft")
@@ -107,24 +107,19 @@ def main(argv=None) -> None:
                    help="send the token in this file to the verify service (its --auth-token-file); checked at start-up "
                         "[env SPECDEC_VERIFY_AUTH_TOKEN_FILE]")
     auth.add_server_args(p)
-    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=env_flag("SPECDEC_ADAPTIVE", True),
-                   help="default for requests that do not say: choose tau (up to 8 unless the request sets num_draft_tokens) "
-                        "per round from the session's acceptance and the calibrated costs (default: on; it matches the best fixed tau "
-                        "without being told it: bench/results/POLICY.md) [env SPECDEC_ADAPTIVE]")
-    p.add_argument("--predraft", action=argparse.BooleanOptionalAction, default=env_flag("SPECDEC_PREDRAFT", True),
-                   help="default for requests that do not say: draft round k+1 while round k is verified (default: on) "
-                        "[env SPECDEC_PREDRAFT]")
+    add_switch(p, "adaptive", True, "default for requests that do not say: choose tau (up to 8 unless the request sets "
+               "num_draft_tokens) per round from the session's acceptance and the calibrated costs (default: on; it matches the "
+               "best fixed tau without being told it: bench/results/POLICY.md)")
+    add_switch(p, "predraft", True, "default for requests that do not say: draft round k+1 while round k is verified (default: on)")
     p.add_argument("--proposer", choices=PROPOSERS, default=env("SPECDEC_PROPOSER") or "hybrid",
                    help="default for requests that do not say: 'hybrid' (prompt lookup when a 2-gram of the text recurs, else "
                         "the draft model; the measured best: bench/results/ENGINE.md), 'draft' or 'lookup' [env SPECDEC_PROPOSER]")
-    p.add_argument("--draft-fallback", action=argparse.BooleanOptionalAction, default=env_flag("SPECDEC_DRAFT_FALLBACK", True),
-                   help="stop drafting with the model in a session once its measured acceptance makes speculation slower than "
-                        "target-only rounds, and send rounds without proposals instead (default: on; uses the calibrated costs) "
-                        "[env SPECDEC_DRAFT_FALLBACK]")
-    p.add_argument("--goodput", action=argparse.BooleanOptionalAction, default=env_flag("SPECDEC_GOODPUT", True),
-                   help="adaptive tau follows the verifier's load: each verdict says what one more proposal row costs the "
-                        "verifier's goodput, and a round proposes only as deep as that pays, down to none (default: on; "
-                        "seeded sampled requests keep load-free taus) [env SPECDEC_GOODPUT]")
+    add_switch(p, "draft-fallback", True, "stop drafting with the model in a session once its measured acceptance makes "
+               "speculation slower than target-only rounds, and send rounds without proposals instead (default: on; uses the "
+               "calibrated costs)")
+    add_switch(p, "goodput", True, "adaptive tau follows the verifier's load: each verdict says what one more proposal row "
+               "costs the verifier's goodput, and a round proposes only as deep as that pays, down to none (default: on; seeded "
+               "sampled requests keep load-free taus)")
     p.add_argument("--costs-ms", type=costs_arg, default=env("SPECDEC_COSTS_MS"),
                    help="pin adaptive tau's costs as 'draft_step,verify_base,verify_per_token' in ms (default: calibrated once "
                         "at start-up; pinning gives the same taus, and so the same samples, across restarts) [env SPECDEC_COSTS_MS]")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from specdec.validation import MAX_TAU
 
@@ -150,23 +150,33 @@ class Metrics(BaseModel):
     speculative_decoding: SpeculativeDecoding
 
 
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
-    token_ids: list[int] | None = None
-
-
-class Completion(BaseModel):
-    """A completion, and (object text_completion too) each streamed chunk of one."""
+class _Response(BaseModel):
+    """What a completion, a chat completion and a chat chunk carry, in OpenAI's field order; each
+    names its own `object` and choices."""
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list
     usage: Usage | None = None
     metrics: Metrics | None = None
+
+
+def _choice(name: str, body: str, kind: type, finish_required: bool = False) -> type[BaseModel]:
+    """A choice with its fields in OpenAI's order: index, its body (text, message or delta),
+    logprobs, finish_reason (null while streaming, unless required), token_ids."""
+    finish = Literal["stop", "length"]
+    return create_model(name, index=(int, 0), **{body: (kind, ...)}, logprobs=(None, None),
+                        finish_reason=(finish, ...) if finish_required else (finish | None, None), token_ids=(list[int] | None, None))
+
+
+CompletionChoice = _choice("CompletionChoice", "text", str)
+
+
+class Completion(_Response):
+    """A completion, and (object text_completion too) each streamed chunk of one."""
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class ChatMessage(BaseModel):
@@ -174,22 +184,13 @@ class ChatMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessage
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"]
-    token_ids: list[int] | None = None
+ChatChoice = _choice("ChatChoice", "message", ChatMessage, finish_required=True)
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
-    metrics: Metrics | None = None
 
 
 class Delta(BaseModel):
@@ -197,22 +198,12 @@ class Delta(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: Delta
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
-    token_ids: list[int] | None = None
+ChatChunkChoice = _choice("ChatChunkChoice", "delta", Delta)
 
 
-class ChatChunk(BaseModel):
-    id: str
+class ChatChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    metrics: Metrics | None = None
 
 
 def dump(m: BaseModel, null_usage: bool = False) -> str:

@@ -127,6 +127,12 @@ def env_flag(name: str, default: bool) -> bool:
     return default if v is None else v.strip().lower() not in ("0", "false", "no", "off")
 
 
+def add_switch(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+    """--NAME / --no-NAME, its default from SPECDEC_NAME (env_flag) and `default`; the help names the variable."""
+    var = "SPECDEC_" + name.upper().replace("-", "_")
+    p.add_argument("--" + name, action=argparse.BooleanOptionalAction, default=env_flag(var, default), help=f"{help} [env {var}]")
+
+
 def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1")

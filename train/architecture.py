@@ -17,21 +17,10 @@ def llama_config(*, vocab_size: int, hidden: int, layers: int, heads: int, inter
     """A Llama config (no grouped-query attention, RMSNorm eps 1e-5, rope theta 10000)."""
     if hidden % heads:
         raise ValueError(f"hidden size {hidden} is not divisible by {heads} heads")
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=max_positions,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=tie,
-        bos_token_id=_first_id(bos_token_id),
-        eos_token_id=eos_token_id,
-        pad_token_id=_first_id(pad_token_id),
-    )
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_positions,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie, bos_token_id=_first_id(bos_token_id),
+                       eos_token_id=eos_token_id, pad_token_id=_first_id(pad_token_id))
 
 
 def target_config(tokenizer, hidden: int, layers: int, heads: int, intermediate: int, max_positions: int,
