@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -51,12 +52,13 @@ async def run_batch(address: str, target_only: bool, prompts: list[str], max_new
 
 
 def main(argv=None) -> int:
-    a = pair_run_parser("goodput", 64, 2, levels=dict(default="1,4,8,16")).parse_args(argv)
+    a = pair_run_parser("goodput", 64, 2, levels=dict(default="1,4,8,16"),
+                        verify_args=dict(default="", help="extra verify_service arguments (one string)")).parse_args(argv)
     levels = [int(x) for x in a.levels.split(",")]
     os.makedirs(a.out, exist_ok=True)
     env = dict(ENV, OMP_NUM_THREADS="1")
     verify = Service("verify_service", "--model", os.path.abspath(a.target), "--threads", "1", "--metrics-port", "0",
-                     "--max-sessions", str(max(64, max(levels))), env=env)
+                     "--max-sessions", str(max(64, max(levels))), *shlex.split(a.verify_args), env=env)
     drafts = {kind: Service("draft_service", "--model", os.path.abspath(a.draft), "--verify", verify.address, "--threads", "1",
                             "--goodput" if kind == "steered" else "--no-goodput", env=env) for kind in KINDS[1:]}
     address = {"target-only": verify.address, **{k: d.address for k, d in drafts.items()}}
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
         for d in drafts.values():
             d.stop()
         verify.stop()
-    res = dict(**run_header(a), max_new_tokens=a.max_new_tokens, repeats=a.repeats, rows=rows)
+    res = dict(**run_header(a), max_new_tokens=a.max_new_tokens, repeats=a.repeats, verify_args=a.verify_args, rows=rows)
     return write_report(a.out, "goodput", "GOODPUT.md", res, render)
 
 
@@ -92,7 +94,8 @@ def render(res: dict) -> str:
              pair_run(res) + ", one verify service and two draft services "
              f"(load-steered tau on / off), one torch thread each, greedy, {res['max_new_tokens']} new tokens per request, code "
              f"prompts from outside the standard library, the services' defaults otherwise; median of {res['repeats']} alternating "
-             "runs. Command: `python -m bench.goodput`. Level 1 is four requests one after another.", "",
+             f"runs. Command: `python -m bench.goodput{' --verify-args ' + repr(res['verify_args']) if res.get('verify_args') else ''}`. "
+             "Level 1 is four requests one after another.", "",
              "| sessions | target-only tok/s | steered tok/s | × target-only | mean τ | target-only rounds | tokens from runs "
              "| unsteered tok/s | × target-only | mean τ |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -18,6 +18,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-sessions", type=number(int, low=1), default=64, help="live sessions before RESOURCE_EXHAUSTED (>= 1)")
     p.add_argument("--max-cached-tokens", type=number(int, low=1), default=None, help="token budget of all KV caches (default: max-sessions x context, capped by the free memory where the caches live: 90%% of a GPU's, 50%% of the host's)")
     p.add_argument("--idle-timeout-s", type=number(float, above=0), default=60.0, help="close a session that sends nothing for this long (> 0)")
+    p.add_argument("--gather", type=number(float, low=0, high=1), default=0.25,
+                   help="before a pass, wait at most this share of the last pass's time for the next rounds of the sessions "
+                        "the last pass answered, so sessions in step share passes (0: start at once; default 0.25)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="on CUDA, capture each uniform shape of a pass of rounds as a CUDA graph and replay it "
                         "(default: on where the model runs on CUDA; the CPU has none)")
@@ -41,7 +44,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices, graphs=args.cuda_graphs)
-    engine = Scheduler(lm, max_sessions=args.max_sessions, max_cached_tokens=args.max_cached_tokens)
+    engine = Scheduler(lm, max_sessions=args.max_sessions, max_cached_tokens=args.max_cached_tokens, gather=args.gather)
     servicer = VerifyServicer(engine, idle_timeout_s=args.idle_timeout_s)
     asyncio.run(serving.serve(args, "specdec.v1.Verify", lambda s: pb_grpc.add_VerifyServicer_to_server(servicer, s),
                               interceptors=[token_auth], on_stop=engine.shutdown))

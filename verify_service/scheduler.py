@@ -12,7 +12,7 @@ in chunks whose boundaries depend only on the prompt (multiples of PREFILL_CHUNK
 prompt does not stall the sessions already decoding, and a session's numbers never depend on
 what else is running. A failed batched pass is retried session by session (nothing is
 committed by a failed pass), so one session's failure fails that session only. Before a pass the
-thread waits a little (at most GATHER_SHARE of the last pass) for the rounds of the sessions the
+thread waits a little (by default at most GATHER_SHARE of the last pass) for the rounds of the sessions the
 last pass answered, so that sessions in step stay in one pass (`_gather`).
 """
 from __future__ import annotations
@@ -49,16 +49,18 @@ GATHER_SHARE = 0.25  # a pass waits at most this share of the last pass's time f
 class Scheduler:
     def __init__(self, lm: LM, max_sessions: int = 64, max_cached_tokens: int | None = None, max_pass_rows: int = MAX_BATCH_TOKENS,
                  thread_context: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 forced_acceptance: Callable[[Session, int], int] | None = None):
+                 forced_acceptance: Callable[[Session, int], int] | None = None, gather: float = GATHER_SHARE):
         """max_pass_rows bounds the rows of rounds in one pass (a round is never split: one that
         does not fit waits for the next pass, first in line). thread_context: a context the
         scheduler thread (the one that runs the model) runs its whole life in, e.g. a profiler.
+        gather: the share of the last pass's time a pass waits for the last pass's sessions (`_gather`; 0: none).
         forced_acceptance (benchmarks only, never the services): how many of a round's tau
         proposals to accept, given its session and tau, in place of the rule; the round commits
         those proposals and the target's own token after them, so a benchmark measures throughput at
         a chosen acceptance on random-weight models, whose proposals no draft can predict."""
         self.lm = lm
         self._forced = forced_acceptance
+        self.gather = gather
         self._back: set[int] = set()  # sessions whose next round the next pass waits for a little (`_gather`)
         self._pass_s = 0.0  # the last pass's seconds
         self._awaited: set[int] = set()  # while gathering: the sessions not queued yet (emptied by `_submit`)
@@ -205,12 +207,12 @@ class Scheduler:
             job = None
 
     def _gather(self, rounds: list[Job], prefills: collections.deque[Job]) -> bool:
-        """Waits, at most GATHER_SHARE of the last pass's time, for the next rounds of the sessions
+        """Waits, at most `gather` of the last pass's time, for the next rounds of the sessions
         whose verdicts the last pass gave (their drafts were already running): a pass that starts
         without them would leave them a whole pass behind. The thread sleeps until the last of
         them is queued (`_submit` wakes it once) or the time is up, so it takes no GIL meanwhile
         from the event loop that is queueing them. False once told to stop."""
-        missing = self._back - {j.session.sid for j in rounds}
+        missing = self._back - {j.session.sid for j in rounds} if self.gather else None
         if missing:
             self._arrived.clear()
             self._awaited = missing  # published: from now on `_submit` takes sessions out of it
@@ -218,7 +220,7 @@ class Scheduler:
                 return False
             missing.difference_update(j.session.sid for j in rounds)
             if missing:
-                self._arrived.wait(GATHER_SHARE * self._pass_s)
+                self._arrived.wait(self.gather * self._pass_s)
             self._awaited = set()
         return self._take(None, rounds, prefills)
 
