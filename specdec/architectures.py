@@ -71,8 +71,10 @@ def probe(lm, reference: tuple[list[int], list[int], torch.Tensor]) -> None:
     try:
         a, b = KVCache(n), KVCache(n)
         eng.forward([ids[: split - 3]], [a], logits=False)  # prefill
-        got = eng.forward([ids[split - 3 : split], other], [a, b])[0]  # a round beside another session
-        steps = [eng.forward([[t]], [a])[0] for t in ids[split:]]  # single steps
+        # a round beside another session, then single steps, as the verify scheduler runs them (padded:
+        # on CUDA the uniform pass, replayed from a CUDA graph from its second time, whose output the next overwrites)
+        got = eng.forward([ids[split - 3 : split], other], [a, b], padded=True)[0, :3].clone()
+        steps = [eng.forward([[t]], [a], padded=True)[0].clone() for t in ids[split:]]
         a.release(), b.release()
     except Exception as e:  # noqa: BLE001 - any failure of the engine's pass means: not servable
         raise Unsupported(f"{arch}: the engine cannot run it ({type(e).__name__}: {e})") from None
