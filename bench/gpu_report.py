@@ -52,18 +52,15 @@ def replay_ms(engine, sessions: int, rows: int) -> float | None:
     """Device milliseconds of one replay of the CUDA graph most used for `sessions` sessions' rounds
     of `rows` rows (median of 20, timed with CUDA events), or None where none was captured."""
     u = engine.uniform
-    if u is None or not u.graphs:
-        return None
     B = next((b for b in BUCKETS if b >= sessions), None)
-    shapes = [sh for (b, n, _), sh in u._shapes.items() if b == B and n == rows and sh.graph is not None]
-    if not shapes:
+    graph = u.graph(B, rows) if u is not None and u.graphs and B is not None else None
+    if graph is None:
         return None
-    sh = max(shapes, key=lambda x: x.seen)
     times = []
     for _ in range(20):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        sh.graph.replay()
+        graph.replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))

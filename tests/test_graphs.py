@@ -64,7 +64,7 @@ def test_uniform_passes_of_rounds_serve_the_models_own_logits(model_dir):
     seqs = sessions(2, 5)
     sizes = [[random.Random(i).randint(1, 5) for _ in range(3)] for i in range(5)]
     outs = rounds_of(eng, seqs, sizes)
-    assert len(eng.uniform._shapes) >= 1 and all(B == 8 for B, _, _ in eng.uniform._shapes)
+    assert len(eng.uniform.shapes) >= 1 and all(B == 8 for B, _, _ in eng.uniform.shapes)
     check_against_model(reference, seqs, sizes, outs)
 
 
@@ -77,7 +77,7 @@ def test_passes_that_do_not_fit_a_uniform_shape_take_the_packed_pass(model_dir):
     c = KVCache(40)
     eng.forward([[1, 2, 3]], [c], logits=False)  # a prefill: never uniform
     eng.forward([[4, 5]], [c], logits=[True], padded=False)  # logits per input: the packed pass
-    assert eng.uniform._shapes == {}
+    assert eng.uniform.shapes == {}
 
 
 def test_the_uniform_pass_compiles_whole_without_graph_breaks(model_dir):

@@ -97,6 +97,16 @@ class Uniform:
         self.capture_s = 0.0  # seconds spent capturing, all graphs
         self.graph_bytes = 0  # device memory reserved while capturing, all graphs
 
+    @property
+    def shapes(self) -> dict[tuple[int, int, int], int]:
+        """{(B, n, P): passes run in that shape so far (since the graphs were last dropped)}."""
+        return {key: sh.seen for key, sh in self._shapes.items()}
+
+    def graph(self, B: int, n: int) -> torch.cuda.CUDAGraph | None:
+        """The captured graph of B inputs x n rows that has run most, if any (benchmarks replay it to time a pass)."""
+        got = [sh for (b, rows, _), sh in self._shapes.items() if (b, rows) == (B, n) and sh.graph is not None]
+        return max(got, key=lambda sh: sh.seen).graph if got else None
+
     def shape(self, counts: list[int]) -> tuple[int, int] | None:
         """(B, n) for these inputs' counts, or None where they do not fit a uniform pass."""
         n = max(counts)
