@@ -87,11 +87,38 @@ class DraftJudge:
         return best >= 1.0 / self.costs.verify(0)
 
 
+RECORD_STREAK = 2  # a model's sessions in a row that fell back before new ones start without it ...
+EXPLORE_EVERY = 8  # ... except every this-many-th, which is judged anew
+
+
+@dataclass
+class ModelRecord:
+    """Whether one draft model pays across a draft process's sessions: once RECORD_STREAK sessions
+    in a row fell back (DraftJudge), new sessions start without the model, as target-only runs
+    from their first message (no judging rounds, no draft prefill), except every EXPLORE_EVERY-th,
+    which is judged as usual; a judged session whose model pays clears the record. Sessions share it
+    only when their taus may follow the load (decode.py): it depends on other requests."""
+    streak: int = 0  # judged sessions in a row that fell back
+    skipped: int = 0  # sessions started without the model since the streak began (explorers counted)
+
+    def skip(self) -> bool:
+        """Whether a new session should start without the model."""
+        if self.streak < RECORD_STREAK:
+            return False
+        self.skipped += 1
+        return self.skipped % EXPLORE_EVERY != 0
+
+    def judged(self, pays: bool) -> None:
+        """A session's judge decided: the model fell back (pays False) or paid over its judging rounds."""
+        self.streak, self.skipped = (self.streak + 1, self.skipped) if not pays else (0, 0)
+
+
 RUN_MIN, RUN_MAX = 8, 256  # tokens in one run of target-only steps (Round.target_only_steps)
 PROBE_ROUNDS = 8  # speculative rounds, over the draft's sessions, that a comparison needs ...
 PROBE_S = 0.5  # ... and their seconds, summed: one session's few rounds are too short to judge on a shared machine
-MARGIN = 0.9  # speculation must fall below this share of the quoted target-only speed: through the draft each
-# token of a run is relayed (one more message each way), which cost about a tenth of Verify.Generate's speed here
+RELAY = 1.1  # a run's seconds per token over the verifier's quote, until measured (`Pace.ran`): through the draft
+# each token of a run is relayed (one more message each way)
+RELAY_DECAY = 0.98  # weight of the measured relay factor after each later run step
 HOLD_S = (1.0, 8.0)  # how long target-only holds after speculation lost: first, and at most (doubling)
 
 
@@ -100,20 +127,23 @@ class Pace:
     """Whether speculation pays at the verifier's current load, for all of one draft process's
     sessions that follow the load (DESIGN.md §7): the draft's measured speed per session in its
     speculative rounds (tokens over wall time, verdict to verdict) against the speed the verifier
-    quotes for a target-only session now (VerifyResponse.target_only_s). When speculation is
-    slower (below MARGIN of it), sessions run target-only for `hold` seconds (runs of target-only steps on the
+    quotes for a target-only session now (VerifyResponse.target_only_s), times `relay`: what a run's
+    steps measured over the quote (verdict to verdict, relayed through this process). When speculation is
+    slower, sessions run target-only for `hold` seconds (runs of target-only steps on the
     verifier), then speculate again for PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each lost probe
     doubles the hold (up to HOLD_S[1]), a won one resets it. Reads a clock: seeded sampled
     requests never use it."""
     clock: object = None  # time.monotonic unless a test gives one
     tokens: float = 0.0
     seconds: float = 0.0
+    quoted: float = 0.0  # the same tokens' seconds at the target-only quote of their time
     rounds: int = 0
     target_only_s: float = 0.0
     until: float = 0.0  # target-only until then
     hold: float = HOLD_S[0]
     lost: int = 0  # probes speculation lost (for stats and tests)
     probe_rounds: int = PROBE_ROUNDS
+    relay: float = RELAY
 
     def now(self) -> float:
         import time
@@ -126,21 +156,27 @@ class Pace:
     def observe(self, tokens: int, seconds: float, target_only_s: float) -> None:
         """One speculative round of some session: its committed tokens and wall seconds."""
         self.quote(target_only_s)
-        if self.now() < self.until:
-            return  # a round of a session that came out of a run early: the window is for the probe
+        if self.now() < self.until or not self.target_only_s:
+            return  # a round of a session that came out of a run early (the window is for the probe), or no quote
         self.tokens += tokens
+        self.quoted += tokens * self.target_only_s
         self.seconds += seconds
         self.rounds += 1
-        if self.rounds < self.probe_rounds or self.seconds < PROBE_S or not self.target_only_s:
+        if self.rounds < self.probe_rounds or self.seconds < PROBE_S:
             return
-        if self.tokens / self.seconds < MARGIN / self.target_only_s:
+        if self.seconds > self.relay * self.quoted:
             self.until = self.now() + self.hold
             self.hold = min(2 * self.hold, HOLD_S[1])
             self.lost += 1
         else:
             self.hold = HOLD_S[0]
-        self.tokens = self.seconds = 0.0
+        self.tokens = self.seconds = self.quoted = 0.0
         self.rounds = 0
+
+    def ran(self, seconds: float, target_only_s: float) -> None:
+        """One step of a run, seconds from the verdict before it, against the quote it came with."""
+        if seconds > 0 and target_only_s > 0:
+            self.relay = RELAY_DECAY * self.relay + (1 - RELAY_DECAY) * seconds / target_only_s
 
     def run(self) -> int:
         """Target-only steps a session should run now (0: speculate): enough to last the hold."""

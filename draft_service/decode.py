@@ -1,7 +1,8 @@
 """The speculative decode loop of one request, on the draft side.
 
 Given the request's parameters and an open Verify.Session stream, `DecodeLoop.rounds(call)`:
-sends `start` (the prompt; the verifier prefills while the draft prefills its own cache), then
+sends `start` (the prompt; the verifier prefills while the draft prefills its own cache, unless the
+session starts in a run of target-only steps: then the draft's cache catches up when it first drafts), then
 per round proposes tau tokens (draft model or prompt lookup) with the q each was sampled from,
 sends them as one `Round`, reads the verdict, commits the accepted prefix plus the verifier's
 next token and yields them with the verifier's finish reason, until that reason is set.
@@ -37,7 +38,7 @@ from typing import AsyncIterator, Protocol
 
 import grpc
 
-from draft_service.adaptive import PACE, DraftJudge, Pace, TauController
+from draft_service.adaptive import PACE, DraftJudge, ModelRecord, Pace, TauController
 from draft_service.drafter import Drafter, PredraftControl, Proposal
 from specdec.costmodel import Costs
 from specdec import metrics
@@ -49,6 +50,7 @@ from specdec.v1 import specdec_pb2 as pb
 HYBRID_MIN_NGRAM = 2  # hybrid mode trusts prompt lookup from a 2-gram match up
 log = logging.getLogger("specdec.draft")
 _warned: set[str] = set()  # models whose fallback was logged
+RECORDS: dict[str, ModelRecord] = {}  # per draft model: whether it paid in this process's recent sessions
 
 
 class VerifyStream(Protocol):
@@ -86,6 +88,10 @@ class DecodeLoop:
         use_model = params.proposer != pb.PROPOSER_LOOKUP
         self.judge = DraftJudge(fallback, params.tau, self.predraft) if fallback and use_model else None
         self.fallen_back = False  # the draft model stopped for this session
+        # the model's record across this process's sessions (adaptive.ModelRecord): it may skip the model from the start
+        self.record = RECORDS.setdefault(drafter.lm.name, ModelRecord()) if self.judge and steer else None
+        if self.record and self.record.skip():
+            self._fall_back()
         hybrid = fallback and params.proposer == pb.PROPOSER_HYBRID
         self.lookup_judge = DraftJudge(Costs(0.0, fallback.verify_base, fallback.verify_per_token), params.tau,
                                        min_tau=params.tau) if hybrid else None
@@ -128,9 +134,10 @@ class DecodeLoop:
         pending = None  # a pre-draft in flight: (task, its PredraftControl)
         try:
             await self._timed(call.write(self.start()))
-            t1 = time.perf_counter()
-            await asyncio.to_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
-            stats.prefill_s = time.perf_counter() - t1
+            if not self._run_wanted():  # a session that starts in a run drafts nothing yet: its cache catches up later (_feed)
+                t1 = time.perf_counter()
+                await asyncio.to_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
+                stats.prefill_s = time.perf_counter() - t1
             prop = None
             t_mark = time.perf_counter()  # the last verdict: a round's wall time for Pace runs from there
             while True:
@@ -149,7 +156,7 @@ class DecodeLoop:
                 tau = ctl.choose() if ctl else self.params.tau
                 if self.judge and not self.judge.accepted:
                     tau = min(tau, 1)  # no proposal of the model accepted yet: gather the judge's evidence cheaply
-                t1 = time.perf_counter()
+                t1, had_cache = time.perf_counter(), bool(st.cached)
                 if prop is None and (self.fallen_back or tau == 0):
                     prop = self.propose(min(tau, self.cap()))  # no model step: not worth a thread
                 elif prop is None:
@@ -192,7 +199,9 @@ class DecodeLoop:
                     ctl.observe(len(sent.tokens), n)
                     ctl.load(v.row_price)
                 if self.pace:
-                    if sent.tokens and stats.rounds > 1:  # the first round's time holds the prompt's prefill
+                    # the first round's time holds the prompt's prefill (the verifier's; or the draft's, when it
+                    # catches up after starting in a run)
+                    if sent.tokens and stats.rounds > 1 and (had_cache or not st.cached):
                         self.pace.observe(len(new), t3 - t_mark, v.target_only_s)
                     else:
                         self.pace.quote(v.target_only_s)
@@ -247,11 +256,13 @@ class DecodeLoop:
             metrics.PROPOSALS_PER_ROUND.observe(0)
             t1 = time.perf_counter()
             stats.verify_s += t1 - t0
-            t0 = t1
             if self.tau:
                 self.tau.load(v.row_price)
             if self.pace:
                 self.pace.quote(v.target_only_s)
+                if got > 1:  # the first verdict's wait holds the request's trip (and a prefill)
+                    self.pace.ran(t1 - t0, v.target_only_s)
+            t0 = t1
             yield self._committed(v), v.finish_reason
             if v.finish_reason:
                 return
@@ -301,9 +312,20 @@ class DecodeLoop:
         return new
 
     def _judge(self, drafted: int, accepted: int) -> None:
-        self.judge.observe(drafted, accepted)
-        if self.fallen_back or self.judge.pays():
+        j = self.judge
+        j.observe(drafted, accepted)
+        if self.fallen_back:
             return
+        if j.pays():
+            if self.record and j.rounds == j.min_rounds:
+                self.record.judged(True)
+            return
+        if self.record:
+            self.record.judged(False)
+        self._fall_back()
+
+    def _fall_back(self) -> None:
+        """Stops the draft model for this session: counted, and logged once per model."""
         self.fallen_back = True
         name = self.drafter.lm.name
         metrics.DRAFT_FALLBACK.labels(name).inc()

@@ -123,7 +123,7 @@ def _fallback_run(v, draft_dir, prompt, n):
     d = Service("draft_service", "--model", draft_dir, "--verify", v.address, "--metrics-port", "0", *COSTS, env=FALLBACK_ENV)
     try:
         with Client(d.address, timeout=60) as c:
-            runs = [c.generate(prompt_ids=prompt, max_new_tokens=n, num_draft_tokens=4) for _ in range(2)]
+            runs = [c.generate(prompt_ids=prompt, max_new_tokens=n, num_draft_tokens=4) for _ in range(3)]
         return runs, d.metrics(), "".join(d.stderr)
     finally:
         d.stop()
@@ -143,7 +143,10 @@ def test_a_useless_draft_falls_back_to_target_only_rounds(model_dir):
             assert r.stats["fallback_rounds"] > 20 and r.stats["drafted"] <= 4 * 4  # four model rounds, then none
             # the rest is one run of target-only steps on the verifier (Round.target_only_steps), not a round per token
             assert r.stats["run_steps"] == r.stats["fallback_rounds"] == r.stats["target_only_rounds"] > 20
-        assert metric(text, "specdec_draft_fallback_sessions_total", model="long-draft") == 2
+        # two sessions in a row fell back: the third starts without the model (adaptive.ModelRecord), one run from the start
+        assert [r.stats.get("drafted", 0) > 0 for r in runs] == [True, True, False]
+        assert runs[2].stats["run_steps"] == runs[2].stats["rounds"] and not runs[2].stats.get("prefill_s")
+        assert metric(text, "specdec_draft_fallback_sessions_total", model="long-draft") == 3
         assert log.count("the draft model does not pay") == 1  # one warning per model
         # a draft that always agrees (the target itself) keeps drafting
         runs, text, _ = _fallback_run(v, target, prompt, n)

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from client import Client
-from draft_service.adaptive import HOLD_S, PROBE_ROUNDS, PROBE_S, Pace
+from draft_service.adaptive import EXPLORE_EVERY, HOLD_S, PROBE_ROUNDS, PROBE_S, RECORD_STREAK, ModelRecord, Pace
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
 from specdec.costmodel import Costs
@@ -77,6 +77,7 @@ def test_runs_on_the_verifier_are_exact_and_speculation_resumes(model_dir):
         assert asyncio.run(_session(v.address, loop)) == greedy
         s = loop.summary()
         assert s.run_steps == 10 and s.target_only_rounds == s.run_steps  # one run, then drafting
+        assert s.prefill_s == 0  # it started in the run: the draft's cache caught up when it first drafted
         assert s.drafted > 0 and s.accepted == s.drafted  # its cache caught up: the target agrees with itself
         assert s.rounds - s.run_steps < 80 - s.run_steps  # the rest in rounds of several tokens
 
@@ -110,3 +111,18 @@ def test_pace_holds_target_only_while_speculation_loses_and_probes_again():
     assert p.lost == 2 and p.run() == 0 and p.hold == HOLD_S[0]  # speculation wins: it stays
     p.observe(3, 0.03, 0.0)  # no quote (an old verifier): never target-only on no evidence
     assert Pace().run() == 0
+
+
+def test_a_model_record_skips_a_model_that_keeps_falling_back_and_explores():
+    r = ModelRecord()
+    for _ in range(RECORD_STREAK - 1):
+        r.judged(False)
+    assert not r.skip()  # one session's bad luck is not enough
+    r.judged(True)  # a session where the model paid clears the streak
+    for _ in range(RECORD_STREAK):
+        assert not r.skip()
+        r.judged(False)
+    starts = [r.skip() for _ in range(2 * EXPLORE_EVERY)]
+    assert starts.count(False) == 2 and not starts[EXPLORE_EVERY - 1] and not starts[-1]  # every EXPLORE_EVERY-th is judged
+    r.judged(True)  # an explorer found the model pays (the prompts changed): sessions use it again
+    assert not r.skip()

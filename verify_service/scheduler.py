@@ -209,7 +209,9 @@ class Scheduler:
     def _gather(self, rounds: list[Job], prefills: collections.deque[Job]) -> bool:
         """Waits, at most `gather` of the last pass's time, for the next rounds of the sessions
         whose verdicts the last pass gave (their drafts were already running): a pass that starts
-        without them would leave them a whole pass behind. The thread sleeps until the last of
+        without them would leave them a whole pass behind. It waits only when those are at least as
+        many as the rounds already queued (sessions in runs, say): a few late sessions do not hold
+        back a pass of many ready ones. The thread sleeps until the last of
         them is queued (`_submit` wakes it once) or the time is up, so it takes no GIL meanwhile
         from the event loop that is queueing them. False once told to stop."""
         missing = self._back - {j.session.sid for j in rounds} if self.gather else None
@@ -219,7 +221,7 @@ class Scheduler:
             if not self._take(None, rounds, prefills):  # what was queued before it was published
                 return False
             missing.difference_update(j.session.sid for j in rounds)
-            if missing:
+            if missing and len(missing) >= len(rounds):
                 self._arrived.wait(self.gather * self._pass_s)
             self._awaited = set()
         return self._take(None, rounds, prefills)
