@@ -72,7 +72,9 @@ def main(argv=None) -> int:
             for rep in range(a.repeats):
                 for kind in (KINDS if rep % 2 == 0 else KINDS[::-1]):
                     b0 = scrape(verify, "specdec_verify_batch_size_sum"), scrape(verify, "specdec_verify_batch_size_count")
+                    c0 = verify.cpu_s()
                     r = asyncio.run(run_batch(address[kind], kind == "target-only", prompts, a.max_new_tokens, together=n > 1))
+                    r["verify_cpu_ms_per_token"] = 1e3 * (verify.cpu_s() - c0) / max(r["tokens"], 1)
                     b1 = scrape(verify, "specdec_verify_batch_size_sum"), scrape(verify, "specdec_verify_batch_size_count")
                     r["mean_batch"] = (b1[0] - b0[0]) / max(b1[1] - b0[1], 1)
                     runs[kind].append(r)
@@ -97,15 +99,20 @@ def render(res: dict) -> str:
              f"runs. Command: `python -m bench.goodput{' --verify-args ' + repr(res['verify_args']) if res.get('verify_args') else ''}`. "
              "Level 1 is four requests one after another.", "",
              "| sessions | target-only tok/s | steered tok/s | × target-only | mean τ | target-only rounds | tokens from runs "
-             "| unsteered tok/s | × target-only | mean τ |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| unsteered tok/s | × target-only | mean τ | verifier CPU ms/token: target-only / steered / unsteered |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         m, x = r["median"], r["ratio"]
+        cpu = " / ".join(f"{statistics.median(run['verify_cpu_ms_per_token'] for run in r['runs'][k]):.2f}"
+                         if all("verify_cpu_ms_per_token" in run for run in r["runs"][k]) else "-" for k in KINDS)
         lines.append(f"| {r['sessions']} | {m['target-only']['tok_s']:.1f} | {m['steered']['tok_s']:.1f} | **{x['steered']:.2f}×** | "
                      f"{m['steered']['mean_tau']:.2f} | {100 * m['steered']['target_only_share']:.0f}% | "
                      f"{100 * m['steered'].get('run_share', 0):.0f}% | {m['unsteered']['tok_s']:.1f} | "
-                     f"{x['unsteered']:.2f}× | {m['unsteered']['mean_tau']:.2f} |")
-    lines += ["", "Only ratios within one run count: this shared 2-core machine's speed drifts.", ""]
+                     f"{x['unsteered']:.2f}× | {m['unsteered']['mean_tau']:.2f} | {cpu} |")
+    lines += ["", "Only ratios within one run count: this shared 2-core machine's speed drifts. The verifier's CPU "
+              "per token (its process's user + system seconds over the tokens, median of the runs) is what the requests "
+              "cost the verifier itself, the draft's relay and drafting apart: here all processes share 2 cores, in the "
+              "split topology the draft runs on the client's hardware.", ""]
     return "\n".join(lines)
 
 

@@ -59,6 +59,12 @@ class Service:
         with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=10) as r:
             return r.read().decode()
 
+    def cpu_s(self) -> float:
+        """CPU seconds the process has used so far (user + system, from /proc; Linux only)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

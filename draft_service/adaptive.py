@@ -131,7 +131,7 @@ class Pace:
     steps measured over the quote (verdict to verdict, relayed through this process). When speculation is
     slower, sessions run target-only for `hold` seconds (runs of target-only steps on the
     verifier), then speculate again for PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each lost probe
-    doubles the hold (up to HOLD_S[1]), a won one resets it. Reads a clock: seeded sampled
+    doubles the next hold (up to HOLD_S[1]), a won one halves it (down to HOLD_S[0]). Reads a clock: seeded sampled
     requests never use it."""
     clock: object = None  # time.monotonic unless a test gives one
     tokens: float = 0.0
@@ -168,8 +168,8 @@ class Pace:
             self.until = self.now() + self.hold
             self.hold = min(2 * self.hold, HOLD_S[1])
             self.lost += 1
-        else:
-            self.hold = HOLD_S[0]
+        else:  # halved, not reset: one lucky window under a steady load does not bring the short holds back
+            self.hold = max(HOLD_S[0], self.hold / 2)
         self.tokens = self.seconds = self.quoted = 0.0
         self.rounds = 0
 
