@@ -132,10 +132,11 @@ class Uniform:
             sh = self._shapes[key] = _Shape(torch.empty_like(host, device=pool.device))
         sh.meta.copy_(host, non_blocking=True)
         sh.seen += 1
-        graphed = self.graphs and pool.k and pool.k[0].shape[0] >= pool.slots
-        if graphed and self._pool_slots != pool.k[0].shape[0]:  # the pool grew: its old addresses are baked in
+        slots = pool.k[0].shape[0] if pool.k else 0  # allocated pool slots
+        graphed = self.graphs and slots and slots >= pool.slots
+        if graphed and self._pool_slots != slots:  # the pool grew: its old addresses are baked in
             self._drop()
-            self._pool_slots = pool.k[0].shape[0]
+            self._pool_slots = slots
         if graphed and sh.graph is None and sh.seen >= 2:
             try:
                 self._capture(sh, n)
