@@ -14,6 +14,8 @@ from specdec.costmodel import Costs
 from specdec.lm import LM
 from specdec.sampling import Sampling
 from bench.launch import Service
+from transformers import AutoModelForCausalLM
+from helpers.greedy import hf_greedy
 from specdec.validation import GenParams
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -127,3 +129,59 @@ def test_a_model_record_skips_a_model_that_keeps_falling_back_and_explores():
     assert starts.count(False) == 2 and not starts[EXPLORE_EVERY - 1] and not starts[-1]  # every EXPLORE_EVERY-th is judged
     r.judged(True)  # an explorer found the model pays (the prompts changed): sessions use it again
     assert not r.skip()
+
+
+def test_a_run_right_after_the_start_takes_the_queued_prefill_over(model_dir, monkeypatch):
+    """A session that starts in a run (the draft sends its start and the run together): the
+    stream takes the place of the session's prefill while that still waits, so its first step
+    shares the pass of the prompt's last chunk; the prefill's own future resolves with it, and the
+    tokens are the stream's alone."""
+    import contextlib
+    import threading
+
+    import torch
+
+    import verify_service.scheduler as scheduler
+
+    torch.set_num_threads(1)
+    lm = LM.load(model_dir("long-target"), "cpu", "float32")
+    passes = []
+    real = lm.engine.forward
+
+    def counted(*a, **kw):
+        passes.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(lm.engine, "forward", counted)
+    go = threading.Event()
+
+    @contextlib.contextmanager
+    def held():  # the scheduler thread starts work only once both jobs are queued
+        go.wait(60)
+        yield
+
+    eng = scheduler.Scheduler(lm, max_sessions=4, thread_context=held)
+    passes.clear()  # the pass-cost probe's, at start-up
+
+    async def session():
+        s = eng.open(PROMPT, 10, Sampling(temperature=0.0), seed=7, mode=pb.PROPOSAL_MODE_GREEDY)
+        try:
+            prefill = asyncio.ensure_future(eng.prefill(s))
+            await asyncio.sleep(0)  # the prefill is queued
+            steps = eng.steps(s, 10)
+            first = asyncio.ensure_future(steps.__anext__())  # queues the stream behind it
+            await asyncio.sleep(0)
+            go.set()
+            got = [(await first).next_token] + [v.next_token async for v in steps]
+            await asyncio.wait_for(prefill, 60)  # resolved by the stream that took it over
+            return got
+        finally:
+            eng.close(s)
+
+    try:
+        got = asyncio.run(session())
+    finally:
+        eng.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(model_dir("long-target"), dtype=torch.float32).eval()
+    assert got == hf_greedy(model, PROMPT, 10)
+    assert len(passes) == 10  # the prompt's pass carried the first step: a pass per token, none for the prefill alone

@@ -7,7 +7,8 @@ kind of work, and the batched acceptance over a pass's rounds.
   with the Verdict.
 * `Stream`: target-only steps, one a pass, each verdict posted to the caller's queue; the thread
   runs the next step as soon as the last one is committed (at most `left` steps, else until the
-  session finishes).
+  session finishes). A stream that arrives while its session's `Prefill` still waits takes the
+  prefill's place (and resolves it), so its first step shares the pass of the prompt's last chunk.
 
 A job is resolved on the scheduler's thread and handed to its caller's event loop with
 `call_soon_threadsafe`.
@@ -74,8 +75,12 @@ class Round(Job):
 class Stream(_NoProposals, Job):
     verdicts: asyncio.Queue  # gets every (ok, Verdict or error)
     left: int | None = None  # steps still allowed (None: until the session finishes)
+    prefill: Prefill | None = None  # the session's queued prefill it took over (resolved once the prompt is in)
 
     def resolve(self, ok: bool, result) -> None:
+        if not ok and self.prefill is not None:  # the prefill it took over fails with it
+            self.prefill.resolve(False, result)
+            self.prefill = None
         if self.left is not None and ok:
             self.left -= 1
         self.finished = not ok or bool(result.finish) or self.left == 0

@@ -202,7 +202,13 @@ class Scheduler:
                 job.release()
             elif job.session.closed:
                 job.resolve(False, RequestError(Refusal.CANCELLED, "session closed"))
-            else:  # a stream whose prompt is not in the cache yet takes its prefill's place
+            elif isinstance(job, Stream) and unfilled(job.session):  # its prompt is not in yet: it fills it
+                waiting = next((i for i, p in enumerate(prefills) if p.session is job.session), None)
+                if waiting is None:
+                    prefills.append(job)
+                else:  # the session's prefill still waits: the stream takes its place (`_run` resolves it)
+                    job.prefill, prefills[waiting] = prefills[waiting], job
+            else:
                 (prefills if isinstance(job, Prefill) or unfilled(job.session) else rounds).append(job)
             job = None
 
@@ -304,8 +310,13 @@ class Scheduler:
             metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
             self._verdicts(jobs, logits, proposals, t0, (sum(len(x) for x in inputs), len(inputs)))
         for p in prefills:
-            if not isinstance(p, Stream) and not unfilled(p.session):
+            if unfilled(p.session):
+                continue
+            if not isinstance(p, Stream):
                 p.resolve(True, None)
+            elif p.prefill is not None:  # the prefill this stream took over
+                p.prefill.resolve(True, None)
+                p.prefill = None
 
     def _verdicts(self, jobs: list[Job], logits: torch.Tensor, proposals: torch.Tensor, t0: float,
                   layout: tuple[int, int]) -> None:

@@ -64,7 +64,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         return r.tokens, q
 
     async def Session(self, request_iterator, context):
-        s = None
+        s = prefill = None
         try:
             first = await self._read(context)
             if first is grpc.aio.EOF:
@@ -72,7 +72,9 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             if first.WhichOneof("kind") != "start":
                 raise invalid("start: the first message of a session must be `start`")
             s = self._open(first.start)
-            await self.engine.prefill(s)
+            # the prompt goes in while the draft prefills its own cache; a run sent right after the start
+            # takes the queued prefill over, so its first step shares the prompt's last pass
+            prefill = asyncio.ensure_future(self.engine.prefill(s))
             while not s.finish:
                 req = await self._read(context)
                 if req is grpc.aio.EOF:
@@ -83,14 +85,21 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                 if kind != "round":
                     raise invalid("round: a message with neither `start` nor `round` set")
                 tokens, q = self._check_round(s, req.round)
+                if prefill.done():
+                    prefill.result()  # raises if the prefill failed
                 if not tokens and req.round.target_only_steps > 1:
                     await self._run(s, req.round, context)
                     continue
+                await prefill
                 v = await self.engine.step(s, tokens, q)
                 await context.write(self._verdict(s, req.round.round, v))
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Session", e)
         finally:
+            if prefill is not None and not prefill.done():
+                prefill.cancel()
+            elif prefill is not None and not prefill.cancelled():
+                prefill.exception()  # retrieved: a failed prefill was already reported, or the session ended first
             if s is not None:
                 self.engine.close(s)
 
