@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from bench.launch import Service
 from client import AsyncClient, Client
 from helpers import metric, wait_for
+from helpers.engine import count_passes
 from specdec.lm import LM
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -198,14 +199,7 @@ def test_a_target_only_stream_takes_its_first_step_in_its_prompts_last_pass(pack
     import verify_service.scheduler as scheduler
     from specdec.sampling import Sampling
 
-    passes = []
-    real = packed.engine.forward
-
-    def counted(*a, **kw):
-        passes.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(packed.engine, "forward", counted)
+    passes = count_passes(monkeypatch, packed.engine)
     r = random.Random(n_prompt)
     prompt = [r.randrange(3, 16) for _ in range(n_prompt)]
     eng = scheduler.Scheduler(packed, max_sessions=4)

@@ -15,6 +15,7 @@ from specdec.lm import LM
 from specdec.sampling import Sampling
 from bench.launch import Service
 from transformers import AutoModelForCausalLM
+from helpers.engine import count_passes
 from helpers.greedy import hf_greedy
 from specdec.validation import GenParams
 from specdec.v1 import specdec_pb2 as pb
@@ -145,14 +146,7 @@ def test_a_run_right_after_the_start_takes_the_queued_prefill_over(model_dir, mo
 
     torch.set_num_threads(1)
     lm = LM.load(model_dir("long-target"), "cpu", "float32")
-    passes = []
-    real = lm.engine.forward
-
-    def counted(*a, **kw):
-        passes.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(lm.engine, "forward", counted)
+    passes = count_passes(monkeypatch, lm.engine)
     go = threading.Event()
 
     @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """What the engine's tests share: a cache filled by a pass of its own, steps against rounds,
-a model loaded with its matmuls forced one way, and the logits of a short session."""
+a model loaded with its matmuls forced one way, the logits of a short session, and a pass counter."""
 from __future__ import annotations
 
 import torch
@@ -57,3 +57,16 @@ def logits_of_a_session(engine) -> torch.Tensor:
     outs = [engine.forward([[3 + i % 13 for i in range(30)]], [c])[0], engine.forward([[7, 8, 9, 10, 11]], [c])[0],
             engine.forward([[12]], [c])[0]]
     return torch.cat(outs)
+
+
+def count_passes(monkeypatch, engine) -> list:
+    """A list that gets one entry per `engine.forward` call (a verify pass) from now on."""
+    passes = []
+    real = engine.forward
+
+    def counted(*a, **kw):
+        passes.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(engine, "forward", counted)
+    return passes
