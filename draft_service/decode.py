@@ -134,12 +134,15 @@ class DecodeLoop:
         pending = None  # a pre-draft in flight: (task, its PredraftControl)
         try:
             await self._timed(call.write(self.start()))
-            if not self._run_wanted():  # a session that starts in a run drafts nothing yet: its cache catches up later (_feed)
+            # a session that starts in a run, or without the model (its record), drafts nothing yet: its cache
+            # catches up when it first drafts (_feed)
+            if not self.fallen_back and not self._run_wanted():
                 t1 = time.perf_counter()
                 await asyncio.to_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
                 stats.prefill_s = time.perf_counter() - t1
             prop = None
             t_mark = time.perf_counter()  # the last verdict: a round's wall time for Pace runs from there
+            caught_up = True  # False after a run: the model's next round feeds the run's tokens first
             while True:
                 run = self._run_wanted() if prop is None else 0
                 if run:
@@ -147,7 +150,7 @@ class DecodeLoop:
                         yield item
                         if item[1]:
                             return
-                    t_mark = time.perf_counter()
+                    t_mark, caught_up = time.perf_counter(), False
                     continue
                 if self.fallen_back and not self._lookup_left():
                     async for item in self._target_only(call):  # a verifier without runs: rounds written ahead
@@ -156,7 +159,7 @@ class DecodeLoop:
                 tau = ctl.choose() if ctl else self.params.tau
                 if self.judge and not self.judge.accepted:
                     tau = min(tau, 1)  # no proposal of the model accepted yet: gather the judge's evidence cheaply
-                t1, had_cache = time.perf_counter(), bool(st.cached)
+                t1 = time.perf_counter()
                 if prop is None and (self.fallen_back or tau == 0):
                     prop = self.propose(min(tau, self.cap()))  # no model step: not worth a thread
                 elif prop is None:
@@ -199,12 +202,13 @@ class DecodeLoop:
                     ctl.observe(len(sent.tokens), n)
                     ctl.load(v.row_price)
                 if self.pace:
-                    # the first round's time holds the prompt's prefill (the verifier's; or the draft's, when it
-                    # catches up after starting in a run)
-                    if sent.tokens and stats.rounds > 1 and (had_cache or not st.cached):
+                    # not the first round (it holds the verifier's prefill of the prompt), nor the first after a run
+                    # (it holds the draft's catch-up on the run's tokens, the whole prompt after a start in a run)
+                    if sent.tokens and stats.rounds > 1 and (caught_up or sent.lookup):
                         self.pace.observe(len(new), t3 - t_mark, v.target_only_s)
                     else:
                         self.pace.quote(v.target_only_s)
+                caught_up = caught_up or (bool(sent.tokens) and not sent.lookup)
                 t_mark = t3
                 if self.judge and not sent.lookup:
                     self._judge(len(sent.tokens), n)

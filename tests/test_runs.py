@@ -3,6 +3,7 @@ own and sends a verdict per token; the draft asks for them when its process's Pa
 speculation loses at the verifier's load, and comes back to speculation after the hold.
 (A useless draft's session using them: tests/test_pairing.py.)"""
 import asyncio
+import dataclasses
 
 import grpc
 
@@ -89,6 +90,20 @@ def test_runs_on_the_verifier_are_exact_and_speculation_resumes(model_dir):
         loop.pace = pace  # as if it followed the load (seeded sampled requests do not): all target-only
         assert asyncio.run(_session(v.address, loop)) == sampled
         assert loop.summary().run_steps == len(sampled) and loop.summary().drafted == 0
+
+        # a hybrid session that the model's record skips: prompt lookup still proposes, the model never runs
+        from draft_service import decode
+        decode.RECORDS[lm.name] = ModelRecord(streak=RECORD_STREAK)
+        drafter = Drafter(lm)
+        drafter.propose = drafter.predraft = drafter.prefill = None  # any call of the model's would fail the session
+        try:
+            loop = DecodeLoop(drafter, dataclasses.replace(params(80), proposer=pb.PROPOSER_HYBRID), lm.fingerprint,
+                              lm.max_context, costs=COSTS, fallback=COSTS, pace=Pace(clock=Clock()))
+            assert loop.fallen_back
+            assert asyncio.run(_session(v.address, loop)) == greedy
+            assert loop.summary().prefill_s == 0 and loop.summary().fallback_rounds > 0
+        finally:
+            decode.RECORDS.pop(lm.name, None)
     finally:
         v.stop()
 

@@ -202,12 +202,14 @@ class Scheduler:
                 job.release()
             elif job.session.closed:
                 job.resolve(False, RequestError(Refusal.CANCELLED, "session closed"))
-            elif isinstance(job, Stream) and unfilled(job.session):  # its prompt is not in yet: it fills it
+            elif unfilled(job.session) and isinstance(job, (Prefill, Stream)):  # its prompt is not in yet: it fills it
                 waiting = next((i for i, p in enumerate(prefills) if p.session is job.session), None)
                 if waiting is None:
                     prefills.append(job)
-                else:  # the session's prefill still waits: the stream takes its place (`_run` resolves it)
-                    job.prefill, prefills[waiting] = prefills[waiting], job
+                elif isinstance(job, Stream):  # the session's prefill still waits: the stream takes its place
+                    job.prefill, prefills[waiting] = prefills[waiting], job  # (`_run` resolves the prefill)
+                else:  # a prefill after its session's stream (not sent so today): the stream fills for it
+                    prefills[waiting].prefill = job
             else:
                 (prefills if isinstance(job, Prefill) or unfilled(job.session) else rounds).append(job)
             job = None
