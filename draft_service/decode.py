@@ -64,11 +64,13 @@ class VerifyStream(Protocol):
 class DecodeLoop:
     """One request's rounds. `fingerprint` is the draft vocabulary's (sent in `start`);
     `max_context` the smaller of the two models' context limits. `costs` turns on adaptive tau;
-    `fallback` (costs) the fallback to target-only rounds when the draft model does not pay."""
+    `fallback` (costs) the fallback to target-only rounds when the draft model does not pay;
+    `skip` whether the session starts without the model (None: its record decides, `skipped` says
+    what it decided; a request placed again on another replica passes the first loop's)."""
 
     def __init__(self, drafter: Drafter, params: GenParams, fingerprint: str, max_context: int,
                  costs: Costs | None = None, predraft: bool = False, fallback: Costs | None = None, goodput: bool = True,
-                 round_timeout_s: float | None = None, pace: Pace | None = None):
+                 round_timeout_s: float | None = None, pace: Pace | None = None, skip: bool | None = None):
         self.drafter = drafter
         self.round_timeout_s = round_timeout_s  # a write or a verdict that takes longer: the verify service stopped answering
         self.params = params
@@ -90,8 +92,9 @@ class DecodeLoop:
         self.fallen_back = False  # the draft model stopped for this session
         # the model's record across this process's sessions (adaptive.ModelRecord): it may skip the model from the start
         self.record = RECORDS.setdefault(drafter.lm.name, ModelRecord()) if self.judge and steer else None
-        if self.record and self.record.skip():
-            self._fall_back()
+        self.skipped = bool(self.record) and (self.record.skip() if skip is None else skip)
+        if self.skipped:
+            self._fall_back(count=skip is None)  # a second placement of the same request is not counted again
         hybrid = fallback and params.proposer == pb.PROPOSER_HYBRID
         self.lookup_judge = DraftJudge(Costs(0.0, fallback.verify_base, fallback.verify_per_token), params.tau,
                                        min_tau=params.tau) if hybrid else None
@@ -328,11 +331,12 @@ class DecodeLoop:
             self.record.judged(False)
         self._fall_back()
 
-    def _fall_back(self) -> None:
+    def _fall_back(self, count: bool = True) -> None:
         """Stops the draft model for this session: counted, and logged once per model."""
         self.fallen_back = True
         name = self.drafter.lm.name
-        metrics.DRAFT_FALLBACK.labels(name).inc()
+        if count:
+            metrics.DRAFT_FALLBACK.labels(name).inc()
         if name not in _warned:
             _warned.add(name)
             j = self.judge

@@ -133,11 +133,13 @@ class DraftServicer(pb_grpc.DraftServicer):
             replicas = self.replicas.ranked()
             if not replicas:
                 raise RequestError(Refusal.UNAVAILABLE, f"no verify replica is known at {self.replicas.target}")
+            skip = None  # whether the model's record skips it: decided once per request, not per placement
             for i, replica in enumerate(replicas):
                 loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
                                   costs=costs if adaptive else None, fallback=costs if self._judge(g) else None,
                                   predraft=g.predraft, goodput=self.goodput,
-                                  round_timeout_s=self.round_timeout_s)
+                                  round_timeout_s=self.round_timeout_s, skip=skip)
+                skip = loop.skipped
                 call = replica.stub.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
                 out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
                 started = False
