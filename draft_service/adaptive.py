@@ -94,8 +94,8 @@ EXPLORE_EVERY = 8  # ... except every this-many-th, which is judged anew
 @dataclass
 class ModelRecord:
     """Whether one draft model pays across a draft process's sessions: once RECORD_STREAK sessions
-    in a row fell back (DraftJudge), new sessions start without the model, as target-only runs
-    from their first message (no judging rounds, no draft prefill), except every EXPLORE_EVERY-th,
+    in a row fell back (DraftJudge), new sessions start without the model (no judging rounds, no
+    draft prefill: target-only runs from their first message, or prompt lookup in hybrid mode), except every EXPLORE_EVERY-th,
     which is judged as usual; a judged session whose model pays clears the record. Sessions share it
     only when their taus may follow the load (decode.py): it depends on other requests."""
     streak: int = 0  # judged sessions in a row that fell back

@@ -204,12 +204,13 @@ class Scheduler:
                 job.resolve(False, RequestError(Refusal.CANCELLED, "session closed"))
             elif unfilled(job.session) and isinstance(job, (Prefill, Stream)):  # its prompt is not in yet: it fills it
                 waiting = next((i for i, p in enumerate(prefills) if p.session is job.session), None)
-                if waiting is None:
+                there = None if waiting is None else prefills[waiting]
+                if isinstance(job, Stream) and isinstance(there, Prefill):  # the session's prefill still waits:
+                    job.prefill, prefills[waiting] = there, job  # the stream takes its place (`_run` resolves it)
+                elif isinstance(job, Prefill) and isinstance(there, Stream) and there.prefill is None:
+                    there.prefill = job  # a prefill after its session's stream (not sent so today): the stream fills for it
+                else:
                     prefills.append(job)
-                elif isinstance(job, Stream):  # the session's prefill still waits: the stream takes its place
-                    job.prefill, prefills[waiting] = prefills[waiting], job  # (`_run` resolves the prefill)
-                else:  # a prefill after its session's stream (not sent so today): the stream fills for it
-                    prefills[waiting].prefill = job
             else:
                 (prefills if isinstance(job, Prefill) or unfilled(job.session) else rounds).append(job)
             job = None
