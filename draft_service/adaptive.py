@@ -110,7 +110,10 @@ class ModelRecord:
 
     def judged(self, pays: bool) -> None:
         """A session's judge decided: the model fell back (pays False) or paid over its judging rounds."""
-        self.streak, self.skipped = (self.streak + 1, self.skipped) if not pays else (0, 0)
+        if pays:
+            self.streak = self.skipped = 0
+        else:
+            self.streak += 1
 
 
 RUN_MIN, RUN_MAX = 8, 256  # tokens in one run of target-only steps (Round.target_only_steps)
@@ -134,9 +137,8 @@ class Pace:
     doubles the next hold (up to HOLD_S[1]), a won one halves it (down to HOLD_S[0]). Reads a clock: seeded sampled
     requests never use it."""
     clock: object = None  # time.monotonic unless a test gives one
-    tokens: float = 0.0
-    seconds: float = 0.0
-    quoted: float = 0.0  # the same tokens' seconds at the target-only quote of their time
+    seconds: float = 0.0  # the window's speculative rounds, summed over sessions ...
+    quoted: float = 0.0  # ... and their tokens' seconds at the target-only quote of their time
     rounds: int = 0
     target_only_s: float = 0.0
     until: float = 0.0  # target-only until then
@@ -158,7 +160,6 @@ class Pace:
         self.quote(target_only_s)
         if self.now() < self.until or not self.target_only_s:
             return  # a round of a session that came out of a run early (the window is for the probe), or no quote
-        self.tokens += tokens
         self.quoted += tokens * self.target_only_s
         self.seconds += seconds
         self.rounds += 1
@@ -170,7 +171,7 @@ class Pace:
             self.lost += 1
         else:  # halved, not reset: one lucky window under a steady load does not bring the short holds back
             self.hold = max(HOLD_S[0], self.hold / 2)
-        self.tokens = self.seconds = self.quoted = 0.0
+        self.seconds = self.quoted = 0.0
         self.rounds = 0
 
     def ran(self, seconds: float, target_only_s: float) -> None:
