@@ -49,7 +49,8 @@ def parse(argv):
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--tau", type=int, default=0, help="draft tokens per round (0 = server default)")
+    g.add_argument("--tau", type=int, default=0, help="draft tokens per round (0 = server default); with --tree-budget, the tree's depth")
+    g.add_argument("--tree-budget", type=int, default=0, help="tree speculation: the most draft nodes per round (0 = chains)")
     g.add_argument("--mode", choices=sorted(MODES), default=None, help="proposal mode")
     g.add_argument("--sparse-k", type=int, default=0)
     g.add_argument("--proposer", choices=sorted(PROPOSERS), default=None, help="draft model, prompt lookup, or lookup then draft")
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
         if a.cmd == "info":
             print(json.dumps(MessageToDict(client.info(), preserving_proto_field_name=True), indent=2))
             return 0
-        for name in ("max_new_tokens", "top_k", "tau", "sparse_k"):  # proto fields are unsigned
+        for name in ("max_new_tokens", "top_k", "tau", "sparse_k", "tree_budget"):  # proto fields are unsigned
             if getattr(a, name) < 0:
                 print(f"error: INVALID_ARGUMENT: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
                 return 1
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
                            top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=a.stop, num_draft_tokens=a.tau,
                            proposal_mode=a.mode, sparse_k=a.sparse_k, request_id=a.request_id, proposer=a.proposer,
                            adaptive=a.adaptive, predraft=a.predraft, early_stop_p=a.early_stop_p,
-                           add_special_tokens=a.add_special_tokens)
+                           add_special_tokens=a.add_special_tokens, tree_budget=a.tree_budget)
         if a.json:
             print(json.dumps(client.generate(req).to_dict()))
             return 0

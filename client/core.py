@@ -59,8 +59,9 @@ def make_request(prompt: str | None = None, prompt_ids: list[int] | None = None,
                  stop: list[str] | None = None, num_draft_tokens: int = 0, proposal_mode: str | None = None,
                  sparse_k: int = 0, request_id: str = "", proposer: str | None = None, adaptive: bool | None = None,
                  predraft: bool | None = None, early_stop_p: float = 0.0,
-                 add_special_tokens: bool | None = None) -> pb.GenerateRequest:
-    """add_special_tokens: None = the server's default (the tokenizer's own: BOS where it adds one)."""
+                 add_special_tokens: bool | None = None, tree_budget: int = 0) -> pb.GenerateRequest:
+    """add_special_tokens: None = the server's default (the tokenizer's own: BOS where it adds one).
+    tree_budget: tree speculation's nodes per round (0: chains; num_draft_tokens is then the depth cap)."""
     sampling = pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if seed is not None:
         sampling.seed = seed
@@ -69,7 +70,8 @@ def make_request(prompt: str | None = None, prompt_ids: list[int] | None = None,
         stop=stop or [], num_draft_tokens=num_draft_tokens, sparse_k=sparse_k, request_id=request_id,
         proposal_mode=MODES[proposal_mode] if proposal_mode else pb.PROPOSAL_MODE_UNSPECIFIED,
         proposer=PROPOSERS[proposer] if proposer else pb.PROPOSER_UNSPECIFIED,
-        adaptive=adaptive, predraft=predraft, early_stop_p=early_stop_p, add_special_tokens=add_special_tokens)
+        adaptive=adaptive, predraft=predraft, early_stop_p=early_stop_p, add_special_tokens=add_special_tokens,
+        tree_budget=tree_budget)
 
 
 @dataclass

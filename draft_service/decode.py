@@ -114,7 +114,21 @@ class DecodeLoop:
         left = st.params.max_new_tokens - (len(st.ids) + extra - st.prompt_len)
         return max(0, min(left - 1, self.max_context - len(st.ids) - extra))
 
-    def propose(self, tau: int) -> Proposal:
+    def tree_budget(self, tau: int) -> int:
+        """Nodes of this round's tree (0: a chain): the request's tree_budget while the model drafts
+        with evidence (judged sessions start with one-token chains), as far as the tokens left allow."""
+        b = self.params.tree_budget
+        if not b or tau == 0 or self.fallen_back or (self.judge and not self.judge.accepted):
+            return 0
+        return min(b, self.cap())
+
+    def floor(self) -> float:
+        """The lowest branch probability a tree node may have: what one more row costs the verifier's
+        goodput now (its row price; 0 when idle or not steering), so under load the tree shrinks to
+        the nodes likely enough to pay, down to a chain or none."""
+        return self.tau.price if self.tau and self.tau.steer else 0.0
+
+    def propose(self, tau: int, budget: int = 0) -> Proposal:
         st, mode = self.state, self.params.proposer
         if mode == pb.PROPOSER_LOOKUP or (mode == pb.PROPOSER_HYBRID and not self.lookup_off):
             # a lookup proposal costs no draft steps, so it takes the request's cap (num_draft_tokens;
@@ -129,6 +143,8 @@ class DecodeLoop:
             return Proposal()  # a target-only round
         if tau == 0:
             return Proposal()  # the verifier's load (or the end of the request) leaves no room for proposals
+        if budget:
+            return self.drafter.propose_tree(st, budget, min(self.params.tau, self.cap()), floor=self.floor())
         return self.drafter.propose(st, tau)
 
     async def rounds(self, call: VerifyStream) -> AsyncIterator[tuple[list[int], int]]:
@@ -162,20 +178,26 @@ class DecodeLoop:
                 tau = ctl.choose() if ctl else self.params.tau
                 if self.judge and not self.judge.accepted:
                     tau = min(tau, 1)  # no proposal of the model accepted yet: gather the judge's evidence cheaply
+                budget = self.tree_budget(tau)
                 t1 = time.perf_counter()
                 if prop is None and (self.fallen_back or tau == 0):
                     prop = self.propose(min(tau, self.cap()))  # no model step: not worth a thread
                 elif prop is None:
-                    prop = await asyncio.to_thread(self.propose, min(tau, self.cap()))
+                    prop = await asyncio.to_thread(self.propose, min(tau, self.cap()), budget)
                 t2 = time.perf_counter()
                 stats.rounds += 1
+                stats.tree_rounds += prop.parents is not None
                 stats.target_only_rounds += not prop.tokens
                 metrics.PROPOSALS_PER_ROUND.observe(len(prop.tokens))
                 await self._timed(call.write(pb.VerifyRequest(round=prop.to_round(stats.rounds))))
-                next_cap = min(tau, self.cap(len(prop.tokens) + 1))
+                tree = prop.parents is not None
+                assumed = len(prop.assumed()) + 1
+                next_cap = min(self.params.tau if tree else tau, self.cap(assumed))
                 if self.predraft and not prop.lookup and next_cap > 0 and not self.fallen_back:
                     ahead_ctl = PredraftControl()
-                    pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl)), ahead_ctl)
+                    next_budget = min(budget, self.cap(assumed)) if tree else 0  # a tree's pre-draft is a tree after its likeliest path
+                    pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl, next_budget,
+                                                                     self.floor())), ahead_ctl)
                 v = await self._timed(call.read(), self._first_read_scale() if stats.rounds == 1 else 1)
                 if v is grpc.aio.EOF:
                     raise RequestError(Refusal.UNAVAILABLE, "verify service ended the session without a verdict")
@@ -185,11 +207,12 @@ class DecodeLoop:
                 stats.verify_forward_s += v.forward_s
                 stats.lookup_rounds += prop.lookup
                 n = v.num_accepted
-                new = prop.tokens[:n] + ([v.next_token] if v.HasField("next_token") else [])
+                path = list(v.accepted_path) if tree else list(range(n))
+                new = [prop.tokens[i] for i in path] + ([v.next_token] if v.HasField("next_token") else [])
                 sent, prop = prop, None
                 if pending is not None:  # keep the pre-draft only if its assumed context came true
                     task, ahead_ctl = pending
-                    if n < len(sent.tokens) or not v.HasField("next_token"):
+                    if (path != sent.guess if tree else n < len(sent.tokens)) or not v.HasField("next_token"):
                         ahead_ctl.reject()
                     else:
                         ahead_ctl.bonus(v.next_token)
@@ -202,7 +225,8 @@ class DecodeLoop:
                         stats.predraft_misses += 1
                 st.ids.extend(new)
                 if ctl:
-                    ctl.observe(len(sent.tokens), n)
+                    if not tree:  # its estimate is a chain's per-token acceptance
+                        ctl.observe(len(sent.tokens), n)
                     ctl.load(v.row_price)
                 if self.pace:
                     # not the first round (it holds the verifier's prefill of the prompt), nor the first after a run
@@ -214,7 +238,7 @@ class DecodeLoop:
                 caught_up = caught_up or (bool(sent.tokens) and not sent.lookup)
                 t_mark = t3
                 if self.judge and not sent.lookup:
-                    self._judge(len(sent.tokens), n)
+                    self._judge(len(sent.guess) if tree else len(sent.tokens), n)  # a tree: judged as the chain of its levels
                 if self.lookup_judge and sent.lookup and not self.lookup_off:
                     self.lookup_judge.observe(len(sent.tokens), n)
                     self.lookup_off = not self.lookup_judge.pays()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draft_service import tree
 from draft_service.lookup import lookup
 from draft_service.stepbatch import StepBatcher
 from specdec.engine import KVCache
@@ -72,7 +73,8 @@ class Drafter:
 
     def new_state(self, params: GenParams, max_context: int | None = None) -> DraftState:
         limit = max_context or self.lm.max_context
-        room = min(len(params.prompt_ids) + params.max_new_tokens + 2 * params.tau + 2, limit)  # pre-drafts look ahead
+        ahead = 2 * params.tau + 2 + (tree.BEAM * params.tau if params.tree_budget else 0)  # pre-drafts look ahead; a tree's nodes
+        room = min(len(params.prompt_ids) + params.max_new_tokens + ahead, limit)
         return DraftState(ids=list(params.prompt_ids), params=params, cache=KVCache(room))
 
     def prefill(self, st: DraftState) -> None:
@@ -117,11 +119,21 @@ class Drafter:
             context.append(x)
         return out
 
-    def predraft(self, st: DraftState, sent: Proposal, tau: int, ctl: PredraftControl) -> Proposal:
-        """Assumes `sent` is all accepted and guesses the bonus token (ctl.guess, the draft's
-        argmax); returns the round after it (cut short if ctl says the assumption failed)."""
-        context = st.ids + sent.tokens
+    def propose_tree(self, st: DraftState, budget: int, depth: int, context: list[int] | None = None,
+                     stop: PredraftControl | None = None, floor: float = 0.0) -> Proposal:
+        """A tree of at most `budget` nodes and `depth` levels after `context`, none less likely than
+        `floor` (draft_service/tree.py)."""
+        return tree.grow(self, st, budget, depth, context, stop, floor)
+
+    def predraft(self, st: DraftState, sent: Proposal, tau: int, ctl: PredraftControl, budget: int = 0,
+                 floor: float = 0.0) -> Proposal:
+        """Assumes `sent` is all accepted (a tree: its most likely path) and guesses the bonus token
+        (ctl.guess, the draft's argmax); returns the round after it (a tree where budget is given;
+        cut short if ctl says the assumption failed)."""
+        context = st.ids + sent.assumed()
         ctl.guess = int(self._feed(st, context).argmax())
+        if budget:
+            return self.propose_tree(st, budget, tau, context + [ctl.guess], ctl, floor)
         return self.propose(st, tau, context + [ctl.guess], ctl)
 
     def lookup(self, st: DraftState, tau: int, min_ngram: int = 1) -> Proposal:

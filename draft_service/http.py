@@ -247,7 +247,7 @@ class FrontDoor:
         sampling = pb.SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
         req = pb.GenerateRequest(max_new_tokens=max_tokens, sampling=sampling, stop=r.stops, num_draft_tokens=r.num_draft_tokens,
                                  request_id=rid, proposer=PROPOSERS.get(r.proposer, pb.PROPOSER_UNSPECIFIED), adaptive=r.adaptive,
-                                 predraft=r.predraft)
+                                 predraft=r.predraft, tree_budget=r.tree_budget)
         prompt = self._render(r) if chat else r.prompt
         if isinstance(prompt, str):
             req.prompt = prompt

@@ -1,7 +1,7 @@
 """Pydantic schemas of the OpenAI-compatible HTTP front door (draft_service/http.py).
 
 Requests: the OpenAI fields this server implements, plus specdec's own knobs as extra body
-fields (`top_k`, `num_draft_tokens`, `proposer`, `adaptive`, `predraft`, and `return_metrics`,
+fields (`top_k`, `num_draft_tokens`, `tree_budget`, `proposer`, `adaptive`, `predraft`, and `return_metrics`,
 `return_token_ids`). Every other field is refused by name (`Refused`, a 400), except that a field
 sent as null, or as the value that means "off" (`logprobs: false`, `n: 1`, a zero penalty, ...),
 is taken as absent. Responses: the OpenAI objects, serialised by `dump`."""
@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from specdec.proposal import MAX_ROUND_TOKENS
 from specdec.validation import MAX_TAU
 
 # OpenAI fields sent with their "off" value are accepted as if absent
@@ -47,6 +48,7 @@ class _Request(BaseModel):
     # specdec's own knobs (extra body fields; the openai SDK sends them with extra_body)
     top_k: int = Field(0, ge=0, lt=MAX_TOKENS)
     num_draft_tokens: int = Field(0, ge=0, le=MAX_TAU)
+    tree_budget: int = Field(0, ge=0, le=MAX_ROUND_TOKENS)  # tree speculation's nodes per round (0: chains)
     proposer: Literal["draft", "lookup", "hybrid"] | None = None
     adaptive: bool | None = None
     predraft: bool | None = None

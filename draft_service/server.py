@@ -23,7 +23,7 @@ from draft_service.replicas import Replicas
 from draft_service.upstream import pairing_error
 from specdec import edge, metrics, serving, validation
 from specdec.architectures import TESTED
-from specdec.errors import Refusal, RequestError
+from specdec.errors import Refusal, RequestError, invalid
 from specdec.costmodel import Costs
 from specdec.lm import LM
 from specdec.textstream import Chunks
@@ -128,6 +128,9 @@ class DraftServicer(pb_grpc.DraftServicer):
             g.request_id = serving.request_id(context, g.request_id)
             if not self._paired:
                 await self.check_pairing()
+            if g.tree_budget > self.target.max_tree_budget:
+                raise invalid(f"tree_budget: {g.tree_budget} nodes; the verify service allows at most {self.target.max_tree_budget}"
+                              + (" (it has no tree speculation: send tree_budget 0)" if not self.target.max_tree_budget else ""))
             adaptive = g.adaptive
             costs = await self.costs() if adaptive or (self.draft_fallback and g.proposer != pb.PROPOSER_LOOKUP) else None
             replicas = self.replicas.ranked()

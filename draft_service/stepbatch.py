@@ -15,17 +15,17 @@ import threading
 import torch
 
 from specdec import metrics
-from specdec.engine import PREFILL_CHUNK, Engine, KVCache
+from specdec.engine import PREFILL_CHUNK, Engine, KVCache, Tree
 
 STEP_TOKENS = 8  # a forward over at most this many tokens counts as a decode step
 MAX_BATCH = 128  # decode steps per pass
 
 
 class _Step:
-    __slots__ = ("cache", "tokens", "logits", "result", "error", "done")
+    __slots__ = ("cache", "tokens", "logits", "tree", "result", "error", "done")
 
-    def __init__(self, cache: KVCache, tokens: list[int], logits: bool):
-        self.cache, self.tokens, self.logits = cache, tokens, logits
+    def __init__(self, cache: KVCache, tokens: list[int], logits: bool, tree: Tree | None = None):
+        self.cache, self.tokens, self.logits, self.tree = cache, tokens, logits, tree
         self.result: torch.Tensor | None = None
         self.error: BaseException | None = None
         self.done = False
@@ -46,6 +46,11 @@ class StepBatcher:
             chunk = tokens[start : start + PREFILL_CHUNK]
             out = self._one(_Step(cache, chunk, logits and start + len(chunk) == len(tokens)))
         return out
+
+    def forward_tree(self, cache: KVCache, tokens: list[int], tree: Tree) -> torch.Tensor:
+        """Runs `tokens` as the last nodes of `tree` (specdec/engine/tree.py) after `cache`; returns
+        every node's logits [n, V] (tree drafting: one level of the tree a pass)."""
+        return self._one(_Step(cache, tokens, True, tree))
 
     def _one(self, step: _Step) -> torch.Tensor | None:
         with self._cv:
@@ -70,9 +75,10 @@ class StepBatcher:
             self._waiting = [s for s in self._waiting if all(s is not b for b in steps)]
         metrics.DRAFT_BATCH_SIZE.observe(len(steps))
         try:
-            outs = self.engine.forward([s.tokens for s in steps], [s.cache for s in steps], [s.logits for s in steps])
+            outs = self.engine.forward([s.tokens for s in steps], [s.cache for s in steps], [s.logits for s in steps],
+                                       trees=[s.tree for s in steps])
             for s, o in zip(steps, outs):
-                s.result = None if o is None else o[-1]
+                s.result = None if o is None else o if s.tree is not None else o[-1]
         except Exception as e:  # noqa: BLE001 - handed to the waiting sessions
             for s in steps:
                 s.error = e

@@ -10,6 +10,8 @@ n + 1 tokens. The rule is exact for ANY proposal distribution q as long as q is 
 distribution the draft sampled x_i from. Writing q_{tau+1} = 0, the next token is always a draw
 from normalize(max(0, p_n - q_n)) at n = the number accepted, which is how it is computed.
 
+`accept_tree` is the multi-candidate rule for rounds that are token trees (DESIGN.md §12).
+
 `accept_batch` applies the rule to a whole pass at once: sessions padded to the longest round,
 each with its own tau, sampling settings and keyed uniforms (specdec/sampling.py). `accept` and
 `accept_greedy` are one session's rule, the same code with a batch of one. All return tensors
@@ -90,3 +92,89 @@ def accept_batch(logits: torch.Tensor, tokens: torch.Tensor, tau: torch.Tensor, 
     n_s, nxt_s = _sampled_rows(p, tokens, tau_d, q, u)
     g = to_device(greedy, dev)  # [B]
     return torch.where(g, n, n_s), torch.where(g, nxt, nxt_s)
+
+
+def tree_tables(parents: list[list[int]], R: int) -> dict[str, torch.Tensor]:
+    """Host tables of B trees for `accept_tree` (row 0 of a tree is the pending token, row i + 1
+    its node i; parents[b][i] is node i's parent node or -1), each padded to R rows:
+    parent [B, R] (row 0: 0), kids [B, R, C] (each row's child rows in node order, -1 padding),
+    anc [B, R, R] (row r's ancestor rows and itself, the root row 0 included), depth [B, R]."""
+    B = len(parents)
+    kid_lists = [[[] for _ in range(R)] for _ in range(B)]
+    parent = torch.zeros(B, R, dtype=torch.long)
+    depth = torch.zeros(B, R, dtype=torch.long)
+    anc = torch.eye(R, dtype=torch.bool).repeat(B, 1, 1)
+    for b, ps in enumerate(parents):
+        anc[b, 0] = False
+        anc[b, 0, 0] = True
+        for i, p in enumerate(ps):
+            r, pr = i + 1, p + 1
+            parent[b, r] = pr
+            depth[b, r] = depth[b, pr] + 1
+            kid_lists[b][pr].append(r)
+            anc[b, r] = anc[b, pr]
+            anc[b, r, r] = True
+    C = max(1, max(len(k) for ks in kid_lists for k in ks))
+    kids = torch.tensor([[k + [-1] * (C - len(k)) for k in ks] for ks in kid_lists], dtype=torch.long).view(B, R, C)
+    return dict(parent=parent, kids=kids, anc=anc, depth=depth)
+
+
+def accept_tree(logits: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor, tables: dict[str, torch.Tensor],
+                q: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The multi-candidate rule over one pass of B tree rounds (DESIGN.md §12): logits [B, R, V]
+    (row 0 the pending token, row i + 1 node i; R = the largest tree's nodes + 1), tokens [B, N]
+    (N = R - 1; padding 0) and q [B, N, V] (node i's: the distribution its token was drawn from,
+    given its parent and its earlier siblings) on the device; on the host counts [B] (nodes per
+    tree), tree_tables(...) and each session's settings as accept_batch takes them.
+
+    At every node u at once: its children c_1, c_2, ... are tried in order, each as one step of
+    the chain rule against the target's current distribution p at u (x_c accepted with probability
+    min(1, p(x_c) / q_c(x_c)); on a rejection p becomes normalize(max(0, p - q_c))); the first
+    accepted child is u's choice, and p at the end is what u's next token is drawn from. The
+    accepted path follows the choices from the root; greedy sessions take the argmax rule (a
+    child is chosen if its token is the argmax at u). Uniforms: node i's coin is keyed
+    (seed, position, VERIFY, i), the next token's draw (seed, position, VERIFY, count), so a tree
+    that is a chain draws what the chain rule draws.
+
+    Returns [B, 2 + N] on the device: n accepted, the next token, then per node 1 if it is on the
+    accepted path (one host transfer for the lot)."""
+    B, R, V = logits.shape
+    N, dev = R - 1, logits.device
+    parent, kids, anc, depth = (to_device(tables[k], dev) for k in ("parent", "kids", "anc", "depth"))
+    live = torch.arange(R, device=dev)[None, :] <= to_device(counts, dev)[:, None]  # [B, R] real rows
+    tok_row = torch.cat([tokens.new_zeros(B, 1), tokens], 1)  # [B, R] the token of each row
+    am = logits.argmax(-1)  # [B, R]
+    ok_greedy = tok_row == am.gather(1, parent)  # [B, R]
+    ok, nxt_rows = ok_greedy, am
+    if not greedy.all():
+        rows = lambda x: x.repeat_interleave(R)  # noqa: E731
+        p = probs_from_logits_rows(logits.reshape(B * R, V), rows(temperature), rows(top_k), rows(top_p)).view(B, R, V).double()
+        u = keyed_uniforms(seeds[:, None], positions[:, None], VERIFY, torch.arange(R), device=dev)  # [B, R]: node i's coin at i
+        u_next = keyed_uniforms(seeds, positions, VERIFY, counts, device=dev)  # [B]
+        chosen = torch.full((B, R), -1, dtype=torch.long, device=dev)
+        qrow = torch.cat([q.new_zeros(B, 1, V), q], 1)  # [B, R, V] q by row
+        for s in range(kids.shape[2]):
+            c = kids[:, :, s]  # [B, R] each row's s-th child row, or -1
+            try_ = (c >= 0) & (chosen < 0)
+            cr = c.clamp(min=0)
+            x = tok_row.gather(1, cr)  # [B, R]
+            qc = qrow.gather(1, cr[:, :, None].expand(B, R, V)).double()  # [B, R, V]
+            px, qx = p.gather(2, x[:, :, None]).squeeze(2), qc.gather(2, x[:, :, None]).squeeze(2)
+            take = try_ & (qx > 0) & (u.gather(1, (cr - 1).clamp(min=0)) * qx <= px)
+            chosen = torch.where(take, c, chosen)
+            rest = (p - qc).clamp_(min=0)
+            total = rest.sum(-1, keepdim=True)
+            rest = torch.where(total > 0, rest / total.clamp(min=1e-300), p)  # all mass cancelled (only if p = q_c): p
+            p = torch.where((try_ & ~take)[:, :, None], rest, p)
+        ok_s = chosen.gather(1, parent) == torch.arange(R, device=dev)[None, :]
+        nxt_s = sample_with(p, u_next[:, None].expand(B, R))  # [B, R]: each row's next token if the path ends there
+        g = to_device(greedy, dev)[:, None]
+        ok, nxt_rows = torch.where(g, ok_greedy, ok_s), torch.where(g, am, nxt_s)
+    ok = (ok & live) | (torch.arange(R, device=dev)[None, :] == 0)  # the root is always on the path
+    good = ~(anc & ~ok[:, None, :]).any(2)  # [B, R]: every row from the root to it was chosen
+    end = torch.where(good, depth + 1, 0).argmax(1)  # [B] the deepest such row (one per depth)
+    n = depth.gather(1, end[:, None]).squeeze(1)
+    nxt = nxt_rows.gather(1, end[:, None]).squeeze(1)
+    on_path = anc[torch.arange(B, device=dev), end][:, 1:]  # [B, N]
+    return torch.cat([n[:, None], nxt[:, None], on_path.long()], 1)

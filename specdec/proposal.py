@@ -7,6 +7,9 @@ proposal modes (DESIGN.md §4):
                      q_counts[i] entries of q_ids / q_probs belong to token i
   dense              per token, all V probabilities of q in q_probs
 
+A tree round (DESIGN.md §12) adds each token's parent (`Proposal.parents`, `decode_parents`); q is
+then per node, in the same modes.
+
 `Proposal.to_round` encodes; `decode_round` checks every wire rule and decodes to tensors on the
 verifier's device. Both sides use this module, and tests/test_proposal.py round-trips it.
 """
@@ -20,7 +23,7 @@ from specdec.errors import invalid
 from specdec.sampling import sparsify
 from specdec.v1 import specdec_pb2 as pb
 
-MAX_ROUND_TOKENS = 64  # proposals per round the verifier accepts
+MAX_ROUND_TOKENS = 64  # proposals per round the verifier accepts, a tree's nodes included (ModelInfo.max_tree_budget)
 PROB_TOL = 1e-3  # how far a row of q may sum from 1
 
 
@@ -31,9 +34,16 @@ class Proposal:
     q_ids: list[int] = field(default_factory=list)  # sparse
     q_probs: list[float] = field(default_factory=list)  # sparse (K per token) or dense (V per token)
     lookup: bool = False  # proposed by prompt lookup (one-hot q)
+    parents: list[int] | None = None  # a tree: each token's parent token, or -1 (the pending token)
+    guess: list[int] = field(default_factory=list)  # a tree: its most likely path (indices), what a pre-draft assumes
 
     def to_round(self, number: int) -> pb.Round:
-        return pb.Round(round=number, tokens=self.tokens, q_counts=self.q_counts, q_ids=self.q_ids, q_probs=self.q_probs)
+        return pb.Round(round=number, tokens=self.tokens, q_counts=self.q_counts, q_ids=self.q_ids, q_probs=self.q_probs,
+                        parents=self.parents or [])
+
+    def assumed(self) -> list[int]:
+        """The tokens a pre-draft after this round assumes accepted: a chain's all, a tree's most likely path."""
+        return self.tokens if self.parents is None else [self.tokens[i] for i in self.guess]
 
     def add(self, token: int, mode: int, q: torch.Tensor | None = None, q_ids: torch.Tensor | None = None) -> None:
         """Appends one proposal with q as `wire_q` gives it: dense mode takes q [V]; sparse mode
@@ -78,6 +88,19 @@ def wire_q(q: torch.Tensor, mode: int, sparse_k: int) -> tuple[torch.Tensor, tor
         return q, None
     ids, vals = sparsify(q, sparse_k)
     return vals, ids
+
+
+def decode_parents(r: pb.Round) -> list[int] | None:
+    """A tree round's parents (each an earlier token's index, or -1 for the pending token), or None
+    for a chain. Raises RequestError(INVALID_ARGUMENT) naming the field."""
+    if not r.parents:
+        return None
+    if len(r.parents) != len(r.tokens):
+        raise invalid(f"round.parents: {len(r.parents)} parents for {len(r.tokens)} tokens (one per token, or none for a chain)")
+    for i, p in enumerate(r.parents):
+        if not -1 <= p < i:
+            raise invalid(f"round.parents[{i}]: {p}; a parent is -1 (the pending token) or the index of an earlier token")
+    return list(r.parents)
 
 
 def decode_round(r: pb.Round, *, expected: int, room: int, vocab_size: int, mode: int, greedy: bool,

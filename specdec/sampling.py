@@ -110,6 +110,7 @@ def sparsify(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 # purposes of a keyed draw
 VERIFY = 0  # the verifier's uniforms of one round (index 0..tau)
 DRAFT = 1  # the draft's sample at one position (index 0)
+DRAFT_TREE = 2  # a tree draft's samples in one round (index: the parent node and the sibling's rank; draft_service/tree.py)
 
 _GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 (SplitMix64's increment) as a signed int64
 _M1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from specdec.errors import invalid
 from specdec.observe import MAX_REQUEST_ID_CHARS, valid_request_id
+from specdec.proposal import MAX_ROUND_TOKENS
 from specdec.sampling import Sampling
 from specdec.v1 import specdec_pb2 as pb
 
@@ -42,6 +43,7 @@ class GenParams:
     adaptive: bool = False  # the request's choice, else the service's (Defaults)
     predraft: bool = False
     early_stop_p: float = 0.0
+    tree_budget: int = 0  # tree speculation: the most nodes a round drafts (0: chains)
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,8 @@ def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_cont
         raise invalid(f"num_draft_tokens must be in [0, {MAX_TAU}] (0 = default), got {req.num_draft_tokens}")
     if req.proposal_mode not in pb.ProposalMode.values():
         raise invalid(f"proposal_mode: unknown value {req.proposal_mode}")
+    if req.tree_budget > MAX_ROUND_TOKENS:
+        raise invalid(f"tree_budget must be in [0, {MAX_ROUND_TOKENS}] (0 = chains), got {req.tree_budget}")
     if req.sparse_k > MAX_SPARSE_K:
         raise invalid(f"sparse_k must be in [0, {MAX_SPARSE_K}] (0 = default), got {req.sparse_k}")
     check_request_id(req.request_id)
@@ -150,4 +154,5 @@ def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_cont
         adaptive=adaptive,
         predraft=req.predraft if req.HasField("predraft") else defaults.predraft,
         early_stop_p=float(req.early_stop_p),
+        tree_budget=int(req.tree_budget),
     )

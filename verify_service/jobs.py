@@ -3,8 +3,8 @@ kind of work, and the batched acceptance over a pass's rounds.
 
 * `Prefill`: put the session's prompt (but its last token) into its cache; its future resolves
   once the last chunk is in.
-* `Round`: one round of proposals (tau >= 0, with their q where sampled); its future resolves
-  with the Verdict.
+* `Round`: one round of proposals (tau >= 0, with their q where sampled; a chain, or a tree
+  with each proposal's parent); its future resolves with the Verdict.
 * `Stream`: target-only steps, one a pass, each verdict posted to the caller's queue; the thread
   runs the next step as soon as the last one is committed (at most `left` steps, else until the
   session finishes). A stream that arrives while its session's `Prefill` still waits takes the
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.acceptance import accept_batch
+from specdec.acceptance import accept_batch, accept_tree, tree_tables
 from specdec.sampling import int64
 from verify_service.session import Session
 
@@ -58,6 +58,10 @@ class _NoProposals:
     def q(self) -> None:
         return None
 
+    @property
+    def parents(self) -> None:
+        return None
+
 
 @dataclass
 class Prefill(_NoProposals, Job):
@@ -69,6 +73,7 @@ class Round(Job):
     future: asyncio.Future
     tokens: list[int]  # the proposals
     q: torch.Tensor | None = None  # [tau, V] on the host (all sessions' go to the device in one copy per pass), or None
+    parents: list[int] | None = None  # a tree round: each proposal's parent proposal, or -1 (the pending token)
 
 
 @dataclass
@@ -107,22 +112,41 @@ def accept(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor) -> tuple[
     """The sessions' (n accepted [B], next token [B]) on the device: accept_batch over their
     rounds padded to the longest. lg [B, T+1, V] (rows past a session's tau+1 are padding);
     proposals [B, >= T]."""
-    B, T, V = lg.shape[0], lg.shape[1] - 1, lg.shape[2]
-    qs = [(i, j.q) for i, j in enumerate(jobs) if j.q is not None and not j.session.sampling.greedy]
-    if qs:
-        q = torch.zeros(B, T, V, dtype=torch.float32)  # [B, T, V] on the host: zeros where absent or greedy
-        for i, qi in qs:
-            q[i, : qi.shape[0]] = qi
-        q = q.to(lg.device, non_blocking=True)  # one copy per pass
-    else:  # all greedy or target-only: a zero q that takes no memory
-        q = lg.new_zeros((), dtype=torch.float32).expand(B, T, V)
+    T = lg.shape[1] - 1
+    return accept_batch(lg, proposals[:, :T], torch.tensor([len(j.tokens) for j in jobs]), _q(jobs, lg, T),
+                        *_settings([j.session for j in jobs]))
+
+
+def accept_trees(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
+    """The tree rounds' verdicts on the device, [B, 2 + N]: n, next, then 1 per node on the accepted
+    path (accept_tree over their rounds padded to the largest)."""
+    B, R, V = lg.shape[0], lg.shape[1], lg.shape[2]
+    N = R - 1
     ss = [j.session for j in jobs]
-    return accept_batch(lg, proposals[:, :T], torch.tensor([len(j.tokens) for j in jobs]), q,
-                        torch.tensor([s.sampling.greedy for s in ss]), torch.tensor([int64(s.seed) for s in ss]),
-                        torch.tensor([len(s.ids) for s in ss]),
-                        torch.tensor([s.sampling.temperature for s in ss], dtype=torch.float64),
-                        torch.tensor([s.sampling.top_k for s in ss]),
-                        torch.tensor([s.sampling.top_p for s in ss], dtype=torch.float64))
+    q = _q(jobs, lg, N)
+    return accept_tree(lg, proposals[:, :N], torch.tensor([len(j.tokens) for j in jobs]), tree_tables([j.parents for j in jobs], R), q,
+                       *_settings(ss))
+
+
+def _q(jobs: list[Job], lg: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, T, V] on the device: the sampled sessions' q, zeros where absent or greedy (one copy)."""
+    B, V = lg.shape[0], lg.shape[2]
+    qs = [(i, j.q) for i, j in enumerate(jobs) if j.q is not None and not j.session.sampling.greedy]
+    if not qs:  # all greedy or target-only: a zero q that takes no memory
+        return lg.new_zeros((), dtype=torch.float32).expand(B, T, V)
+    q = torch.zeros(B, T, V, dtype=torch.float32)  # on the host
+    for i, qi in qs:
+        q[i, : qi.shape[0]] = qi
+    return q.to(lg.device, non_blocking=True)  # one copy per pass
+
+
+def _settings(ss: list[Session]) -> tuple[torch.Tensor, ...]:
+    """Per session on the host: greedy, int64(seed), position (committed length), temperature, top_k, top_p."""
+    return (torch.tensor([s.sampling.greedy for s in ss]), torch.tensor([int64(s.seed) for s in ss]),
+            torch.tensor([len(s.ids) for s in ss]),
+            torch.tensor([s.sampling.temperature for s in ss], dtype=torch.float64),
+            torch.tensor([s.sampling.top_k for s in ss]),
+            torch.tensor([s.sampling.top_p for s in ss], dtype=torch.float64))
 
 
 def _resolve(fut: asyncio.Future, ok: bool, result) -> None:

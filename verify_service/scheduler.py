@@ -31,11 +31,11 @@ import torch
 
 from specdec import metrics
 from specdec.errors import Refusal, RequestError
-from specdec.engine import PREFILL_CHUNK, KVCache
+from specdec.engine import PREFILL_CHUNK, KVCache, Tree
 from specdec.lm import LM
 from specdec.sampling import Sampling, to_host
 from verify_service.capacity import Capacity, default_cache_budget
-from verify_service.jobs import Job, Prefill, Round, Stream, accept, check, unfilled
+from verify_service.jobs import Job, Prefill, Round, Stream, accept, accept_trees, check, unfilled
 from verify_service.passcost import PassCost, probe
 from verify_service.session import Session, Verdict, commit
 
@@ -127,13 +127,15 @@ class Scheduler:
             await self._submit(s)
         return time.perf_counter() - t0
 
-    async def step(self, s: Session, tokens: list[int], q: torch.Tensor | None) -> Verdict:
-        """One round: a pass over [pending, tokens] (batched with other sessions), acceptance, commit."""
+    async def step(self, s: Session, tokens: list[int], q: torch.Tensor | None, parents: list[int] | None = None) -> Verdict:
+        """One round: a pass over [pending, tokens] (batched with other sessions), acceptance, commit.
+        With parents, the tokens are a tree's nodes (DESIGN.md §12)."""
         s.next_round += 1
-        left = s.max_new_tokens - s.generated  # proposals past max_new_tokens could never be emitted
+        left = s.max_new_tokens - s.generated  # proposals past max_new_tokens could never be emitted (nor a tree's stored)
         if len(tokens) > left:
             tokens, q = tokens[:left], None if q is None else q[:left]
-        return await self._submit(s, list(tokens), q)
+            parents = None if parents is None else parents[:left]  # parents come first: still a tree
+        return await self._submit(s, list(tokens), q, list(parents) if parents else None)
 
     async def steps(self, s: Session, limit: int | None = None) -> AsyncIterator[Verdict]:
         """Target-only: the prompt's prefill, then one-token steps until the session finishes
@@ -152,9 +154,9 @@ class Scheduler:
             if v.finish or limit == 0:
                 return
 
-    async def _submit(self, s: Session, tokens=None, q=None):
+    async def _submit(self, s: Session, tokens=None, q=None, parents=None):
         loop = asyncio.get_running_loop()
-        job = Round(s, loop, loop.create_future(), tokens, q) if tokens is not None else Prefill(s, loop, loop.create_future())
+        job = Round(s, loop, loop.create_future(), tokens, q, parents) if tokens is not None else Prefill(s, loop, loop.create_future())
         self._queue.put(job)
         awaited = self._awaited
         if awaited:  # the scheduler thread is gathering (`_gather`): wake it when the last awaited session is in
@@ -291,8 +293,11 @@ class Scheduler:
         T = max((len(j.tokens) for j in jobs), default=0)
         proposals = torch.tensor([j.tokens + [0] * (T - len(j.tokens)) for j in jobs], dtype=torch.long).view(len(jobs), T)
         proposals = proposals.to(self.lm.device, non_blocking=True)  # [B, T] all sessions', padded with 0: one copy
+        trees = [None] * len(filling) + [Tree(j.session.cache.length, (-1, *(p + 1 for p in j.parents))) if j.parents else None
+                                         for j in jobs]  # a tree round's row 0 is its pending token, the root
         try:
-            logits = self.lm.engine.forward(inputs, caches, [False] * len(filling) + [True] * len(jobs), padded=True)  # [B, T+1, V]
+            logits = self.lm.engine.forward(inputs, caches, [False] * len(filling) + [True] * len(jobs), padded=True,
+                                            trees=trees)  # [B, T+1, V]
         except Exception as e:  # noqa: BLE001 - nothing was committed: retry alone to find whose it is
             if len(everyone) == 1:
                 everyone[0].resolve(False, e)
@@ -342,13 +347,25 @@ class Scheduler:
             return
         forward_s = time.perf_counter() - t0
         metrics.FORWARD_TIME.observe(forward_s)
-        self.cost.observe(*layout, sum(n + 1 for _, (n, _) in done), forward_s, t0)
+        self.cost.observe(*layout, sum(n + 1 for _, n, _, _ in done), forward_s, t0)
         metrics.PASS_UTILISATION.set(self.cost.utilisation)
         metrics.ROW_PRICE.set(self.cost.price)
-        for j, (n, nxt) in done:
+        moves: tuple[list[int], list[int]] = ([], [])
+        for j, n, _, path in done:
+            if path:  # a tree's accepted nodes go where the path's tokens belong, after the pending token
+                src, dst = j.session.cache.path_slots(len(j.session.ids) - 1, [i + 1 for i in path])
+                moves[0].extend(src)
+                moves[1].extend(dst)
+        try:
+            self.lm.engine.pool.move(*moves)
+        except Exception as e:  # noqa: BLE001 - the tree rounds' paths are not in place: they fail, the chains go on
+            done = [d for d in done if d[3] is None or d[0].resolve(False, e)]
+        for j, n, nxt, path in done:
             s = j.session
             try:
-                v = commit(s, j.tokens[:n] + [nxt], n, self.lm.eos, self.lm.max_context)
+                accepted = [j.tokens[i] for i in path] if path is not None else j.tokens[:n]
+                v = commit(s, accepted + [nxt], n, self.lm.eos, self.lm.max_context)
+                v.path = path
                 v.forward_s, v.queue_s, v.pass_rounds = forward_s, t0 - j.enqueued, len(jobs)
                 v.row_cost_s, v.row_price = self.cost.per_row_s, self.cost.price
                 metrics.QUEUE_WAIT.observe(t0 - j.enqueued)
@@ -356,15 +373,31 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001
                 j.resolve(False, e)
 
-    def _decide(self, jobs: list[Job], logits: torch.Tensor, proposals: torch.Tensor) -> list[tuple[Job, list[int]]]:
-        """[(job, [n, next])] from one batched acceptance and ONE host transfer; if the batch
-        raises, each session is retried alone, so a failure fails its own session only."""
+    def _decide(self, jobs: list[Job], logits: torch.Tensor, proposals: torch.Tensor) -> list[tuple[Job, int, int, list[int] | None]]:
+        """[(job, n, next, a tree's accepted path or None)] from one batched acceptance (chains and
+        trees apart) and ONE host transfer; if the batch raises, each session is retried alone, so
+        a failure fails its own session only."""
         try:
-            n, nxt = accept(jobs, logits, proposals)
-            if self._forced is not None:
-                n = torch.tensor([max(0, min(self._forced(j.session, len(j.tokens)), len(j.tokens))) for j in jobs], device=logits.device)
-                nxt = logits[torch.arange(len(jobs), device=logits.device), n].argmax(-1)
-            return list(zip(jobs, to_host(torch.stack((n, nxt), 1))))  # [B, 2]: the only host sync
+            tree = [i for i, j in enumerate(jobs) if j.parents]
+            chain = [i for i, j in enumerate(jobs) if not j.parents]
+            parts, W = [], max((len(jobs[i].tokens) for i in tree), default=0)
+            if chain:
+                cj, lg, pr = ([jobs[i] for i in chain], logits[chain], proposals[chain]) if tree else (jobs, logits, proposals)
+                n, nxt = accept(cj, lg, pr)
+                if self._forced is not None:
+                    n = torch.tensor([max(0, min(self._forced(j.session, len(j.tokens)), len(j.tokens))) for j in cj], device=logits.device)
+                    nxt = lg[torch.arange(len(cj), device=logits.device), n].argmax(-1)
+                parts.append(torch.nn.functional.pad(torch.stack((n, nxt), 1), (0, W)))
+            if tree:
+                tj = [jobs[i] for i in tree]
+                R = 1 + W
+                parts.append(accept_trees(tj, logits[tree, :R], proposals[tree]))
+            rows = to_host(torch.cat(parts))  # [B, 2 + W]: the only host sync
+            out = {}
+            for k, i in enumerate(chain + tree):
+                r = rows[k]
+                out[i] = (jobs[i], r[0], r[1], [m for m in range(len(jobs[i].tokens)) if r[2 + m]] if jobs[i].parents else None)
+            return [out[i] for i in range(len(jobs))]
         except Exception as e:  # noqa: BLE001
             if len(jobs) == 1:
                 jobs[0].resolve(False, e)

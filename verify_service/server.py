@@ -9,7 +9,7 @@ import grpc
 from specdec import edge, serving, validation
 from specdec.architectures import TESTED
 from specdec.errors import Refusal, RequestError, invalid
-from specdec.proposal import decode_round
+from specdec.proposal import MAX_ROUND_TOKENS, decode_parents, decode_round
 from specdec.textstream import Chunks
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -28,6 +28,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
     async def Info(self, request, context):
         info = serving.model_info(self.lm, request.include_vocab, TESTED)
         info.capacity.CopyFrom(pb.Capacity(**self.engine.capacity.free()))
+        info.max_tree_budget = MAX_ROUND_TOKENS
         return info
 
     async def _read(self, context):
@@ -61,7 +62,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         scheduler moves all sessions' q to the device in one copy per pass."""
         tokens, q = decode_round(r, expected=s.next_round, room=self.engine.room(s), vocab_size=self.lm.vocab_size,
                                  mode=s.mode, greedy=s.sampling.greedy)
-        return r.tokens, q
+        return r.tokens, q, decode_parents(r)
 
     async def Session(self, request_iterator, context):
         s = prefill = None
@@ -84,14 +85,14 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                     raise invalid("start: a session is already open on this stream (one session per stream); send `round` messages")
                 if kind != "round":
                     raise invalid("round: a message with neither `start` nor `round` set")
-                tokens, q = self._check_round(s, req.round)
+                tokens, q, parents = self._check_round(s, req.round)
                 if prefill.done():
                     prefill.result()  # raises if the prefill failed
                 if not tokens and req.round.target_only_steps > 1:
                     await self._run(s, req.round, context)
                     continue
                 await prefill
-                v = await self.engine.step(s, tokens, q)
+                v = await self.engine.step(s, tokens, q, parents)
                 await context.write(self._verdict(s, req.round.round, v))
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Session", e)
@@ -107,7 +108,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         return pb.VerifyResponse(
             round=number, num_accepted=v.num_accepted, next_token=v.next_token, finish_reason=edge.finish_reason(v.finish),
             forward_s=v.forward_s, queue_s=v.queue_s, seed=s.seed, row_cost_s=v.row_cost_s, row_price=v.row_price,
-            steps_left=steps_left, target_only_s=self.engine.cost.target_only_s(len(self.engine.sessions)))
+            steps_left=steps_left, target_only_s=self.engine.cost.target_only_s(len(self.engine.sessions)), accepted_path=v.path or [])
 
     async def _run(self, s, r: pb.Round, context) -> None:
         """A run of target-only steps (Round.target_only_steps): the scheduler runs them back to

@@ -48,6 +48,7 @@ class Verdict:
     row_cost_s: float = 0.0  # the verifier's load after the pass (passcost.PassCost)
     row_price: float = 0.0
     pass_rounds: int = 0  # the rounds verified in the same pass (this one included)
+    path: list[int] | None = None  # a tree round's accepted nodes, root first
 
 
 def commit(s: Session, new: list[int], n: int, eos: frozenset[int], max_context: int) -> Verdict:

@@ -5,6 +5,7 @@
   forward.py    Engine (model + plan + pool), its forward pass, `prepare`
   graphs.py     uniform passes of rounds, captured as CUDA graphs on CUDA
   plan.py       the load-time plan
+  tree.py       a token tree as one input of a pass (tree speculation)
   cpu/          the CPU tier: calibrated matmul row counts, per-row products, prepacked weights
                 and the attention dtype (never imported on a GPU)
 """
@@ -12,6 +13,7 @@ from specdec.engine.attention import ROW_BY_ROW, cache_kwargs, returned_cache
 from specdec.engine.cache import PAGE, KVCache, Pool, available_memory_bytes
 from specdec.engine.forward import PREFILL_CHUNK, Engine, prepare
 from specdec.engine.plan import Plan
+from specdec.engine.tree import Tree
 
-__all__ = ["PAGE", "PREFILL_CHUNK", "ROW_BY_ROW", "Engine", "KVCache", "Plan", "Pool", "available_memory_bytes", "cache_kwargs",
+__all__ = ["PAGE", "PREFILL_CHUNK", "ROW_BY_ROW", "Engine", "KVCache", "Plan", "Pool", "Tree", "available_memory_bytes", "cache_kwargs",
            "prepare", "returned_cache"]

@@ -31,6 +31,7 @@ import torch
 from transformers import AttentionInterface, Cache
 
 from specdec.engine.cache import PAGE, KVCache, Pool
+from specdec.engine.tree import Tree
 
 ATTN = "specdec_packed"
 PASS_KWARG = "specdec_pass"  # the model-call keyword that hands a pass down to its attention (where the model passes keywords on)
@@ -49,6 +50,8 @@ class Group:
     rows: torch.Tensor  # [B * n] packed row of each (input, query j) (padding: the input's last row)
     qpos: torch.Tensor  # [B, n] absolute position of each query (padding: the input's last)
     first_slot: int | None = None  # one input whose key pages are consecutive: its keys are a view of the pool from here
+    tree: tuple | None = None  # where a member is a tree (tree.py): (base [B, 1, 1], visible [B, n, M], query depth [B, n],
+    # key depth [B, M]) over each input's M nodes from its base; a chain member as the chain tree. None: all chains
     _masks: dict = field(default_factory=dict)
 
     def keys(self, t: torch.Tensor) -> torch.Tensor:
@@ -65,10 +68,13 @@ class Group:
         key = (window, heads, rep, additive)
         if key not in self._masks:
             k = torch.arange(self.Lb, device=self.qpos.device)[None, None, :]  # [1, 1, Lb]
-            p = self.qpos[:, :, None]  # [B, n, 1]
-            m = k <= p
-            if window:
-                m &= k > p - window
+            if self.tree is None:
+                p = self.qpos[:, :, None]  # [B, n, 1]
+                m = k <= p
+                if window:
+                    m &= k > p - window
+            else:
+                m = self._tree_mask(k, window)
             B = m.shape[0]
             if heads:
                 m = m[:, None, :, None, :].expand(B, heads, self.n, rep, self.Lb).reshape(B, heads * self.n * rep, 1, self.Lb)
@@ -78,6 +84,22 @@ class Group:
                 m = torch.zeros(m.shape, dtype=additive, device=m.device).masked_fill_(~m, float("-inf"))
             self._masks[key] = m
         return self._masks[key]
+
+
+    def _tree_mask(self, k: torch.Tensor, window: int | None) -> torch.Tensor:
+        """[B, n, Lb]: a node sees the committed keys (positions < base; within the window of its own
+        position base + depth) and its ancestors' and its own keys (stored at base + node)."""
+        base, vis, qdepth, kdepth = self.tree
+        M = vis.shape[2]
+        p = base + qdepth[:, :, None]  # [B, n, 1] the query's position
+        m = (k < base) & (k <= p)
+        if window:
+            m &= k > p - window
+        node = (k - base).clamp(0, M - 1).expand(vis.shape[0], vis.shape[1], -1)  # [B, n, Lb]
+        t = vis.gather(2, node) & (k >= base) & (k < base + M)
+        if window:
+            t &= qdepth[:, :, None] - kdepth.gather(1, node[:, 0]).unsqueeze(1) < window
+        return m | t
 
 
 @dataclass
@@ -97,10 +119,11 @@ class Pass:
 
 
 def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[int], offsets: list[int], rows: int,
-           lead: list[int], per_query: bool = False) -> Pass:
+           lead: list[int], per_query: bool = False, trees: list[Tree | None] | None = None) -> Pass:
     """The pass's index tensors. A few integers per input (its length, start, first row, where its
     attention output goes) and its page table go to the device in one copy; every per-row index is
-    computed there."""
+    computed there. A group with a tree among its inputs (trees[i], tree.py) takes its visibility
+    as a second small copy."""
     N, dev = len(counts), pool.device
     real = sum(counts)
     plan, lo = [], 0  # (inputs, n) per group: the short ones by size, then each long one alone
@@ -139,9 +162,31 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
         own = caches[members[0]].pages[:pages]
         first = own[0] * PAGE if B == 1 and own == list(range(own[0], own[0] + pages)) else None  # a view, no gather
         gather = None if first is not None else (tab[m, :pages, None] * PAGE + within).view(-1)  # [B * Lb] slots of its key positions
-        groups.append(Group(members, n, pages * PAGE, gather, (off[m, None] + jc).view(-1), st[m, None] + jc, first))
+        tree = _tree_tensors([trees[i] for i in members], [counts[i] for i in members], [starts[i] for i in members], n, dev) \
+            if trees and any(trees[i] is not None for i in members) else None
+        groups.append(Group(members, n, pages * PAGE, gather, (off[m, None] + jc).view(-1), st[m, None] + jc, first, tree))
     ordered = len(plan) == 1 and rows == real and all(c == plan[0][1] for c in counts)  # one group, in packed order, no padding
     return Pass(pool, rows, lead, slots, groups[:short], groups[short:], None if ordered else back, per_query)
+
+
+def _tree_tensors(trees: list[Tree | None], counts: list[int], starts: list[int], n: int, dev) -> tuple:
+    """Group.tree for a group's inputs (a chain input as the chain tree from its start); an input's
+    padding rows repeat its last."""
+    trees = [t if t is not None else Tree.chain(st, c) for t, c, st in zip(trees, counts, starts)]
+    M = max(len(t) for t in trees)
+    vis, qd, kd, base = [], [], [], []
+    for t, c in zip(trees, counts):
+        rows = t.visible()
+        own = [len(t) - c + min(j, c - 1) for j in range(n)]  # this input's nodes, padding: the last
+        vis.append([rows[x] + [False] * (M - len(t)) for x in own])
+        qd.append([t.depth[x] for x in own])
+        kd.append(list(t.depth) + [0] * (M - len(t)))
+        base.append(t.base)
+    B = len(trees)
+    v = torch.tensor(vis, dtype=torch.bool).view(B, n, M)
+    ints = torch.tensor([b + q + k for b, q, k in zip([[x] for x in base], qd, kd)], dtype=torch.long)  # [B, 1 + n + M]
+    v, ints = v.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
+    return ints[:, :1, None], v, ints[:, 1 : 1 + n], ints[:, 1 + n :]
 
 
 _current: contextvars.ContextVar[Pass] = contextvars.ContextVar("specdec_pass")

@@ -76,6 +76,17 @@ class Pool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    @torch.inference_mode()
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Copies the keys and values at slots src to slots dst, in every layer (one gather and one
+        write per tensor: the sources are read before anything is written). A tree round keeps its
+        accepted path this way (DESIGN.md §12). Called on the passes' thread only."""
+        if not src or not self.k:
+            return
+        s, d = torch.tensor(src + dst, dtype=torch.long).to(self.device, non_blocking=True).split(len(src))
+        for t in self.k + self.v:
+            t.index_copy_(0, d, t.index_select(0, s))
+
 
 class KVCache:
     """One session's pages in a pool: the tokens it holds are positions 0..length-1."""
@@ -96,6 +107,15 @@ class KVCache:
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
+
+    def path_slots(self, base: int, rows: list[int]) -> tuple[list[int], list[int]]:
+        """(from, to) slots that bring tree nodes stored at positions base + rows[d] (rows rising) to
+        base + 1 + d, the positions of an accepted path after its root (Pool.move copies them)."""
+        moves = [(base + r, base + 1 + d) for d, r in enumerate(rows) if r != 1 + d]
+        return self.slots_of([a for a, _ in moves]), self.slots_of([b for _, b in moves])
+
+    def slots_of(self, positions: list[int]) -> list[int]:
+        return [self.pages[p // PAGE] * PAGE + p % PAGE for p in positions]
 
     def release(self) -> None:
         """Gives the pages back to the pool (the cache is empty and unbound after)."""

@@ -23,6 +23,7 @@ from specdec.engine.attention import ATTN, PassCache, cache_kwargs, layout, runn
 from specdec.engine.cache import KVCache, Pool
 from specdec.engine.graphs import Uniform
 from specdec.engine.plan import Plan
+from specdec.engine.tree import Tree
 
 log = logging.getLogger("specdec.engine")
 
@@ -47,13 +48,15 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, inputs: list[list[int]], caches: list[KVCache], logits: bool | list[bool] = True,
-                padded: bool = False) -> list[torch.Tensor | None] | torch.Tensor:
+                padded: bool = False, trees: list[Tree | None] | None = None) -> list[torch.Tensor | None] | torch.Tensor:
         """Runs inputs[i] after caches[i] for every i in one pass, writing the new keys and values in
         place. Returns, per input, its logits [n_i, V] (float32, on the model's device) where
         logits (or logits[i]) is true, else None; with `padded`, one tensor [K, R, V] for the K inputs
         with logits (in order), R their longest, rows past an input's own repeating its last (a pass
         of rounds only may return a CUDA graph's output buffer: read it before the next pass). A
-        failed pass leaves every cache's length as it was."""
+        failed pass leaves every cache's length as it was. trees[i] (tree.py), where given, makes
+        input i the last len(inputs[i]) nodes of that tree: each attends its ancestors only, at its
+        branch's positions (such a pass never runs in the uniform shapes)."""
         model, device, plan = self.model, self.device, self.plan
         want = [logits] * len(inputs) if isinstance(logits, bool) else list(logits)
         # A prefill chunk longer than the plan's top (its keys and values only) goes first, in one
@@ -61,16 +64,20 @@ class Engine:
         own = {i for i, x in enumerate(inputs) if plan.top is not None and not want[i] and len(x) > plan.top}
         order = sorted(range(len(inputs)), key=lambda i: i not in own)
         inputs, caches, want = [inputs[i] for i in order], [caches[i] for i in order], [want[i] for i in order]
+        trees = [trees[i] for i in order] if trees and any(t is not None for t in trees) else None
         counts = [len(x) for x in inputs]
         starts, ends = [], {}  # a cache may take two inputs (a prompt's last chunk, then a step): the second starts after the first
         for c, n in zip(caches, counts):
             starts.append(ends.get(id(c), c.length))
             ends[id(c)] = starts[-1] + n
+        for i, t in enumerate(trees or []):
+            if t is not None and (len(t) < counts[i] or t.base + len(t) - counts[i] != starts[i]):
+                raise ValueError(f"a tree of {len(t)} nodes from {t.base} cannot take {counts[i]} rows at {starts[i]}")
         for c, L, n in zip(caches, starts, counts):
             if L + n > c.capacity:
                 raise ValueError(f"cache overflow: {L} + {n} tokens > capacity {c.capacity}")
             c.bind(self.pool)
-        shape = self.uniform.shape(counts) if self.uniform is not None and padded and all(want) and inputs else None
+        shape = self.uniform.shape(counts) if self.uniform is not None and padded and all(want) and inputs and not trees else None
         if shape is not None:  # rounds only (so in the callers' order): one uniform pass, a CUDA graph where captured
             out = self.uniform.run(inputs, caches, starts, *shape)
             for c, n in zip(caches, counts):
@@ -81,14 +88,16 @@ class Engine:
         rest = real - sum(lead)  # the other sessions' rows, padded to pad_to
         T = sum(lead) + (max(rest, plan.pad_to) if rest or not lead else 0)
         flat = [t for x in inputs for t in x] + [0] * (T - real)  # padding rows: token 0 at position 0, never attended
-        pos = [L + j for L, n in zip(starts, counts) for j in range(n)] + [0] * (T - real)
+        pos = [L + j for L, n in zip(starts, counts) for j in range(n)] if not trees else \
+            [L + j if t is None else t.base + t.depth[len(t) - n + j] for L, n, t in zip(starts, counts, trees) for j in range(n)]
+        pos += [0] * (T - real)
         ids, position_ids = torch.tensor([flat, pos], dtype=torch.long, device=device).split(1)  # [1, T] each, one copy to the device
         offsets = [0, *itertools.accumulate(counts)][: len(counts)]  # each input's first row
         at = {i: k for k, i in enumerate(order)}  # caller's index -> the pass's
         callers = [i for i in range(len(order)) if want[at[i]]]  # the inputs with logits, in the callers' order
         R = max((counts[at[i]] for i in callers), default=0) if padded else 0
         keep = [offsets[at[i]] + min(j, counts[at[i]] - 1) for i in callers for j in range(R or counts[at[i]])]  # the head's rows
-        p = layout(self.pool, caches, counts, starts, offsets, T, lead, plan.per_query)
+        p = layout(self.pool, caches, counts, starts, offsets, T, lead, plan.per_query, trees)
         with running(p):
             cache = PassCache(p)
             if keep:

@@ -70,7 +70,7 @@ class TokenizerInfo(_message.Message):
     def __init__(self, tokenizer_class: _Optional[str] = ..., num_tokens: _Optional[int] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., adds_special_tokens: _Optional[bool] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_fingerprint", "vocab_size", "max_context", "proposal_modes", "num_parameters", "eos_token_id", "eos_token_ids", "device", "dtype", "supported_architectures", "tokenizer", "capacity")
+    __slots__ = ("model_name", "vocab_fingerprint", "vocab_size", "max_context", "proposal_modes", "num_parameters", "eos_token_id", "eos_token_ids", "device", "dtype", "supported_architectures", "tokenizer", "capacity", "max_tree_budget")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class ModelInfo(_message.Message):
     SUPPORTED_ARCHITECTURES_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_fingerprint: str
     vocab_size: int
@@ -97,7 +98,8 @@ class ModelInfo(_message.Message):
     supported_architectures: _containers.RepeatedScalarFieldContainer[str]
     tokenizer: TokenizerInfo
     capacity: Capacity
-    def __init__(self, model_name: _Optional[str] = ..., vocab_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., proposal_modes: _Optional[_Iterable[_Union[ProposalMode, str]]] = ..., num_parameters: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., supported_architectures: _Optional[_Iterable[str]] = ..., tokenizer: _Optional[_Union[TokenizerInfo, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ...) -> None: ...
+    max_tree_budget: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., proposal_modes: _Optional[_Iterable[_Union[ProposalMode, str]]] = ..., num_parameters: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., supported_architectures: _Optional[_Iterable[str]] = ..., tokenizer: _Optional[_Union[TokenizerInfo, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., max_tree_budget: _Optional[int] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("free_sessions", "free_cached_tokens", "max_sessions", "max_cached_tokens")
@@ -124,7 +126,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "num_draft_tokens", "proposal_mode", "sparse_k", "request_id", "proposer", "adaptive", "predraft", "early_stop_p", "add_special_tokens")
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "stop", "num_draft_tokens", "proposal_mode", "sparse_k", "request_id", "proposer", "adaptive", "predraft", "early_stop_p", "add_special_tokens", "tree_budget")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +141,7 @@ class GenerateRequest(_message.Message):
     PREDRAFT_FIELD_NUMBER: _ClassVar[int]
     EARLY_STOP_P_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -153,10 +156,11 @@ class GenerateRequest(_message.Message):
     predraft: bool
     early_stop_p: float
     add_special_tokens: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., proposal_mode: _Optional[_Union[ProposalMode, str]] = ..., sparse_k: _Optional[int] = ..., request_id: _Optional[str] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., adaptive: _Optional[bool] = ..., predraft: _Optional[bool] = ..., early_stop_p: _Optional[float] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    tree_budget: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., proposal_mode: _Optional[_Union[ProposalMode, str]] = ..., sparse_k: _Optional[int] = ..., request_id: _Optional[str] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., adaptive: _Optional[bool] = ..., predraft: _Optional[bool] = ..., early_stop_p: _Optional[float] = ..., add_special_tokens: _Optional[bool] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_s", "verify_s", "verify_forward_s", "prefill_s", "prompt_tokens", "generated_tokens", "server_s", "predraft_hits", "predraft_misses", "lookup_rounds", "fallback_rounds", "target_only_rounds", "run_steps")
+    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_s", "verify_s", "verify_forward_s", "prefill_s", "prompt_tokens", "generated_tokens", "server_s", "predraft_hits", "predraft_misses", "lookup_rounds", "fallback_rounds", "target_only_rounds", "run_steps", "tree_rounds")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +180,7 @@ class Stats(_message.Message):
     FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_ONLY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     RUN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted: int
     accepted: int
@@ -195,7 +200,8 @@ class Stats(_message.Message):
     fallback_rounds: int
     target_only_rounds: int
     run_steps: int
-    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., verify_forward_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., server_s: _Optional[float] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ..., lookup_rounds: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., target_only_rounds: _Optional[int] = ..., run_steps: _Optional[int] = ...) -> None: ...
+    tree_rounds: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., verify_forward_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., server_s: _Optional[float] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ..., lookup_rounds: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., target_only_rounds: _Optional[int] = ..., run_steps: _Optional[int] = ..., tree_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats", "seed", "request_id")
@@ -230,20 +236,22 @@ class SessionStart(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., proposal_mode: _Optional[_Union[ProposalMode, str]] = ..., vocab_fingerprint: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Round(_message.Message):
-    __slots__ = ("round", "tokens", "q_counts", "q_ids", "q_probs", "target_only_steps")
+    __slots__ = ("round", "tokens", "q_counts", "q_ids", "q_probs", "target_only_steps", "parents")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_COUNTS_FIELD_NUMBER: _ClassVar[int]
     Q_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     TARGET_ONLY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     round: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q_counts: _containers.RepeatedScalarFieldContainer[int]
     q_ids: _containers.RepeatedScalarFieldContainer[int]
     q_probs: _containers.RepeatedScalarFieldContainer[float]
     target_only_steps: int
-    def __init__(self, round: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_counts: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., target_only_steps: _Optional[int] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_counts: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., target_only_steps: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("start", "round")
@@ -254,7 +262,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[SessionStart, _Mapping]] = ..., round: _Optional[_Union[Round, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("round", "num_accepted", "next_token", "finish_reason", "forward_s", "queue_s", "seed", "row_cost_s", "row_price", "steps_left", "target_only_s")
+    __slots__ = ("round", "num_accepted", "next_token", "finish_reason", "forward_s", "queue_s", "seed", "row_cost_s", "row_price", "steps_left", "target_only_s", "accepted_path")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +274,7 @@ class VerifyResponse(_message.Message):
     ROW_PRICE_FIELD_NUMBER: _ClassVar[int]
     STEPS_LEFT_FIELD_NUMBER: _ClassVar[int]
     TARGET_ONLY_S_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_accepted: int
     next_token: int
@@ -277,4 +286,5 @@ class VerifyResponse(_message.Message):
     row_price: float
     steps_left: int
     target_only_s: float
-    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., forward_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., seed: _Optional[int] = ..., row_cost_s: _Optional[float] = ..., row_price: _Optional[float] = ..., steps_left: _Optional[int] = ..., target_only_s: _Optional[float] = ...) -> None: ...
+    accepted_path: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., forward_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., seed: _Optional[int] = ..., row_cost_s: _Optional[float] = ..., row_price: _Optional[float] = ..., steps_left: _Optional[int] = ..., target_only_s: _Optional[float] = ..., accepted_path: _Optional[_Iterable[int]] = ...) -> None: ...

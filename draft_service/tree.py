@@ -1,0 +1,131 @@
+"""Drafting a token tree for one round (DESIGN.md §12), EAGLE-2 style.
+
+Every node has a score, the draft's probability of its whole branch (the product of its tokens'
+draft probabilities). The tree grows one level a pass: the BEAM best-scored nodes of the newest
+level, if they are still among the `budget` best nodes found so far, run through the draft in ONE
+pass (StepBatcher.forward_tree: each node attends its own branch), and each gets its BRANCH most
+likely children (greedy and ids-only sessions: the draft's top tokens; sampled ones: draws without
+replacement). The round sends the `budget` best-scored nodes, parents before children (a child's
+score never exceeds its parent's, so the best nodes form a tree), with each node's q: the
+distribution its token was drawn from, given its parent and its earlier siblings (one-hot where the
+session sends ids only). Its most likely path (the best child at every step) is what a pre-draft
+assumes.
+
+Sampled children at a node are drawn one after another from the node's q (its top-k in sparse
+mode), each from what the earlier draws left, renormalized; the draws are keyed
+(seed, the round's base position, DRAFT_TREE, parent * 64 + rank), so a round's tree depends on its
+context and seed only. The draft's cache holds the context after a round; the nodes it wrote for
+the tree are cropped off.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.engine import Tree
+from specdec.proposal import Proposal, ids_only, wire_q
+from specdec.sampling import DRAFT_TREE, keyed_uniforms, probs_from_logits, sample_with
+
+BEAM = 4  # nodes expanded per level
+BRANCH = 4  # children taken per expanded node
+_KEY = 64  # a node's children's draws are keyed parent * _KEY + rank
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index into the candidates, -1 for a child of the context
+    score: float  # the draft's probability of the branch
+    depth: int  # 1 for a child of the context
+    q: tuple  # the wire q it was drawn from: (probs, ids or None), or None for one-hot
+    written: int = -1  # its place among the nodes written to the draft's cache this round (-1: not run)
+
+
+def grow(drafter, st, budget: int, depth: int, context: list[int] | None = None, stop=None, floor: float = 0.0) -> Proposal:
+    """A tree of at most `budget` nodes and `depth` levels after `context` (default: the committed
+    sequence), none with a score below `floor` (at least one node all the same), as a Proposal with
+    parents and its most likely path (`guess`)."""
+    context = list(st.ids if context is None else context)
+    prm = st.params
+    logits = drafter._feed(st, context)  # [V]; the cache now holds the context
+    base = len(context)
+    nodes: list[_Node] = []
+    _children(nodes, -1, logits, prm, base, budget)
+    level, written = 1, []  # written: candidate indices in the order the cache holds them
+    try:
+        while level < depth and not (stop is not None and stop.is_set()):
+            cut = max(_cutoff(nodes, budget), floor)
+            pick = sorted((i for i, n in enumerate(nodes) if n.depth == level and n.score >= cut), key=lambda i: -nodes[i].score)[:BEAM]
+            if not pick:
+                break
+            for i in pick:
+                nodes[i].written = len(written)
+                written.append(i)
+            tree = Tree(base, tuple(nodes[nodes[i].parent].written if nodes[i].parent >= 0 else -1 for i in written))
+            out = drafter.batcher.forward_tree(st.cache, [nodes[i].token for i in pick], tree)  # [len(pick), V]
+            for k, i in enumerate(pick):
+                _children(nodes, i, out[k], prm, base, budget)
+            level += 1
+    finally:
+        st.cache.crop(base)  # the tree's nodes go; the cache holds the context
+    return _proposal(nodes, budget, prm, drafter.lm.vocab_size, floor)
+
+
+def _cutoff(nodes: list[_Node], budget: int) -> float:
+    """The budget-th best score so far: a node below it cannot make the round, nor can its children."""
+    scores = sorted((n.score for n in nodes), reverse=True)
+    return scores[budget - 1] if len(scores) >= budget else 0.0
+
+
+def _children(nodes: list[_Node], parent: int, logits: torch.Tensor, prm, base: int, budget: int) -> None:
+    """Adds up to BRANCH children of `parent` (-1: the context) from the draft's logits after it."""
+    score, depth = (nodes[parent].score, nodes[parent].depth + 1) if parent >= 0 else (1.0, 1)
+    k = min(BRANCH, budget)
+    if ids_only(prm.mode) or prm.sampling.greedy:  # the draft's top tokens, q one-hot
+        probs = torch.softmax(logits.float(), -1) if prm.sampling.greedy else probs_from_logits(logits, prm.sampling)
+        vals, ids = torch.topk(probs, k)
+        for v, x in zip(vals.tolist(), ids.tolist()):
+            if v > 0:
+                nodes.append(_Node(x, parent, score * v, depth, None))
+        return
+    q = probs_from_logits(logits, prm.sampling)  # [V]
+    vals, ids = wire_q(q, prm.mode, prm.sparse_k)  # what the wire carries is what the draft samples from
+    left = vals.double()
+    u = keyed_uniforms(prm.seed, base, DRAFT_TREE, torch.arange(k) + (parent + 1) * _KEY).tolist()
+    for r in range(k):
+        total = float(left.sum())
+        if total <= 0:
+            break
+        cur = (left / total).float()
+        j = int(sample_with(cur, torch.tensor(u[r], dtype=torch.float64)))
+        keep = cur > 0
+        wire = (cur[keep], None if ids is None else ids[keep]) if ids is not None else (cur, None)
+        x = j if ids is None else int(ids[j])
+        nodes.append(_Node(x, parent, score * float(vals[j]), depth, wire))
+        left[j] = 0.0
+
+
+def _proposal(nodes: list[_Node], budget: int, prm, vocab_size: int, floor: float) -> Proposal:
+    """The budget best nodes (ties: shallower first) from `floor` up (the best one in any case),
+    parents before children, as a Proposal."""
+    ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))
+    best = ranked[:1] + [i for i in ranked[1:budget] if nodes[i].score >= floor]
+    order = sorted(best, key=lambda i: (nodes[i].depth, i))
+    at = {i: k for k, i in enumerate(order)}
+    out = Proposal(parents=[])
+    for i in order:
+        n = nodes[i]
+        if n.q is None:
+            out.add_one_hot(n.token, prm.mode, vocab_size)
+        else:
+            out.add(n.token, prm.mode, n.q[0].cpu(), None if n.q[1] is None else n.q[1].cpu())
+        out.parents.append(at[n.parent] if n.parent >= 0 else -1)
+    k = -1  # the most likely path: the best-scored child at every step
+    while True:
+        kids = [c for c in range(len(order)) if out.parents[c] == k]
+        if not kids:
+            break
+        k = max(kids, key=lambda c: (nodes[order[c]].score, -c))
+        out.guess.append(k)
+    return out
