@@ -2,20 +2,25 @@
 
 Every node has a score, the draft's probability of its whole branch (the product of its tokens'
 draft probabilities). The tree grows one level a pass: the BEAM best-scored nodes of the newest
-level, if they are still among the `budget` best nodes found so far, run through the draft in ONE
-pass (StepBatcher.forward_tree: each node attends its own branch), and each gets its BRANCH most
-likely children (greedy and ids-only sessions: the draft's top tokens; sampled ones: draws without
-replacement). The round sends the `budget` best-scored nodes, parents before children (a child's
-score never exceeds its parent's, so the best nodes form a tree), with each node's q: the
-distribution its token was drawn from, given its parent and its earlier siblings (one-hot where the
-session sends ids only). Its most likely path (the best child at every step) is what a pre-draft
-assumes.
+level (none below `floor`, the verifier's row price) run through the draft in ONE pass
+(StepBatcher.forward_tree: each node attends its own branch), and each gets up to BRANCH children.
+Each node carries its q: the distribution its token was drawn from, given its parent and its
+earlier siblings (one-hot where the session sends ids only). Its most likely path (the best child
+at every step) is what a pre-draft assumes.
 
-Sampled children at a node are drawn one after another from the node's q (its top-k in sparse
-mode), each from what the earlier draws left, renormalized; the draws are keyed
-(seed, the round's base position, DRAFT_TREE, parent * 64 + rank), so a round's tree depends on its
-context and seed only. The draft's cache holds the context after a round; the nodes it wrote for
-the tree are cropped off.
+* Greedy and ids-only sessions: a node's children are the draft's most likely tokens, a function of
+  the context alone, so any choice among them keeps the rule exact: a node is expanded while it is
+  among the `budget` best found so far, and the round sends the `budget` best-scored nodes, parents
+  before children (a child's score never exceeds its parent's, so the best nodes form a tree).
+* Sampled sessions: a node's children are draws without replacement from its q (its top-k in
+  sparse mode), each from what the earlier draws left, renormalized; the draws are keyed
+  (seed, the round's base position, DRAFT_TREE, parent * 64 + rank), so a round's tree depends on
+  its context and seed only. The rule is exact only if whether a child is sent does not depend on
+  the child's own token (else the sent child is no longer a draw from its q): so how many children
+  a node gets is fixed before they are drawn (BRANCH, while the budget lasts, in the order the
+  expanded nodes rank), every child drawn is sent, and only which nodes to expand looks at scores.
+
+The draft's cache holds the context after a round; the nodes it wrote for the tree are cropped off.
 """
 from __future__ import annotations
 
@@ -44,19 +49,26 @@ class _Node:
 
 def grow(drafter, st, budget: int, depth: int, context: list[int] | None = None, stop=None, floor: float = 0.0) -> Proposal:
     """A tree of at most `budget` nodes and `depth` levels after `context` (default: the committed
-    sequence), none with a score below `floor` (at least one node all the same), as a Proposal with
-    parents and its most likely path (`guess`)."""
+    sequence), expanding no node below `floor`, as a Proposal with parents and its most likely
+    path (`guess`)."""
     context = list(st.ids if context is None else context)
     prm = st.params
+    sampled = not (ids_only(prm.mode) or prm.sampling.greedy)
     logits = drafter._feed(st, context)  # [V]; the cache now holds the context
     base = len(context)
     nodes: list[_Node] = []
-    _children(nodes, -1, logits, prm, base, budget)
+    _children(nodes, -1, logits, prm, base, min(BRANCH, budget), floor)
     level, written = 1, []  # written: candidate indices in the order the cache holds them
     try:
         while level < depth and not (stop is not None and stop.is_set()):
-            cut = max(_cutoff(nodes, budget), floor)
+            cut = max(floor, 0.0 if sampled else _cutoff(nodes, budget))
             pick = sorted((i for i, n in enumerate(nodes) if n.depth == level and n.score >= cut), key=lambda i: -nodes[i].score)[:BEAM]
+            if sampled:  # every child drawn stays: each expanded node's count is fixed before its draws (see above)
+                room, counts = budget - len(nodes), []
+                for _ in pick:
+                    counts.append(min(BRANCH, room))
+                    room -= counts[-1]
+                pick = [i for i, c in zip(pick, counts) if c]
             if not pick:
                 break
             for i in pick:
@@ -65,11 +77,11 @@ def grow(drafter, st, budget: int, depth: int, context: list[int] | None = None,
             tree = Tree(base, tuple(nodes[nodes[i].parent].written if nodes[i].parent >= 0 else -1 for i in written))
             out = drafter.batcher.forward_tree(st.cache, [nodes[i].token for i in pick], tree)  # [len(pick), V]
             for k, i in enumerate(pick):
-                _children(nodes, i, out[k], prm, base, budget)
+                _children(nodes, i, out[k], prm, base, counts[k] if sampled else min(BRANCH, budget), floor)
             level += 1
     finally:
         st.cache.crop(base)  # the tree's nodes go; the cache holds the context
-    return _proposal(nodes, budget, prm, drafter.lm.vocab_size, floor)
+    return _proposal(nodes, len(nodes) if sampled else budget, prm, drafter.lm.vocab_size, 0.0 if sampled else floor)
 
 
 def _cutoff(nodes: list[_Node], budget: int) -> float:
@@ -78,10 +90,11 @@ def _cutoff(nodes: list[_Node], budget: int) -> float:
     return scores[budget - 1] if len(scores) >= budget else 0.0
 
 
-def _children(nodes: list[_Node], parent: int, logits: torch.Tensor, prm, base: int, budget: int) -> None:
-    """Adds up to BRANCH children of `parent` (-1: the context) from the draft's logits after it."""
+def _children(nodes: list[_Node], parent: int, logits: torch.Tensor, prm, base: int, k: int, floor: float) -> None:
+    """Adds up to k children of `parent` (-1: the context) from the draft's logits after it (fewer
+    where q has fewer tokens; sampled: no more than q has tokens whose branch would reach `floor`,
+    a count that q decides before any draw)."""
     score, depth = (nodes[parent].score, nodes[parent].depth + 1) if parent >= 0 else (1.0, 1)
-    k = min(BRANCH, budget)
     if ids_only(prm.mode) or prm.sampling.greedy:  # the draft's top tokens, q one-hot
         probs = torch.softmax(logits.float(), -1) if prm.sampling.greedy else probs_from_logits(logits, prm.sampling)
         vals, ids = torch.topk(probs, k)
@@ -91,6 +104,7 @@ def _children(nodes: list[_Node], parent: int, logits: torch.Tensor, prm, base: 
         return
     q = probs_from_logits(logits, prm.sampling)  # [V]
     vals, ids = wire_q(q, prm.mode, prm.sparse_k)  # what the wire carries is what the draft samples from
+    k = min(k, max(1, int((vals * score >= floor).sum())))
     left = vals.double()
     u = keyed_uniforms(prm.seed, base, DRAFT_TREE, torch.arange(k) + (parent + 1) * _KEY).tolist()
     for r in range(k):
@@ -108,7 +122,7 @@ def _children(nodes: list[_Node], parent: int, logits: torch.Tensor, prm, base: 
 
 def _proposal(nodes: list[_Node], budget: int, prm, vocab_size: int, floor: float) -> Proposal:
     """The budget best nodes (ties: shallower first) from `floor` up (the best one in any case),
-    parents before children, as a Proposal."""
+    parents before children and siblings in the order they were drawn, as a Proposal."""
     ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))
     best = ranked[:1] + [i for i in ranked[1:budget] if nodes[i].score >= floor]
     order = sorted(best, key=lambda i: (nodes[i].depth, i))

@@ -95,6 +95,7 @@ GENERATE_CASES = [
     ("top_p negative", gen(sampling=dict(temperature=1.0, top_p=-0.1)), "top_p"),
     ("top_p NaN", gen(sampling=dict(temperature=1.0, top_p=math.nan)), "top_p"),
     ("tau above its range", gen(num_draft_tokens=33), "num_draft_tokens"),
+    ("tree budget above the limit", gen(tree_budget=65), "tree_budget"),
     ("unknown proposal mode", gen(proposal_mode=99), "proposal_mode"),
     ("sparse_k absurd", gen(sparse_k=100_000), "sparse_k"),
     ("too many stop strings", gen(stop=["a"] * 9), "stop"),
@@ -132,10 +133,11 @@ def start(fp, **kw) -> pb.VerifyRequest:
     return pb.VerifyRequest(start=pb.SessionStart(vocab_fingerprint=fp, sampling=pb.SamplingParams(**sampling), **kw))
 
 
-def rnd(number, tokens, counts=None, ids=None, probs=None) -> pb.VerifyRequest:
+def rnd(number, tokens, counts=None, ids=None, probs=None, parents=None) -> pb.VerifyRequest:
     if counts is None:  # default: each proposal has all the mass (a valid sparse q)
         counts, ids, probs = [1] * len(tokens), list(tokens), [1.0] * len(tokens)
-    return pb.VerifyRequest(round=pb.Round(round=number, tokens=tokens, q_counts=counts, q_ids=ids or [], q_probs=probs or []))
+    return pb.VerifyRequest(round=pb.Round(round=number, tokens=tokens, q_counts=counts, q_ids=ids or [], q_probs=probs or [],
+                                           parents=parents or []))
 
 
 R1 = rnd(1, [])  # a valid round with no proposals (the verifier adds one token)
@@ -181,6 +183,11 @@ SESSION_CASES = [
     ("dense q of the wrong length", dict(proposal_mode=pb.PROPOSAL_MODE_DENSE), [rnd(1, [3], [], [], [1.0 / V] * (V - 1))], INVALID, "q_probs"),
     ("dense q with q_ids", dict(proposal_mode=pb.PROPOSAL_MODE_DENSE), [rnd(1, [3], [1], [3], [1.0 / V] * V)], INVALID, "q_probs"),
     ("ids-only mode sending q", dict(proposal_mode=pb.PROPOSAL_MODE_GREEDY), [rnd(1, [3])], INVALID, "q_"),
+    ("fewer parents than tokens", {}, [rnd(1, [3, 4, 5], parents=[-1, 0])], INVALID, "round.parents"),
+    ("a parent after its child", {}, [rnd(1, [3, 4, 5], parents=[-1, 2, 0])], INVALID, "round.parents[1]"),
+    ("a node its own parent", {}, [rnd(1, [3, 4], parents=[-1, 1])], INVALID, "round.parents[1]"),
+    ("a parent below -1", {}, [rnd(1, [3, 4], parents=[-2, 0])], INVALID, "round.parents[0]"),
+    ("a tree of too many nodes", {}, [rnd(1, [3] * 65, parents=[-1] * 65)], INVALID, "round.tokens"),
 ]
 
 
@@ -202,6 +209,19 @@ def test_a_valid_session_runs_to_its_end(svc):
     out, code, details = session(svc["verify"], msgs)
     assert code == grpc.StatusCode.OK, details
     assert out and out[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+
+
+def test_a_valid_tree_session_runs_to_its_end(svc):
+    """Tree rounds (node 2 a child of node 0; nodes 0 and 1 siblings, the second drawn from what the
+    first left): every verdict names a path of the tree, root first, num_accepted long."""
+    tree = dict(counts=[2, 1, 1], ids=[3, 4, 4, 5], probs=[0.5, 0.5, 1.0, 1.0], parents=[-1, -1, 0])
+    msgs = [start(svc["fp"], max_new_tokens=12)] + [rnd(i, [3, 4, 5], **tree) for i in range(1, 13)]
+    out, code, details = session(svc["verify"], msgs)
+    assert code == grpc.StatusCode.OK, details
+    assert out and out[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    paths = [list(r.accepted_path) for r in out]
+    assert all(len(p) == r.num_accepted and p in ([], [0], [1], [0, 2]) for p, r in zip(paths, out)), paths
+    assert any(paths), "some proposal must be accepted for this to test anything"
 
 
 def test_services_healthy_after_the_tables(svc):
@@ -290,7 +310,10 @@ def garbage_round(draw, number, mode):
         ids = draw(st.lists(st.integers(-3, V + 3), max_size=12))
     elif spoil == 3:
         probs = draw(st.lists(_floats, max_size=3 * V))
-    return pb.VerifyRequest(round=pb.Round(round=number, tokens=tokens, q_counts=counts, q_ids=ids, q_probs=probs))
+    parents = draw(st.one_of(st.just([]), st.lists(st.integers(-3, 6), max_size=len(tokens) + 1),
+                             st.builds(lambda xs: [min(x, i - 1) for i, x in enumerate(xs)], st.lists(st.integers(-1, 5), min_size=len(tokens),
+                                                                                                     max_size=len(tokens)))))
+    return pb.VerifyRequest(round=pb.Round(round=number, tokens=tokens, q_counts=counts, q_ids=ids, q_probs=probs, parents=parents))
 
 
 @st.composite

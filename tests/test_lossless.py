@@ -30,6 +30,11 @@ FEATURES = [  # (mode, temperature, top_k, top_p, sparse_k, request extras)
     ("dense", 0.9, 5, 1.0, 0, dict(predraft=True, adaptive=True, num_draft_tokens=1, max_new_tokens=4)),
     ("sparse", 1.0, 0, 0.9, 32, dict(proposer="hybrid")),  # lookup proposals are one-hot q
     ("greedy", 1.0, 0, 1.0, 0, dict(proposer="lookup", prompt_ids=[3, 4, 3, 4, 3, 4, 3])),  # a repetitive prompt to look up
+    # trees (DESIGN.md §12), 16 requests in flight: siblings drawn without replacement (sparse), the draft's top tokens (ids-only)
+    ("sparse", 1.0, 0, 1.0, 32, dict(tree_budget=8, num_draft_tokens=3, max_new_tokens=4, proposer="draft", concurrency=16)),
+    ("sparse", 0.8, 4, 1.0, 2, dict(tree_budget=8, num_draft_tokens=3, max_new_tokens=4, proposer="draft", concurrency=16)),  # q~ != q
+    ("sparse", 1.0, 0, 1.0, 32, dict(tree_budget=3, num_draft_tokens=1, max_new_tokens=4, proposer="draft", predraft=True, concurrency=16)),
+    ("greedy", 1.0, 0, 1.0, 0, dict(tree_budget=8, num_draft_tokens=3, max_new_tokens=4, proposer="draft", concurrency=16)),
 ]
 
 
@@ -100,9 +105,11 @@ def test_sampled_output_has_target_distribution(services, stat_models, mode, t, 
     _, d = services("stat-target", "stat-draft")
     target, _ = stat_models
     params = dict(max_new_tokens=3, num_draft_tokens=2, prompt_ids=PROMPT) | extra
+    concurrency = params.pop("concurrency", 8)
     exact = exact_distribution(target, t, k, p, params["max_new_tokens"], params["prompt_ids"])
     n = 3000
-    res = asyncio.run(sample_many(d.address, n, 10_000, temperature=t, top_k=k, top_p=p, proposal_mode=mode, sparse_k=sparse_k, **params))
+    res = asyncio.run(sample_many(d.address, n, 10_000, concurrency=concurrency, temperature=t, top_k=k, top_p=p, proposal_mode=mode,
+                                  sparse_k=sparse_k, **params))
     counts = collections.Counter(tuple(r.token_ids) for r in res)
     if params["max_new_tokens"] > 3:  # too many outcomes for n samples: also test the last two tokens alone
         tail = marginal(exact, slice(2, 4))
@@ -111,6 +118,9 @@ def test_sampled_output_has_target_distribution(services, stat_models, mode, t, 
     assert sum(r.stats["accepted"] for r in res) > 0.05 * n, "proposals must be accepted sometimes for this to test anything"
     if extra.get("predraft"):
         assert sum(r.stats["predraft_hits"] for r in res) > 0.05 * n, "pre-drafts must be used sometimes"
+    if extra.get("tree_budget"):  # trees with siblings, and paths through them
+        assert sum(r.stats["tree_rounds"] for r in res) > n, "most rounds must be trees"
+        assert sum(r.stats["drafted"] for r in res) > 1.5 * sum(r.stats["tree_rounds"] for r in res), "trees must branch"
     pval = chi_square_p(counts, exact)
     assert pval > 1e-3, f"{mode} {extra}: chi-square p={pval:.2g}"
 

@@ -1,0 +1,494 @@
+"""Tree speculation (GenerateRequest.tree_budget) against chains, in one run on the shipped pair,
+greedy, one torch thread per process, requests one at a time:
+
+    python -m bench.tree [--prompts 8 --new-tokens 128 --rtt-ms 0,10,20,50 --repeats 2 --out bench/results]
+
+1. Tokens per round (RTT 0, measured once: the counts are deterministic): a tree of at most
+   B nodes per round (B = 8, 16, 32; depth cap num_draft_tokens=16) against a 16-token chain
+   (num_draft_tokens=16, tree_budget=0), all with proposer=draft (the draft model alone, no prompt
+   lookup), adaptive=False, predraft=False. Tokens per round = generated tokens / rounds, summed
+   over the prompts. Bar: tree(16) / chain(16) >= 1.15.
+2. RTT sweep: one draft service per RTT, each reaching the one verify service through
+   bench/proxy.py (a userspace TCP proxy adding RTT/2 each way; RTT 0 = direct). At each RTT,
+   tok/s (all generated tokens over the wall time of all prompts, one request at a time, from the
+   client's side) and tokens per round of: chains at fixed tau (adaptive=False), trees at budget 16
+   with depth caps 8 and 16 (adaptive=False), the service's default request (adaptive tau, no
+   num_draft_tokens) as a reference, all with proposer=draft and the service's default pre-drafting
+   (predraft left unset); plus, with the default proposer (hybrid: prompt lookup on a recurring
+   2-gram, else the draft model), the default request and the budget-16 tree. At RTT 0 also the
+   verify service alone (Verify.Generate, target-only) and, with --hf, transformers' generate()
+   greedy in this process (same dtype as the services, one thread). Every configuration runs
+   --repeats times; the order of the RTTs and of the configurations rotates from repeat to repeat
+   (so drift on this shared machine does not land on one configuration); the median run counts.
+   Bar: at 20 ms the tree's tok/s >= 1.2x the best fixed-tau chain's.
+
+Greedy output must not depend on the configuration: every run's token ids are compared, prompt by
+prompt, with the verify service's own target-only output (Verify.Generate, the engine's
+contract); any difference is reported. transformers' generate() is compared separately (in
+bfloat16 its rounding differs from the engine's, bench/results/ENGINE.md).
+
+Writes OUT/tree.json (every run's numbers) and OUT/TREE.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import traceback
+
+from bench.cli import add_pair_args, run_header, write_report
+from bench.launch import ENV, Service
+from bench.prompts import CODE_PROMPTS, heldout_prompts
+from client import Client
+
+SUMMED = ("rounds", "drafted", "accepted", "tree_rounds", "lookup_rounds", "target_only_rounds", "fallback_rounds", "run_steps",
+          "predraft_hits", "predraft_misses", "draft_s", "verify_s", "verify_forward_s", "prefill_s", "generated_tokens")
+REFERENCE = "target-only"
+
+
+def tpr_configs(budgets: list[int], depth: int) -> dict[str, dict]:
+    """Part 1: the chain and the trees, no pre-drafting, no adaptive tau, the draft model alone."""
+    base = dict(adaptive=False, predraft=False, proposer="draft", num_draft_tokens=depth)
+    return {f"chain τ={depth}": dict(base), **{f"tree B={b} d={depth}": dict(base, tree_budget=b) for b in budgets}}
+
+
+def sweep_configs(taus: list[int], budget: int, depths: list[int], hybrid_depth: int) -> dict[str, dict]:
+    """Part 2, per RTT (pre-drafting left to the service's default)."""
+    out = {f"chain τ={t}": dict(num_draft_tokens=t, adaptive=False, proposer="draft") for t in taus}
+    out.update({f"tree B={budget} d={d}": dict(num_draft_tokens=d, tree_budget=budget, adaptive=False, proposer="draft") for d in depths})
+    out["default (draft)"] = dict(proposer="draft")
+    out["default (hybrid)"] = dict()
+    out[f"tree B={budget} d={hybrid_depth} (hybrid)"] = dict(num_draft_tokens=hybrid_depth, tree_budget=budget, adaptive=False)
+    return out
+
+
+def service_of(name: str) -> str:
+    """Which draft service of an RTT a sweep row goes to: `default` rows to the one with the service
+    defaults, the fixed-tau and tree rows to the one with --fixed-draft-args."""
+    return "defaults" if name.startswith("default") else "fixed"
+
+
+def run_service(client: Client, kw: dict, prompts: list[str], n: int) -> dict:
+    """All prompts, one request at a time: totals, per-prompt (tokens, rounds, seconds) and ids."""
+    tot = {k: 0.0 for k in SUMMED}
+    ids, per, errors, finish = [], [], [], []
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        t1 = time.perf_counter()
+        try:
+            r = client.generate(prompt=p, max_new_tokens=n, **kw)
+        except Exception as e:  # a service error: recorded and reported, the run goes on
+            details = e.details() if hasattr(e, "details") else ""
+            code = e.code().name if hasattr(e, "code") else type(e).__name__
+            errors.append(dict(prompt=i, code=str(code), details=str(details) or repr(e)))
+            ids.append(None)
+            per.append(None)
+            finish.append(None)
+            continue
+        ids.append(list(r.token_ids))
+        finish.append(r.finish_reason)
+        for k in SUMMED:
+            tot[k] += float(r.stats.get(k, 0) or 0)
+        per.append([len(r.token_ids), int(r.stats.get("rounds", 0)), round(time.perf_counter() - t1, 4)])
+    wall = time.perf_counter() - t0
+    tokens = sum(len(x) for x in ids if x is not None)
+    return dict(tokens=tokens, wall_s=wall, tok_s=tokens / wall if wall else 0.0, **tot, per_prompt=per, errors=errors, ids=ids,
+                finish=finish)
+
+
+class HF:
+    """transformers' generate(), greedy, in this process: the target loaded once, one torch thread."""
+
+    def __init__(self, target: str, dtype: str):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(1)
+        self.torch = torch
+        self.tok = AutoTokenizer.from_pretrained(target)
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).eval()
+
+    def run(self, prompts: list[str], n: int) -> dict:
+        ids, per = [], []
+        t0 = time.perf_counter()
+        for p in prompts:
+            t1 = time.perf_counter()
+            x = self.tok(p, return_tensors="pt").input_ids
+            with self.torch.inference_mode():
+                o = self.model.generate(x, max_new_tokens=n, do_sample=False, attention_mask=self.torch.ones_like(x),
+                                        pad_token_id=self.tok.pad_token_id)[0, x.shape[1]:].tolist()
+            ids.append(o)
+            per.append([len(o), len(o), round(time.perf_counter() - t1, 4)])
+        wall = time.perf_counter() - t0
+        tokens = sum(len(x) for x in ids)
+        return dict(tokens=tokens, wall_s=wall, tok_s=tokens / wall, rounds=float(tokens), per_prompt=per, errors=[], ids=ids, finish=[])
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b)) if len(a) != len(b) else -1
+
+
+def check(run: dict, ref: list, where: dict, mismatches: list) -> None:
+    """Adds a record to `mismatches` for each prompt whose ids differ from the reference's, and
+    sets run["ref_tokens"]: the reference's token count over the prompts that ran (the same work
+    for every configuration: tokens a run returns past the reference's end are not counted)."""
+    run["ref_tokens"] = sum(len(want) for got, want in zip(run["ids"], ref) if got is not None and want is not None)
+    for i, (got, want) in enumerate(zip(run["ids"], ref)):
+        if got is None or want is None:
+            continue
+        pos = first_difference(got, want)
+        if pos >= 0:
+            kind = ("tokens after the reference's EOS" if pos == len(want) and len(got) > len(want)
+                    else "stops early" if pos == len(got) else "different token")
+            mismatches.append(dict(where, prompt=i, kind=kind, first_difference_at=pos, len=len(got), ref_len=len(want),
+                                   got=got[max(pos - 2, 0):pos + 4], want=want[max(pos - 2, 0):pos + 4]))
+
+
+def strip(run: dict) -> dict:
+    """A run without its token ids (kept once, in the reference)."""
+    return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in run.items() if k != "ids"}
+
+
+def summary(runs: list[dict]) -> dict:
+    """The median run by tok/s, plus the pooled numbers of all runs."""
+    ok = [r for r in runs if not r["errors"]] or runs
+    med = sorted(ok, key=lambda r: r["tok_s"])[len(ok) // 2]
+    pooled = {k: sum(r.get(k, 0) for r in ok) for k in ("tokens", "ref_tokens", "wall_s", "rounds", "drafted", "accepted", "tree_rounds", "lookup_rounds",
+                                                       "target_only_rounds", "fallback_rounds", "predraft_hits", "predraft_misses",
+                                                       "draft_s", "verify_s", "verify_forward_s")}
+    rounds = max(pooled["rounds"], 1)
+    return dict(tok_s_median=statistics.median(r["tok_s"] for r in ok), tok_s_min=min(r["tok_s"] for r in ok),
+                tok_s_max=max(r["tok_s"] for r in ok), tok_s_pooled=pooled["tokens"] / pooled["wall_s"] if pooled["wall_s"] else 0.0,
+                tok_s_ref_median=statistics.median(r["ref_tokens"] / r["wall_s"] for r in ok),
+                tokens_per_round=pooled["tokens"] / rounds, tokens_per_round_ref=pooled["ref_tokens"] / rounds,
+                extra_tokens=pooled["tokens"] - pooled["ref_tokens"], drafted_per_round=pooled["drafted"] / rounds,
+                accepted_per_round=pooled["accepted"] / rounds, draft_ms_per_round=1e3 * pooled["draft_s"] / rounds,
+                verify_ms_per_round=1e3 * pooled["verify_s"] / rounds, forward_ms_per_round=1e3 * pooled["verify_forward_s"] / rounds,
+                tree_share=pooled["tree_rounds"] / rounds, lookup_share=pooled["lookup_rounds"] / rounds,
+                target_only_share=pooled["target_only_rounds"] / rounds, fallback_rounds=pooled["fallback_rounds"],
+                predraft_hit_rate=pooled["predraft_hits"] / max(pooled["predraft_hits"] + pooled["predraft_misses"], 1),
+                median_run=dict(tokens=med["tokens"], wall_s=med["wall_s"], rounds=med["rounds"]), runs=len(runs),
+                errors=sum(len(r["errors"]) for r in runs))
+
+
+def rotate(items: list, k: int) -> list:
+    k %= max(len(items), 1)
+    out = items[k:] + items[:k]
+    return out if k % 2 == 0 else out[::-1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.tree", description=__doc__.split("\n\n")[0])
+    add_pair_args(p)
+    p.add_argument("--prompts", type=int, default=5, help="the code prompts from outside the standard library (bench/prompts.py "
+                   "CODE_PROMPTS, 5) first, then held-out standard-library prompts (heldout_prompts) up to this many")
+    p.add_argument("--tpr-prompts", type=int, default=10, help="prompts of part 1 (tokens per round), from the same list")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--rtt-ms", default="0,10,20,50")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--taus", default="2,4,6,8,12", help="the fixed-tau chains of the sweep")
+    p.add_argument("--budget", type=int, default=16, help="the sweep's tree budget (nodes per round)")
+    p.add_argument("--depths", default="8,16", help="the sweep's tree depth caps (num_draft_tokens)")
+    p.add_argument("--hybrid-depth", type=int, default=8, help="depth cap of the hybrid tree row (also prompt lookup's cap)")
+    p.add_argument("--tpr-budgets", default="8,16,32", help="part 1's tree budgets (empty: skip part 1)")
+    p.add_argument("--tpr-depth", type=int, default=16, help="part 1's depth cap and chain length")
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="transformers' generate() at RTT 0")
+    p.add_argument("--draft-args", default="", help="extra arguments of every draft_service (one string)")
+    p.add_argument("--fixed-draft-args", default="--no-draft-fallback",
+                   help="extra arguments of the draft services that serve the fixed-tau and tree rows (the `default` rows have their "
+                        "own draft services, with the service defaults): without --no-draft-fallback the fallback judge and the "
+                        "process-wide model record (draft_service/adaptive.py) turn sessions into target-only rounds, and one "
+                        "configuration's sessions would decide another's")
+    p.add_argument("--verify-args", default="", help="extra verify_service arguments (one string)")
+    a = p.parse_args(argv)
+    rtts = [float(x) for x in a.rtt_ms.split(",")]
+    n_all = max(a.prompts, a.tpr_prompts)
+    code = list(CODE_PROMPTS[:n_all])
+    all_prompts = code + (heldout_prompts(n_all - len(code)) if n_all > len(code) else [])
+    prompts, tpr_prompts = all_prompts[: a.prompts], all_prompts[: a.tpr_prompts]
+    tpr = tpr_configs([int(x) for x in a.tpr_budgets.split(",") if x], a.tpr_depth) if a.tpr_budgets else {}
+    sweep = sweep_configs([int(x) for x in a.taus.split(",")], a.budget, [int(x) for x in a.depths.split(",")], a.hybrid_depth)
+    env = dict(ENV, OMP_NUM_THREADS="1")
+    t_start = time.perf_counter()
+    started: list[Service] = []
+    mismatches: list[dict] = []
+    runs: dict[str, dict[str, list]] = {f"{r:g}": {} for r in rtts}  # rtt -> config -> runs
+    tpr_runs: dict[str, dict] = {}
+    hf_mismatches: list[dict] = []
+    ref: list | None = None
+    ref_finish: list | None = None
+    info = {}
+    try:
+        verify = Service("verify_service", "--model", os.path.abspath(a.target), "--threads", "1", *a.verify_args.split(), env=env,
+                         timeout=300)
+        started.append(verify)
+        clients: dict[str, dict[str, Client]] = {}  # rtt -> "fixed" / "defaults" -> client
+        fixed_args = a.fixed_draft_args.split()
+        for rtt in rtts:
+            upstream = verify.address
+            if rtt > 0:
+                proxy = Service("bench.proxy", "--target", verify.address, "--rtt-ms", f"{rtt:g}", env=env, timeout=30)
+                started.append(proxy)
+                upstream = proxy.address
+            clients[f"{rtt:g}"] = {}
+            for kind, extra in (("fixed", fixed_args), ("defaults", [])):
+                d = Service("draft_service", "--model", os.path.abspath(a.draft), "--verify", upstream, "--threads", "1",
+                            *extra, *a.draft_args.split(), env=env, timeout=300)
+                started.append(d)
+                clients[f"{rtt:g}"][kind] = Client(d.address, timeout=900)
+                print(f"[tree] RTT {rtt:g} ms: {kind} draft {d.address} -> {upstream}" + (f" -> {verify.address}" if rtt > 0 else ""),
+                      file=sys.stderr, flush=True)
+        vclient = Client(verify.address, target_only=True, timeout=900)
+        vi = vclient.info()
+        info = dict(verify_device=vi.device, verify_dtype=vi.dtype, max_tree_budget=vi.max_tree_budget,
+                    draft_dtype=clients[f"{rtts[0]:g}"]["fixed"].info().dtype)
+        hf = HF(os.path.abspath(a.target), vi.dtype.removeprefix("torch.")) if a.hf else None
+        print(f"[tree] started in {time.perf_counter() - t_start:.0f}s; {info}", file=sys.stderr, flush=True)
+
+        # warm-up: one short request of each kind on every draft service, and the verify service alone
+        for key, pair in clients.items():
+            for kw in (dict(num_draft_tokens=4, adaptive=False, proposer="draft"),
+                       dict(num_draft_tokens=8, tree_budget=a.budget, adaptive=False, proposer="draft")):
+                run_service(pair["fixed"], kw, prompts[:1], 8)
+            run_service(pair["defaults"], {}, prompts[:1], 8)
+        run_service(vclient, {}, prompts[:1], 8)
+        if hf:
+            hf.run(prompts[:1], 8)
+
+        # the reference: the verify service alone (its own target-only decoding)
+        r = run_service(vclient, {}, all_prompts, a.new_tokens)
+        ref, ref_finish = r["ids"], r["finish"]
+        runs[f"{rtts[0]:g}"].setdefault(REFERENCE, [])  # this first run is the reference, not timed among the rest
+        print(f"[tree] reference (Verify.Generate): {r['tokens']} tokens in {r['wall_s']:.1f}s", file=sys.stderr, flush=True)
+
+        # part 1: tokens per round (RTT 0 service; no pre-drafting, fixed depth)
+        first = f"{rtts[0]:g}"
+        for name in rotate(list(tpr), 0):
+            load = os.getloadavg()[0]
+            r = run_service(clients[first]["fixed"], tpr[name], tpr_prompts, a.new_tokens)
+            r["load1"] = load
+            check(r, ref, dict(part="tokens per round", rtt_ms=rtts[0], config=name, repeat=0), mismatches)
+            tpr_runs[name] = strip(r)
+            print(f"[tree] tokens/round {name}: {r['tokens'] / max(r['rounds'], 1):.3f} ({r['tok_s']:.1f} tok/s)"
+                  + (f" ERRORS {r['errors']}" if r["errors"] else ""), file=sys.stderr, flush=True)
+
+        # part 2: the RTT sweep, order rotating from repeat to repeat
+        for rep in range(a.repeats):
+            for rtt in rotate(rtts, rep):
+                key = f"{rtt:g}"
+                names = list(sweep) + ([REFERENCE] + (["hf generate()"] if hf else []) if rtt == 0 else [])
+                for name in rotate(names, rep + int(rtt)):
+                    load = os.getloadavg()[0]
+                    if name == REFERENCE:
+                        r = run_service(vclient, {}, prompts, a.new_tokens)
+                    elif name == "hf generate()":
+                        r = hf.run(prompts, a.new_tokens)
+                    else:
+                        r = run_service(clients[key][service_of(name)], sweep[name], prompts, a.new_tokens)
+                    r["load1"] = load
+                    check(r, ref, dict(part="sweep", rtt_ms=rtt, config=name, repeat=rep), hf_mismatches if name == "hf generate()" else mismatches)
+                    runs[key].setdefault(name, []).append(strip(r))
+                    print(f"[tree] repeat {rep + 1}/{a.repeats} RTT {key} ms {name}: {r['tok_s']:.1f} tok/s, "
+                          f"{r['tokens'] / max(r['rounds'], 1):.2f} tokens/round" + (f" ERRORS {r['errors']}" if r["errors"] else ""),
+                          file=sys.stderr, flush=True)
+    except Exception:
+        traceback.print_exc()
+        for s in started:
+            if s.stderr:
+                print(f"--- {' '.join(s.cmd[2:4])} stderr tail:\n{''.join(s.stderr)[-2000:]}", file=sys.stderr)
+        raise
+    finally:
+        service_logs = {" ".join(s.cmd[2:3] + s.cmd[-2:]): "".join(s.stderr)[-4000:] for s in started if s.stderr}
+        for s in reversed(started):
+            s.stop()
+
+    res = dict(**run_header(a), command="python -m bench.tree " + " ".join(argv if argv is not None else sys.argv[1:]),
+               prompts=len(prompts), code_prompts=len([p for p in prompts if p in CODE_PROMPTS]), tpr_prompts=len(tpr_prompts),
+               tpr_code_prompts=len([p for p in tpr_prompts if p in CODE_PROMPTS]), new_tokens=a.new_tokens,
+               repeats=a.repeats, rtt_ms=rtts, budget=a.budget, taus=a.taus, depths=a.depths, hybrid_depth=a.hybrid_depth,
+               tpr_depth=a.tpr_depth, draft_args=a.draft_args, fixed_draft_args=a.fixed_draft_args, verify_args=a.verify_args, cpu_count=os.cpu_count(), **info,
+               wall_s=time.perf_counter() - t_start, tpr_configs=tpr, sweep_configs=sweep,
+               tpr={k: dict(v, tokens_per_round=v["tokens"] / max(v["rounds"], 1), tokens_per_round_ref=v["ref_tokens"] / max(v["rounds"], 1))
+                    for k, v in tpr_runs.items()},
+               sweep={key: {name: dict(summary(rs), all_runs=rs) for name, rs in by.items() if rs} for key, by in runs.items()},
+               mismatches=mismatches, hf_mismatches=hf_mismatches, prompt_texts=all_prompts, reference_finish=ref_finish, reference_ids=ref, service_stderr_tails=service_logs)
+    loads = [r.get("load1", 0) for by in runs.values() for rs in by.values() for r in rs] + [v.get("load1", 0) for v in tpr_runs.values()]
+    res["load_range"] = [min(loads, default=0), max(loads, default=0)]
+    res["bars"] = bars(res)
+    return write_report(a.out, "tree", "TREE.md", res, render)
+
+
+def best_chain(by: dict, key: str = "tok_s_ref_median") -> tuple[str, float]:
+    chains = {k: v[key] for k, v in by.items() if k.startswith("chain τ=") and not v["errors"]}
+    k = max(chains, key=chains.get) if chains else ""
+    return k, chains.get(k, 0.0)
+
+
+def bars(res: dict) -> dict:
+    out = {}
+    t = res["tpr"]
+    chain = next((k for k in t if k.startswith("chain")), None)
+    tree = next((k for k in t if k.startswith("tree B=16 ")), None)
+    if chain and tree:
+        ratio = t[tree]["tokens_per_round_ref"] / t[chain]["tokens_per_round_ref"]
+        out["tokens_per_round"] = dict(tree=tree, chain=chain, ratio=ratio, bar=1.15, met=ratio >= 1.15,
+                                       ratio_generated=t[tree]["tokens_per_round"] / t[chain]["tokens_per_round"],
+                                       others={k: v["tokens_per_round_ref"] / t[chain]["tokens_per_round_ref"] for k, v in t.items()})
+    by = res["sweep"].get("20")
+    if by:
+        name, chain_tok_s = best_chain(by)
+        trees = {k: v["tok_s_ref_median"] for k, v in by.items() if k.startswith(f"tree B={res['budget']} d=") and "hybrid" not in k}
+        if trees and chain_tok_s:
+            tk = max(trees, key=trees.get)
+            ratio = trees[tk] / chain_tok_s
+            gname, gchain = best_chain(by, "tok_s_median")
+            out["rtt20"] = dict(tree=tk, tree_tok_s=trees[tk], best_chain=name, chain_tok_s=chain_tok_s, ratio=ratio, bar=1.2, met=ratio >= 1.2,
+                                per_tree={k: v / chain_tok_s for k, v in trees.items()},
+                                ratio_generated=by[tk]["tok_s_median"] / gchain if gchain else None)
+    return out
+
+
+def _names(res: dict) -> list[str]:
+    names = []
+    for by in res["sweep"].values():
+        names += [n for n in by if n not in names]
+    return names
+
+
+def render(res: dict) -> str:
+    L = ["# Tree speculation against chains", "",
+         f"Run {res['date']}; shipped pair (`{res['target']}`, `{res['draft']}`); both services on {res.get('verify_device', '?')} in "
+         f"{res.get('verify_dtype', '?')} (the services' `--dtype auto` on this CPU), one torch thread per process, "
+         f"{res['cpu_count']} CPU cores shared by everything (verify service, {2 * len(res['rtt_ms'])} draft services, the proxies, the "
+         f"client); greedy; up to {res['new_tokens']} new tokens per request (some stop at EOS earlier), one request at a time. "
+         f"Prompts: part 1 uses {res['tpr_prompts']} ({res['tpr_code_prompts']} code prompts from outside the standard library, "
+         f"bench/prompts.py CODE_PROMPTS, then {res['tpr_prompts'] - res['tpr_code_prompts']} held-out standard-library prompts, "
+         f"heldout_prompts), part 2 the first {res['prompts']} of them. Whole run: {res['wall_s'] / 60:.1f} min; the machine's "
+         f"1-minute load average during the runs: {res['load_range'][0]:.1f}–{res['load_range'][1]:.1f} (other work shared the 2 cores).", "",
+         f"Command: `{res['command']}`", "",
+         "Per RTT there are two draft services on the same verify service: the fixed-τ and tree rows go to one started with "
+         f"`{res.get('fixed_draft_args', '--no-draft-fallback')}` (else the draft-fallback judge and its process-wide model record "
+         "turn sessions into target-only rounds, and one configuration's sessions decide the next one's: a trial run with the "
+         "defaults had the RTT-0 service skip the model in 100% of the rounds of every fixed configuration), the `default` rows "
+         "to one with the service defaults. The draft model is the only proposer (`proposer=draft`) except in rows marked hybrid.", "",
+         "Counting: **tokens/round** = tokens / rounds (the verifier's bonus token included), summed over the prompts; **tok/s** = "
+         "tokens over the wall time of all prompts (client side). Both count the verify service's own target-only output length per "
+         "prompt (same work for every row), because tree rounds return tokens past EOS (see below); the generated-token versions "
+         "are in tree.json (`tok_s_median`, `tokens_per_round`). Only ratios within this run count: this shared 2-core machine's "
+         "speed drifts.", ""]
+    b = res["bars"]
+    L += ["## Bars", ""]
+    if "tokens_per_round" in b:
+        x = b["tokens_per_round"]
+        L.append(f"- Tokens per round, tree budget 16 / 16-token chain (draft model alone, adaptive=False, predraft=False, depth cap "
+                 f"{res['tpr_depth']}): **{x['ratio']:.3f}×** (bar ≥ {x['bar']}×): **{'met' if x['met'] else 'NOT met'}** "
+                 f"(on generated tokens: {x['ratio_generated']:.3f}×).")
+    if "rtt20" in b:
+        x = b["rtt20"]
+        per = ", ".join(f"{k}: {v:.2f}×" for k, v in x["per_tree"].items())
+        L.append(f"- tok/s at 20 ms RTT, best tree ({x['tree']}, {x['tree_tok_s']:.1f} tok/s) / best fixed-τ chain "
+                 f"({x['best_chain']}, {x['chain_tok_s']:.1f} tok/s): **{x['ratio']:.2f}×** (bar ≥ {x['bar']}×): "
+                 f"**{'met' if x['met'] else 'NOT met'}** ({per}; on generated tokens {x['ratio_generated']:.2f}×).")
+    mm = res["mismatches"]
+    if mm:
+        kinds: dict[str, int] = {}
+        for m in mm:
+            kinds[m["kind"]] = kinds.get(m["kind"], 0) + 1
+        L += ["", f"**TOKEN MISMATCH: {len(mm)} (run, prompt) pairs differ from the verify service's own target-only output** "
+              f"({', '.join(f'{v} {k}' for k, v in kinds.items())}):", "",
+              "| part | RTT ms | config | repeat | prompt | kind | at token | length / reference's | got / want (from 2 before) |",
+              "|---|---|---|---|---|---|---|---|---|"]
+        for m in mm[:60]:
+            L.append(f"| {m['part']} | {m['rtt_ms']:g} | {m['config']} | {m['repeat']} | {m['prompt']} | {m['kind']} | "
+                     f"{m['first_difference_at']} | {m['len']} / {m['ref_len']} | {m['got']} / {m['want']} |")
+        if len(mm) > 60:
+            L.append(f"| … {len(mm) - 60} more in tree.json | | | | | | | | |")
+        bad = sorted({m["config"] for m in mm})
+        good = [n for n in _names(res) if n not in bad and n != "hf generate()"] + [n for n in res["tpr"] if n not in bad]
+        L += ["", f"Rows with a mismatch: {', '.join(bad)}. Rows without: {', '.join(dict.fromkeys(good))}."]
+    else:
+        L.append("- Greedy outputs: every run of every configuration, at every RTT, produced exactly the verify service's own "
+                 "target-only token ids on every prompt.")
+    errs = [(key, name, e) for key, by in res["sweep"].items() for name, v in by.items() for r in v["all_runs"] for e in r["errors"]]
+    errs += [("0", name, e) for name, v in res["tpr"].items() for e in v["errors"]]
+    if errs:
+        L += ["", f"**SERVICE ERRORS: {len(errs)} requests failed:**", ""]
+        L += [f"- RTT {k} ms, {n}: prompt {e['prompt']}: {e['code']}: {e['details']}" for k, n, e in errs[:20]]
+    L.append("")
+
+    t = res["tpr"]
+    if t:
+        chain = next((k for k in t if k.startswith("chain")), None)
+        L += [f"## 1. Tokens per round (RTT 0, {res['tpr_prompts']} prompts, draft model alone, adaptive=False, predraft=False, "
+              f"depth cap {res['tpr_depth']}; one run each: the counts do not depend on timing)", "",
+              "| config | tokens | rounds | **tokens/round** | × chain | tokens/round, generated | drafted nodes/round | accepted/round | "
+              "tree rounds | draft ms/round | draft ms/node | verify ms/round (wall) | target pass ms/round | tok/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for k, v in t.items():
+            r = max(v["rounds"], 1)
+            L.append(f"| {k} | {v['ref_tokens']} | {v['rounds']:.0f} | **{v['tokens_per_round_ref']:.3f}** | "
+                     f"{v['tokens_per_round_ref'] / t[chain]['tokens_per_round_ref']:.3f}× | {v['tokens_per_round']:.3f} | "
+                     f"{v['drafted'] / r:.2f} | {v['accepted'] / r:.2f} | {100 * v['tree_rounds'] / r:.0f}% | {1e3 * v['draft_s'] / r:.1f} | "
+                     f"{1e3 * v['draft_s'] / max(v['drafted'], 1):.2f} | {1e3 * v['verify_s'] / r:.1f} | "
+                     f"{1e3 * v['verify_forward_s'] / r:.1f} | {v['ref_tokens'] / v['wall_s']:.1f} |")
+        L.append("")
+
+    keys = list(res["sweep"])
+    names = _names(res)
+    L += ["## 2. tok/s against RTT", "",
+          f"Median of {res['repeats']} runs per cell (the order of RTTs and of rows rotated between repeats). Chains at fixed τ "
+          f"(num_draft_tokens=τ) and trees (tree_budget=B, depth cap d = num_draft_tokens) with adaptive=False; pre-drafting left to "
+          "the service default (on); `default` rows send neither num_draft_tokens nor adaptive (adaptive τ up to 8, the services' "
+          "defaults, including the draft fallback); hybrid = the default proposer (prompt lookup on a recurring 2-gram, else the "
+          "draft model). `target-only` is Verify.Generate on the verify service directly, `hf generate()` transformers' generate() "
+          "in the client process (RTT 0 only).", "",
+          "| config | " + " | ".join(f"{k} ms tok/s" for k in keys) + " | " + " | ".join(f"{k} ms tok/round" for k in keys) + " |",
+          "|---|" + "---|" * (2 * len(keys))]
+    for n in names:
+        cells = []
+        for key in keys:
+            v = res["sweep"][key].get(n)
+            cells.append("-" if v is None else f"{v['tok_s_ref_median']:.1f}")
+        for key in keys:
+            v = res["sweep"][key].get(n)
+            cells.append("-" if v is None or n == "hf generate()" else f"{v['tokens_per_round_ref']:.2f}")
+        L.append(f"| {n} | " + " | ".join(cells) + " |")
+    others = [n for n in names if not n.startswith("chain")]
+    L += ["", "Against the best fixed-τ chain at the same RTT (median tok/s):", "",
+          "| RTT ms | best chain (tok/s) | " + " | ".join(others) + " |", "|---|---|" + "---|" * len(others)]
+    for key in keys:
+        by = res["sweep"][key]
+        bn, bv = best_chain(by)
+        cells = [f"{by[n]['tok_s_ref_median'] / bv:.2f}×" if n in by and bv else "-" for n in others]
+        L.append(f"| {key} | {bn} ({bv:.1f}) | " + " | ".join(cells) + " |")
+    L += ["", "Per round, pooled over all runs. draft ms = the draft service's time proposing in the request's path (a pre-draft "
+          "that hits was drafted while the previous round was verified and costs ~0 here); verify ms = from sending a round to its "
+          "verdict (wall: RTT, queueing and the target's pass); target pass = the verifier's forward:", "",
+          "| RTT ms | config | drafted/round | accepted/round | draft ms/round | verify ms/round | target pass ms/round | pre-draft hits | "
+          "tree rounds | lookup rounds | target-only rounds | tok/s min–max |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in keys:
+        for n, v in res["sweep"][key].items():
+            if n in ("hf generate()", REFERENCE):
+                continue
+            L.append(f"| {key} | {n} | {v['drafted_per_round']:.2f} | {v['accepted_per_round']:.2f} | {v['draft_ms_per_round']:.1f} | "
+                     f"{v['verify_ms_per_round']:.1f} | {v['forward_ms_per_round']:.1f} | {100 * v['predraft_hit_rate']:.0f}% | "
+                     f"{100 * v['tree_share']:.0f}% | {100 * v['lookup_share']:.0f}% | {100 * v['target_only_share']:.0f}% | "
+                     f"{v['tok_s_min']:.1f}–{v['tok_s_max']:.1f} |")
+    hm = res.get("hf_mismatches") or []
+    if "hf generate()" in names:
+        diff = sorted({(m["prompt"], m["first_difference_at"]) for m in hm})
+        L += ["", f"transformers' generate() (in the client process, {res.get('verify_dtype')}, one thread) differs from the verify "
+              f"service's target-only output on {len(diff)} of {res['prompts']} prompts"
+              + (" (" + ", ".join(f"prompt {p} from token {t}" for p, t in diff) + "): in bfloat16 transformers rounds differently "
+                 "from the engine, so near-ties flip (bench/results/ENGINE.md)" if diff else "") + "."]
+    L.append("")
+    return "\n".join(L)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
