@@ -77,7 +77,8 @@ def arch(request, tmp_path_factory):
 
 
 def test_greedy_equals_generate(arch):
-    """Both services, prompts past the window, tau 1 and 4 (rejections crop the caches)."""
+    """Both services, prompts past the window, tau 1 and 4 (rejections crop the caches), and trees
+    (a round's accepted path is moved into place in the verifier's cache)."""
     with Client(arch.draft.address, timeout=120) as dc, Client(arch.verify.address, target_only=True, timeout=120) as vc:
         for i, prompt in enumerate(prompts(3, seed=1)):
             n = 24
@@ -86,6 +87,8 @@ def test_greedy_equals_generate(arch):
             assert got.token_ids == want, (arch.name, prompt, got.stats)
             assert got.finish_reason == ("eos" if len(want) < n else "length")
             assert vc.generate(prompt_ids=prompt, max_new_tokens=n).token_ids == want, (arch.name, "target-only", prompt)
+            tree = dc.generate(prompt_ids=prompt, max_new_tokens=n, num_draft_tokens=[3, 6, 4][i], tree_budget=[6, 16, 10][i], proposer="draft")
+            assert tree.token_ids == want and tree.stats["tree_rounds"] > 0, (arch.name, "tree", prompt, tree.stats)
 
 
 def _to_the_limit(arch, n: int, seed: int, short: int) -> tuple[list[int], list[int]]:
