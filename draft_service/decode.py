@@ -128,6 +128,15 @@ class DecodeLoop:
         the nodes likely enough to pay, down to a chain or none."""
         return self.tau.price if self.tau and self.tau.steer else 0.0
 
+    def tree_cost(self) -> tuple[float, float] | None:
+        """(seconds of a round besides its proposal rows, seconds per row) from the calibrated costs
+        (adaptive sessions only): what sizes a tree (costmodel.tree_size). The round's drafting is
+        counted as its depth in draft steps; the network is in the calibrated verify_base."""
+        if not self.tau:
+            return None
+        c = self.tau.costs
+        return c.verify_base + min(self.params.tau, self.cap()) * c.draft_step, c.verify_per_token
+
     def propose(self, tau: int, budget: int = 0) -> Proposal:
         st, mode = self.state, self.params.proposer
         if mode == pb.PROPOSER_LOOKUP or (mode == pb.PROPOSER_HYBRID and not self.lookup_off):
@@ -144,7 +153,7 @@ class DecodeLoop:
         if tau == 0:
             return Proposal()  # the verifier's load (or the end of the request) leaves no room for proposals
         if budget:
-            return self.drafter.propose_tree(st, budget, min(self.params.tau, self.cap()), floor=self.floor())
+            return self.drafter.propose_tree(st, budget, min(self.params.tau, self.cap()), floor=self.floor(), cost=self.tree_cost())
         return self.drafter.propose(st, tau)
 
     async def rounds(self, call: VerifyStream) -> AsyncIterator[tuple[list[int], int]]:
@@ -195,9 +204,9 @@ class DecodeLoop:
                 next_cap = min(self.params.tau if tree else tau, self.cap(assumed))
                 if self.predraft and not prop.lookup and next_cap > 0 and not self.fallen_back:
                     ahead_ctl = PredraftControl()
-                    next_budget = min(budget, self.cap(assumed)) if tree else 0  # a tree's pre-draft is a tree after its likeliest path
-                    pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl, next_budget,
-                                                                     self.floor())), ahead_ctl)
+                    # a tree's pre-draft is a tree after its likeliest path
+                    more = (min(budget, self.cap(assumed)), self.floor(), self.tree_cost()) if tree else ()
+                    pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl, *more)), ahead_ctl)
                 v = await self._timed(call.read(), self._first_read_scale() if stats.rounds == 1 else 1)
                 if v is grpc.aio.EOF:
                     raise RequestError(Refusal.UNAVAILABLE, "verify service ended the session without a verdict")

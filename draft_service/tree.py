@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.costmodel import tree_size
 from specdec.engine import Tree
 from specdec.proposal import Proposal, ids_only, wire_q
 from specdec.sampling import DRAFT_TREE, keyed_uniforms, probs_from_logits, sample_with
@@ -47,10 +48,12 @@ class _Node:
     written: int = -1  # its place among the nodes written to the draft's cache this round (-1: not run)
 
 
-def grow(drafter, st, budget: int, depth: int, context: list[int] | None = None, stop=None, floor: float = 0.0) -> Proposal:
+def grow(drafter, st, budget: int, depth: int, context: list[int] | None = None, stop=None, floor: float = 0.0,
+         cost: tuple[float, float] | None = None) -> Proposal:
     """A tree of at most `budget` nodes and `depth` levels after `context` (default: the committed
     sequence), expanding no node below `floor`, as a Proposal with parents and its most likely
-    path (`guess`)."""
+    path (`guess`). cost: (seconds of a round besides its rows, seconds per row), where known:
+    a greedy or ids-only tree then sends as many of its best nodes as pay (costmodel.tree_size)."""
     context = list(st.ids if context is None else context)
     prm = st.params
     sampled = not (ids_only(prm.mode) or prm.sampling.greedy)
@@ -81,7 +84,8 @@ def grow(drafter, st, budget: int, depth: int, context: list[int] | None = None,
             level += 1
     finally:
         st.cache.crop(base)  # the tree's nodes go; the cache holds the context
-    return _proposal(nodes, len(nodes) if sampled else budget, prm, drafter.lm.vocab_size, 0.0 if sampled else floor)
+    return _proposal(nodes, len(nodes) if sampled else budget, prm, drafter.lm.vocab_size, 0.0 if sampled else floor,
+                     None if sampled else cost)
 
 
 def _cutoff(nodes: list[_Node], budget: int) -> float:
@@ -120,11 +124,14 @@ def _children(nodes: list[_Node], parent: int, logits: torch.Tensor, prm, base: 
         left[j] = 0.0
 
 
-def _proposal(nodes: list[_Node], budget: int, prm, vocab_size: int, floor: float) -> Proposal:
-    """The budget best nodes (ties: shallower first) from `floor` up (the best one in any case),
-    parents before children and siblings in the order they were drawn, as a Proposal."""
+def _proposal(nodes: list[_Node], budget: int, prm, vocab_size: int, floor: float, cost: tuple[float, float] | None) -> Proposal:
+    """The budget best nodes (ties: shallower first) from `floor` up (the best one in any case), as
+    many as pay where `cost` is given, parents before children and siblings in the order they were
+    drawn, as a Proposal."""
     ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))
     best = ranked[:1] + [i for i in ranked[1:budget] if nodes[i].score >= floor]
+    if cost is not None:
+        best = best[: tree_size([nodes[i].score for i in best], *cost)]
     order = sorted(best, key=lambda i: (nodes[i].depth, i))
     at = {i: k for k, i in enumerate(order)}
     out = Proposal(parents=[])

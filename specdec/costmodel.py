@@ -86,3 +86,17 @@ def tokens_per_second(costs: Costs, alpha: float, gamma: int, predraft: bool) ->
 def choose_gamma(costs: Costs, alpha: float, max_gamma: int, predraft: bool) -> int:
     """The gamma in 1..max_gamma with the highest predicted tokens/s (the smallest on ties)."""
     return max(range(1, max_gamma + 1), key=lambda g: (tokens_per_second(costs, alpha, g, predraft), -g))
+
+
+def tree_size(scores: list[float], fixed_s: float, row_s: float) -> int:
+    """How many of a tree's best nodes to send (DESIGN.md §12): scores, best first, estimate each
+    node's chance to be accepted (the draft's probability of its branch), so a round of the k best
+    yields 1 + sum(scores[:k]) tokens on average and costs fixed_s + k * row_s seconds; the k >= 1
+    of the most tokens per second."""
+    best, best_k, total = -1.0, 1, 1.0
+    for k, s in enumerate(scores, 1):
+        total += s
+        rate = total / (fixed_s + k * row_s)
+        if rate > best:
+            best, best_k = rate, k
+    return best_k
