@@ -32,6 +32,11 @@ def test_cli_generate_json_speculative_equals_target_only(services):
     rc, out, err = cli("generate", "--server", v.address, "--target-only", "--prompt", "w3 w4 w5", "--max-new-tokens", "12", "--json")
     assert rc == 0, err
     assert json.loads(out)["token_ids"] == spec["token_ids"]
+    rc, out, err = cli("generate", "--server", d.address, "--prompt", "w3 w4 w5", "--max-new-tokens", "12", "--tree-budget", "8",
+                       "--tau", "3", "--proposer", "draft", "--json")
+    assert rc == 0, err
+    tree = json.loads(out)
+    assert tree["token_ids"] == spec["token_ids"] and tree["stats"]["tree_rounds"] > 0
 
 
 def test_cli_prompt_ids_and_sampling_flags(services):
@@ -50,6 +55,8 @@ def test_cli_prompt_ids_and_sampling_flags(services):
     (["--prompt-ids", "3,99"], "prompt_ids"),
     (["--prompt", "w3", "--max-new-tokens", "0"], "max_new_tokens"),
     (["--prompt", "w3", "--tau", "1000"], "num_draft_tokens"),
+    (["--prompt", "w3", "--tree-budget", "65"], "tree_budget"),
+    (["--prompt", "w3", "--tree-budget", "-1"], "--tree-budget"),
 ])
 def test_cli_reports_status_code_and_message(services, args, field):
     _, d = services("target", "draft")

@@ -87,6 +87,12 @@ def test_greedy_completion_equals_grpc_token_for_token(oai, rpc, prompt):
         assert sum(m["num_accepted_tokens_per_pos"]) == m["num_accepted_tokens"] <= m["num_draft_tokens"]
         assert m["acceptance_rate"] == pytest.approx(m["num_accepted_tokens"] / m["num_draft_tokens"])
         assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+    tree = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                  extra_body={"num_draft_tokens": 4, "tree_budget": 12, "return_token_ids": True, "return_metrics": True})
+    g = rpc.generate(**grpc_prompt(prompt), max_new_tokens=40, num_draft_tokens=4, tree_budget=12)
+    assert extra(tree.choices[0], "token_ids") == g.token_ids == rpc.generate(**grpc_prompt(prompt), max_new_tokens=40).token_ids
+    assert g.stats["tree_rounds"] > 0  # passed through: the same request as the gRPC one, trees and all
+    assert extra(tree, "metrics")["speculative_decoding"]["num_drafts"] == g.stats["rounds"]
 
 
 def test_streamed_completion_equals_the_whole_one_with_usage_last(oai):
@@ -236,7 +242,7 @@ BAD = [  # (endpoint, arguments, the field the 400 names)
     ("completions", dict(prompt=[3, 999]), "prompt"),  # outside the vocabulary (gRPC validation's message)
     ("completions", dict(extra_body={"num_draft_tokens": 99}), "num_draft_tokens"),
     ("completions", dict(extra_body={"proposer": "oracle"}), "proposer"),
-    ("completions", dict(extra_body={"tree_budget": 8}), "tree_budget"),
+    ("completions", dict(extra_body={"tree_budget": 65}), "tree_budget"),  # past the verifier's 64 nodes
     ("completions", dict(stream_options={"include_usage": True}), "stream_options"),
     ("completions", dict(extra_headers={"X-Request-Id": "x" * 200}), "X-Request-Id"),
     ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
