@@ -247,7 +247,7 @@ class DecodeLoop:
                 caught_up = caught_up or (bool(sent.tokens) and not sent.lookup)
                 t_mark = t3
                 if self.judge and not sent.lookup:
-                    self._judge(len(sent.guess) if tree else len(sent.tokens), n)  # a tree: judged as the chain of its levels
+                    self._judge(max(len(sent.guess), n) if tree else len(sent.tokens), n)  # a tree: judged as the chain of its levels
                 if self.lookup_judge and sent.lookup and not self.lookup_off:
                     self.lookup_judge.observe(len(sent.tokens), n)
                     self.lookup_off = not self.lookup_judge.pays()

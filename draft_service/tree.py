@@ -72,6 +72,7 @@ def grow(drafter, st, budget: int, depth: int, context: list[int] | None = None,
                     counts.append(min(BRANCH, room))
                     room -= counts[-1]
                 pick = [i for i, c in zip(pick, counts) if c]
+            pick = pick[: max(0, st.cache.capacity - base - len(written))]  # near the context limit the cache has less room
             if not pick:
                 break
             for i in pick:

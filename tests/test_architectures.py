@@ -103,12 +103,14 @@ def _to_the_limit(arch, n: int, seed: int, short: int) -> tuple[list[int], list[
 
 def test_run_to_the_context_limit(arch):
     """A prompt 10 short of the context limit and max_new_tokens past it: generate()'s tokens,
-    then CONTEXT; the service stays up."""
+    then CONTEXT, with chains and with trees; the service stays up."""
     prompt, want = _to_the_limit(arch, 8, seed=2, short=10)
     with Client(arch.draft.address, timeout=120) as c:
         got = c.generate(prompt_ids=prompt, max_new_tokens=CTX, num_draft_tokens=4)
+        tree = c.generate(prompt_ids=prompt, max_new_tokens=CTX, num_draft_tokens=6, tree_budget=24, proposer="draft")
     assert got.token_ids == want, (arch.name, got.stats)
     assert got.finish_reason == "context"
+    assert tree.token_ids == want and tree.finish_reason == "context", (arch.name, "tree", tree.stats)  # trees shrink at the limit
     with Client(arch.verify.address, target_only=True, timeout=120) as c:
         got = c.generate(prompt_ids=prompt, max_new_tokens=CTX)
     assert got.token_ids == want and len(prompt) + len(got.token_ids) <= CTX

@@ -11,7 +11,7 @@ import torch
 from scipy import stats
 
 from client import AsyncClient, Client
-from draft_service.drafter import Drafter
+from draft_service.drafter import Drafter, DraftState
 from helpers import archmodels
 from specdec.acceptance import accept_tree, tree_tables
 from specdec.engine import KVCache, Tree
@@ -215,6 +215,9 @@ def test_the_drafter_grows_a_tree_within_budget_and_depth(model_dir, temperature
     assert (again.tokens, again.parents, again.q_probs) == (prop.tokens, prop.parents, prop.q_probs), "a round's tree is its context's"
     if mode == pb.PROPOSAL_MODE_SPARSE:
         assert len(prop.q_counts) == len(prop.tokens) and all(c > 0 for c in prop.q_counts)
+    tight = DraftState(ids=list(st.ids), params=g, cache=KVCache(len(st.ids) + 3))  # near the context limit: room for 3 nodes
+    d.prefill(tight)
+    assert 1 <= len(d.propose_tree(tight, 12, 5).tokens) <= 12 and tight.cache.length == len(st.ids)
 
 
 # ---- through the services --------------------------------------------------------------------
