@@ -14,7 +14,7 @@ from client import AsyncClient, Client
 from draft_service.drafter import Drafter, DraftState
 from helpers import archmodels
 from specdec.acceptance import accept_tree, tree_tables
-from specdec.engine import KVCache, Tree
+from specdec.engine import Engine, KVCache, Plan, Tree
 from specdec.lm import LM
 from specdec.sampling import Sampling
 from specdec.validation import GenParams
@@ -25,28 +25,33 @@ PARENTS = (-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 12, 3, 14, 14, 9)
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gpt2", "qwen2"])
-def test_each_tree_node_gets_its_branch_logits_and_the_path_its_keys(tmp_path, name):
-    """One pass over a tree gives every node the logits a chain pass over its branch gives; after
-    the accepted path's keys and values are moved into place, the cache holds what a chain pass
-    over the path writes."""
+@pytest.mark.parametrize("layout", ["cpu", "gpu"])
+def test_each_tree_node_gets_its_branch_logits_and_the_path_its_keys(tmp_path, name, layout):
+    """One pass over a tree, beside other sessions' rounds, gives every node the logits a chain pass
+    over its branch gives; after the accepted path's keys and values are moved into place, the
+    cache holds what a chain pass over the path writes. Bitwise in the CPU's layout (each node its
+    own one-row input with its branch's keys), to float rounding in the GPU's (a tree mask over
+    the nodes, run here on the CPU)."""
     lm = LM.load(archmodels.build(str(tmp_path), name, seed=0), "cpu", "float32")
-    eng, g = lm.engine, torch.Generator().manual_seed(0)
+    eng = lm.engine if layout == "cpu" else Engine(lm.model, Plan(kv_dtype=torch.float32))
+    same = torch.equal if layout == "cpu" else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-4))
+    g = torch.Generator().manual_seed(0)
     prompt = torch.randint(2, archmodels.V, (20,), generator=g).tolist()
     tokens = torch.randint(2, archmodels.V, (len(PARENTS),), generator=g).tolist()
     tree = Tree(len(prompt), PARENTS)
 
-    def prefilled():
-        kv = KVCache(len(prompt) + len(PARENTS) + 1)
-        eng.forward([prompt], [kv], logits=False)
+    def prefilled(ids=prompt):
+        kv = KVCache(len(ids) + len(PARENTS) + 1)
+        eng.forward([ids], [kv], logits=False)
         return kv
 
-    kv = prefilled()
-    (got,) = eng.forward([tokens], [kv], trees=[tree])
+    kv, others = prefilled(), [prefilled(prompt[:7]), prefilled(prompt[3:])]
+    got, *_ = eng.forward([tokens, [5, 6, 7], [8]], [kv, *others], trees=[tree, None, None])
     assert kv.length == len(prompt) + len(PARENTS)
     for m in range(len(PARENTS)):
         branch = [tokens[a] for a in tree.ancestors(m)]
         (want,) = eng.forward([branch], [prefilled()])
-        torch.testing.assert_close(got[m], want[-1], atol=1e-5, rtol=1e-4, msg=f"{name} node {m} (depth {tree.depth[m]})")
+        assert same(got[m], want[-1]), (name, layout, m, tree.depth[m], (got[m] - want[-1]).abs().max())
     path = tree.ancestors(17)  # 0 1 2 ... 9 17: a path that leaves the chain at its end
     src, dst = kv.path_slots(len(prompt) - 1, [r + 1 for r in path])
     eng.pool.move(src, dst)
@@ -55,7 +60,7 @@ def test_each_tree_node_gets_its_branch_logits_and_the_path_its_keys(tmp_path, n
     eng.forward([[tokens[a] for a in path]], [chain], logits=False)
     for i in range(kv.layers):
         for a, b in zip(kv.layer(i), chain.layer(i)):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+            assert same(a, b), (name, layout, i)
 
 
 def test_a_chain_as_a_tree_gives_the_chain_pass():
@@ -260,3 +265,35 @@ def test_greedy_trees_equal_target_only_on_the_tiny_pair(services):
                 counts["tree_rounds"] += got.stats["tree_rounds"]
                 counts["accepted"] += got.stats["accepted"]
     assert counts["tree_rounds"] > 0 and counts["accepted"] > 0
+
+
+def test_a_tree_path_through_eos_ends_there(model_dir):
+    """A tree whose accepted branch runs through EOS commits up to EOS, and its verdict's path stops
+    there too (the draft commits the path's tokens: none past the end may come back)."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers.greedy import hf_greedy, prompts
+    from verify_service.scheduler import Scheduler
+
+    path_dir = model_dir("target")
+    model = AutoModelForCausalLM.from_pretrained(path_dir, dtype=torch.float32).eval()
+    lm = LM.load(path_dir, "cpu", "float32")
+    prompt, want = next((p, w) for p in prompts(64, seed=5) if 2 <= len(w := hf_greedy(model, p, 8)) < 8)  # ends at EOS (token 0)
+    assert want[-1] in lm.eos
+    sched = Scheduler(lm)
+    try:
+        async def run():
+            s = sched.open(prompt, 20, Sampling(), 1, pb.PROPOSAL_MODE_GREEDY)
+            await sched.prefill(s)
+            with torch.no_grad():  # the target's own run, then its argmax past EOS (so the rule accepts it), and a side branch
+                after = int(model(torch.tensor([prompt + want])).logits[0, -1].argmax())
+            tokens = want + [after]
+            parents = [-1] + list(range(len(tokens) - 1))
+            v = await sched.step(s, tokens + [5], None, parents + [-1])
+            return s, v
+
+        s, v = asyncio.run(run())
+    finally:
+        sched.shutdown()
+    assert s.ids[len(prompt):] == want and v.num_accepted == len(want) and v.path == list(range(len(want)))
+    assert v.next_token is None and v.finish

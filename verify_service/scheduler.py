@@ -365,7 +365,7 @@ class Scheduler:
             try:
                 accepted = [j.tokens[i] for i in path] if path is not None else j.tokens[:n]
                 v = commit(s, accepted + [nxt], n, self.lm.eos, self.lm.max_context)
-                v.path = path
+                v.path = None if path is None else path[: v.num_accepted]  # cut where the sequence ended (EOS, a limit)
                 v.forward_s, v.queue_s, v.pass_rounds = forward_s, t0 - j.enqueued, len(jobs)
                 v.row_cost_s, v.row_price = self.cost.per_row_s, self.cost.price
                 metrics.QUEUE_WAIT.observe(t0 - j.enqueued)

@@ -126,19 +126,27 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
     as a second small copy."""
     N, dev = len(counts), pool.device
     real = sum(counts)
+    # on the CPU a tree's rows are one-row inputs of their own, each with its branch's keys (`_branch_group`)
+    branched = [i for i in range(N) if trees[i] is not None] if per_query and trees else []
     plan, lo = [], 0  # (inputs, n) per group: the short ones by size, then each long one alone
     for top in GROUPS:
-        members = [i for i, n in enumerate(counts) if lo < n <= top]
+        members = [i for i, n in enumerate(counts) if lo < n <= top and i not in branched]
         lo = top
         if members:
             plan.append((members, max(counts[i] for i in members)))
     short = len(plan)
-    plan += [([i], n) for i, n in enumerate(counts) if n > ROW_BY_ROW]
+    plan += [([i], n) for i, n in enumerate(counts) if n > ROW_BY_ROW and i not in branched]
     out_at, at = [0] * N, 0  # where each input's first attention output row goes in the concatenated group outputs
-    for members, n in plan:
+    for g, (members, n) in enumerate(plan):  # in the order attention concatenates them: short, branched, long
+        if g == short:
+            for i in branched:  # an input's rows one after another
+                out_at[i], at = at, at + counts[i]
         for b, i in enumerate(members):
             out_at[i] = at + b * n
         at += len(members) * n
+    if short == len(plan):
+        for i in branched:
+            out_at[i], at = at, at + counts[i]
     P = -(-max(L + n for L, n in zip(starts, counts)) // PAGE)  # key pages of the longest input
     table = [x for c in caches for x in (c.pages + [0] * P)[:P]]  # past a cache's own pages: the trash page
     members = [i for m, _ in plan for i in m]
@@ -165,8 +173,37 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
         tree = _tree_tensors([trees[i] for i in members], [counts[i] for i in members], [starts[i] for i in members], n, dev) \
             if trees and any(trees[i] is not None for i in members) else None
         groups.append(Group(members, n, pages * PAGE, gather, (off[m, None] + jc).view(-1), st[m, None] + jc, first, tree))
-    ordered = len(plan) == 1 and rows == real and all(c == plan[0][1] for c in counts)  # one group, in packed order, no padding
-    return Pass(pool, rows, lead, slots, groups[:short], groups[short:], None if ordered else back, per_query)
+    if branched:
+        groups.append(_branch_group(branched, caches, counts, offsets, [trees[i] for i in branched], dev))
+    ordered = len(plan) == 1 and rows == real and all(c == plan[0][1] for c in counts) and not branched  # one group, in packed order, no padding
+    short_groups = groups[:short] + groups[len(plan):]
+    return Pass(pool, rows, lead, slots, short_groups, groups[short:len(plan)], None if ordered else back, per_query)
+
+
+def _branch_group(inputs: list[int], caches: list[KVCache], counts: list[int], offsets: list[int], trees: list[Tree], dev) -> Group:
+    """The rows of tree inputs as one-row inputs of a per-query group: node m's keys are its cache's
+    committed positions, then its ancestors' and its own entries at the positions of its branch
+    (base + depth), so it is attended exactly as a one-token step of that branch is, bitwise on the
+    CPU (the chain layout's invariant, tested in tests/test_tree.py)."""
+    Lb = max(-(-(t.base + max(t.depth[len(t) - n :]) + 1) // PAGE) for t, n in zip(trees, (counts[i] for i in inputs))) * PAGE
+    gathers, rows, qpos = [], [], []
+    for i, t in zip(inputs, trees):
+        c, n = caches[i], counts[i]
+        P = max(Lb, t.base + len(t) + PAGE) // PAGE  # every key position, and every node's storage position
+        pages = torch.tensor((c.pages + [0] * P)[:P], dtype=torch.long)
+        slot = (pages[:, None] * PAGE + torch.arange(PAGE)).view(-1)  # the cache's slot of each position (trash past its pages)
+        for j in range(n):
+            m = len(t) - n + j
+            g = slot[:Lb].clone()
+            branch = t.ancestors(m)
+            g[t.base : t.base + len(branch)] = slot[[t.base + a for a in branch]]
+            gathers.append(g)
+            rows.append(offsets[i] + j)
+            qpos.append(t.base + t.depth[m])
+    ints = torch.cat([torch.cat(gathers), torch.tensor(rows + qpos, dtype=torch.long)]).to(dev, non_blocking=True)
+    B = len(rows)
+    return Group([i for i, t in zip(inputs, trees) for _ in range(counts[i])], 1, Lb, ints[: B * Lb], ints[B * Lb : B * Lb + B],
+                 ints[B * Lb + B :].view(B, 1))
 
 
 def _tree_tensors(trees: list[Tree | None], counts: list[int], starts: list[int], n: int, dev) -> tuple:
