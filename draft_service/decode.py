@@ -40,10 +40,12 @@ import grpc
 
 from draft_service.adaptive import PACE, DraftJudge, ModelRecord, Pace, TauController
 from draft_service.drafter import Drafter, PredraftControl, Proposal
+from draft_service.tree import CALIBRATIONS, Calibration
 from specdec.costmodel import Costs
 from specdec import metrics
 from specdec.errors import Refusal, RequestError
 from specdec.engine import PREFILL_CHUNK
+from specdec.proposal import ids_only
 from specdec.validation import GenParams
 from specdec.v1 import specdec_pb2 as pb
 
@@ -99,6 +101,9 @@ class DecodeLoop:
         self.lookup_judge = DraftJudge(Costs(0.0, fallback.verify_base, fallback.verify_per_token), params.tau,
                                        min_tau=params.tau) if hybrid else None
         self.lookup_off = False  # hybrid: prompt lookup stopped for this session
+        # greedy trees' acceptance by rank and draft probability, across this process's sessions (draft_service/tree.py)
+        self.calibration = CALIBRATIONS.setdefault(drafter.lm.name, Calibration()) \
+            if params.tree_budget and (params.sampling.greedy or (ids_only(params.mode) and not params.seeded)) else None
 
     def start(self) -> pb.VerifyRequest:
         g = self.params
@@ -153,7 +158,8 @@ class DecodeLoop:
         if tau == 0:
             return Proposal()  # the verifier's load (or the end of the request) leaves no room for proposals
         if budget:
-            return self.drafter.propose_tree(st, budget, min(self.params.tau, self.cap()), floor=self.floor(), cost=self.tree_cost())
+            return self.drafter.propose_tree(st, budget, min(self.params.tau, self.cap()), floor=self.floor(), cost=self.tree_cost(),
+                                             calibration=self.calibration)
         return self.drafter.propose(st, tau)
 
     async def rounds(self, call: VerifyStream) -> AsyncIterator[tuple[list[int], int]]:
@@ -205,7 +211,7 @@ class DecodeLoop:
                 if self.predraft and not prop.lookup and next_cap > 0 and not self.fallen_back:
                     ahead_ctl = PredraftControl()
                     # a tree's pre-draft is a tree after its likeliest path
-                    more = (min(budget, self.cap(assumed)), self.floor(), self.tree_cost()) if tree else ()
+                    more = (min(budget, self.cap(assumed)), self.floor(), self.tree_cost(), self.calibration) if tree else ()
                     pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl, *more)), ahead_ctl)
                 v = await self._timed(call.read(), self._first_read_scale() if stats.rounds == 1 else 1)
                 if v is grpc.aio.EOF:
@@ -233,6 +239,8 @@ class DecodeLoop:
                     else:
                         stats.predraft_misses += 1
                 st.ids.extend(new)
+                if tree and self.calibration and sent.ranks:
+                    self.calibration.observe(sent, path)
                 if ctl:
                     if not tree:  # its estimate is a chain's per-token acceptance
                         ctl.observe(len(sent.tokens), n)

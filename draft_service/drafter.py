@@ -120,20 +120,21 @@ class Drafter:
         return out
 
     def propose_tree(self, st: DraftState, budget: int, depth: int, context: list[int] | None = None,
-                     stop: PredraftControl | None = None, floor: float = 0.0, cost: tuple[float, float] | None = None) -> Proposal:
+                     stop: PredraftControl | None = None, floor: float = 0.0, cost: tuple[float, float] | None = None,
+                     calibration: tree.Calibration | None = None) -> Proposal:
         """A tree of at most `budget` nodes and `depth` levels after `context`, expanding none less
-        likely than `floor`, sized by `cost` where given (draft_service/tree.py)."""
-        return tree.grow(self, st, budget, depth, context, stop, floor, cost)
+        likely than `floor`, sized by `cost` and scored by `calibration` where given (draft_service/tree.py)."""
+        return tree.grow(self, st, budget, depth, context, stop, floor, cost, calibration)
 
     def predraft(self, st: DraftState, sent: Proposal, tau: int, ctl: PredraftControl, budget: int = 0,
-                 floor: float = 0.0, cost: tuple[float, float] | None = None) -> Proposal:
+                 floor: float = 0.0, cost: tuple[float, float] | None = None, calibration: tree.Calibration | None = None) -> Proposal:
         """Assumes `sent` is all accepted (a tree: its most likely path) and guesses the bonus token
         (ctl.guess, the draft's argmax); returns the round after it (a tree where budget is given;
         cut short if ctl says the assumption failed)."""
         context = st.ids + sent.assumed()
         ctl.guess = int(self._feed(st, context).argmax())
         if budget:
-            return self.propose_tree(st, budget, tau, context + [ctl.guess], ctl, floor, cost)
+            return self.propose_tree(st, budget, tau, context + [ctl.guess], ctl, floor, cost, calibration)
         return self.propose(st, tau, context + [ctl.guess], ctl)
 
     def lookup(self, st: DraftState, tau: int, min_ngram: int = 1) -> Proposal:

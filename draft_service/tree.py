@@ -38,6 +38,41 @@ BRANCH = 4  # children taken per expanded node
 _KEY = 64  # a node's children's draws are keyed parent * _KEY + rank
 
 
+RANKS = 2  # Calibration's classes of sibling rank: the draft's first choice, the others
+
+
+class Calibration:
+    """How often a greedy tree's node is accepted once its parent is, by its rank among its siblings
+    (the draft's first choice, or another) and its draft probability (in tenths): learned from the verdicts, for a
+    draft whose probabilities say too little (a distilled draft's first choice is often right
+    far more often than its probability says). Starts at the draft's own probability, with the
+    weight of PRIOR observations. Per draft model in a process (`CALIBRATIONS`); used by greedy and
+    unseeded sessions only, whose tokens do not depend on it (greedy trees are exact whatever
+    their shape; a seeded sampled tree must not depend on other requests)."""
+
+    PRIOR = 4.0
+
+    def __init__(self):
+        self.hits = [[(b + 0.5) / 10 * self.PRIOR for b in range(10)] for _ in range(RANKS)]
+        self.trials = [[self.PRIOR] * 10 for _ in range(RANKS)]
+
+    def __call__(self, rank: int, p: float) -> float:
+        r, b = min(rank, RANKS - 1), min(int(p * 10), 9)
+        return self.hits[r][b] / self.trials[r][b]
+
+    def observe(self, prop: Proposal, path: list[int]) -> None:
+        """A tree round's verdict: every node whose parent was reached (the root, or on the path) was tested."""
+        reached = {-1, *path}
+        for i, (rank, p) in enumerate(prop.ranks):
+            if prop.parents[i] in reached:
+                r, b = min(rank, RANKS - 1), min(int(p * 10), 9)
+                self.trials[r][b] += 1
+                self.hits[r][b] += i in reached
+
+
+CALIBRATIONS: dict[str, Calibration] = {}  # per draft model name
+
+
 @dataclass
 class _Node:
     token: int
@@ -46,21 +81,23 @@ class _Node:
     depth: int  # 1 for a child of the context
     q: tuple  # the wire q it was drawn from: (probs, ids or None), or None for one-hot
     written: int = -1  # its place among the nodes written to the draft's cache this round (-1: not run)
+    rank: tuple[int, float] = (0, 1.0)  # its rank among its siblings and its draft probability (Calibration)
 
 
 def grow(drafter, st, budget: int, depth: int, context: list[int] | None = None, stop=None, floor: float = 0.0,
-         cost: tuple[float, float] | None = None) -> Proposal:
+         cost: tuple[float, float] | None = None, calibration: Calibration | None = None) -> Proposal:
     """A tree of at most `budget` nodes and `depth` levels after `context` (default: the committed
     sequence), expanding no node below `floor`, as a Proposal with parents and its most likely
     path (`guess`). cost: (seconds of a round besides its rows, seconds per row), where known:
-    a greedy or ids-only tree then sends as many of its best nodes as pay (costmodel.tree_size)."""
+    a greedy or ids-only tree then sends as many of its best nodes as pay (costmodel.tree_size).
+    calibration: a greedy or ids-only tree's scores take it in place of the draft's probabilities."""
     context = list(st.ids if context is None else context)
     prm = st.params
     sampled = not (ids_only(prm.mode) or prm.sampling.greedy)
     logits = drafter._feed(st, context)  # [V]; the cache now holds the context
     base = len(context)
     nodes: list[_Node] = []
-    _children(nodes, -1, logits, prm, base, min(BRANCH, budget), floor)
+    _children(nodes, -1, logits, prm, base, min(BRANCH, budget), floor, calibration)
     level, written = 1, []  # written: candidate indices in the order the cache holds them
     try:
         while level < depth and not (stop is not None and stop.is_set()):
@@ -81,7 +118,7 @@ def grow(drafter, st, budget: int, depth: int, context: list[int] | None = None,
             tree = Tree(base, tuple(nodes[nodes[i].parent].written if nodes[i].parent >= 0 else -1 for i in written))
             out = drafter.batcher.forward_tree(st.cache, [nodes[i].token for i in pick], tree)  # [len(pick), V]
             for k, i in enumerate(pick):
-                _children(nodes, i, out[k], prm, base, counts[k] if sampled else min(BRANCH, budget), floor)
+                _children(nodes, i, out[k], prm, base, counts[k] if sampled else min(BRANCH, budget), floor, calibration)
             level += 1
     finally:
         st.cache.crop(base)  # the tree's nodes go; the cache holds the context
@@ -95,7 +132,8 @@ def _cutoff(nodes: list[_Node], budget: int) -> float:
     return scores[budget - 1] if len(scores) >= budget else 0.0
 
 
-def _children(nodes: list[_Node], parent: int, logits: torch.Tensor, prm, base: int, k: int, floor: float) -> None:
+def _children(nodes: list[_Node], parent: int, logits: torch.Tensor, prm, base: int, k: int, floor: float,
+              calibration: Calibration | None = None) -> None:
     """Adds up to k children of `parent` (-1: the context) from the draft's logits after it (fewer
     where q has fewer tokens; sampled: no more than q has tokens whose branch would reach `floor`,
     a count that q decides before any draw)."""
@@ -103,9 +141,9 @@ def _children(nodes: list[_Node], parent: int, logits: torch.Tensor, prm, base: 
     if ids_only(prm.mode) or prm.sampling.greedy:  # the draft's top tokens, q one-hot
         probs = torch.softmax(logits.float(), -1) if prm.sampling.greedy else probs_from_logits(logits, prm.sampling)
         vals, ids = torch.topk(probs, k)
-        for v, x in zip(vals.tolist(), ids.tolist()):
+        for r, (v, x) in enumerate(zip(vals.tolist(), ids.tolist())):
             if v > 0:
-                nodes.append(_Node(x, parent, score * v, depth, None))
+                nodes.append(_Node(x, parent, score * (calibration(r, v) if calibration else v), depth, None, rank=(r, v)))
         return
     q = probs_from_logits(logits, prm.sampling)  # [V]
     vals, ids = wire_q(q, prm.mode, prm.sparse_k)  # what the wire carries is what the draft samples from
@@ -138,6 +176,7 @@ def _proposal(nodes: list[_Node], budget: int, prm, vocab_size: int, floor: floa
     out = Proposal(parents=[])
     for i in order:
         n = nodes[i]
+        out.ranks.append(n.rank)
         if n.q is None:
             out.add_one_hot(n.token, prm.mode, vocab_size)
         else:

@@ -297,3 +297,17 @@ def test_a_tree_path_through_eos_ends_there(model_dir):
         sched.shutdown()
     assert s.ids[len(prompt):] == want and v.num_accepted == len(want) and v.path == list(range(len(want)))
     assert v.next_token is None and v.finish
+
+
+def test_calibration_learns_from_the_nodes_whose_parent_was_reached():
+    """Greedy trees score nodes by how often nodes like them were accepted: a node is tested when
+    its parent is on the accepted path (or is the root), a hit when it is on the path itself."""
+    from draft_service.tree import Calibration
+    from specdec.proposal import Proposal
+
+    cal = Calibration()
+    assert cal(0, 0.25) == pytest.approx(0.25) and cal(2, 0.05) == pytest.approx(0.05)  # the prior: the draft's own probability
+    prop = Proposal(tokens=[1, 2, 3, 4], parents=[-1, -1, 0, 2], ranks=[(0, 0.25), (1, 0.15), (0, 0.25), (0, 0.95)])
+    for _ in range(40):  # node 0 accepted, node 1 (its sibling) not, node 2 accepted, node 3 tested and rejected
+        cal.observe(prop, [0, 2])
+    assert cal(0, 0.25) > 0.9 and cal(1, 0.15) < 0.05 and cal(0, 0.95) < 0.2
