@@ -126,8 +126,9 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
     as a second small copy."""
     N, dev = len(counts), pool.device
     real = sum(counts)
-    # on the CPU a tree's rows are one-row inputs of their own, each with its branch's keys (`_branch_group`)
+    # on the CPU a tree's rows are cut into paths, each an input of its own with its branch's keys (`_branch_groups`)
     branched = [i for i in range(N) if trees[i] is not None] if per_query and trees else []
+    branch = _branch_groups(branched, caches, counts, offsets, [trees[i] for i in branched], dev) if branched else None
     plan, lo = [], 0  # (inputs, n) per group: the short ones by size, then each long one alone
     for top in GROUPS:
         members = [i for i, n in enumerate(counts) if lo < n <= top and i not in branched]
@@ -137,16 +138,13 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
     short = len(plan)
     plan += [([i], n) for i, n in enumerate(counts) if n > ROW_BY_ROW and i not in branched]
     out_at, at = [0] * N, 0  # where each input's first attention output row goes in the concatenated group outputs
-    for g, (members, n) in enumerate(plan):  # in the order attention concatenates them: short, branched, long
-        if g == short:
-            for i in branched:  # an input's rows one after another
-                out_at[i], at = at, at + counts[i]
+    branch_at = 0  # where the branch group's outputs start: after the short groups', before the long ones'
+    for g, (members, n) in enumerate(plan + [([], 0)]):  # in the order attention concatenates them: short, branched, long
+        if g == short and branch is not None:
+            branch_at, at = at, at + len(branch[1])
         for b, i in enumerate(members):
             out_at[i] = at + b * n
         at += len(members) * n
-    if short == len(plan):
-        for i in branched:
-            out_at[i], at = at, at + counts[i]
     P = -(-max(L + n for L, n in zip(starts, counts)) // PAGE)  # key pages of the longest input
     table = [x for c in caches for x in (c.pages + [0] * P)[:P]]  # past a cache's own pages: the trash page
     members = [i for m, _ in plan for i in m]
@@ -159,6 +157,8 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
     pad = torch.arange(rows - real, device=dev)
     slots = torch.cat([tab[inp, pos // PAGE] * PAGE + pos % PAGE, pad % PAGE])  # [T] padding rows: the trash page
     back = torch.cat([oat[inp] + j, pad * 0 + at])  # [T] padding rows: the zero row after every group's output
+    if branch is not None:  # a tree's rows: where their paths put them
+        back = back.index_put((branch[1],), branch[2] + branch_at)
     within = torch.arange(PAGE, device=dev)
     groups, k = [], 0
     for members, n in plan:
@@ -173,37 +173,54 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
         tree = _tree_tensors([trees[i] for i in members], [counts[i] for i in members], [starts[i] for i in members], n, dev) \
             if trees and any(trees[i] is not None for i in members) else None
         groups.append(Group(members, n, pages * PAGE, gather, (off[m, None] + jc).view(-1), st[m, None] + jc, first, tree))
-    if branched:
-        groups.append(_branch_group(branched, caches, counts, offsets, [trees[i] for i in branched], dev))
+    if branch is not None:
+        groups += branch[0]
     ordered = len(plan) == 1 and rows == real and all(c == plan[0][1] for c in counts) and not branched  # one group, in packed order, no padding
-    short_groups = groups[:short] + groups[len(plan):]
+    short_groups = groups[:short] + groups[len(plan):]  # the branch groups attend a query at a time, after the short ones
     return Pass(pool, rows, lead, slots, short_groups, groups[short:len(plan)], None if ordered else back, per_query)
 
 
-def _branch_group(inputs: list[int], caches: list[KVCache], counts: list[int], offsets: list[int], trees: list[Tree], dev) -> Group:
-    """The rows of tree inputs as one-row inputs of a per-query group: node m's keys are its cache's
-    committed positions, then its ancestors' and its own entries at the positions of its branch
-    (base + depth), so it is attended exactly as a one-token step of that branch is, bitwise on the
-    CPU (the chain layout's invariant, tested in tests/test_tree.py)."""
-    Lb = max(-(-(t.base + max(t.depth[len(t) - n :]) + 1) // PAGE) for t, n in zip(trees, (counts[i] for i in inputs))) * PAGE
-    gathers, rows, qpos = [], [], []
+def _branch_groups(inputs: list[int], caches: list[KVCache], counts: list[int], offsets: list[int], trees: list[Tree],
+                   dev) -> tuple[list[Group], torch.Tensor, torch.Tensor]:
+    """The rows of tree inputs cut into paths (a node joins its parent's path where the parent ends
+    it, else starts one: a tree of L leaves is L paths), each path a per-query group of its own (no
+    padding rows) whose key positions are its cache's committed ones, then its branch's entries
+    from the root at positions base, base + 1, ... (gathered from where the nodes are stored). So a
+    node is attended exactly as a one-token step of its branch is, bitwise on the CPU (the chain
+    layout's invariant, tests/test_tree.py). Returns the groups, and each tree row's packed row and
+    place in their concatenated outputs (for Pass.back)."""
+    paths = []  # (input, tree, [nodes])
     for i, t in zip(inputs, trees):
-        c, n = caches[i], counts[i]
+        first, tail = len(t) - counts[i], {}  # tail: the path a node ends
+        for m in range(first, len(t)):
+            path = tail.pop(t.parents[m], None)
+            if path is None:
+                path = (i, t, [])
+                paths.append(path)
+            path[2].append(m)
+            tail[m] = path
+    gathers, ints, packed = [], [], []
+    for i, t, nodes in paths:
+        first = len(t) - counts[i]
+        Lb = -(-(t.base + t.depth[nodes[-1]] + 1) // PAGE) * PAGE
         P = max(Lb, t.base + len(t) + PAGE) // PAGE  # every key position, and every node's storage position
-        pages = torch.tensor((c.pages + [0] * P)[:P], dtype=torch.long)
+        pages = torch.tensor((caches[i].pages + [0] * P)[:P], dtype=torch.long)
         slot = (pages[:, None] * PAGE + torch.arange(PAGE)).view(-1)  # the cache's slot of each position (trash past its pages)
-        for j in range(n):
-            m = len(t) - n + j
-            g = slot[:Lb].clone()
-            branch = t.ancestors(m)
-            g[t.base : t.base + len(branch)] = slot[[t.base + a for a in branch]]
-            gathers.append(g)
-            rows.append(offsets[i] + j)
-            qpos.append(t.base + t.depth[m])
-    ints = torch.cat([torch.cat(gathers), torch.tensor(rows + qpos, dtype=torch.long)]).to(dev, non_blocking=True)
-    B = len(rows)
-    return Group([i for i, t in zip(inputs, trees) for _ in range(counts[i])], 1, Lb, ints[: B * Lb], ints[B * Lb : B * Lb + B],
-                 ints[B * Lb + B :].view(B, 1))
+        g = slot[:Lb].clone()
+        branch = t.ancestors(nodes[-1])  # the root's path to the path's last node: its nodes' ancestors, and them
+        g[t.base : t.base + len(branch)] = slot[[t.base + a for a in branch]]
+        gathers.append(g)
+        rows = [offsets[i] + m - first for m in nodes]
+        ints += rows + [t.base + t.depth[m] for m in nodes]
+        packed += rows
+    host = torch.cat([*gathers, torch.tensor(ints + list(range(len(packed))), dtype=torch.long)])
+    parts = host.to(dev, non_blocking=True).split([len(g) for g in gathers] + [len(nodes) for _, _, nodes in paths for _ in (0, 1)]
+                                                  + [len(packed)])
+    groups = []
+    for k, (i, _, nodes) in enumerate(paths):
+        groups.append(Group([i], len(nodes), len(gathers[k]), parts[k], parts[len(paths) + 2 * k],
+                            parts[len(paths) + 2 * k + 1].view(1, len(nodes))))
+    return groups, torch.tensor(packed, dtype=torch.long).to(dev, non_blocking=True), parts[-1]
 
 
 def _tree_tensors(trees: list[Tree | None], counts: list[int], starts: list[int], n: int, dev) -> tuple:
