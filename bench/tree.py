@@ -1,31 +1,38 @@
 """Tree speculation (GenerateRequest.tree_budget) against chains, in one run on the shipped pair,
 greedy, one torch thread per process, requests one at a time:
 
-    python -m bench.tree [--prompts 8 --new-tokens 128 --rtt-ms 0,10,20,50 --repeats 2 --out bench/results]
+    python -m bench.tree [--prompts 5 --tpr-prompts 10 --new-tokens 128 --rtt-ms 0,10,20,50 --repeats 3 --out bench/results]
+    python -m bench.tree --render      # only rewrite OUT/TREE.md from OUT/tree.json
 
-1. Tokens per round (RTT 0, measured once: the counts are deterministic): a tree of at most
-   B nodes per round (B = 8, 16, 32; depth cap num_draft_tokens=16) against a 16-token chain
+1. Tokens per round (RTT 0, measured once: the counts do not depend on timing): a tree of at
+   most B nodes per round (B = 8, 16, 32; depth cap num_draft_tokens=16) against a 16-token chain
    (num_draft_tokens=16, tree_budget=0), all with proposer=draft (the draft model alone, no prompt
-   lookup), adaptive=False, predraft=False. Tokens per round = generated tokens / rounds, summed
-   over the prompts. Bar: tree(16) / chain(16) >= 1.15.
-2. RTT sweep: one draft service per RTT, each reaching the one verify service through
-   bench/proxy.py (a userspace TCP proxy adding RTT/2 each way; RTT 0 = direct). At each RTT,
-   tok/s (all generated tokens over the wall time of all prompts, one request at a time, from the
-   client's side) and tokens per round of: chains at fixed tau (adaptive=False), trees at budget 16
-   with depth caps 8 and 16 (adaptive=False), the service's default request (adaptive tau, no
-   num_draft_tokens) as a reference, all with proposer=draft and the service's default pre-drafting
-   (predraft left unset); plus, with the default proposer (hybrid: prompt lookup on a recurring
-   2-gram, else the draft model), the default request and the budget-16 tree. At RTT 0 also the
-   verify service alone (Verify.Generate, target-only) and, with --hf, transformers' generate()
-   greedy in this process (same dtype as the services, one thread). Every configuration runs
-   --repeats times; the order of the RTTs and of the configurations rotates from repeat to repeat
-   (so drift on this shared machine does not land on one configuration); the median run counts.
-   Bar: at 20 ms the tree's tok/s >= 1.2x the best fixed-tau chain's.
+   lookup), adaptive=False, predraft=False, over --tpr-prompts prompts. Tokens per round = tokens
+   / rounds, summed over the prompts. Bar: tree(16) / chain(16) >= 1.15.
+2. RTT sweep: per RTT, draft services that reach the one verify service through bench/proxy.py (a
+   userspace TCP proxy adding RTT/2 each way; RTT 0 = direct). At each RTT, tok/s (tokens over the
+   wall time of all prompts, one request at a time, client side) and tokens per round of: chains at
+   fixed tau (adaptive=False), trees at budget 16 with depth caps 8 and 16 and (not in the bar) at
+   --extra-budgets, the service's default request (adaptive tau, no num_draft_tokens) as a
+   reference, all with proposer=draft and the service's default pre-drafting (predraft unset);
+   plus, with the default proposer (hybrid: prompt lookup on a recurring 2-gram, else the draft
+   model), the default request and the budget-16 tree. At RTT 0 also the verify service alone
+   (Verify.Generate, target-only) and, with --hf, transformers' generate() greedy in this process
+   (same dtype as the services, one thread). Each RTT has two draft services: the fixed-tau and
+   tree rows use one with --fixed-draft-args (--no-draft-fallback: the fallback judge's
+   process-wide model record would otherwise let one configuration's sessions decide another's),
+   the `default` rows one with the service defaults. Every row runs --repeats times; the order of
+   the RTTs and of the rows rotates from repeat to repeat (drift on this shared machine does not
+   land on one configuration); the median run counts. Bar: at 20 ms the budget-16 tree's tok/s
+   >= 1.2x the best fixed-tau chain's.
 
 Greedy output must not depend on the configuration: every run's token ids are compared, prompt by
 prompt, with the verify service's own target-only output (Verify.Generate, the engine's
-contract); any difference is reported. transformers' generate() is compared separately (in
-bfloat16 its rounding differs from the engine's, bench/results/ENGINE.md).
+contract), and every difference is reported; where a run chose another token, the target's
+logits there are recomputed (transformers, services' dtype and float32) to tell a near-tie from a
+wrong verdict. Token counts use the reference's length per prompt (same work for every row).
+transformers' generate() is compared separately (in bfloat16 its rounding differs from the
+engine's, bench/results/ENGINE.md).
 
 Writes OUT/tree.json (every run's numbers) and OUT/TREE.md.
 """
@@ -48,16 +55,32 @@ SUMMED = ("rounds", "drafted", "accepted", "tree_rounds", "lookup_rounds", "targ
 REFERENCE = "target-only"
 
 
+def code_state() -> dict:
+    """The checkout the services ran from: HEAD and the files changed against it (services import the working tree)."""
+    import subprocess  # noqa: PLC0415
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True,
+                               timeout=10).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(head=head, changed=[line[3:] for line in dirty if line.strip()])
+
+
 def tpr_configs(budgets: list[int], depth: int) -> dict[str, dict]:
     """Part 1: the chain and the trees, no pre-drafting, no adaptive tau, the draft model alone."""
     base = dict(adaptive=False, predraft=False, proposer="draft", num_draft_tokens=depth)
     return {f"chain τ={depth}": dict(base), **{f"tree B={b} d={depth}": dict(base, tree_budget=b) for b in budgets}}
 
 
-def sweep_configs(taus: list[int], budget: int, depths: list[int], hybrid_depth: int) -> dict[str, dict]:
-    """Part 2, per RTT (pre-drafting left to the service's default)."""
+def sweep_configs(taus: list[int], budget: int, depths: list[int], hybrid_depth: int, extra: list[int] = ()) -> dict[str, dict]:
+    """Part 2, per RTT (pre-drafting left to the service's default). `extra`: more tree budgets, at the largest depth cap."""
     out = {f"chain τ={t}": dict(num_draft_tokens=t, adaptive=False, proposer="draft") for t in taus}
     out.update({f"tree B={budget} d={d}": dict(num_draft_tokens=d, tree_budget=budget, adaptive=False, proposer="draft") for d in depths})
+    out.update({f"tree B={b} d={max(depths)}": dict(num_draft_tokens=max(depths), tree_budget=b, adaptive=False, proposer="draft")
+                for b in extra})
     out["default (draft)"] = dict(proposer="draft")
     out["default (hybrid)"] = dict()
     out[f"tree B={budget} d={hybrid_depth} (hybrid)"] = dict(num_draft_tokens=hybrid_depth, tree_budget=budget, adaptive=False)
@@ -190,10 +213,13 @@ def main(argv=None) -> int:
     p.add_argument("--tpr-prompts", type=int, default=10, help="prompts of part 1 (tokens per round), from the same list")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rtt-ms", default="0,10,20,50")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--taus", default="2,4,6,8,12", help="the fixed-tau chains of the sweep")
     p.add_argument("--budget", type=int, default=16, help="the sweep's tree budget (nodes per round)")
     p.add_argument("--depths", default="8,16", help="the sweep's tree depth caps (num_draft_tokens)")
+    p.add_argument("--extra-budgets", default="32", help="more tree budgets in the sweep, at the largest depth cap (not in the bar)")
+    p.add_argument("--render", action="store_true", help="only rewrite TREE.md from OUT/tree.json")
+    p.add_argument("--followup", help="with --render: attach DIR/tree.json, a later run (e.g. on newer code), as a short section")
     p.add_argument("--hybrid-depth", type=int, default=8, help="depth cap of the hybrid tree row (also prompt lookup's cap)")
     p.add_argument("--tpr-budgets", default="8,16,32", help="part 1's tree budgets (empty: skip part 1)")
     p.add_argument("--tpr-depth", type=int, default=16, help="part 1's depth cap and chain length")
@@ -212,8 +238,27 @@ def main(argv=None) -> int:
     all_prompts = code + (heldout_prompts(n_all - len(code)) if n_all > len(code) else [])
     prompts, tpr_prompts = all_prompts[: a.prompts], all_prompts[: a.tpr_prompts]
     tpr = tpr_configs([int(x) for x in a.tpr_budgets.split(",") if x], a.tpr_depth) if a.tpr_budgets else {}
-    sweep = sweep_configs([int(x) for x in a.taus.split(",")], a.budget, [int(x) for x in a.depths.split(",")], a.hybrid_depth)
+    if a.render:
+        import json  # noqa: PLC0415
+
+        with open(os.path.join(a.out, "tree.json")) as fh:
+            res = json.load(fh)
+        if a.followup:
+            with open(os.path.join(a.followup, "tree.json")) as fh:
+                f = json.load(fh)
+            res["followup"] = {k: v for k, v in f.items() if k not in ("prompt_texts", "reference_ids", "service_stderr_tails")}
+            for by in res["followup"]["sweep"].values():
+                for v in by.values():
+                    v.pop("all_runs", None)
+        if "tie_check" not in res:
+            res["tie_check"] = tie_check(res["target"], res.get("verify_dtype", "bfloat16"), res["prompt_texts"], res["reference_ids"],
+                                         res["mismatches"])
+        res["bars"] = bars(res)
+        return write_report(a.out, "tree", "TREE.md", res, render)
+    sweep = sweep_configs([int(x) for x in a.taus.split(",")], a.budget, [int(x) for x in a.depths.split(",")], a.hybrid_depth,
+                          [int(x) for x in a.extra_budgets.split(",") if x])
     env = dict(ENV, OMP_NUM_THREADS="1")
+    checkout = code_state()
     t_start = time.perf_counter()
     started: list[Service] = []
     mismatches: list[dict] = []
@@ -312,15 +357,43 @@ def main(argv=None) -> int:
                tpr_code_prompts=len([p for p in tpr_prompts if p in CODE_PROMPTS]), new_tokens=a.new_tokens,
                repeats=a.repeats, rtt_ms=rtts, budget=a.budget, taus=a.taus, depths=a.depths, hybrid_depth=a.hybrid_depth,
                tpr_depth=a.tpr_depth, draft_args=a.draft_args, fixed_draft_args=a.fixed_draft_args, verify_args=a.verify_args, cpu_count=os.cpu_count(), **info,
-               wall_s=time.perf_counter() - t_start, tpr_configs=tpr, sweep_configs=sweep,
+               code=checkout, wall_s=time.perf_counter() - t_start, tpr_configs=tpr, sweep_configs=sweep,
                tpr={k: dict(v, tokens_per_round=v["tokens"] / max(v["rounds"], 1), tokens_per_round_ref=v["ref_tokens"] / max(v["rounds"], 1))
                     for k, v in tpr_runs.items()},
                sweep={key: {name: dict(summary(rs), all_runs=rs) for name, rs in by.items() if rs} for key, by in runs.items()},
                mismatches=mismatches, hf_mismatches=hf_mismatches, prompt_texts=all_prompts, reference_finish=ref_finish, reference_ids=ref, service_stderr_tails=service_logs)
     loads = [r.get("load1", 0) for by in runs.values() for rs in by.values() for r in rs] + [v.get("load1", 0) for v in tpr_runs.values()]
     res["load_range"] = [min(loads, default=0), max(loads, default=0)]
+    res["tie_check"] = tie_check(a.target, res.get("verify_dtype", "bfloat16"), all_prompts, ref, mismatches)
     res["bars"] = bars(res)
     return write_report(a.out, "tree", "TREE.md", res, render)
+
+
+def tie_check(target: str, dtype: str, prompts: list[str], ref: list, mismatches: list[dict]) -> list[dict]:
+    """Where a run chose another token than the reference (not a length difference): the target's
+    logits there (transformers, in this process, in the services' dtype and in float32, after the
+    reference's prefix): the two tokens' logits and the top 3, to tell a near-tie from a wrong verdict."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    spots = sorted({(m["prompt"], m["first_difference_at"], m["got"][min(2, m["first_difference_at"])],
+                     m["want"][min(2, m["first_difference_at"])]) for m in mismatches if m["kind"] == "different token"})
+    if not spots:
+        return []
+    path = target if os.path.isabs(target) else os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), target)
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(path)
+    out = [dict(prompt=p, at=pos, got=g, want=w) for p, pos, g, w in spots]
+    for dt in dict.fromkeys([dtype, "float32"]):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dt)).eval()
+        for o in out:
+            ids = tok(prompts[o["prompt"]]).input_ids + ref[o["prompt"]][: o["at"]]
+            with torch.inference_mode():
+                lg = model(torch.tensor([ids])).logits[0, -1].float()
+            top = torch.topk(lg, 3)
+            o[dt] = dict(got_logit=lg[o["got"]].item(), want_logit=lg[o["want"]].item(), top3=top.indices.tolist(),
+                         top3_logits=[round(v, 5) for v in top.values.tolist()])
+    return out
 
 
 def best_chain(by: dict, key: str = "tok_s_ref_median") -> tuple[str, float]:
@@ -360,27 +433,8 @@ def _names(res: dict) -> list[str]:
     return names
 
 
-def render(res: dict) -> str:
-    L = ["# Tree speculation against chains", "",
-         f"Run {res['date']}; shipped pair (`{res['target']}`, `{res['draft']}`); both services on {res.get('verify_device', '?')} in "
-         f"{res.get('verify_dtype', '?')} (the services' `--dtype auto` on this CPU), one torch thread per process, "
-         f"{res['cpu_count']} CPU cores shared by everything (verify service, {2 * len(res['rtt_ms'])} draft services, the proxies, the "
-         f"client); greedy; up to {res['new_tokens']} new tokens per request (some stop at EOS earlier), one request at a time. "
-         f"Prompts: part 1 uses {res['tpr_prompts']} ({res['tpr_code_prompts']} code prompts from outside the standard library, "
-         f"bench/prompts.py CODE_PROMPTS, then {res['tpr_prompts'] - res['tpr_code_prompts']} held-out standard-library prompts, "
-         f"heldout_prompts), part 2 the first {res['prompts']} of them. Whole run: {res['wall_s'] / 60:.1f} min; the machine's "
-         f"1-minute load average during the runs: {res['load_range'][0]:.1f}–{res['load_range'][1]:.1f} (other work shared the 2 cores).", "",
-         f"Command: `{res['command']}`", "",
-         "Per RTT there are two draft services on the same verify service: the fixed-τ and tree rows go to one started with "
-         f"`{res.get('fixed_draft_args', '--no-draft-fallback')}` (else the draft-fallback judge and its process-wide model record "
-         "turn sessions into target-only rounds, and one configuration's sessions decide the next one's: a trial run with the "
-         "defaults had the RTT-0 service skip the model in 100% of the rounds of every fixed configuration), the `default` rows "
-         "to one with the service defaults. The draft model is the only proposer (`proposer=draft`) except in rows marked hybrid.", "",
-         "Counting: **tokens/round** = tokens / rounds (the verifier's bonus token included), summed over the prompts; **tok/s** = "
-         "tokens over the wall time of all prompts (client side). Both count the verify service's own target-only output length per "
-         "prompt (same work for every row), because tree rounds return tokens past EOS (see below); the generated-token versions "
-         "are in tree.json (`tok_s_median`, `tokens_per_round`). Only ratios within this run count: this shared 2-core machine's "
-         "speed drifts.", ""]
+def _bars(res: dict) -> list[str]:
+    L: list[str] = []
     b = res["bars"]
     L += ["## Bars", ""]
     if "tokens_per_round" in b:
@@ -400,27 +454,33 @@ def render(res: dict) -> str:
         for m in mm:
             kinds[m["kind"]] = kinds.get(m["kind"], 0) + 1
         L += ["", f"**TOKEN MISMATCH: {len(mm)} (run, prompt) pairs differ from the verify service's own target-only output** "
-              f"({', '.join(f'{v} {k}' for k, v in kinds.items())}):", "",
-              "| part | RTT ms | config | repeat | prompt | kind | at token | length / reference's | got / want (from 2 before) |",
-              "|---|---|---|---|---|---|---|---|---|"]
-        for m in mm[:60]:
-            L.append(f"| {m['part']} | {m['rtt_ms']:g} | {m['config']} | {m['repeat']} | {m['prompt']} | {m['kind']} | "
-                     f"{m['first_difference_at']} | {m['len']} / {m['ref_len']} | {m['got']} / {m['want']} |")
-        if len(mm) > 60:
-            L.append(f"| … {len(mm) - 60} more in tree.json | | | | | | | | |")
+              f"({', '.join(f'{v} {k}' for k, v in kinds.items())}); the same difference in several runs is one line:", "",
+              "| config | prompt | kind | at token | length / reference's | got / want (from 2 before) | runs (part, RTT ms, repeat) |",
+              "|---|---|---|---|---|---|---|"]
+        groups: dict[tuple, list[str]] = {}
+        for m in mm:
+            k = (m["config"], m["prompt"], m["kind"], m["first_difference_at"], m["len"], m["ref_len"], str(m["got"]), str(m["want"]))
+            groups.setdefault(k, []).append(f"{'part 1' if m['part'] == 'tokens per round' else 'sweep'} {m['rtt_ms']:g}/{m['repeat']}")
+        for (cfg, prompt, kind, at, n, rn, got, want), where in groups.items():
+            L.append(f"| {cfg} | {prompt} | {kind} | {at} | {n} / {rn} | {got} / {want} | {len(where)}: {', '.join(where)} |")
         bad = sorted({m["config"] for m in mm})
         good = [n for n in _names(res) if n not in bad and n != "hf generate()"] + [n for n in res["tpr"] if n not in bad]
         L += ["", f"Rows with a mismatch: {', '.join(bad)}. Rows without: {', '.join(dict.fromkeys(good))}."]
     else:
         L.append("- Greedy outputs: every run of every configuration, at every RTT, produced exactly the verify service's own "
                  "target-only token ids on every prompt.")
-    errs = [(key, name, e) for key, by in res["sweep"].items() for name, v in by.items() for r in v["all_runs"] for e in r["errors"]]
+    errs = [(key, name, e) for key, by in res["sweep"].items() for name, v in by.items() for r in v.get("all_runs", []) for e in r["errors"]]
     errs += [("0", name, e) for name, v in res["tpr"].items() for e in v["errors"]]
     if errs:
         L += ["", f"**SERVICE ERRORS: {len(errs)} requests failed:**", ""]
         L += [f"- RTT {k} ms, {n}: prompt {e['prompt']}: {e['code']}: {e['details']}" for k, n, e in errs[:20]]
     L.append("")
 
+    return L
+
+
+def _part1(res: dict) -> list[str]:
+    L: list[str] = []
     t = res["tpr"]
     if t:
         chain = next((k for k in t if k.startswith("chain")), None)
@@ -438,6 +498,11 @@ def render(res: dict) -> str:
                      f"{1e3 * v['verify_forward_s'] / r:.1f} | {v['ref_tokens'] / v['wall_s']:.1f} |")
         L.append("")
 
+    return L
+
+
+def _sweep_main(res: dict) -> list[str]:
+    L: list[str] = []
     keys = list(res["sweep"])
     names = _names(res)
     L += ["## 2. tok/s against RTT", "",
@@ -458,6 +523,58 @@ def render(res: dict) -> str:
             v = res["sweep"][key].get(n)
             cells.append("-" if v is None or n == "hf generate()" else f"{v['tokens_per_round_ref']:.2f}")
         L.append(f"| {n} | " + " | ".join(cells) + " |")
+    return L
+
+
+def followup(f: dict, main: dict | None = None) -> list[str]:
+    """A later, shorter run of this script (--render --followup DIR) on newer code: its bars, part 1 and tok/s table."""
+    code = f.get("code", {})
+    L = ["## Check on later code", "",
+         f"Run {f['date']}: `{f['command']}`, from commit {code.get('head', '?')}"
+         + (f" with uncommitted changes to {', '.join(code['changed'])}" if code.get("changed") else "")
+         + f"; {f['repeats']} repeat(s), load {f['load_range'][0]:.1f}–{f['load_range'][1]:.1f}, {f['wall_s'] / 60:.1f} min. "
+         "Same machine and counting as above; single runs are noisy, the token counts are not.", ""]
+    L += _bars(f)[2:]
+    L += _part1(f)
+    L += _sweep_main(f)
+    if main:
+        z, z0 = f["sweep"].get("0", {}), main["sweep"].get("0", {})
+        rows = [n for n in z if n in z0 and n.startswith(("tree", "chain τ=4", "chain τ=8"))]
+        if rows:
+            L += ["", "Per round at RTT 0, this check against the main run above (draft ms / target pass ms): "
+                  + "; ".join(f"{n}: {z[n]['draft_ms_per_round']:.1f} / {z[n]['forward_ms_per_round']:.1f} against "
+                              f"{z0[n]['draft_ms_per_round']:.1f} / {z0[n]['forward_ms_per_round']:.1f}" for n in rows) + "."]
+    return ["#" + line if line.startswith("## ") and i else line for i, line in enumerate(L)]
+
+
+def render(res: dict) -> str:
+    L = ["# Tree speculation against chains", "",
+         f"Run {res['date']}; shipped pair (`{res['target']}`, `{res['draft']}`); both services on {res.get('verify_device', '?')} in "
+         f"{res.get('verify_dtype', '?')} (the services' `--dtype auto` on this CPU), one torch thread per process, "
+         f"{res['cpu_count']} CPU cores shared by everything (verify service, {2 * len(res['rtt_ms'])} draft services, the proxies, the "
+         f"client); greedy; up to {res['new_tokens']} new tokens per request (some stop at EOS earlier), one request at a time. "
+         f"Prompts: part 1 uses {res['tpr_prompts']} ({res['tpr_code_prompts']} code prompts from outside the standard library, "
+         f"bench/prompts.py CODE_PROMPTS, then {res['tpr_prompts'] - res['tpr_code_prompts']} held-out standard-library prompts, "
+         f"heldout_prompts), part 2 the first {res['prompts']} of them. Whole run: {res['wall_s'] / 60:.1f} min; the machine's "
+         f"1-minute load average during the runs: {res['load_range'][0]:.1f}–{res['load_range'][1]:.1f} (other work shared the 2 cores).", "",
+         f"Command: `{res['command']}`" + (f", from commit {res['code']['head']}"
+                                          + (f" with uncommitted changes to {', '.join(res['code']['changed'])}" if res['code'].get('changed') else "")
+                                          if res.get("code", {}).get("head") else "")
+         + (f". {res['code']['note']}" if res.get("code", {}).get("note") else "") + ".", "",
+         "Per RTT there are two draft services on the same verify service: the fixed-τ and tree rows go to one started with "
+         f"`{res.get('fixed_draft_args', '--no-draft-fallback')}` (else the draft-fallback judge and its process-wide model record "
+         "turn sessions into target-only rounds, and one configuration's sessions decide the next one's: a trial run of this script with the "
+         "defaults (2 prompts, 32 tokens) had the RTT-0 service skip the model in 100% of the rounds of every fixed configuration), the `default` rows "
+         "to one with the service defaults. The draft model is the only proposer (`proposer=draft`) except in rows marked hybrid.", "",
+         "Counting: **tokens/round** = tokens / rounds (the verifier's bonus token included), summed over the prompts; **tok/s** = "
+         "tokens over the wall time of all prompts (client side). Both count the verify service's own target-only output length per "
+         "prompt (same work for every row: a run that returns tokens past the reference's end gains nothing from them); the "
+         "generated-token versions are in tree.json (`tok_s_median`, `tokens_per_round`). Only ratios within this run count: this shared 2-core machine's "
+         "speed drifts.", ""]
+    L += _bars(res)
+    L += _part1(res)
+    L += _sweep_main(res)
+    names, keys = _names(res), list(res["sweep"])
     others = [n for n in names if not n.startswith("chain")]
     L += ["", "Against the best fixed-τ chain at the same RTT (median tok/s):", "",
           "| RTT ms | best chain (tok/s) | " + " | ".join(others) + " |", "|---|---|" + "---|" * len(others)]
@@ -486,8 +603,96 @@ def render(res: dict) -> str:
               f"service's target-only output on {len(diff)} of {res['prompts']} prompts"
               + (" (" + ", ".join(f"prompt {p} from token {t}" for p, t in diff) + "): in bfloat16 transformers rounds differently "
                  "from the engine, so near-ties flip (bench/results/ENGINE.md)" if diff else "") + "."]
-    L.append("")
+    L += [""] + notes(res)
+    if res.get("followup"):
+        L += followup(res["followup"], res)
     return "\n".join(L)
+
+
+def tree_vs_defaults(res: dict) -> dict[str, float]:
+    """Per RTT: the best tree row's median tok/s over the best `default` row's."""
+    out = {}
+    for key, by in res["sweep"].items():
+        trees = [v["tok_s_ref_median"] for n, v in by.items() if n.startswith("tree")]
+        defaults = [v["tok_s_ref_median"] for n, v in by.items() if n.startswith("default")]
+        if trees and defaults:
+            out[key] = max(trees) / max(defaults)
+    return out
+
+
+def notes(res: dict) -> list[str]:
+    """What the tables mean, and what looked odd, from the numbers of this run."""
+    N = ["## Notes", ""]
+    mm, sw, t = res["mismatches"], res["sweep"], res["tpr"]
+    eos = [m for m in mm if m["kind"] == "tokens after the reference's EOS"]
+    if eos:
+        rows = sorted({m["config"] for m in eos})
+        N.append(f"- **Tree rounds return tokens past EOS** ({len(eos)} (run, prompt) pairs, rows: {', '.join(rows)}; no chain row): "
+                 "where the reference ends with EOS (id 2) the tree run returns 1-2 more tokens after it (e.g. "
+                 f"`{eos[0]['got']}` against `{eos[0]['want']}`), with finish reason `eos`. A float32 check run "
+                 "(SPECDEC_DTYPE=float32, outside this script) did the same, so it is not rounding. From reading the code this run used "
+                 "(see the commit line above): verify_service/session.py `commit()` cuts a round's tokens at EOS and lowers `num_accepted` to match, but "
+                 "verify_service/scheduler.py puts the whole accepted path into `Verdict.path` (`accepted_path` on the wire), and "
+                 "draft_service/decode.py builds the committed tokens from `accepted_path` rather than its first `num_accepted` "
+                 "entries. The tables count the reference's length per prompt, so these tokens add nothing to tok/s or tokens/round.")
+    ties = res.get("tie_check") or []
+    if ties:
+        dt = res.get("verify_dtype", "bfloat16")
+        where = {}
+        for m in mm:
+            if m["kind"] == "different token":
+                where.setdefault((m["prompt"], m["first_difference_at"]), set()).add(f"{m['config']} ({m['part']}, RTT {m['rtt_ms']:g})")
+        n_diff = sum(1 for m in mm if m["kind"] == "different token")
+        N.append(f"- **Different tokens** in {n_diff} (run, prompt) pairs, all tree runs (never a chain run). The target's logits "
+                 "there, recomputed with transformers after the reference's prefix:")
+        for o in ties:
+            a = o.get(dt, {})
+            f = o.get("float32", {})
+            N.append(f"  - prompt {o['prompt']}, token {o['at']} ({', '.join(sorted(where.get((o['prompt'], o['at']), [])))}): the tree run "
+                     f"took {o['got']}, the reference {o['want']}; {dt}: {a.get('got_logit', float('nan')):.5f} vs "
+                     f"{a.get('want_logit', float('nan')):.5f}; float32: {f.get('got_logit', float('nan')):.5f} vs "
+                     f"{f.get('want_logit', float('nan')):.5f} (top 3 in float32: {f.get('top3')}).")
+        N.append("  Gaps this small (about one bfloat16 step at these magnitudes, or an exact tie) are near-ties, which any change in "
+                 "the order of the arithmetic can flip; the engine's contract for chains is bitwise equality with target-only "
+                 "(DESIGN.md §9), and the tree passes of this run did not keep it for such near-ties.")
+    defaults = {(key, n): by[n]["target_only_share"] for key, by in sw.items() for n in by if n.startswith("default") and key != "0"}
+    if defaults:
+        lo, hi = min(defaults.values()), max(defaults.values())
+        N.append(f"- The `default` rows (adaptive τ, draft fallback, the pace; the services' defaults) spend {100 * lo:.0f}-{100 * hi:.0f}% of "
+                 "their rounds at RTT > 0 as target-only steps: runs the verifier streams without a round trip per token "
+                 "(draft_service/adaptive.py `Pace`), close to the target alone's speed whatever the RTT. That is how they beat "
+                 "fixed chains once the link has a delay. The 20 ms bar compares "
+                 "the tree with fixed-τ chains only, as asked. The best tree against the best default row, per RTT: "
+                 + ", ".join(f"{key} ms {vs:.2f}×" for key, vs in tree_vs_defaults(res).items()) + ".")
+    z = sw.get("0", {})
+    trees = [n for n in z if n.startswith("tree") and "hybrid" not in n]
+    chains = [n for n in z if n.startswith("chain")]
+    if trees and chains:
+        def per(n):
+            v = z[n]
+            return (f"{n}: {v['draft_ms_per_round']:.1f} ms for {v['drafted_per_round']:.1f} nodes "
+                    f"({v['draft_ms_per_round'] / max(v['drafted_per_round'], 1e-9):.2f} ms/node), target pass {v['forward_ms_per_round']:.1f} ms")
+        N.append("- Draft time per round (sweep, RTT 0, pooled; the time the decode loop waits for a proposal, so pre-drafts that hit "
+                 "count as ~0): " + "; ".join(per(n) for n in trees + chains) + ". A tree drafts a level per draft forward, so a node "
+                 "costs less than a chain token, but it sends more rows to the verifier per round.")
+    if t:
+        ch = next((k for k in t if k.startswith("chain")), None)
+        if ch:
+            tr = next((k for k in t if k.startswith("tree B=16 ")), None)
+            line = (f"- Part 1 and part 2 use different prompt sets ({res['tpr_prompts']} against {res['prompts']} prompts) and part 2 "
+                    "pre-drafts, so their tokens/round differ; compare within a table. In part 1 the 16-token chain drafts "
+                    f"{t[ch]['drafted'] / max(t[ch]['rounds'], 1):.1f} tokens per round and gets {t[ch]['accepted'] / max(t[ch]['rounds'], 1):.2f} "
+                    "accepted")
+            if tr:
+                line += (f"; the 16-node tree drafts {t[tr]['drafted'] / max(t[tr]['rounds'], 1):.1f} nodes and gets "
+                         f"{t[tr]['accepted'] / max(t[tr]['rounds'], 1):.2f}: spread over alternatives, the same node count buys "
+                         "about the same accepted length as the deep chain with this draft")
+            N.append(line + ".")
+    N.append(f"- Timing noise: the runs of one cell spread widely at RTT 0 (the min–max column), where other jobs sharing the 2 cores "
+             f"(load {res['load_range'][0]:.1f}–{res['load_range'][1]:.1f}) matter most; the medians of {res['repeats']} interleaved "
+             "repeats are what the tables show. Token counts and tokens/round do not depend on timing (greedy, fixed τ).")
+    N.append("")
+    return N
 
 
 if __name__ == "__main__":
