@@ -140,7 +140,7 @@ def accept_tree(logits: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor
     Returns [B, 2 + N] on the device: n accepted, the next token, then per node 1 if it is on the
     accepted path (one host transfer for the lot)."""
     B, R, V = logits.shape
-    N, dev = R - 1, logits.device
+    dev = logits.device
     parent, kids, anc, depth = (to_device(tables[k], dev) for k in ("parent", "kids", "anc", "depth"))
     live = torch.arange(R, device=dev)[None, :] <= to_device(counts, dev)[:, None]  # [B, R] real rows
     tok_row = torch.cat([tokens.new_zeros(B, 1), tokens], 1)  # [B, R] the token of each row

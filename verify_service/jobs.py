@@ -120,12 +120,9 @@ def accept(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor) -> tuple[
 def accept_trees(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
     """The tree rounds' verdicts on the device, [B, 2 + N]: n, next, then 1 per node on the accepted
     path (accept_tree over their rounds padded to the largest)."""
-    B, R, V = lg.shape[0], lg.shape[1], lg.shape[2]
-    N = R - 1
-    ss = [j.session for j in jobs]
-    q = _q(jobs, lg, N)
-    return accept_tree(lg, proposals[:, :N], torch.tensor([len(j.tokens) for j in jobs]), tree_tables([j.parents for j in jobs], R), q,
-                       *_settings(ss))
+    R = lg.shape[1]
+    return accept_tree(lg, proposals[:, : R - 1], torch.tensor([len(j.tokens) for j in jobs]), tree_tables([j.parents for j in jobs], R),
+                       _q(jobs, lg, R - 1), *_settings([j.session for j in jobs]))
 
 
 def _q(jobs: list[Job], lg: torch.Tensor, T: int) -> torch.Tensor:

@@ -85,7 +85,6 @@ class Group:
             self._masks[key] = m
         return self._masks[key]
 
-
     def _tree_mask(self, k: torch.Tensor, window: int | None) -> torch.Tensor:
         """[B, n, Lb]: a node sees the committed keys (positions < base; within the window of its own
         position base + depth) and its ancestors' and its own keys (stored at base + node)."""
