@@ -359,7 +359,10 @@ class Scheduler:
         try:
             self.lm.engine.pool.move(*moves)
         except Exception as e:  # noqa: BLE001 - the tree rounds' paths are not in place: they fail, the chains go on
-            done = [d for d in done if d[3] is None or d[0].resolve(False, e)]
+            for j, _, _, path in done:
+                if path is not None:
+                    j.resolve(False, e)
+            done = [d for d in done if d[3] is None]
         for j, n, nxt, path in done:
             s = j.session
             try:
