@@ -23,12 +23,12 @@ class PassLog:
         forward = engine.forward
         cuda = engine.device.type == "cuda"
 
-        def logged(inputs, caches, logits=True, padded=False):
+        def logged(inputs, caches, logits=True, padded=False, **kw):
             prefill = not logits if isinstance(logits, bool) else not all(logits)
             a = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
             if cuda:
                 a.record()
-            out = forward(inputs, caches, logits, padded)
+            out = forward(inputs, caches, logits, padded, **kw)
             b = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
             if cuda:
                 b.record()

@@ -25,16 +25,17 @@ PARENTS = (-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 12, 3, 14, 14, 9)
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gpt2", "qwen2"])
-@pytest.mark.parametrize("layout", ["cpu", "gpu"])
+@pytest.mark.parametrize("layout", ["cpu", "cpu-mask", "gpu"])
 def test_each_tree_node_gets_its_branch_logits_and_the_path_its_keys(tmp_path, name, layout):
     """One pass over a tree, beside other sessions' rounds, gives every node the logits a chain pass
     over its branch gives; after the accepted path's keys and values are moved into place, the
-    cache holds what a chain pass over the path writes. Bitwise in the CPU's layout (each node its
-    own one-row input with its branch's keys), to float rounding in the GPU's (a tree mask over
-    the nodes, run here on the CPU)."""
+    cache holds what a chain pass over the path writes. Bitwise in the CPU's layout (each path of
+    the tree an input with its branch's keys), to float rounding with a tree mask over the nodes
+    (the draft's choice on the CPU, and the GPU's layout, run here on the CPU)."""
     lm = LM.load(archmodels.build(str(tmp_path), name, seed=0), "cpu", "float32")
-    eng = lm.engine if layout == "cpu" else Engine(lm.model, Plan(kv_dtype=torch.float32))
+    eng = lm.engine if layout != "gpu" else Engine(lm.model, Plan(kv_dtype=torch.float32))
     same = torch.equal if layout == "cpu" else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-4))
+    paths = layout == "cpu"
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(2, archmodels.V, (20,), generator=g).tolist()
     tokens = torch.randint(2, archmodels.V, (len(PARENTS),), generator=g).tolist()
@@ -46,7 +47,7 @@ def test_each_tree_node_gets_its_branch_logits_and_the_path_its_keys(tmp_path, n
         return kv
 
     kv, others = prefilled(), [prefilled(prompt[:7]), prefilled(prompt[3:])]
-    got, *_ = eng.forward([tokens, [5, 6, 7], [8]], [kv, *others], trees=[tree, None, None])
+    got, *_ = eng.forward([tokens, [5, 6, 7], [8]], [kv, *others], trees=[tree, None, None], tree_paths=paths)
     assert kv.length == len(prompt) + len(PARENTS)
     for m in range(len(PARENTS)):
         branch = [tokens[a] for a in tree.ancestors(m)]

@@ -297,7 +297,7 @@ class Scheduler:
                                          for j in jobs]  # a tree round's row 0 is its pending token, the root
         try:
             logits = self.lm.engine.forward(inputs, caches, [False] * len(filling) + [True] * len(jobs), padded=True,
-                                            trees=trees)  # [B, T+1, V]
+                                            **({"trees": trees} if any(trees) else {}))  # [B, T+1, V]
         except Exception as e:  # noqa: BLE001 - nothing was committed: retry alone to find whose it is
             if len(everyone) == 1:
                 everyone[0].resolve(False, e)

@@ -118,15 +118,16 @@ class Pass:
 
 
 def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[int], offsets: list[int], rows: int,
-           lead: list[int], per_query: bool = False, trees: list[Tree | None] | None = None) -> Pass:
+           lead: list[int], per_query: bool = False, trees: list[Tree | None] | None = None, paths: bool = True) -> Pass:
     """The pass's index tensors. A few integers per input (its length, start, first row, where its
     attention output goes) and its page table go to the device in one copy; every per-row index is
-    computed there. A group with a tree among its inputs (trees[i], tree.py) takes its visibility
-    as a second small copy."""
+    computed there. Tree inputs (trees[i], tree.py) are cut into paths in the per-query layout (with
+    `paths`; `_branch_groups`), else a group with a tree among its inputs takes a tree mask; either
+    takes a second small copy."""
     N, dev = len(counts), pool.device
     real = sum(counts)
     # on the CPU a tree's rows are cut into paths, each an input of its own with its branch's keys (`_branch_groups`)
-    branched = [i for i in range(N) if trees[i] is not None] if per_query and trees else []
+    branched = [i for i in range(N) if trees[i] is not None] if per_query and paths and trees else []
     branch = _branch_groups(branched, caches, counts, offsets, [trees[i] for i in branched], dev) if branched else None
     plan, lo = [], 0  # (inputs, n) per group: the short ones by size, then each long one alone
     for top in GROUPS:

@@ -48,7 +48,8 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, inputs: list[list[int]], caches: list[KVCache], logits: bool | list[bool] = True,
-                padded: bool = False, trees: list[Tree | None] | None = None) -> list[torch.Tensor | None] | torch.Tensor:
+                padded: bool = False, trees: list[Tree | None] | None = None,
+                tree_paths: bool = True) -> list[torch.Tensor | None] | torch.Tensor:
         """Runs inputs[i] after caches[i] for every i in one pass, writing the new keys and values in
         place. Returns, per input, its logits [n_i, V] (float32, on the model's device) where
         logits (or logits[i]) is true, else None; with `padded`, one tensor [K, R, V] for the K inputs
@@ -56,7 +57,9 @@ class Engine:
         of rounds only may return a CUDA graph's output buffer: read it before the next pass). A
         failed pass leaves every cache's length as it was. trees[i] (tree.py), where given, makes
         input i the last len(inputs[i]) nodes of that tree: each attends its ancestors only, at its
-        branch's positions (such a pass never runs in the uniform shapes)."""
+        branch's positions (such a pass never runs in the uniform shapes); on the CPU each node's logits
+        are bitwise its branch's chain pass's unless tree_paths is False (the tree mask instead: the
+        same numbers alone or batched, cheaper, to float rounding of the chain's; the draft's choice)."""
         model, device, plan = self.model, self.device, self.plan
         want = [logits] * len(inputs) if isinstance(logits, bool) else list(logits)
         # A prefill chunk longer than the plan's top (its keys and values only) goes first, in one
@@ -97,7 +100,7 @@ class Engine:
         callers = [i for i in range(len(order)) if want[at[i]]]  # the inputs with logits, in the callers' order
         R = max((counts[at[i]] for i in callers), default=0) if padded else 0
         keep = [offsets[at[i]] + min(j, counts[at[i]] - 1) for i in callers for j in range(R or counts[at[i]])]  # the head's rows
-        p = layout(self.pool, caches, counts, starts, offsets, T, lead, plan.per_query, trees)
+        p = layout(self.pool, caches, counts, starts, offsets, T, lead, plan.per_query, trees, tree_paths)
         with running(p):
             cache = PassCache(p)
             if keep:
