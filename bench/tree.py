@@ -26,6 +26,11 @@ greedy, one torch thread per process, requests one at a time:
    land on one configuration); the median run counts. Bar: at 20 ms the budget-16 tree's tok/s
    >= 1.2x the best fixed-tau chain's.
 
+Before any measured run every draft service that serves trees runs --warm-prompts held-out prompts
+(after the measured ones, never measured) as budget-B trees: a greedy tree's nodes are scored by
+acceptance learned from the verdicts (draft_service/tree.py Calibration, per draft model per draft
+process), which would otherwise start cold on each fresh service.
+
 Greedy output must not depend on the configuration: every run's token ids are compared, prompt by
 prompt, with the verify service's own target-only output (Verify.Generate, the engine's
 contract), and every difference is reported; where a run chose another token, the target's
@@ -220,6 +225,9 @@ def main(argv=None) -> int:
     p.add_argument("--extra-budgets", default="32", help="more tree budgets in the sweep, at the largest depth cap (not in the bar)")
     p.add_argument("--render", action="store_true", help="only rewrite TREE.md from OUT/tree.json")
     p.add_argument("--followup", help="with --render: attach DIR/tree.json, a later run (e.g. on newer code), as a short section")
+    p.add_argument("--warm-prompts", type=int, default=4, help="held-out prompts (after the measured ones) of the tree-calibration "
+                   "warm-up on every draft service before any measured run (0: none)")
+    p.add_argument("--warm-tokens", type=int, default=64, help="new tokens per warm-up request")
     p.add_argument("--hybrid-depth", type=int, default=8, help="depth cap of the hybrid tree row (also prompt lookup's cap)")
     p.add_argument("--tpr-budgets", default="8,16,32", help="part 1's tree budgets (empty: skip part 1)")
     p.add_argument("--tpr-depth", type=int, default=16, help="part 1's depth cap and chain length")
@@ -301,6 +309,15 @@ def main(argv=None) -> int:
                        dict(num_draft_tokens=8, tree_budget=a.budget, adaptive=False, proposer="draft")):
                 run_service(pair["fixed"], kw, prompts[:1], 8)
             run_service(pair["defaults"], {}, prompts[:1], 8)
+        # greedy trees score nodes by acceptance learned from the verdicts (draft_service/tree.py
+        # Calibration, per draft model per draft process): warm it on every tree-serving draft service
+        # with tree requests on prompts outside the measured ones, so no measured row runs it cold
+        warm = heldout_prompts(n_all - len(code) + a.warm_prompts)[n_all - len(code):] if a.warm_prompts else []
+        for key, pair in clients.items():  # the `default` rows send no trees: only the fixed services
+            run_service(pair["fixed"], dict(num_draft_tokens=a.tpr_depth, tree_budget=a.budget, adaptive=False, proposer="draft"),
+                        warm, a.warm_tokens)
+        print(f"[tree] calibration warm-up: {len(warm)} prompts x {a.warm_tokens} tokens on each fixed draft service", file=sys.stderr,
+              flush=True)
         run_service(vclient, {}, prompts[:1], 8)
         if hf:
             hf.run(prompts[:1], 8)
@@ -355,7 +372,8 @@ def main(argv=None) -> int:
     res = dict(**run_header(a), command="python -m bench.tree " + " ".join(argv if argv is not None else sys.argv[1:]),
                prompts=len(prompts), code_prompts=len([p for p in prompts if p in CODE_PROMPTS]), tpr_prompts=len(tpr_prompts),
                tpr_code_prompts=len([p for p in tpr_prompts if p in CODE_PROMPTS]), new_tokens=a.new_tokens,
-               repeats=a.repeats, rtt_ms=rtts, budget=a.budget, taus=a.taus, depths=a.depths, hybrid_depth=a.hybrid_depth,
+               repeats=a.repeats, warm_prompts=a.warm_prompts, warm_tokens=a.warm_tokens,
+               rtt_ms=rtts, budget=a.budget, taus=a.taus, depths=a.depths, hybrid_depth=a.hybrid_depth,
                tpr_depth=a.tpr_depth, draft_args=a.draft_args, fixed_draft_args=a.fixed_draft_args, verify_args=a.verify_args, cpu_count=os.cpu_count(), **info,
                code=checkout, wall_s=time.perf_counter() - t_start, tpr_configs=tpr, sweep_configs=sweep,
                tpr={k: dict(v, tokens_per_round=v["tokens"] / max(v["rounds"], 1), tokens_per_round_ref=v["ref_tokens"] / max(v["rounds"], 1))
@@ -485,7 +503,7 @@ def _part1(res: dict) -> list[str]:
     if t:
         chain = next((k for k in t if k.startswith("chain")), None)
         L += [f"## 1. Tokens per round (RTT 0, {res['tpr_prompts']} prompts, draft model alone, adaptive=False, predraft=False, "
-              f"depth cap {res['tpr_depth']}; one run each: the counts do not depend on timing)", "",
+              f"depth cap {res['tpr_depth']}; one run each: the counts do not depend on timing; the trees' on the calibration learned so far)", "",
               "| config | tokens | rounds | **tokens/round** | × chain | tokens/round, generated | drafted nodes/round | accepted/round | "
               "tree rounds | draft ms/round | draft ms/node | verify ms/round (wall) | target pass ms/round | tok/s |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -561,6 +579,7 @@ def render(res: dict) -> str:
                                           + (f" with uncommitted changes to {', '.join(res['code']['changed'])}" if res['code'].get('changed') else "")
                                           if res.get("code", {}).get("head") else "")
          + (f". {res['code']['note']}" if res.get("code", {}).get("note") else "") + ".", "",
+         *([res["context_note"], ""] if res.get("context_note") else []),
          "Per RTT there are two draft services on the same verify service: the fixed-τ and tree rows go to one started with "
          f"`{res.get('fixed_draft_args', '--no-draft-fallback')}` (else the draft-fallback judge and its process-wide model record "
          "turn sessions into target-only rounds, and one configuration's sessions decide the next one's: a trial run of this script with the "
@@ -583,6 +602,7 @@ def render(res: dict) -> str:
         bn, bv = best_chain(by)
         cells = [f"{by[n]['tok_s_ref_median'] / bv:.2f}×" if n in by and bv else "-" for n in others]
         L.append(f"| {key} | {bn} ({bv:.1f}) | " + " | ".join(cells) + " |")
+    L += per_repeat(res, "20")
     L += ["", "Per round, pooled over all runs. draft ms = the draft service's time proposing in the request's path (a pre-draft "
           "that hits was drafted while the previous round was verified and costs ~0 here); verify ms = from sending a round to its "
           "verdict (wall: RTT, queueing and the target's pass); target pass = the verifier's forward:", "",
@@ -606,7 +626,35 @@ def render(res: dict) -> str:
     L += [""] + notes(res)
     if res.get("followup"):
         L += followup(res["followup"], res)
+    if res.get("earlier"):
+        L += ["## Earlier runs", ""] + res["earlier"] + [""]
     return "\n".join(L)
+
+
+def per_repeat(res: dict, key: str) -> list[str]:
+    """The bar's RTT, run by run (repeat order; the machine's 1-minute load when the run started):
+    the chains and the bar's trees, and each repeat's tree / best chain."""
+    by = res["sweep"].get(key)
+    if not by:
+        return []
+    names = [n for n in by if n.startswith("chain τ=") or (n.startswith(f"tree B={res['budget']} d=") and "hybrid" not in n)]
+    reps = max(len(by[n].get("all_runs", [])) for n in names)
+    if reps < 2:
+        return []
+    L = ["", f"At {key} ms, run by run (tok/s; the 1-minute load average when the run started):", "",
+         "| config | " + " | ".join(f"repeat {i + 1}" for i in range(reps)) + " |", "|---|" + "---|" * reps]
+    tok = {n: [r["ref_tokens"] / r["wall_s"] for r in by[n]["all_runs"]] for n in names}
+    for n in names:
+        L.append(f"| {n} | " + " | ".join(f"{x:.1f} (load {r.get('load1', 0):.1f})" for x, r in zip(tok[n], by[n]["all_runs"])) + " |")
+    chains = [n for n in names if n.startswith("chain")]
+    for n in names:
+        if n.startswith("tree"):
+            cells = []
+            for i in range(reps):
+                best = max((tok[c][i] for c in chains if len(tok[c]) > i), default=0)
+                cells.append(f"{tok[n][i] / best:.2f}×" if best and len(tok[n]) > i else "-")
+            L.append(f"| {n} / best chain of the repeat | " + " | ".join(cells) + " |")
+    return L
 
 
 def tree_vs_defaults(res: dict) -> dict[str, float]:
@@ -620,6 +668,17 @@ def tree_vs_defaults(res: dict) -> dict[str, float]:
     return out
 
 
+def tree_tpr_spread(sw: dict) -> float | None:
+    """The largest relative spread (%) of tokens/round between the runs of one tree row at one RTT."""
+    out = None
+    for by in sw.values():
+        for n, v in by.items():
+            rs = [r["ref_tokens"] / max(r["rounds"], 1) for r in v.get("all_runs", [])]
+            if n.startswith("tree") and len(rs) > 1:
+                out = max(out or 0.0, 100 * (max(rs) / min(rs) - 1))
+    return out
+
+
 def notes(res: dict) -> list[str]:
     """What the tables mean, and what looked odd, from the numbers of this run."""
     N = ["## Notes", ""]
@@ -629,12 +688,8 @@ def notes(res: dict) -> list[str]:
         rows = sorted({m["config"] for m in eos})
         N.append(f"- **Tree rounds return tokens past EOS** ({len(eos)} (run, prompt) pairs, rows: {', '.join(rows)}; no chain row): "
                  "where the reference ends with EOS (id 2) the tree run returns 1-2 more tokens after it (e.g. "
-                 f"`{eos[0]['got']}` against `{eos[0]['want']}`), with finish reason `eos`. A float32 check run "
-                 "(SPECDEC_DTYPE=float32, outside this script) did the same, so it is not rounding. From reading the code this run used "
-                 "(see the commit line above): verify_service/session.py `commit()` cuts a round's tokens at EOS and lowers `num_accepted` to match, but "
-                 "verify_service/scheduler.py puts the whole accepted path into `Verdict.path` (`accepted_path` on the wire), and "
-                 "draft_service/decode.py builds the committed tokens from `accepted_path` rather than its first `num_accepted` "
-                 "entries. The tables count the reference's length per prompt, so these tokens add nothing to tok/s or tokens/round.")
+                 f"`{eos[0]['got']}` against `{eos[0]['want']}`). The tables count the reference's length per prompt, so these "
+                 "tokens add nothing to tok/s or tokens/round.")
     ties = res.get("tie_check") or []
     if ties:
         dt = res.get("verify_dtype", "bfloat16")
@@ -643,7 +698,8 @@ def notes(res: dict) -> list[str]:
             if m["kind"] == "different token":
                 where.setdefault((m["prompt"], m["first_difference_at"]), set()).add(f"{m['config']} ({m['part']}, RTT {m['rtt_ms']:g})")
         n_diff = sum(1 for m in mm if m["kind"] == "different token")
-        N.append(f"- **Different tokens** in {n_diff} (run, prompt) pairs, all tree runs (never a chain run). The target's logits "
+        cfgs = sorted({m["config"] for m in mm if m["kind"] == "different token"})
+        N.append(f"- **Different tokens** in {n_diff} (run, prompt) pairs (rows: {', '.join(cfgs)}). The target's logits "
                  "there, recomputed with transformers after the reference's prefix:")
         for o in ties:
             a = o.get(dt, {})
@@ -654,7 +710,7 @@ def notes(res: dict) -> list[str]:
                      f"{f.get('want_logit', float('nan')):.5f} (top 3 in float32: {f.get('top3')}).")
         N.append("  Gaps this small (about one bfloat16 step at these magnitudes, or an exact tie) are near-ties, which any change in "
                  "the order of the arithmetic can flip; the engine's contract for chains is bitwise equality with target-only "
-                 "(DESIGN.md §9), and the tree passes of this run did not keep it for such near-ties.")
+                 "(DESIGN.md §9), and the runs above did not keep it for such near-ties.")
     defaults = {(key, n): by[n]["target_only_share"] for key, by in sw.items() for n in by if n.startswith("default") and key != "0"}
     if defaults:
         lo, hi = min(defaults.values()), max(defaults.values())
@@ -684,13 +740,17 @@ def notes(res: dict) -> list[str]:
                     f"{t[ch]['drafted'] / max(t[ch]['rounds'], 1):.1f} tokens per round and gets {t[ch]['accepted'] / max(t[ch]['rounds'], 1):.2f} "
                     "accepted")
             if tr:
+                a_ch, a_tr = t[ch]["accepted"] / max(t[ch]["rounds"], 1), t[tr]["accepted"] / max(t[tr]["rounds"], 1)
                 line += (f"; the 16-node tree drafts {t[tr]['drafted'] / max(t[tr]['rounds'], 1):.1f} nodes and gets "
-                         f"{t[tr]['accepted'] / max(t[tr]['rounds'], 1):.2f}: spread over alternatives, the same node count buys "
-                         "about the same accepted length as the deep chain with this draft")
+                         f"{a_tr:.2f} ({a_tr / a_ch:.2f}× the chain's accepted tokens per round)")
             N.append(line + ".")
-    N.append(f"- Timing noise: the runs of one cell spread widely at RTT 0 (the min–max column), where other jobs sharing the 2 cores "
-             f"(load {res['load_range'][0]:.1f}–{res['load_range'][1]:.1f}) matter most; the medians of {res['repeats']} interleaved "
-             "repeats are what the tables show. Token counts and tokens/round do not depend on timing (greedy, fixed τ).")
+    N.append(f"- Timing noise: the runs of one cell spread widely (the min–max column) with the other jobs sharing the 2 cores "
+             f"(load {res['load_range'][0]:.1f}–{res['load_range'][1]:.1f}); the medians of {res['repeats']} interleaved "
+             "repeats are what the tables show (of 2 runs: their mean). The tokens do not depend on timing (greedy); a chain's "
+             "rounds do not either (fixed τ), a greedy tree's shape follows the acceptance calibration learned from the draft "
+             "service's earlier tree rounds, so its tokens/round moves a little from run to run"
+             + (f" (here {tree_tpr_spread(sw):.1f}% at most between a tree row's runs)" if tree_tpr_spread(sw) is not None else "") + ".")
+    N += res.get("extra_notes", [])
     N.append("")
     return N
 
