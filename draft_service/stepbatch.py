@@ -75,10 +75,9 @@ class StepBatcher:
             self._waiting = [s for s in self._waiting if all(s is not b for b in steps)]
         metrics.DRAFT_BATCH_SIZE.observe(len(steps))
         try:
-            trees = [s.tree for s in steps]
             # a tree's nodes through the tree mask: the draft's numbers need no chain equality (any q it sends is exact)
             outs = self.engine.forward([s.tokens for s in steps], [s.cache for s in steps], [s.logits for s in steps],
-                                       **({"trees": trees, "tree_paths": False} if any(trees) else {}))
+                                       trees=[s.tree for s in steps], tree_paths=False)
             for s, o in zip(steps, outs):
                 s.result = None if o is None else o if s.tree is not None else o[-1]
         except Exception as e:  # noqa: BLE001 - handed to the waiting sessions

@@ -117,6 +117,26 @@ def accept(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor) -> tuple[
                         *_settings([j.session for j in jobs]))
 
 
+def decide(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor, forced=None) -> tuple[list[int], torch.Tensor]:
+    """A pass's verdicts on the device, chains first, then trees: (the jobs' indices in that order,
+    [B, 2 + W]: n accepted, the next token, then for a tree 1 per node on its accepted path; W its
+    largest tree's nodes). lg [B, T+1, V]; proposals [B, T]. forced (benchmarks only,
+    Scheduler(forced_acceptance=)): a chain round accepts that many and takes the target's token after them."""
+    tree = [i for i, j in enumerate(jobs) if j.parents]
+    chain = [i for i, j in enumerate(jobs) if not j.parents]
+    parts, W = [], max((len(jobs[i].tokens) for i in tree), default=0)
+    if chain:
+        cj, c_lg, c_pr = ([jobs[i] for i in chain], lg[chain], proposals[chain]) if tree else (jobs, lg, proposals)
+        n, nxt = accept(cj, c_lg, c_pr)
+        if forced is not None:
+            n = torch.tensor([max(0, min(forced(j.session, len(j.tokens)), len(j.tokens))) for j in cj], device=lg.device)
+            nxt = c_lg[torch.arange(len(cj), device=lg.device), n].argmax(-1)
+        parts.append(torch.nn.functional.pad(torch.stack((n, nxt), 1), (0, W)))
+    if tree:
+        parts.append(accept_trees([jobs[i] for i in tree], lg[tree, : 1 + W], proposals[tree]))
+    return chain + tree, torch.cat(parts)
+
+
 def accept_trees(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
     """The tree rounds' verdicts on the device, [B, 2 + N]: n, next, then 1 per node on the accepted
     path (accept_tree over their rounds padded to the largest)."""

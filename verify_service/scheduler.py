@@ -35,7 +35,7 @@ from specdec.engine import PREFILL_CHUNK, KVCache, Tree
 from specdec.lm import LM
 from specdec.sampling import Sampling, to_host
 from verify_service.capacity import Capacity, default_cache_budget
-from verify_service.jobs import Job, Prefill, Round, Stream, accept, accept_trees, check, unfilled
+from verify_service.jobs import Job, Prefill, Round, Stream, check, decide, unfilled
 from verify_service.passcost import PassCost, probe
 from verify_service.session import Session, Verdict, commit
 
@@ -297,7 +297,7 @@ class Scheduler:
                                          for j in jobs]  # a tree round's row 0 is its pending token, the root
         try:
             logits = self.lm.engine.forward(inputs, caches, [False] * len(filling) + [True] * len(jobs), padded=True,
-                                            **({"trees": trees} if any(trees) else {}))  # [B, T+1, V]
+                                            trees=trees)  # [B, T+1, V]
         except Exception as e:  # noqa: BLE001 - nothing was committed: retry alone to find whose it is
             if len(everyone) == 1:
                 everyone[0].resolve(False, e)
@@ -381,24 +381,10 @@ class Scheduler:
         trees apart) and ONE host transfer; if the batch raises, each session is retried alone, so
         a failure fails its own session only."""
         try:
-            tree = [i for i, j in enumerate(jobs) if j.parents]
-            chain = [i for i, j in enumerate(jobs) if not j.parents]
-            parts, W = [], max((len(jobs[i].tokens) for i in tree), default=0)
-            if chain:
-                cj, lg, pr = ([jobs[i] for i in chain], logits[chain], proposals[chain]) if tree else (jobs, logits, proposals)
-                n, nxt = accept(cj, lg, pr)
-                if self._forced is not None:
-                    n = torch.tensor([max(0, min(self._forced(j.session, len(j.tokens)), len(j.tokens))) for j in cj], device=logits.device)
-                    nxt = lg[torch.arange(len(cj), device=logits.device), n].argmax(-1)
-                parts.append(torch.nn.functional.pad(torch.stack((n, nxt), 1), (0, W)))
-            if tree:
-                tj = [jobs[i] for i in tree]
-                R = 1 + W
-                parts.append(accept_trees(tj, logits[tree, :R], proposals[tree]))
-            rows = to_host(torch.cat(parts))  # [B, 2 + W]: the only host sync
+            order, verdicts = decide(jobs, logits, proposals, self._forced)
+            rows = to_host(verdicts)  # [B, 2 + W]: the only host sync
             out = {}
-            for k, i in enumerate(chain + tree):
-                r = rows[k]
+            for i, r in zip(order, rows):
                 out[i] = (jobs[i], r[0], r[1], [m for m in range(len(jobs[i].tokens)) if r[2 + m]] if jobs[i].parents else None)
             return [out[i] for i in range(len(jobs))]
         except Exception as e:  # noqa: BLE001

@@ -114,7 +114,8 @@ class KVCache:
         moves = [(base + r, base + 1 + d) for d, r in enumerate(rows) if r != 1 + d]
         return self.slots_of([a for a, _ in moves]), self.slots_of([b for _, b in moves])
 
-    def slots_of(self, positions: list[int]) -> list[int]:
+    def slots_of(self, positions) -> list[int]:
+        """The slots of the given positions."""
         return [self.pages[p // PAGE] * PAGE + p % PAGE for p in positions]
 
     def release(self) -> None:
@@ -125,7 +126,7 @@ class KVCache:
 
     def slots(self, start: int, stop: int) -> list[int]:
         """The slots of positions start..stop-1."""
-        return [self.pages[p // PAGE] * PAGE + p % PAGE for p in range(start, stop)]
+        return self.slots_of(range(start, stop))
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's keys and values of the tokens held, [H_kv, length, D] each (a copy), for tests and tools."""
