@@ -2,7 +2,7 @@
 scheduler (the engine without gRPC), against transformers' generate() on the same model.
 
     python -m bench.gpu [--shape llama3-8b|llama-1b|tiny] [--device cuda] [--dtype bfloat16] [--out bench/results/gpu]
-                        [--profile] [--compiled-baseline|--no-compiled-baseline]
+                        [--profile] [--compiled-baseline|--no-compiled-baseline] [--compile-passes] [--max-prefill-rows N]
 
 Measures
   * target-only tokens/s through the scheduler vs generate() (greedy, same prompt, same dtype);
@@ -17,6 +17,9 @@ Measures
     plain generate()'s. On the CPU (no CUDA graphs) it compiles in mode "default", and only when asked
     for. A failure is recorded in gpu.json ("error"), not raised; the model's attention and compile state
     are restored afterwards.
+With `--compile-passes` the engine's uniform passes run through torch.compile before their graphs
+are captured (Plan.compiled), and target-only is timed once more with uncompiled graphs, in the same
+run. `--max-prefill-rows` sets the scheduler's rows of prompt chunks per pass (default: its own).
 Every timed run follows an identical untimed one (per-shape kernel set-up is not decoding);
 generate() and target-only are timed in `--repeats` alternating pairs, and their medians reported. With
 `--profile`, after the timed stages, torch.profiler runs over one target-only session and one
@@ -42,6 +45,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from specdec.engine.graphs import Uniform
 from specdec.lm import LM, resolve_device
 from specdec.sampling import Sampling
 from specdec.v1 import specdec_pb2 as pb
@@ -195,6 +199,9 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed generate() / target-only pairs, alternating; the medians are reported")
     p.add_argument("--out", default=os.path.join("bench", "results", "gpu"))
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a target-only session and a generate()")
+    p.add_argument("--compile-passes", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine's uniform passes through torch.compile (Plan.compiled) before capturing them")
+    p.add_argument("--max-prefill-rows", type=int, default=None, help="the scheduler's rows of prompt chunks per pass")
     p.add_argument("--compiled-baseline", action=argparse.BooleanOptionalAction, default=None,
                    help="generate() with a static cache and torch.compile, last (default: on for cuda, off for cpu)")
     a = p.parse_args(argv)
@@ -205,10 +212,11 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         print(f"building a random {a.shape} model ...", file=sys.stderr, flush=True)
         t_build = time.perf_counter()
-        lm = LM.load(build(a.shape, tmp, context, resolve_device(a.device)), a.device, a.dtype)
+        lm = LM.load(build(a.shape, tmp, context, resolve_device(a.device)), a.device, a.dtype, compiled=a.compile_passes)
         res["device"] = torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "cpu"
         res["torch"], res["build_and_load_s"] = torch.__version__, round(time.perf_counter() - t_build, 1)
         res["cuda_graphs"] = lm.engine.uniform is not None and lm.engine.uniform.graphs
+        res["compiled_passes"] = bool(a.compile_passes)
         weight_bytes = sum(t.numel() * t.element_size() for t in lm.model.parameters())
         prompt = torch.randint(1, lm.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
         # transformers' generate() on the same weights and dtype, with the model's own (sdpa) attention; every
@@ -224,7 +232,9 @@ def main(argv=None) -> None:
                 return a.tokens / (time.perf_counter() - t0), out
 
         forced = Forced()
-        eng = Scheduler(lm, max_sessions=max(int(x) for x in a.sessions.split(",")), forced_acceptance=forced)
+        eng = Scheduler(lm, max_sessions=max(int(x) for x in a.sessions.split(",")), forced_acceptance=forced,
+                        max_prefill_rows=a.max_prefill_rows)
+        res["max_prefill_rows"] = eng.max_prefill_rows
         uniform = lm.engine.uniform
         passlog = PassLog(lm.engine)
 
@@ -252,7 +262,9 @@ def main(argv=None) -> None:
         async def bench() -> None:
             nonlocal reference
             generate()  # warm-up
+            t0 = time.perf_counter()
             await timed(1, 0, None)
+            res["first_target_only_s"] = time.perf_counter() - t0  # two sessions, compilation and captures included
             runs = []
             for _ in range(a.repeats):  # alternating, so the host's noise hits both alike
                 tok_s, reference = generate()
@@ -265,6 +277,11 @@ def main(argv=None) -> None:
             own = r["outs"][0]  # the engine's own greedy output: the proposals, so a forced acceptance commits what the target would
             res["target_only_equals_generate"] = own == reference
             res["target_only_first_difference"] = next((i for i, (x, y) in enumerate(zip(own, reference)) if x != y), None)
+            if uniform is not None and uniform.compiled:  # the same graphs, uncompiled
+                lm.engine.uniform = Uniform(lm.engine, uniform.graphs)
+                res["target_only_uncompiled_tok_s"] = (await timed(1, 0, None))["tok_s"]
+                lm.engine.uniform = uniform
+            res["compiled_passes"] = uniform is not None and uniform.compiled  # false where the compilation failed
             if uniform is not None:  # the same engine without uniform passes (no CUDA graphs): the packed eager pass
                 lm.engine.uniform = None
                 r = await timed(1, 0, None)

@@ -10,7 +10,6 @@ import time
 
 import torch
 
-from specdec.engine.graphs import BUCKETS
 
 
 class PassLog:
@@ -52,8 +51,8 @@ def replay_ms(engine, sessions: int, rows: int) -> float | None:
     """Device milliseconds of one replay of the CUDA graph most used for `sessions` sessions' rounds
     of `rows` rows (median of 20, timed with CUDA events), or None where none was captured."""
     u = engine.uniform
-    B = next((b for b in BUCKETS if b >= sessions), None)
-    graph = u.graph(B, rows) if u is not None and u.graphs and B is not None else None
+    shape = u.shape([rows] * sessions) if u is not None and u.graphs else None
+    graph = u.graph(*shape) if shape is not None else None
     if graph is None:
         return None
     times = []
@@ -85,7 +84,8 @@ def write(res: dict, out: str) -> None:
         return f"{x / g:.2f}x | " + (f"{x / cg:.2f}x" if cg else "-")
 
     lines = [f"# Engine on {res['device']}: random {res['shape']} {res['dims']}, {res['dtype']}, prompt {res['prompt_len']}, "
-             f"{res['tokens']} tokens, greedy, CUDA graphs {'on' if res['cuda_graphs'] else 'off'}; generate() and target-only: "
+             f"{res['tokens']} tokens, greedy, CUDA graphs {'on' if res['cuda_graphs'] else 'off'}, compiled passes "
+             f"{'on' if res.get('compiled_passes') else 'off'}, {res.get('max_prefill_rows', 1024)} prefill rows a pass; generate() and target-only: "
              f"median of {len(res['generate_runs_tok_s'])} alternating runs", "",
              "| what | tok/s | vs generate() | vs compiled generate() | identical to generate() |", "|---|---|---|---|---|",
              f"| transformers generate() | {g:.1f} | 1.00x | - | - |"]
@@ -95,6 +95,9 @@ def write(res: dict, out: str) -> None:
         lines.append(f"| {what}; warm-up {c['warmup_s']:.1f} s | {c['tok_s']:.1f} | {c['tok_s'] / g:.2f}x | 1.00x | {c['equals_generate']} |"
                      if c["error"] is None else f"| {what}: failed ({error}) | - | - | - | - |")
     lines.append(f"| scheduler target-only | {res['target_only_tok_s']:.1f} | {vs(res['target_only_tok_s'])} | {res['target_only_equals_generate']} |")
+    if "target_only_uncompiled_tok_s" in res:
+        lines.append(f"| scheduler target-only, uncompiled graphs | {res['target_only_uncompiled_tok_s']:.1f} "
+                     f"| {vs(res['target_only_uncompiled_tok_s'])} | - |")
     if "target_only_packed_tok_s" in res:
         lines.append(f"| scheduler target-only, packed eager pass (no uniform shapes, no graphs) | {res['target_only_packed_tok_s']:.1f} "
                      f"| {vs(res['target_only_packed_tok_s'])} | - |")
@@ -106,21 +109,27 @@ def write(res: dict, out: str) -> None:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
 
+    def kinds(k: dict) -> str:
+        return ", ".join(f"{n} x {t:.1f} ms" + (" (prefill)" if kind == "with_prefill" else "") for kind, (n, t) in k.items()) or "-"
+
     lines += ["", "Passes (a round's pass: from the engine's start to the verdicts on the host; device: a replay of its CUDA graph; "
-              "host share = 1 - device / pass; GB/s: weights plus the keys and values read, over the pass):", "",
-              "| sessions | tau | total tok/s | x one session | tokens/round | sessions/pass | round ms | pass ms | device ms | host share | GB/s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "host share = 1 - device / pass; GB/s: weights plus the keys and values read, over the pass; passes: rounds-only "
+              "and with prompt chunks, count x mean device span):", "",
+              "| sessions | tau | total tok/s | x one session | tokens/round | sessions/pass | round ms | pass ms | device ms | host share | GB/s "
+              "| passes |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [("1 (target-only)", 0, res["target_only"])] + [(k, res["tau"], r) for k, r in res["batch"].items()]
     for k, tau, r in rows:
         x = f"{r['tok_s'] / one:.1f}x" if one and tau else "-"
         share = "-" if r["host_share"] is None else f"{100 * r['host_share']:.0f}%"
         lines.append(f"| {k} | {tau} | {r['tok_s']:.1f} | {x} | {r['tokens_per_round']:.2f} | {r['sessions_per_pass']:.1f} | {r['round_ms']:.2f} "
                      f"| {r['pass_ms']:.2f} "
-                     f"| {ms(r['graph_replay_ms'])} | {share} | {r['bandwidth_gb_s']:.0f} |")
+                     f"| {ms(r['graph_replay_ms'])} | {share} | {r['bandwidth_gb_s']:.0f} | {kinds(r.get('pass_kinds', {}))} |")
     if "graphs" in res:
         gr = res["graphs"]
         lines += ["", f"CUDA graphs: {gr['captured']} captured in {gr['capture_s']:.2f} s in all, {gr['memory_bytes'] / 2**20:.0f} MiB "
-                  "of device memory reserved while capturing."]
+                  "of device memory reserved while capturing. The first target-only stage (two sessions, compilation and "
+                  f"captures included) took {res.get('first_target_only_s', float('nan')):.1f} s."]
     lines += ["", "Forced acceptance (benchmark only, `Scheduler(forced_acceptance=...)`): each proposal of a round is accepted with "
               "probability alpha until the first rejection, and the round commits those proposals (the engine's own target-only "
               "output) and the target's token after them. Random weights have near-tied logits that no draft predicts, so this "

@@ -107,10 +107,12 @@ class LM:
 
     @classmethod
     def load(cls, path: str, device: str = "cpu", dtype: str = "float32", check: bool = True, choices: dict | None = None,
-             prepare_engine: bool = True, timer=None, graphs: bool | None = None) -> "LM":
+             prepare_engine: bool = True, timer=None, graphs: bool | None = None,
+             compiled: bool | None = None) -> "LM":
         """Loads the model and prepares its engine (choices: the engine's pinned load-time choices,
         engine.cpu.choose.parse_choices, else they are timed, by timer where given:
-        engine.cpu.rows.clock; graphs: CUDA graphs for passes of rounds, default on CUDA);
+        engine.cpu.rows.clock; graphs: CUDA graphs for passes of rounds, default on CUDA; compiled:
+        torch.compile for them, on a GPU, default off);
         with check, first refuses
         (Unsupported) an architecture the engine cannot serve, and after checks that the engine's
         logits are the model's own."""
@@ -160,7 +162,7 @@ class LM:
         )
         reference = architectures.reference(lm) if check else None  # refuses what the engine cannot serve, before switching
         if prepare_engine:
-            lm.engine = prepare(model, **(choices or {}), timer=timer, graphs=graphs)
+            lm.engine = prepare(model, **(choices or {}), timer=timer, graphs=graphs, compiled=compiled)
         if reference is not None and lm.engine is not None:
             architectures.probe(lm, reference)  # raises Unsupported
         return lm

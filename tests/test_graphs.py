@@ -89,17 +89,37 @@ def test_the_uniform_pass_compiles_whole_without_graph_breaks(model_dir):
     caches = [KVCache(len(s)) for s in seqs]
     eng.forward([s[:12] for s in seqs], caches, logits=False)
     n, P = 4, 4
-    meta = torch.tensor([[n, 12, *s[12:16], *c.pages[:P], *[0] * (P - len(c.pages[:P]))] for s, c in zip(seqs, caches)]
-                        + [[1, 0, *[0] * (n + P)]])  # three sessions' rounds and a padding input: a bucket of 4
+    head = torch.tensor([[n, 12, *s[12:16]] for s in seqs] + [[1, 0, *[0] * n]])  # three sessions' rounds and a padding input
+    table = torch.tensor([[*c.pages[:P], *[0] * (P - len(c.pages[:P]))] for c in caches] + [[0] * P])  # a bucket of 4
     with torch.inference_mode():
-        eager = uniform_pass(eng, meta, n)
+        eager = uniform_pass(eng, head, table)
         kv = [t.clone() for t in eng.pool.k]
-        explained = torch._dynamo.explain(uniform_pass)(eng, meta, n)
+        explained = torch._dynamo.explain(uniform_pass)(eng, head, table)
         assert explained.graph_break_count == 0, explained.break_reasons
-        compiled = torch.compile(uniform_pass, fullgraph=True)(eng, meta, n)
+        compiled = torch.compile(uniform_pass, fullgraph=True)(eng, head, table)
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-4)
     for a, b in zip(kv, eng.pool.k):  # the same keys written again in place (inductor's fused kernels round their own way)
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_compiled_passes_serve_every_shape_from_one_compilation(model_dir):
+    """Plan.compiled: every uniform pass runs through one torch.compile (symbolic sizes, at least 2)
+    and gives the model's own logits, whatever the bucket, rows and pages."""
+    torch.set_num_threads(1)
+    lm = LM.load(model_dir("target"), "cpu", "float32", prepare_engine=False, check=False)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=torch.float32).eval()
+    lm.model.set_attn_implementation(ATTN)
+    eng = Engine(lm.model, Plan(kv_dtype=torch.float32, compiled=True), uniform=True)
+    assert eng.uniform.shape([1]) == (2, 2) and eng.uniform.shape([3, 1, 1]) == (4, 3)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for k, seed, sizes in ((1, 7, [1, 1, 1]), (1, 8, [5, 2]), (3, 9, [4, 1]), (6, 10, [3, 5])):
+        seqs = sessions(seed, k)
+        sz = [sizes] * k
+        check_against_model(reference, seqs, sz, rounds_of(eng, seqs, sz))
+    assert eng.uniform.compiled  # no failure, no fallback
+    assert {B for B, _, _ in eng.uniform.shapes} == {2, 4, 8} and {n for _, n, _ in eng.uniform.shapes} >= {2, 4, 5}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 @CUDA
@@ -113,6 +133,17 @@ def test_cuda_graph_replays_give_the_eager_passes_logits(model_dir):
     again = rounds_of(eng, seqs, sizes)  # every shape captured now: replays only
     for a, b in zip(outs, again):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@CUDA
+def test_compiled_cuda_graph_replays_give_the_models_logits(model_dir):
+    eng, reference = engine_on(model_dir, "cuda", graphs=True)
+    eng.uniform = type(eng.uniform)(eng, graphs=True, compiled=True)
+    seqs = sessions(5, 6)
+    sizes = [[5, 5, 3, 5, 1, 5] for _ in range(6)]
+    outs = rounds_of(eng, seqs, sizes)
+    assert eng.uniform.compiled and eng.uniform.captures >= 1
+    check_against_model(reference, seqs, sizes, outs)
 
 
 @CUDA

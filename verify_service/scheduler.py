@@ -42,6 +42,7 @@ from verify_service.session import Session, Verdict, commit
 log = logging.getLogger("specdec.verify")
 
 MAX_BATCH_TOKENS = 1024  # new rows of rounds per pass, by default (fairness: DESIGN.md §7)
+GPU_PREFILL_ROWS = 8192  # prompt rows per pass on a GPU, by default: arrivals are admitted in a few compute-bound passes
 SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a process that runs a scheduler (Scheduler.__init__)
 GATHER_SHARE = 0.25  # a pass waits at most this share of the last pass's time for the last pass's sessions' next rounds
 
@@ -49,9 +50,13 @@ GATHER_SHARE = 0.25  # a pass waits at most this share of the last pass's time f
 class Scheduler:
     def __init__(self, lm: LM, max_sessions: int = 64, max_cached_tokens: int | None = None, max_pass_rows: int = MAX_BATCH_TOKENS,
                  thread_context: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 forced_acceptance: Callable[[Session, int], int] | None = None, gather: float = GATHER_SHARE):
+                 forced_acceptance: Callable[[Session, int], int] | None = None, gather: float = GATHER_SHARE,
+                 max_prefill_rows: int | None = None):
         """max_pass_rows bounds the rows of rounds in one pass (a round is never split: one that
-        does not fit waits for the next pass, first in line). thread_context: a context the
+        does not fit waits for the next pass, first in line); max_prefill_rows, the rows of rounds
+        and prompt chunks together (at least one chunk a pass; default: max_pass_rows on the CPU,
+        GPU_PREFILL_ROWS elsewhere, where a prompt chunk is compute-bound and many in one pass cost
+        little more per row than one). thread_context: a context the
         scheduler thread (the one that runs the model) runs its whole life in, e.g. a profiler.
         gather: the share of the last pass's time a pass waits for the last pass's sessions (`_gather`; 0: none).
         forced_acceptance (benchmarks only, never the services): how many of a round's tau
@@ -70,6 +75,7 @@ class Scheduler:
         # event loop holds it, many times a pass; 0.5 ms bounds that wait.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.max_pass_rows = max_pass_rows
+        self.max_prefill_rows = max_prefill_rows or (max_pass_rows if lm.device.type == "cpu" else max(max_pass_rows, GPU_PREFILL_ROWS))
         self.capacity = Capacity(max_sessions, max_cached_tokens or default_cache_budget(lm, max_sessions))
         self.sessions: dict[int, Session] = {}
         self._next_sid = 1
@@ -249,7 +255,7 @@ class Scheduler:
             while rounds and (not batch or used + len(rounds[0].tokens) + 1 <= self.max_pass_rows):
                 used += len(rounds[0].tokens) + 1
                 batch.append(rounds.pop(0))
-            filling, budget = [], max(PREFILL_CHUNK, self.max_pass_rows - used)  # at least one chunk a pass; more where rows are left
+            filling, budget = [], max(PREFILL_CHUNK, self.max_prefill_rows - used)  # at least one chunk a pass; more where rows are left
             for j in prefills:
                 n = min(PREFILL_CHUNK, len(j.session.ids) - 1 - j.session.cache.length)
                 if filling and n > budget:

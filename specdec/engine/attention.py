@@ -43,7 +43,7 @@ GROUPS = (8, 16, 32, ROW_BY_ROW)  # short inputs are grouped by the first of the
 class Group:
     """Inputs attended in one call: B sessions' inputs padded to n rows each, keys padded to Lb."""
 
-    inputs: list[int]  # indices into the pass's inputs
+    inputs: list[int]  # indices into the pass's inputs (their count is qpos's first size: a uniform pass's may be symbolic)
     n: int  # query rows per input (the longest input's)
     Lb: int  # key positions per input, a multiple of PAGE
     gather: torch.Tensor | None  # [B * Lb] pool slots of each input's key positions (trash beyond its pages); None: a view
@@ -56,7 +56,7 @@ class Group:
 
     def keys(self, t: torch.Tensor) -> torch.Tensor:
         """The group's keys (or values) from a pool tensor [slots, H_kv, D]: [B, H_kv, Lb, D]."""
-        B, Lb = len(self.inputs), self.Lb
+        B, Lb = self.qpos.shape[0], self.Lb
         x = t.narrow(0, self.first_slot, Lb) if self.first_slot is not None else t.index_select(0, self.gather)
         return x.view(B, Lb, t.shape[1], t.shape[2]).transpose(1, 2)
 
@@ -315,23 +315,23 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     q_all = query[0].transpose(0, 1)  # [T, H, D]
     outs = []
     for g, alone in [(g, False) for g in p.short] + [(g, True) for g in p.long]:
-        B = len(g.inputs)
+        B = g.qpos.shape[0]
         k, v = g.keys(K), g.keys(V)  # [B, H_kv, Lb, D]
         q = (q_all if p.back is None else q_all.index_select(0, g.rows)).to(K.dtype)  # [B * n, H, D]
         if alone:  # [1, H, n, D]: the chunk's queries together
             q = q.view(B, g.n, H, D).transpose(1, 2)
-            heads, reps = 0, 1
+            heads, reps, gqa = 0, 1, rep > 1
         elif p.per_query:  # [B, H_kv * n * rep, 1, D]: one query per head row
             q = q.view(B, g.n, H_kv, rep, D).transpose(1, 2).reshape(B, H_kv * g.n * rep, 1, D)
-            heads, reps = H_kv, rep
+            heads, reps, gqa = H_kv, rep, g.n * rep > 1
         else:  # [B, H_kv, n * rep, D]: a KV head's queries (rounds' rows x GQA's query heads) as the rows of one problem
             q = q.view(B, g.n, H_kv, rep, D).transpose(1, 2).reshape(B, H_kv, g.n * rep, D)
-            heads, reps = 0, rep
+            heads, reps, gqa = 0, rep, False
         mask = g.mask(sliding_window, heads, reps, None if softcap else K.dtype)
         if softcap:
             o = _eager(q, k, v, mask, scale, softcap)
         else:
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != H_kv)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         if alone:  # -> [B * n, H, D]
             o = o.transpose(1, 2).reshape(B * g.n, H, D)
         else:

@@ -4,18 +4,23 @@ A pass of rounds only (every input wants its logits, none longer than MAX_ROWS t
 BUCKETS[-1] inputs) runs in a uniform shape (B, n, P): B the first bucket (1, 2, 4, ..., 64) that
 holds its inputs, each input padded to n rows (the longest input's), and every input's keys read
 through P page-table entries (P a power of two, at least the longest input's pages). Its layout
-is computed on the device from one integer tensor [B, 2 + n + P] (per input: its row count, its
-first position, its token ids, its page table; padding inputs: one token 0 at position 0 on the
-trash page), so the whole pass (layout, model, head, the padded logits) is a fixed sequence of
+is computed on the device from two integer tensors, [B, 2 + n] (per input: its row count, its
+first position, its token ids) and [B, P] (its page table), copied from one host tensor
+(padding inputs: one token 0 at position 0 on the trash page), so the whole pass (layout, model, head, the padded logits) is a fixed sequence of
 kernels over fixed buffers:
 
 * on CUDA, with graphs on, a shape's first pass runs eagerly (it warms up every kernel), its
-  second is captured once as a CUDA graph, and every pass of that shape after it is one copy of
-  the integer tensor to the device and one graph replay. All graphs share one memory pool; a
+  second is captured once as a CUDA graph, and every pass of that shape after it is the integer
+  tensors' copies to the device and one graph replay. All graphs share one memory pool; a
   graph's output is read before the next pass starts, on the same stream. A grown KV pool drops
   the graphs (their kernels hold the old pool's addresses); they are captured again.
 * elsewhere (or with graphs off) the same uniform pass runs eagerly. On the CPU the packed pass
   (attention.layout) stays the default: its padding is the CPU's calibrated row count.
+* with `compiled` (Plan.compiled, `--compile-passes`), the uniform pass runs through
+  torch.compile(fullgraph=True, dynamic=True): inductor fuses the model's small ops (norms,
+  rotary, activations, residuals), and a graph captures the compiled pass's kernels. Sizes are
+  symbolic and at least 2 (`Uniform.shape`), so one compilation serves every bucket. Where the
+  compilation fails, passes run uncompiled from then on, with a warning.
 
 Padding rows write their keys to the trash page and query at their input's last position, and a
 padding row's logits are replaced by its input's last real row's, as `Engine.forward(padded=True)`
@@ -23,10 +28,12 @@ promises.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from specdec.engine.attention import PASS_KWARG, Group, Pass, PassCache, cache_kwargs, running
 from specdec.engine.cache import PAGE, KVCache, Pool
@@ -42,44 +49,54 @@ def pages_bucket(pages: int) -> int:
     return max(4, 1 << (pages - 1).bit_length())
 
 
-def uniform_layout(meta: torch.Tensor, pool: Pool, n: int) -> tuple[torch.Tensor, torch.Tensor, Pass]:
-    """From meta [B, 2 + n + P] (per input: rows, first position, n token ids, P pages) on the
-    device: (input ids [1, B*n], positions [1, B*n], the pass), by device ops alone."""
-    B, dev = meta.shape[0], meta.device
-    cnt, start, ids, table = meta[:, :1], meta[:, 1:2], meta[:, 2 : 2 + n], meta[:, 2 + n :]  # [B, 1], [B, 1], [B, n], [B, P]
+def uniform_layout(head: torch.Tensor, table: torch.Tensor, pool: Pool) -> tuple[torch.Tensor, torch.Tensor, Pass]:
+    """From head [B, 2 + n] (per input: rows, first position, n token ids) and table [B, P] (its
+    pages) on the device: (input ids [1, B*n], positions [1, B*n], the pass), by device ops alone."""
+    B, n, dev = head.shape[0], head.shape[1] - 2, head.device
+    cnt, start, ids = head[:, :1], head[:, 1:2], head[:, 2:]  # [B, 1], [B, 1], [B, n]
     j = torch.arange(n, device=dev)[None, :]  # [1, n]
     qpos = start + torch.minimum(j, cnt - 1)  # [B, n] padding rows: the input's last position
     page = torch.gather(table, 1, qpos // PAGE)
     slots = torch.where(j < cnt, page * PAGE + qpos % PAGE, j % PAGE)  # padding rows: the trash page
     gather = (table[:, :, None] * PAGE + torch.arange(PAGE, device=dev)).view(-1)  # [B * P * PAGE] key slots
     rows = torch.arange(B * n, device=dev)
-    group = Group(list(range(B)), n, table.shape[1] * PAGE, gather, rows, qpos)
+    group = Group([], n, table.shape[1] * PAGE, gather, rows, qpos)
     return ids.reshape(1, B * n), qpos.reshape(1, B * n), Pass(pool, B * n, [], slots.reshape(-1), [group], [], None)
 
 
-def uniform_pass(engine, meta: torch.Tensor, n: int) -> torch.Tensor:
-    """One uniform pass from meta (uniform_layout): logits [B, n, V] float32, a padding row's
-    those of its input's last real row. Device ops alone, no host sync, and no graph break:
+def uniform_pass(engine, head: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """One uniform pass from head and table (uniform_layout): logits [B, n, V] float32, a padding
+    row's those of its input's last real row. Device ops alone, no host sync, and no graph break:
     `torch.compile(uniform_pass, fullgraph=True)` traces it whole (tests/test_graphs.py). The
     pass reaches the attention layers as a keyword of the model's call, which transformers hands
     down to its attention functions; `running` also makes it the thread's pass, for a model that
     does not (outside a compiled trace, which cannot follow a context variable)."""
     model = engine.model
-    ids, pos, p = uniform_layout(meta, engine.pool, n)
+    ids, pos, p = uniform_layout(head, table, engine.pool)
     kw = {**cache_kwargs(model, PassCache(p)), PASS_KWARG: p}
     if torch.compiler.is_compiling():
         logits = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=0, **kw).logits[0]
     else:
         with running(p):
             logits = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=0, **kw).logits[0]
-    B = meta.shape[0]
-    last = torch.arange(B, device=meta.device)[:, None] * n + torch.minimum(torch.arange(n, device=meta.device), meta[:, :1] - 1)
+    B, n, dev = head.shape[0], head.shape[1] - 2, head.device
+    last = torch.arange(B, device=dev)[:, None] * n + torch.minimum(torch.arange(n, device=dev), head[:, :1] - 1)
     return logits.index_select(0, last.view(-1)).view(B, n, -1).float()  # padding rows: their input's last row
 
 
+_compile = torch.compile(uniform_pass, fullgraph=True, dynamic=True)
+
+
+def _compiled(engine, head: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The compiled uniform pass. Without duck sizing: sizes that happen to be equal at the first
+    compilation (inputs, rows + 2, pages) stay separate symbols, so no later shape recompiles."""
+    with fx_config.patch(use_duck_shape=False) if hasattr(fx_config, "use_duck_shape") else contextlib.nullcontext():
+        return _compile(engine, head, table)
+
+
 class _Shape:
-    def __init__(self, meta: torch.Tensor):
-        self.meta = meta  # the static input: [B, 2 + n + P] on the device
+    def __init__(self, head: torch.Tensor, table: torch.Tensor):
+        self.head, self.table = head, table  # the static inputs: [B, 2 + n] and [B, P] on the device
         self.seen = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None  # the graph's output [B, n, V] float32
@@ -88,8 +105,10 @@ class _Shape:
 class Uniform:
     """Runs an engine's uniform passes; with `graphs` (CUDA only) captures each shape's."""
 
-    def __init__(self, engine, graphs: bool):
+    def __init__(self, engine, graphs: bool, compiled: bool = False):
         self.engine, self.graphs = engine, graphs
+        self.compiled = compiled
+        self._pass = _compiled if compiled else uniform_pass
         self._shapes: dict[tuple[int, int, int], _Shape] = {}
         self._pool_slots = 0  # the pool's size when the graphs were captured
         self._mempool = None
@@ -108,9 +127,12 @@ class Uniform:
         return max(got, key=lambda sh: sh.seen).graph if got else None
 
     def shape(self, counts: list[int]) -> tuple[int, int] | None:
-        """(B, n) for these inputs' counts, or None where they do not fit a uniform pass."""
-        n = max(counts)
-        B = next((b for b in BUCKETS if b >= len(counts)), None)
+        """(B, n) for these inputs' counts, or None where they do not fit a uniform pass. Compiled,
+        B and n are at least 2: torch.compile specializes a size of 1, so one compilation (sizes
+        of 2 and more, symbolic) serves every shape; a pass's cost hardly moves from 1 row to 2."""
+        least = 2 if self.compiled else 1
+        n = max(least, *counts)
+        B = next((b for b in BUCKETS if b >= max(least, len(counts))), None)
         return None if B is None or n > MAX_ROWS else (B, n)
 
     def run(self, inputs: list[list[int]], caches: list[KVCache], starts: list[int], B: int, n: int) -> torch.Tensor:
@@ -120,17 +142,22 @@ class Uniform:
         engine = self.engine
         pool = engine.pool
         P = pages_bucket(-(-max(s + len(x) for s, x in zip(starts, inputs)) // PAGE))
-        flat: list[int] = []
+        head: list[int] = []
+        table: list[int] = []
         for x, c, s in zip(inputs, caches, starts):
             pages = c.pages[:P]
-            flat += [len(x), s, *x, *[0] * (n - len(x)), *pages, *[0] * (P - len(pages))]
-        flat += [1, 0, *[0] * (n + P)] * (B - len(inputs))  # padding inputs: token 0 at position 0, on the trash page
-        host = torch.tensor(flat, dtype=torch.long).view(B, 2 + n + P)
+            head += [len(x), s, *x, *[0] * (n - len(x))]
+            table += [*pages, *[0] * (P - len(pages))]
+        head += [1, 0, *[0] * n] * (B - len(inputs))  # padding inputs: token 0 at position 0, on the trash page
+        table += [0] * (P * (B - len(inputs)))
+        host = torch.tensor(head + table, dtype=torch.long)
         key = (B, n, P)
         sh = self._shapes.get(key)
         if sh is None:
-            sh = self._shapes[key] = _Shape(torch.empty_like(host, device=pool.device))
-        sh.meta.copy_(host, non_blocking=True)
+            sh = self._shapes[key] = _Shape(torch.empty(B, 2 + n, dtype=torch.long, device=pool.device),
+                                            torch.empty(B, P, dtype=torch.long, device=pool.device))
+        sh.head.copy_(host[: B * (2 + n)].view(B, 2 + n), non_blocking=True)
+        sh.table.copy_(host[B * (2 + n) :].view(B, P), non_blocking=True)
         sh.seen += 1
         slots = pool.k[0].shape[0] if pool.k else 0  # allocated pool slots
         graphed = self.graphs and slots and slots >= pool.slots
@@ -139,20 +166,32 @@ class Uniform:
             self._pool_slots = slots
         if graphed and sh.graph is None and sh.seen >= 2:
             try:
-                self._capture(sh, n)
+                self._capture(sh)
             except Exception as e:  # noqa: BLE001 - a model whose pass cannot be captured still runs, eagerly
-                log.warning("CUDA graph capture failed (%s: %s); passes run eagerly from now on", type(e).__name__, str(e)[:300])
+                log.warning("CUDA graph capture failed (%s: %s); passes run eagerly from now on", type(e).__name__, str(e)[:3000])
                 self.graphs = False
                 self._drop()
         if sh.graph is not None:
             sh.graph.replay()
             out = sh.out
         else:
-            out = uniform_pass(self.engine, sh.meta, n)
+            out = self._eager(sh)
         return out[: len(inputs)]
 
-    def _capture(self, sh: _Shape, n: int) -> None:
-        dev = sh.meta.device
+    def _eager(self, sh: _Shape) -> torch.Tensor:
+        if not self.compiled:
+            return uniform_pass(self.engine, sh.head, sh.table)
+        try:  # rewriting the same keys and values, should it fail midway, is harmless
+            return self._pass(self.engine, sh.head, sh.table)
+        except Exception as e:  # noqa: BLE001 - a model whose pass cannot be compiled still runs, uncompiled
+            log.warning("torch.compile of the uniform pass failed (%s: %s); passes run uncompiled from now on",
+                        type(e).__name__, str(e)[:3000])
+            self.compiled, self._pass = False, uniform_pass
+            self._drop()
+            return uniform_pass(self.engine, sh.head, sh.table)
+
+    def _capture(self, sh: _Shape) -> None:
+        dev = sh.head.device
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()  # as the capture itself does first: what it reserves after is the graph's
         before = torch.cuda.memory_reserved(dev)
@@ -161,14 +200,14 @@ class Uniform:
             self._mempool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._mempool, capture_error_mode="thread_local"):
-            sh.out = uniform_pass(self.engine, sh.meta, n)
+            sh.out = self._pass(self.engine, sh.head, sh.table)
         sh.graph = g
         torch.cuda.synchronize(dev)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
         self.graph_bytes += torch.cuda.memory_reserved(dev) - before
-        log.info("captured a CUDA graph for %d inputs x %d rows, %d key pages (%.2f s)", sh.meta.shape[0], n,
-                 sh.meta.shape[1] - 2 - n, time.perf_counter() - t0)
+        log.info("captured a CUDA graph for %d inputs x %d rows, %d key pages (%.2f s)", sh.head.shape[0], sh.head.shape[1] - 2, sh.table.shape[1],
+                 time.perf_counter() - t0)
 
     def _drop(self) -> None:
         for sh in self._shapes.values():
