@@ -2,7 +2,7 @@
 scheduler (the engine without gRPC), against transformers' generate() on the same model.
 
     python -m bench.gpu [--shape llama3-8b|llama-1b|tiny] [--device cuda] [--dtype bfloat16] [--out bench/results/gpu]
-                        [--profile] [--compiled-baseline|--no-compiled-baseline] [--compile-passes] [--max-prefill-rows N]
+                        [--profile] [--compiled-baseline|--no-compiled-baseline] [--compile-layers] [--max-prefill-rows N]
 
 Measures
   * target-only tokens/s through the scheduler vs generate() (greedy, same prompt, same dtype);
@@ -17,9 +17,10 @@ Measures
     plain generate()'s. On the CPU (no CUDA graphs) it compiles in mode "default", and only when asked
     for. A failure is recorded in gpu.json ("error"), not raised; the model's attention and compile state
     are restored afterwards.
-With `--compile-passes` the engine's uniform passes run through torch.compile before their graphs
-are captured (Plan.compiled), and target-only is timed once more with uncompiled graphs, in the same
-run. `--max-prefill-rows` sets the scheduler's rows of prompt chunks per pass (default: its own).
+With `--compile-layers` the decoder layers' norms and MLPs are compiled (specdec/engine/compiled.py;
+the load's time includes it), and target-only is timed once more uncompiled, in the same run;
+generate() always runs uncompiled. `--max-prefill-rows` sets the scheduler's rows of prompt chunks
+per pass (default: its own).
 Every timed run follows an identical untimed one (per-shape kernel set-up is not decoding);
 generate() and target-only are timed in `--repeats` alternating pairs, and their medians reported. With
 `--profile`, after the timed stages, torch.profiler runs over one target-only session and one
@@ -45,6 +46,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from specdec.engine.compiled import uncompiled
 from specdec.engine.graphs import Uniform
 from specdec.lm import LM, resolve_device
 from specdec.sampling import Sampling
@@ -84,11 +86,12 @@ def sync(lm: LM) -> None:
 
 @contextlib.contextmanager
 def own_attention(lm: LM):
-    """transformers' own (sdpa) attention for generate(); the engine's attention back afterwards."""
+    """transformers' own (sdpa) attention and uncompiled layers for generate(); the engine's attention back afterwards."""
     engine_attn = lm.model.config._attn_implementation
     lm.model.set_attn_implementation("sdpa")
     try:
-        yield
+        with uncompiled(lm.engine.compiled):
+            yield
     finally:
         lm.model.set_attn_implementation(engine_attn)
 
@@ -199,8 +202,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed generate() / target-only pairs, alternating; the medians are reported")
     p.add_argument("--out", default=os.path.join("bench", "results", "gpu"))
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a target-only session and a generate()")
-    p.add_argument("--compile-passes", action=argparse.BooleanOptionalAction, default=False,
-                   help="run the engine's uniform passes through torch.compile (Plan.compiled) before capturing them")
+    p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=False,
+                   help="compile the decoder layers' norms and MLPs (specdec/engine/compiled.py; a GPU only)")
     p.add_argument("--max-prefill-rows", type=int, default=None, help="the scheduler's rows of prompt chunks per pass")
     p.add_argument("--compiled-baseline", action=argparse.BooleanOptionalAction, default=None,
                    help="generate() with a static cache and torch.compile, last (default: on for cuda, off for cpu)")
@@ -212,11 +215,11 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         print(f"building a random {a.shape} model ...", file=sys.stderr, flush=True)
         t_build = time.perf_counter()
-        lm = LM.load(build(a.shape, tmp, context, resolve_device(a.device)), a.device, a.dtype, compiled=a.compile_passes)
+        lm = LM.load(build(a.shape, tmp, context, resolve_device(a.device)), a.device, a.dtype, compiled=a.compile_layers)
         res["device"] = torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "cpu"
         res["torch"], res["build_and_load_s"] = torch.__version__, round(time.perf_counter() - t_build, 1)
         res["cuda_graphs"] = lm.engine.uniform is not None and lm.engine.uniform.graphs
-        res["compiled_passes"] = bool(a.compile_passes)
+        res["compiled_layers"] = len(lm.engine.compiled)  # 0 where not asked for, or where the compilation failed
         weight_bytes = sum(t.numel() * t.element_size() for t in lm.model.parameters())
         prompt = torch.randint(1, lm.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
         # transformers' generate() on the same weights and dtype, with the model's own (sdpa) attention; every
@@ -277,11 +280,11 @@ def main(argv=None) -> None:
             own = r["outs"][0]  # the engine's own greedy output: the proposals, so a forced acceptance commits what the target would
             res["target_only_equals_generate"] = own == reference
             res["target_only_first_difference"] = next((i for i, (x, y) in enumerate(zip(own, reference)) if x != y), None)
-            if uniform is not None and uniform.compiled:  # the same graphs, uncompiled
-                lm.engine.uniform = Uniform(lm.engine, uniform.graphs)
-                res["target_only_uncompiled_tok_s"] = (await timed(1, 0, None))["tok_s"]
+            if lm.engine.compiled:  # the same engine, uncompiled (graphs captured anew)
+                lm.engine.uniform = Uniform(lm.engine, uniform.graphs) if uniform is not None else None
+                with uncompiled(lm.engine.compiled):
+                    res["target_only_uncompiled_tok_s"] = (await timed(1, 0, None))["tok_s"]
                 lm.engine.uniform = uniform
-            res["compiled_passes"] = uniform is not None and uniform.compiled  # false where the compilation failed
             if uniform is not None:  # the same engine without uniform passes (no CUDA graphs): the packed eager pass
                 lm.engine.uniform = None
                 r = await timed(1, 0, None)

@@ -84,8 +84,8 @@ def write(res: dict, out: str) -> None:
         return f"{x / g:.2f}x | " + (f"{x / cg:.2f}x" if cg else "-")
 
     lines = [f"# Engine on {res['device']}: random {res['shape']} {res['dims']}, {res['dtype']}, prompt {res['prompt_len']}, "
-             f"{res['tokens']} tokens, greedy, CUDA graphs {'on' if res['cuda_graphs'] else 'off'}, compiled passes "
-             f"{'on' if res.get('compiled_passes') else 'off'}, {res.get('max_prefill_rows', 1024)} prefill rows a pass; generate() and target-only: "
+             f"{res['tokens']} tokens, greedy, CUDA graphs {'on' if res['cuda_graphs'] else 'off'}, compiled modules "
+             f"{res.get('compiled_layers', 0)}, {res.get('max_prefill_rows', 1024)} prefill rows a pass; generate() and target-only: "
              f"median of {len(res['generate_runs_tok_s'])} alternating runs", "",
              "| what | tok/s | vs generate() | vs compiled generate() | identical to generate() |", "|---|---|---|---|---|",
              f"| transformers generate() | {g:.1f} | 1.00x | - | - |"]
@@ -96,7 +96,7 @@ def write(res: dict, out: str) -> None:
                      if c["error"] is None else f"| {what}: failed ({error}) | - | - | - | - |")
     lines.append(f"| scheduler target-only | {res['target_only_tok_s']:.1f} | {vs(res['target_only_tok_s'])} | {res['target_only_equals_generate']} |")
     if "target_only_uncompiled_tok_s" in res:
-        lines.append(f"| scheduler target-only, uncompiled graphs | {res['target_only_uncompiled_tok_s']:.1f} "
+        lines.append(f"| scheduler target-only, layers uncompiled | {res['target_only_uncompiled_tok_s']:.1f} "
                      f"| {vs(res['target_only_uncompiled_tok_s'])} | - |")
     if "target_only_packed_tok_s" in res:
         lines.append(f"| scheduler target-only, packed eager pass (no uniform shapes, no graphs) | {res['target_only_packed_tok_s']:.1f} "

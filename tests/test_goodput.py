@@ -134,3 +134,46 @@ def test_a_pass_takes_rounds_in_arrival_order_within_its_row_bound(model_dir, mo
     order = [ss.index(next(s for s in ss if s.cache is c)) for _, _, caches in passes for c in caches]
     assert order == [0, 1, 2, 3], order  # arrival order, across passes
     assert all(rows <= 12 for _, rows, _ in passes) and len(passes) >= 2, passes
+
+
+@pytest.mark.parametrize("prefill_rows, split", [(None, [5, 1]), (360, [6])])
+def test_prompt_chunks_per_pass_follow_the_prefill_row_bound(model_dir, monkeypatch, prefill_rows, split):
+    """Admission: queued prompts of 59 rows each go into a pass while their rows fit the prefill
+    bound (on the CPU by default the rounds' bound, here 300 rows: five, then one; with
+    max_prefill_rows=360: all six). The first pass is held until all six have queued."""
+    import threading
+
+    import verify_service.scheduler as scheduler
+
+    torch.set_num_threads(1)
+    lm = LM.load(model_dir("target"), "cpu", "float32")
+    passes, go = [], threading.Event()
+
+    def recorded(inputs, caches, logits=True, **kw):
+        go.wait(30)
+        passes.append([len(x) for x in inputs])
+        return real(inputs, caches, logits, **kw)
+
+    real = lm.engine.forward
+    eng = scheduler.Scheduler(lm, max_sessions=8, max_pass_rows=300, max_prefill_rows=prefill_rows)
+    assert eng.max_prefill_rows == (prefill_rows or 300)
+    monkeypatch.setattr(lm.engine, "forward", recorded)
+
+    async def run():
+        first = eng.open([3] * 20, 4, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)
+        held = asyncio.ensure_future(eng.prefill(first))
+        await asyncio.sleep(0.2)  # its pass is running, held
+        ss = [eng.open([3 + i % 10] * 60, 4, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY) for i in range(6)]
+        rest = asyncio.gather(*(eng.prefill(s) for s in ss))
+        await asyncio.sleep(0.2)
+        go.set()
+        await held
+        await rest
+        return ss
+
+    try:
+        ss = asyncio.run(run())
+    finally:
+        eng.shutdown()
+    assert all(s.cache.length == 59 for s in ss)
+    assert passes == [[19]] + [[59] * n for n in split], passes

@@ -24,9 +24,9 @@ def main(argv=None) -> None:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="on CUDA, capture each uniform shape of a pass of rounds as a CUDA graph and replay it "
                         "(default: on where the model runs on CUDA; the CPU has none)")
-    p.add_argument("--compile-passes", action=argparse.BooleanOptionalAction, default=False,
-                   help="on a GPU, run each pass of rounds through torch.compile (fused kernels) before it is captured; "
-                        "the first pass compiles for tens of seconds (default: off)")
+    p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=False,
+                   help="on a GPU, compile the decoder layers' norms and MLPs with torch.compile (fused kernels, captured in "
+                        "the CUDA graphs) at start-up; a model that cannot be compiled runs uncompiled, with a warning (default: off)")
     p.add_argument("--max-prefill-rows", type=number(int, low=1), default=None,
                    help="rows of prompt chunks and rounds in one pass (at least one chunk a pass; default: 1024 on the CPU, "
                         "8192 on a GPU)")
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices, graphs=args.cuda_graphs,
-                 compiled=args.compile_passes)
+                 compiled=args.compile_layers)
     engine = Scheduler(lm, max_sessions=args.max_sessions, max_cached_tokens=args.max_cached_tokens, gather=args.gather,
                        max_prefill_rows=args.max_prefill_rows)
     servicer = VerifyServicer(engine, idle_timeout_s=args.idle_timeout_s)

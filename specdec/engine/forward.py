@@ -21,6 +21,7 @@ import torch
 
 from specdec.engine.attention import ATTN, PassCache, cache_kwargs, layout, running
 from specdec.engine.cache import KVCache, Pool
+from specdec.engine.compiled import compile_layers
 from specdec.engine.graphs import Uniform
 from specdec.engine.plan import Plan
 from specdec.engine.tree import Tree
@@ -36,7 +37,8 @@ class Engine:
         CUDA graphs)."""
         self.model, self.plan = model, plan
         self.pool = Pool(plan.kv_dtype, model.device)
-        self.uniform = Uniform(self, plan.graphs, plan.compiled) if (plan.graphs if uniform is None else uniform) else None
+        self.uniform = Uniform(self, plan.graphs) if (plan.graphs if uniform is None else uniform) else None
+        self.compiled: list[torch.nn.Module] = []  # the model's compiled modules (compiled.py)
 
     @property
     def device(self) -> torch.device:
@@ -127,8 +129,8 @@ def prepare(model, per_row: bool | None = None, prepack: bool | None = None, att
     """Switches `model` to the engine's attention and returns its Engine. On the CPU the CPU tier makes
     its load-time choices first (pinned by per_row, prepack and attention where given; timed
     with timer, for tests, else the clock); on a GPU there are none to make, and passes of rounds
-    are captured as CUDA graphs unless graphs is False, and with `compiled` run through torch.compile
-    first (graphs.py; off unless asked for)."""
+    are captured as CUDA graphs unless graphs is False, and with `compiled` the decoder layers' norms
+    and MLPs are compiled (compiled.py; off unless asked for)."""
     model.set_attn_implementation(ATTN)
     name = f"{type(model).__name__} in {model.dtype}"
     if model.device.type != "cpu":
@@ -136,13 +138,17 @@ def prepare(model, per_row: bool | None = None, prepack: bool | None = None, att
         if pins:
             log.warning("%s: engine choices are made on the CPU only; the pinned %s ignored on %s", name, ", ".join(pins), model.device)
         graphs = model.device.type == "cuda" and graphs is not False
-        log.info("%s on %s: CUDA graphs %s, compiled passes %s", name, model.device, "on" if graphs else "off",
-                 "on" if compiled else "off")
-        return Engine(model, Plan(kv_dtype=model.dtype, graphs=graphs, compiled=bool(compiled)), uniform=graphs or bool(compiled))
+        engine = Engine(model, Plan(kv_dtype=model.dtype, graphs=graphs))
+        if compiled:
+            engine.compiled = compile_layers(engine)
+            engine.plan.compiled = bool(engine.compiled)
+        log.info("%s on %s: CUDA graphs %s, compiled layers %s", name, model.device, "on" if graphs else "off",
+                 "on" if engine.plan.compiled else "off")
+        return engine
     if graphs:
         log.warning("%s: CUDA graphs need a CUDA device; off on the CPU", name)
     if compiled:
-        log.warning("%s: compiled passes are for a GPU (the CPU keeps its packed pass); off on the CPU", name)
+        log.warning("%s: compiled layers are for a GPU (the CPU tier makes its own choices); off on the CPU", name)
     from specdec.engine.cpu.choose import choose  # noqa: PLC0415 - the CPU tier: never imported on a GPU
 
     return Engine(model, choose(model, per_row, prepack, attention, timer))

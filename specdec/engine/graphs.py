@@ -16,11 +16,7 @@ kernels over fixed buffers:
   the graphs (their kernels hold the old pool's addresses); they are captured again.
 * elsewhere (or with graphs off) the same uniform pass runs eagerly. On the CPU the packed pass
   (attention.layout) stays the default: its padding is the CPU's calibrated row count.
-* with `compiled` (Plan.compiled, `--compile-passes`), the uniform pass runs through
-  torch.compile(fullgraph=True, dynamic=True): inductor fuses the model's small ops (norms,
-  rotary, activations, residuals), and a graph captures the compiled pass's kernels. Sizes are
-  symbolic and at least 2 (`Uniform.shape`), so one compilation serves every bucket. Where the
-  compilation fails, passes run uncompiled from then on, with a warning.
+* with compiled layers (compiled.py) a graph captures their fused kernels like any other.
 
 Padding rows write their keys to the trash page and query at their input's last position, and a
 padding row's logits are replaced by its input's last real row's, as `Engine.forward(padded=True)`
@@ -28,12 +24,10 @@ promises.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
 import torch
-from torch.fx.experimental import _config as fx_config
 
 from specdec.engine.attention import PASS_KWARG, Group, Pass, PassCache, cache_kwargs, running
 from specdec.engine.cache import PAGE, KVCache, Pool
@@ -84,16 +78,6 @@ def uniform_pass(engine, head: torch.Tensor, table: torch.Tensor) -> torch.Tenso
     return logits.index_select(0, last.view(-1)).view(B, n, -1).float()  # padding rows: their input's last row
 
 
-_compile = torch.compile(uniform_pass, fullgraph=True, dynamic=True)
-
-
-def _compiled(engine, head: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The compiled uniform pass. Without duck sizing: sizes that happen to be equal at the first
-    compilation (inputs, rows + 2, pages) stay separate symbols, so no later shape recompiles."""
-    with fx_config.patch(use_duck_shape=False) if hasattr(fx_config, "use_duck_shape") else contextlib.nullcontext():
-        return _compile(engine, head, table)
-
-
 class _Shape:
     def __init__(self, head: torch.Tensor, table: torch.Tensor):
         self.head, self.table = head, table  # the static inputs: [B, 2 + n] and [B, P] on the device
@@ -105,10 +89,8 @@ class _Shape:
 class Uniform:
     """Runs an engine's uniform passes; with `graphs` (CUDA only) captures each shape's."""
 
-    def __init__(self, engine, graphs: bool, compiled: bool = False):
+    def __init__(self, engine, graphs: bool):
         self.engine, self.graphs = engine, graphs
-        self.compiled = compiled
-        self._pass = _compiled if compiled else uniform_pass
         self._shapes: dict[tuple[int, int, int], _Shape] = {}
         self._pool_slots = 0  # the pool's size when the graphs were captured
         self._mempool = None
@@ -127,12 +109,9 @@ class Uniform:
         return max(got, key=lambda sh: sh.seen).graph if got else None
 
     def shape(self, counts: list[int]) -> tuple[int, int] | None:
-        """(B, n) for these inputs' counts, or None where they do not fit a uniform pass. Compiled,
-        B and n are at least 2: torch.compile specializes a size of 1, so one compilation (sizes
-        of 2 and more, symbolic) serves every shape; a pass's cost hardly moves from 1 row to 2."""
-        least = 2 if self.compiled else 1
-        n = max(least, *counts)
-        B = next((b for b in BUCKETS if b >= max(least, len(counts))), None)
+        """(B, n) for these inputs' counts, or None where they do not fit a uniform pass."""
+        n = max(counts)
+        B = next((b for b in BUCKETS if b >= len(counts)), None)
         return None if B is None or n > MAX_ROWS else (B, n)
 
     def run(self, inputs: list[list[int]], caches: list[KVCache], starts: list[int], B: int, n: int) -> torch.Tensor:
@@ -175,20 +154,8 @@ class Uniform:
             sh.graph.replay()
             out = sh.out
         else:
-            out = self._eager(sh)
+            out = uniform_pass(self.engine, sh.head, sh.table)
         return out[: len(inputs)]
-
-    def _eager(self, sh: _Shape) -> torch.Tensor:
-        if not self.compiled:
-            return uniform_pass(self.engine, sh.head, sh.table)
-        try:  # rewriting the same keys and values, should it fail midway, is harmless
-            return self._pass(self.engine, sh.head, sh.table)
-        except Exception as e:  # noqa: BLE001 - a model whose pass cannot be compiled still runs, uncompiled
-            log.warning("torch.compile of the uniform pass failed (%s: %s); passes run uncompiled from now on",
-                        type(e).__name__, str(e)[:3000])
-            self.compiled, self._pass = False, uniform_pass
-            self._drop()
-            return uniform_pass(self.engine, sh.head, sh.table)
 
     def _capture(self, sh: _Shape) -> None:
         dev = sh.head.device
@@ -200,7 +167,7 @@ class Uniform:
             self._mempool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._mempool, capture_error_mode="thread_local"):
-            sh.out = self._pass(self.engine, sh.head, sh.table)
+            sh.out = uniform_pass(self.engine, sh.head, sh.table)
         sh.graph = g
         torch.cuda.synchronize(dev)
         self.captures += 1

@@ -1,0 +1,98 @@
+"""Compiled layers (specdec/engine/compiled.py): regional torch.compile of the decoder layers'
+norms and MLPs, which a GPU's CUDA graphs capture. Run here on the CPU (inductor's C++ kernels):
+the same code path, the model's own logits, one compilation per child class, and a model whose
+layers cannot be compiled runs uncompiled."""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers import archmodels
+from specdec.engine import Engine, KVCache, Plan
+from specdec.engine.attention import ATTN
+from specdec.engine.compiled import compile_layers, decoder_layers, uncompiled
+
+
+def engine_for(path: str) -> tuple[Engine, torch.nn.Module]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.set_attn_implementation(ATTN)
+    return Engine(model, Plan(kv_dtype=torch.float32), uniform=True), reference
+
+
+def passes(eng: Engine, seqs: list[list[int]], rounds: list[int]) -> list[torch.Tensor]:
+    """Prefills each sequence but its last sum(rounds) tokens, then runs every session's rounds together."""
+    caches = [KVCache(len(s)) for s in seqs]
+    at = [len(s) - sum(rounds) for s in seqs]
+    eng.forward([s[:a] for s, a in zip(seqs, at)], caches, logits=False)
+    outs = []
+    for n in rounds:
+        outs.append(eng.forward([s[a : a + n] for s, a in zip(seqs, at)], caches, padded=True).clone())
+        at = [a + n for a in at]
+    for c in caches:
+        c.release()
+    return outs
+
+
+def own_logits(reference, seqs: list[list[int]], rounds: list[int]) -> list[torch.Tensor]:
+    """The model's own logits at the rounds' positions, [sessions, n, V] per round."""
+    with torch.no_grad():
+        full = [reference(torch.tensor([s])).logits[0] for s in seqs]
+    outs, at = [], [len(s) - sum(rounds) for s in seqs]
+    for n in rounds:
+        outs.append(torch.stack([f[a : a + n] for f, a in zip(full, at)]))
+        at = [a + n for a in at]
+    return outs
+
+
+@pytest.mark.parametrize("name, per_layer", [("llama", 3), ("gemma2", 5), ("gpt2", 1)])
+def test_compiled_layers_serve_the_models_own_logits(tmp_path, name, per_layer):
+    """llama: two norms and the MLP; gemma2: four norms and the MLP; gpt2: the MLP (its
+    nn.LayerNorms are torch's own). One compilation per child class for a row count of 1 and one
+    for more, shared by every layer, whatever the sessions, rows and pages after."""
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eng, reference = engine_for(archmodels.build(str(tmp_path), name, seed=0))
+    done = compile_layers(eng)
+    assert len(done) == per_layer * len(decoder_layers(eng.model))
+    r = random.Random(1)
+    for k, rounds in ((1, [1, 1]), (3, [5, 2]), (6, [4, 1, 3])):
+        seqs = [[r.randrange(2, archmodels.V) for _ in range(r.randint(20, 40))] for _ in range(k)]
+        for got, want in zip(passes(eng, seqs, rounds), own_logits(reference, seqs, rounds)):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    classes = {type(m) for m in done}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2 * len(classes)
+    with uncompiled(done):  # the same passes uncompiled: what a benchmark compares against
+        assert all(m._compiled_call_impl is None for m in done)
+    assert all(m._compiled_call_impl is not None for m in done)
+
+
+class Branchy(torch.nn.Module):
+    """An MLP stand-in with data-dependent control flow: torch.compile(fullgraph=True) refuses it."""
+
+    def __init__(self, mlp: torch.nn.Module):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return self.mlp(x) if x.sum() > -1e9 else x
+
+
+def test_a_model_whose_layers_cannot_be_compiled_runs_uncompiled(tmp_path, caplog):
+    torch.set_num_threads(1)
+    eng, reference = engine_for(archmodels.build(str(tmp_path), "llama", seed=0))
+    for m in (eng.model, reference):
+        for layer in decoder_layers(m):
+            layer.mlp = Branchy(layer.mlp)
+    with caplog.at_level(logging.WARNING, logger="specdec.engine"):
+        assert compile_layers(eng) == []
+    assert "torch.compile of its layers failed" in caplog.text and "layers run uncompiled" in caplog.text
+    assert all(getattr(c, "_compiled_call_impl", None) is None for layer in decoder_layers(eng.model) for c in layer.children())
+    seqs = [[3, 4, 5, 6, 7, 8, 9, 10] * 3]
+    for got, want in zip(passes(eng, seqs, [2, 1]), own_logits(reference, seqs, [2, 1])):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
