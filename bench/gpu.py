@@ -267,7 +267,7 @@ def main(argv=None) -> None:
             generate()  # warm-up
             t0 = time.perf_counter()
             await timed(1, 0, None)
-            res["first_target_only_s"] = time.perf_counter() - t0  # two sessions, compilation and captures included
+            res["first_target_only_s"] = time.perf_counter() - t0  # two sessions, their captures included (compilation: at load)
             runs = []
             for _ in range(a.repeats):  # alternating, so the host's noise hits both alike
                 tok_s, reference = generate()

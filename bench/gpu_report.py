@@ -11,7 +11,6 @@ import time
 import torch
 
 
-
 class PassLog:
     """The bench's own wrapper on the engine's forward: per pass, whether it held prefill chunks
     (the packed eager pass) or rounds only (uniform: a graph where captured), and its span on the
@@ -128,8 +127,8 @@ def write(res: dict, out: str) -> None:
     if "graphs" in res:
         gr = res["graphs"]
         lines += ["", f"CUDA graphs: {gr['captured']} captured in {gr['capture_s']:.2f} s in all, {gr['memory_bytes'] / 2**20:.0f} MiB "
-                  "of device memory reserved while capturing. The first target-only stage (two sessions, compilation and "
-                  f"captures included) took {res.get('first_target_only_s', float('nan')):.1f} s."]
+                  "of device memory reserved while capturing. The first target-only stage (two sessions, their captures "
+                  f"included; compiled layers compile at load) took {res.get('first_target_only_s', float('nan')):.1f} s."]
     lines += ["", "Forced acceptance (benchmark only, `Scheduler(forced_acceptance=...)`): each proposal of a round is accepted with "
               "probability alpha until the first rejection, and the round commits those proposals (the engine's own target-only "
               "output) and the target's token after them. Random weights have near-tied logits that no draft predicts, so this "

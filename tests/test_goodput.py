@@ -147,9 +147,10 @@ def test_prompt_chunks_per_pass_follow_the_prefill_row_bound(model_dir, monkeypa
 
     torch.set_num_threads(1)
     lm = LM.load(model_dir("target"), "cpu", "float32")
-    passes, go = [], threading.Event()
+    passes, started, go = [], threading.Event(), threading.Event()
 
     def recorded(inputs, caches, logits=True, **kw):
+        started.set()
         go.wait(30)
         passes.append([len(x) for x in inputs])
         return real(inputs, caches, logits, **kw)
@@ -162,10 +163,13 @@ def test_prompt_chunks_per_pass_follow_the_prefill_row_bound(model_dir, monkeypa
     async def run():
         first = eng.open([3] * 20, 4, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)
         held = asyncio.ensure_future(eng.prefill(first))
-        await asyncio.sleep(0.2)  # its pass is running, held
+        for _ in range(300):  # until its pass is running, held
+            if started.is_set():
+                break
+            await asyncio.sleep(0.01)
         ss = [eng.open([3 + i % 10] * 60, 4, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY) for i in range(6)]
         rest = asyncio.gather(*(eng.prefill(s) for s in ss))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # every prefill queued behind the held pass
         go.set()
         await held
         await rest

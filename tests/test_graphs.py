@@ -118,6 +118,7 @@ def test_cuda_graph_replays_give_the_eager_passes_logits(model_dir):
 
 @CUDA
 def test_compiled_cuda_graph_replays_give_the_models_logits(model_dir):
+    torch._dynamo.reset()
     eng, reference = engine_on(model_dir, "cuda", graphs=True)
     assert len(compile_layers(eng)) == 3 * len(decoder_layers(eng.model))  # two norms and the MLP of every layer
     seqs = sessions(5, 6)

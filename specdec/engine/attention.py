@@ -43,7 +43,7 @@ GROUPS = (8, 16, 32, ROW_BY_ROW)  # short inputs are grouped by the first of the
 class Group:
     """Inputs attended in one call: B sessions' inputs padded to n rows each, keys padded to Lb."""
 
-    inputs: list[int]  # indices into the pass's inputs (their count is qpos's first size: a uniform pass's may be symbolic)
+    inputs: list[int]  # indices into the pass's inputs (empty in a uniform pass; the group's size is qpos's first)
     n: int  # query rows per input (the longest input's)
     Lb: int  # key positions per input, a multiple of PAGE
     gather: torch.Tensor | None  # [B * Lb] pool slots of each input's key positions (trash beyond its pages); None: a view

@@ -26,7 +26,12 @@ log = logging.getLogger("specdec.engine")
 
 
 def decoder_layers(model) -> torch.nn.ModuleList | None:
-    """The model's decoder layers: its longest ModuleList of modules of one class."""
+    """The model's decoder layers: its base model's `layers` (or GPT-2's `h`), else its longest
+    ModuleList of modules of one class."""
+    for name in ("layers", "h"):
+        found = getattr(model.base_model, name, None)
+        if isinstance(found, torch.nn.ModuleList) and len(found):
+            return found
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) and len({type(x) for x in m}) == 1]
     return max(lists, key=len, default=None)
 
@@ -38,20 +43,29 @@ def _compilable(module: torch.nn.Module) -> bool:
 
 
 def compile_layers(engine) -> list[torch.nn.Module]:
-    """Compiles every decoder layer's pool-free children and runs a probe pass (1 row, then 3) to
-    make both compilations now. Returns the modules compiled; none, with a warning, where the
-    model has none or the probe failed (everything is uncompiled again then)."""
+    """Compiles every decoder layer's pool-free children and runs probe passes (1 row, 3 rows,
+    then a padded round twice: on CUDA its second pass is captured as a graph) to make every
+    compilation now. Returns the modules compiled; none, with a warning, where the model has none
+    or a probe failed (everything is uncompiled again then).
+
+    Every compiled module's code is Module._call_impl, so they share one compile cache, whose
+    entries dynamo bounds (recompile_limit, 8 by default) and, with fullgraph, fails past: the
+    bound is raised to leave room for every class's two compilations many times over."""
     layers = decoder_layers(engine.model)
     done = [c for layer in (layers or []) for _, c in layer.named_children() if _compilable(c)]
-    for c in done:
-        c.compile(fullgraph=True, dynamic=True)
     if not done:
         log.warning("%s: no decoder layer children to compile; layers run uncompiled", type(engine.model).__name__)
         return []
-    cache = engine.cache(4)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 8 * len({type(c) for c in done}) + 8)
+    for c in done:
+        c.compile(fullgraph=True, dynamic=True)
+    cache = engine.cache(16)
     try:
         engine.forward([[0]], [cache])
         engine.forward([[0, 0, 0]], [cache])
+        engine.forward([[0, 0]], [cache], padded=True)
+        engine.forward([[0, 0]], [cache], padded=True)
     except Exception as e:  # noqa: BLE001 - a model whose layers cannot be compiled still runs, uncompiled
         log.warning("%s: torch.compile of its layers failed (%s: %s); layers run uncompiled", type(engine.model).__name__,
                     type(e).__name__, " ".join(str(e).split())[:300])

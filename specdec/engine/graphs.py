@@ -5,13 +5,13 @@ BUCKETS[-1] inputs) runs in a uniform shape (B, n, P): B the first bucket (1, 2,
 holds its inputs, each input padded to n rows (the longest input's), and every input's keys read
 through P page-table entries (P a power of two, at least the longest input's pages). Its layout
 is computed on the device from two integer tensors, [B, 2 + n] (per input: its row count, its
-first position, its token ids) and [B, P] (its page table), copied from one host tensor
-(padding inputs: one token 0 at position 0 on the trash page), so the whole pass (layout, model, head, the padded logits) is a fixed sequence of
-kernels over fixed buffers:
+first position, its token ids) and [B, P] (its page table), views of one buffer that one copy
+fills (padding inputs: one token 0 at position 0 on the trash page), so the whole pass (layout,
+model, head, the padded logits) is a fixed sequence of kernels over fixed buffers:
 
 * on CUDA, with graphs on, a shape's first pass runs eagerly (it warms up every kernel), its
-  second is captured once as a CUDA graph, and every pass of that shape after it is the integer
-  tensors' copies to the device and one graph replay. All graphs share one memory pool; a
+  second is captured once as a CUDA graph, and every pass of that shape after it is one copy of
+  the integer buffer to the device and one graph replay. All graphs share one memory pool; a
   graph's output is read before the next pass starts, on the same stream. A grown KV pool drops
   the graphs (their kernels hold the old pool's addresses); they are captured again.
 * elsewhere (or with graphs off) the same uniform pass runs eagerly. On the CPU the packed pass
@@ -79,8 +79,10 @@ def uniform_pass(engine, head: torch.Tensor, table: torch.Tensor) -> torch.Tenso
 
 
 class _Shape:
-    def __init__(self, head: torch.Tensor, table: torch.Tensor):
-        self.head, self.table = head, table  # the static inputs: [B, 2 + n] and [B, P] on the device
+    def __init__(self, B: int, n: int, P: int, device):
+        self.buf = torch.empty(B * (2 + n + P), dtype=torch.long, device=device)  # the static input, filled by one copy
+        self.head = self.buf[: B * (2 + n)].view(B, 2 + n)
+        self.table = self.buf[B * (2 + n) :].view(B, P)
         self.seen = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None  # the graph's output [B, n, V] float32
@@ -133,10 +135,8 @@ class Uniform:
         key = (B, n, P)
         sh = self._shapes.get(key)
         if sh is None:
-            sh = self._shapes[key] = _Shape(torch.empty(B, 2 + n, dtype=torch.long, device=pool.device),
-                                            torch.empty(B, P, dtype=torch.long, device=pool.device))
-        sh.head.copy_(host[: B * (2 + n)].view(B, 2 + n), non_blocking=True)
-        sh.table.copy_(host[B * (2 + n) :].view(B, P), non_blocking=True)
+            sh = self._shapes[key] = _Shape(B, n, P, pool.device)
+        sh.buf.copy_(host, non_blocking=True)
         sh.seen += 1
         slots = pool.k[0].shape[0] if pool.k else 0  # allocated pool slots
         graphed = self.graphs and slots and slots >= pool.slots
@@ -147,7 +147,7 @@ class Uniform:
             try:
                 self._capture(sh)
             except Exception as e:  # noqa: BLE001 - a model whose pass cannot be captured still runs, eagerly
-                log.warning("CUDA graph capture failed (%s: %s); passes run eagerly from now on", type(e).__name__, str(e)[:3000])
+                log.warning("CUDA graph capture failed (%s: %s); passes run eagerly from now on", type(e).__name__, str(e)[:300])
                 self.graphs = False
                 self._drop()
         if sh.graph is not None:
@@ -173,8 +173,8 @@ class Uniform:
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
         self.graph_bytes += torch.cuda.memory_reserved(dev) - before
-        log.info("captured a CUDA graph for %d inputs x %d rows, %d key pages (%.2f s)", sh.head.shape[0], sh.head.shape[1] - 2, sh.table.shape[1],
-                 time.perf_counter() - t0)
+        log.info("captured a CUDA graph for %d inputs x %d rows, %d key pages (%.2f s)", sh.head.shape[0], sh.head.shape[1] - 2,
+                 sh.table.shape[1], time.perf_counter() - t0)
 
     def _drop(self) -> None:
         for sh in self._shapes.values():
