@@ -17,7 +17,7 @@ Measures
     plain generate()'s. On the CPU (no CUDA graphs) it compiles in mode "default", and only when asked
     for. A failure is recorded in gpu.json ("error"), not raised; the model's attention and compile state
     are restored afterwards.
-With `--compile-layers` the decoder layers' norms and MLPs are compiled (specdec/engine/compiled.py;
+With `--compile-layers` the decoder layers are compiled (specdec/engine/compiled.py;
 the load's time includes it), and target-only is timed once more uncompiled, in the same run;
 generate() always runs uncompiled. `--max-prefill-rows` sets the scheduler's rows of prompt chunks
 per pass (default: its own).
@@ -203,7 +203,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=os.path.join("bench", "results", "gpu"))
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a target-only session and a generate()")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=False,
-                   help="compile the decoder layers' norms and MLPs (specdec/engine/compiled.py; a GPU only)")
+                   help="compile the decoder layers (specdec/engine/compiled.py; a GPU only)")
     p.add_argument("--max-prefill-rows", type=int, default=None, help="the scheduler's rows of prompt chunks per pass")
     p.add_argument("--compiled-baseline", action=argparse.BooleanOptionalAction, default=None,
                    help="generate() with a static cache and torch.compile, last (default: on for cuda, off for cpu)")

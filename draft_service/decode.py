@@ -241,8 +241,11 @@ class DecodeLoop:
                 st.ids.extend(new)
                 if tree and self.calibration and sent.ranks:
                     self.calibration.observe(sent, path)
-                if ctl:
-                    if not tree:  # its estimate is a chain's per-token acceptance
+                if ctl:  # its estimate is a chain's per-token acceptance: a tree's is its likeliest path's
+                    if tree:
+                        ctl.observe(len(sent.guess), next((j for j, (a, b) in enumerate(zip(path, sent.guess)) if a != b),
+                                                          min(len(path), len(sent.guess))))
+                    else:
                         ctl.observe(len(sent.tokens), n)
                     ctl.load(v.row_price)
                 if self.pace:

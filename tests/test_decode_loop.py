@@ -70,10 +70,17 @@ class GreedyVerifier:
         tokens = list(r.tokens)
         generated = len(self.ids) - self.prompt_len
         assert len(tokens) <= self.max_new - generated - 1 and len(self.ids) + len(tokens) <= self.max_context
-        with torch.no_grad():
-            logits = self.model(torch.tensor([self.ids + tokens])).logits[0]
-        best = logits[len(self.ids) - 1:].argmax(-1).tolist()  # [tau + 1]
-        n = next((i for i, t in enumerate(tokens) if t != best[i]), len(tokens))
+        parents = list(r.parents)
+        if parents:  # a tree: walk the argmax branch (the greedy tree rule)
+            path, nxt = self._walk(tokens, parents)
+            tokens, n = [tokens[m] for m in path], len(path)
+            best = tokens + [nxt]
+        else:
+            path = None
+            with torch.no_grad():
+                logits = self.model(torch.tensor([self.ids + tokens])).logits[0]
+            best = logits[len(self.ids) - 1:].argmax(-1).tolist()  # [tau + 1]
+            n = next((i for i, t in enumerate(tokens) if t != best[i]), len(tokens))
         out, finish = [], pb.FINISH_REASON_UNSPECIFIED
         for t in tokens[:n] + [best[n]]:
             out.append(t)
@@ -88,7 +95,20 @@ class GreedyVerifier:
         self.ids += out
         self.finished = bool(finish)
         self.verdicts.append(pb.VerifyResponse(round=r.round, num_accepted=min(n, len(out)),
-                                               next_token=out[n] if len(out) > n else None, finish_reason=finish))
+                                               next_token=out[n] if len(out) > n else None, finish_reason=finish,
+                                               accepted_path=path[: min(n, len(out))] if path is not None else []))
+
+    def _walk(self, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
+        """From the root, the child that is the target's argmax after its branch, while there is one:
+        (the accepted nodes, the target's next token after them)."""
+        path, at = [], -1
+        while True:
+            with torch.no_grad():
+                nxt = int(self.model(torch.tensor([self.ids + [tokens[m] for m in path]])).logits[0, -1].argmax())
+            at = next((m for m in range(len(tokens)) if parents[m] == at and tokens[m] == nxt), None)
+            if at is None:
+                return path, nxt
+            path.append(at)
 
     async def read(self):
         return self.verdicts.pop(0) if self.verdicts else grpc.aio.EOF
@@ -116,6 +136,8 @@ FEATURES = [
     dict(early_stop_p=0.5),
     dict(proposer=pb.PROPOSER_LOOKUP),
     dict(proposer=pb.PROPOSER_HYBRID, predraft=True),
+    dict(tree_budget=8),
+    dict(tree_budget=8, predraft=True, adaptive=True),
 ]
 
 
@@ -124,7 +146,7 @@ FEATURES = [
 def test_greedy_loop_equals_target_generate(drafters, target, draft, features):
     d = drafters(draft)
     predraft, adaptive = features.pop("predraft", False), features.pop("adaptive", False)
-    hits = 0
+    hits = trees = 0
     for i, prompt in enumerate(prompts(6, seed=5)):
         n = [1, 4, 9, 20, 33, 40][i]
         g = request(d, prompt_ids=prompt, max_new_tokens=n, num_draft_tokens=4, **features)
@@ -140,11 +162,15 @@ def test_greedy_loop_equals_target_generate(drafters, target, draft, features):
         assert s.acceptance_rate == (s.accepted / s.drafted if s.drafted else 0.0)
         assert s.rounds <= len(ids) <= s.accepted + s.rounds  # each round commits >= 1 token, at most its accepted + 1
         hits += s.predraft_hits
+        trees += s.tree_rounds
         if features.get("proposer") == pb.PROPOSER_LOOKUP:
             assert s.lookup_rounds == s.rounds and s.predraft_hits == s.predraft_misses == 0
         if draft == "target" and finish != pb.FINISH_REASON_EOS and not features:
             assert s.accepted == s.drafted  # a perfect draft is always accepted
-    if predraft and draft == "target" and "proposer" not in features:
+        if adaptive and s.tree_rounds:  # tree rounds feed the tau controller: their likeliest path, as a chain
+            assert loop.tau.trials > 0
+    assert (trees > 0) == ("tree_budget" in features)
+    if predraft and draft == "target" and "proposer" not in features and "tree_budget" not in features:
         assert hits > 0, "a perfect draft must hit its pre-drafts"
 
 

@@ -25,8 +25,8 @@ def main(argv=None) -> None:
                    help="on CUDA, capture each uniform shape of a pass of rounds as a CUDA graph and replay it "
                         "(default: on where the model runs on CUDA; the CPU has none)")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=False,
-                   help="on a GPU, compile the decoder layers' norms and MLPs with torch.compile (fused kernels, captured in "
-                        "the CUDA graphs) at start-up; a model that cannot be compiled runs uncompiled, with a warning (default: off)")
+                   help="on a GPU, compile the decoder layers with torch.compile (fused kernels, captured in the CUDA graphs) "
+                        "at start-up; a model that cannot be compiled runs uncompiled, with a warning (default: off)")
     p.add_argument("--max-prefill-rows", type=number(int, low=1), default=None,
                    help="rows of prompt chunks and rounds in one pass (at least one chunk a pass; default: 1024 on the CPU, "
                         "8192 on a GPU)")

@@ -270,10 +270,8 @@ class PassCache(Cache):
         self.p = p
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # [1, H_kv, T, D]
-        p = self.p
-        k, v = p.pool.layer(layer_idx, key_states)  # [slots, H_kv, D]
-        k.index_copy_(0, p.slots, key_states[0].transpose(0, 1).to(k.dtype))
-        v.index_copy_(0, p.slots, value_states[0].transpose(0, 1).to(v.dtype))
+        if not _opaque:  # else `attend` writes them
+            _write(self.p, layer_idx, key_states, value_states)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -306,8 +304,55 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     """query [1, H, T, D] -> ([1, T, H, D], None); keys and values come from the pool."""
     if s_aux is not None:
         raise NotImplementedError("attention sinks (s_aux) are not supported")
+    if _opaque:  # compiled layers: the write and the attention as one op that a trace does not enter
+        scale = scaling if scaling is not None else query.shape[3] ** -0.5
+        return attend(query, key, value, module.layer_idx, scale, sliding_window or 0, softcap or 0.0), None
     p = kwargs.get(PASS_KWARG) or _current.get()
-    K, V = p.pool.k[module.layer_idx], p.pool.v[module.layer_idx]  # [slots, H_kv, D]
+    return _attend(p, module.layer_idx, query, scaling, sliding_window, softcap), None
+
+
+_opaque = False  # compiled layers are on (compiled.py): attention is the `attend` op
+
+
+def opaque() -> bool:
+    return _opaque
+
+
+def set_opaque(on: bool) -> None:
+    """Routes every layer's cache write and attention through the `attend` op (on) or through
+    PassCache.update and packed_attention's own code (off). Process-wide: the compiled layers'
+    setting (compiled.py), read when a layer is traced and every time it runs."""
+    global _opaque
+    _opaque = on
+
+
+@torch.library.custom_op("specdec::attend", mutates_args=())
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float, window: int,
+           softcap: float) -> torch.Tensor:
+    """One layer's attention in the thread's pass (`running`), as one op: writes the new keys and
+    values into the pool, then attends ([1, H, T, D] -> [1, T, H, D]). A compiled layer calls it
+    (`set_opaque`): the pass and the layer's index stay out of the trace, so one compilation
+    serves every layer and every pass."""
+    p = _current.get()
+    _write(p, layer, key, value)
+    return _attend(p, layer, query, scaling, window or None, softcap or None)
+
+
+@attend.register_fake
+def _(query, key, value, layer, scaling, window, softcap):
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
+
+def _write(p: Pass, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """The pass's new keys and values [1, H_kv, T, D] into the pool's layer."""
+    k, v = p.pool.layer(layer, key_states)  # [slots, H_kv, D]
+    k.index_copy_(0, p.slots, key_states[0].transpose(0, 1).to(k.dtype))
+    v.index_copy_(0, p.slots, value_states[0].transpose(0, 1).to(v.dtype))
+
+
+def _attend(p: Pass, layer: int, query: torch.Tensor, scaling: float | None, sliding_window: int | None,
+            softcap: float | None) -> torch.Tensor:
+    K, V = p.pool.k[layer], p.pool.v[layer]  # [slots, H_kv, D]
     H, D = query.shape[1], query.shape[3]
     H_kv = K.shape[1]
     rep = H // H_kv
@@ -342,7 +387,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     else:
         outs.append(outs[0].new_zeros(1, H, D))  # the zero row: padding rows' output, never read
         o = torch.cat(outs).index_select(0, p.back)  # [T, H, D], back in packed order
-    return o[None].to(query.dtype), None
+    return o[None].to(query.dtype)
 
 
 def _eager(q, k, v, mask, scaling: float, softcap: float) -> torch.Tensor:

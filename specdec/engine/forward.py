@@ -129,8 +129,8 @@ def prepare(model, per_row: bool | None = None, prepack: bool | None = None, att
     """Switches `model` to the engine's attention and returns its Engine. On the CPU the CPU tier makes
     its load-time choices first (pinned by per_row, prepack and attention where given; timed
     with timer, for tests, else the clock); on a GPU there are none to make, and passes of rounds
-    are captured as CUDA graphs unless graphs is False, and with `compiled` the decoder layers' norms
-    and MLPs are compiled (compiled.py; off unless asked for)."""
+    are captured as CUDA graphs unless graphs is False, and with `compiled` the decoder layers are
+    compiled (compiled.py; off unless asked for)."""
     model.set_attn_implementation(ATTN)
     name = f"{type(model).__name__} in {model.dtype}"
     if model.device.type != "cpu":

@@ -17,7 +17,7 @@ class Plan:
     prepacked: bool = False  # half-precision weights prepacked for oneDNN (cpu/prepack.py)
     per_query: bool = False  # attention: each query its own problem (the CPU's bitwise invariance), attention.Pass
     graphs: bool = False  # uniform passes of rounds captured as CUDA graphs (graphs.py)
-    compiled: bool = False  # the decoder layers' norms and MLPs compiled (compiled.py)
+    compiled: bool = False  # the decoder layers compiled (compiled.py)
     made: dict[str, str] = field(default_factory=dict)  # the CPU choices as --engine-choices spells them
 
     def choices(self) -> str:
