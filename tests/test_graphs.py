@@ -188,6 +188,7 @@ def test_a_failed_capture_leaves_the_passes_eager_and_right(model_dir, caplog):
 
 
 def test_the_cpu_keeps_the_packed_pass_and_refuses_graphs(model_dir, caplog):
-    lm = LM.load(model_dir("target"), "cpu", "float32", check=False, graphs=True)
+    lm = LM.load(model_dir("target"), "cpu", "float32", check=False, graphs=True, compiled=True)
     assert lm.engine.uniform is None and not lm.engine.plan.graphs and lm.engine.plan.per_query
-    assert "CUDA graphs need a CUDA device" in caplog.text
+    assert not lm.engine.plan.compiled and lm.engine.compiled == []
+    assert "CUDA graphs need a CUDA device" in caplog.text and "compiled layers are for a GPU" in caplog.text

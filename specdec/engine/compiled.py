@@ -65,7 +65,8 @@ def compile_layers(engine) -> list[torch.nn.Module]:
         done = list(layers) if whole else [c for layer in layers for c in layer.children() if _compilable(c)]
         if not done:
             continue
-        config.recompile_limit = max(config.recompile_limit, 8 * len({type(c) for c in done}) + 8)
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its older name
+        setattr(config, limit, max(getattr(config, limit), 8 * len({type(c) for c in done}) + 8))
         for c in done:
             c.compile(fullgraph=True, dynamic=True)
         set_opaque(whole)
