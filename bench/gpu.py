@@ -125,7 +125,9 @@ def compiled_generate(lm: LM, ids: torch.Tensor, kw: dict, reference: list[int])
     kw = dict(kw, cache_implementation="static", compile_config=cc)
     r = {"mode": cc.mode, "tok_s": None, "warmup_s": None, "second_call_s": None, "equals_generate": None, "error": None}
     try:
-        with own_attention(lm):  # generate()'s own no_grad, not inference_mode: the documented compile path
+        # generate()'s own no_grad, not inference_mode: the documented compile path; dynamo's defaults (compiled
+        # layers leave module ints symbolic, which a whole-model compile need not pay for)
+        with own_attention(lm), torch._dynamo.config.patch(allow_unspec_int_on_nn_module=False):
             for key in ("warmup_s", "second_call_s"):  # the first call compiles (and records the graphs), the second is the untimed one
                 t0 = time.perf_counter()
                 lm.model.generate(ids, **kw)
