@@ -37,6 +37,7 @@ SERVICE = "draft"
 PLACE_AGAIN = (Refusal.RESOURCE_EXHAUSTED, Refusal.UNAVAILABLE)
 CALIBRATION_RETRY_S = 60.0  # a failed calibration is tried again after this long
 ADAPTIVE_MAX_TAU = 8  # the cap adaptive tau was measured with (bench/results/POLICY.md)
+ENDED_WAIT_S = 1.0  # after a session's last verdict, how long the verify stream's own end is awaited before it is cancelled
 
 
 class DraftServicer(pb_grpc.DraftServicer):
@@ -157,6 +158,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                                     yield chunk
                                 continue
                             yield out.last(chunk, loop.summary(), g.seed, t0)
+                            await _ended(call)
                             return
                 except Exception as e:  # noqa: BLE001 - a write on a call the replica ended fails otherwise than its status
                     e = await serving.upstream_error(e, call)
@@ -175,3 +177,12 @@ class DraftServicer(pb_grpc.DraftServicer):
             metrics.LIVE_SESSIONS.labels(SERVICE).dec()
             if call is not None:
                 call.cancel()  # frees the verifier's session at once (no-op if already done)
+
+
+async def _ended(call) -> None:
+    """After a session's last verdict: half-closes the verify stream and waits (ENDED_WAIT_S at most)
+    for the verifier's handler to end it, so the verifier logs and counts the session OK; the cancel
+    that follows is then a no-op (one racing the handler's return ends the session CANCELLED)."""
+    with contextlib.suppress(Exception):
+        await call.done_writing()
+        await asyncio.wait_for(call.code(), ENDED_WAIT_S)
