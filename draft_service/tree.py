@@ -57,7 +57,7 @@ class Calibration:
         self.trials = [[self.PRIOR] * 10 for _ in range(RANKS)]
 
     def __call__(self, rank: int, p: float) -> float:
-        r, b = min(rank, RANKS - 1), min(int(p * 10), 9)
+        r, b = _bin(rank, p)
         return self.hits[r][b] / self.trials[r][b]
 
     def observe(self, prop: Proposal, path: list[int]) -> None:
@@ -65,9 +65,14 @@ class Calibration:
         reached = {-1, *path}
         for i, (rank, p) in enumerate(prop.ranks):
             if prop.parents[i] in reached:
-                r, b = min(rank, RANKS - 1), min(int(p * 10), 9)
+                r, b = _bin(rank, p)
                 self.trials[r][b] += 1
                 self.hits[r][b] += i in reached
+
+
+def _bin(rank: int, p: float) -> tuple[int, int]:
+    """A node's Calibration cell: its rank class and its probability's tenth."""
+    return min(rank, RANKS - 1), min(int(p * 10), 9)
 
 
 CALIBRATIONS: dict[str, Calibration] = {}  # per draft model name

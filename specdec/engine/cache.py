@@ -5,7 +5,7 @@ into pages of PAGE token slots. A session's cache (`KVCache`) owns whole pages: 
 reservation needs (prompt + max_new_tokens, capped at the context), taken once, at admission
 (`Pool.cache`) or at its first pass. A token's keys and values live at slot
 page[pos // PAGE] * PAGE + pos % PAGE; a pass writes its new tokens there with one `index_copy_`
-per layer, and reads a session's keys back through the same mapping (specdec/engine/attention.py).
+per layer, and reads a session's keys back through the same mapping (specdec/engine/layout.py, attention.py).
 A rejection only moves the session's length back. Page 0 is the trash page: a pass's padding
 rows write there and masked key positions read there, and nothing reads it unmasked.
 
@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-PAGE = 16  # token slots per page; a pass pads each session's keys to a multiple of it (attention.py)
+PAGE = 16  # token slots per page; a pass pads each session's keys to a multiple of it (layout.py)
 
 
 class Pool:

@@ -19,10 +19,11 @@ import logging
 
 import torch
 
-from specdec.engine.attention import ATTN, PassCache, cache_kwargs, layout, running
+from specdec.engine.attention import ATTN, PassCache, cache_kwargs, running
 from specdec.engine.cache import KVCache, Pool
 from specdec.engine.compiled import compile_layers
 from specdec.engine.graphs import Uniform
+from specdec.engine.layout import layout
 from specdec.engine.plan import Plan
 from specdec.engine.tree import Tree
 

@@ -15,7 +15,7 @@ model, head, the padded logits) is a fixed sequence of kernels over fixed buffer
   graph's output is read before the next pass starts, on the same stream. A grown KV pool drops
   the graphs (their kernels hold the old pool's addresses); they are captured again.
 * elsewhere (or with graphs off) the same uniform pass runs eagerly. On the CPU the packed pass
-  (attention.layout) stays the default: its padding is the CPU's calibrated row count.
+  (layout.layout) stays the default: its padding is the CPU's calibrated row count.
 * with compiled layers (compiled.py) a graph captures their fused kernels like any other.
 
 Padding rows write their keys to the trash page and query at their input's last position, and a
@@ -29,8 +29,9 @@ import time
 
 import torch
 
-from specdec.engine.attention import PASS_KWARG, Group, Pass, PassCache, cache_kwargs, running
+from specdec.engine.attention import PASS_KWARG, PassCache, cache_kwargs, running
 from specdec.engine.cache import PAGE, KVCache, Pool
+from specdec.engine.layout import Group, Pass
 
 log = logging.getLogger("specdec.engine")
 

@@ -15,7 +15,7 @@ class Plan:
     rows: tuple[int, int] | None = None  # the CPU's calibrated row counts (lo, hi), if any agree
     per_row: bool = False  # per-row matmul products (cpu/rows.py)
     prepacked: bool = False  # half-precision weights prepacked for oneDNN (cpu/prepack.py)
-    per_query: bool = False  # attention: each query its own problem (the CPU's bitwise invariance), attention.Pass
+    per_query: bool = False  # attention: each query its own problem (the CPU's bitwise invariance), layout.Pass
     graphs: bool = False  # uniform passes of rounds captured as CUDA graphs (graphs.py)
     compiled: bool = False  # the decoder layers compiled (compiled.py)
     made: dict[str, str] = field(default_factory=dict)  # the CPU choices as --engine-choices spells them
