@@ -8,8 +8,9 @@ on a real Scheduler and prefilled with a context of --context tokens; then every
 tau tokens at once, so each pass verifies N rounds of tau + 1 rows, through the scheduler's own
 path (pass, acceptance, one host transfer). A pass's time is the verdicts' `forward_s`, the
 median over --repeats passes that held all N rounds (rounds sent together may be split over two
-passes; those are left out); the table gives it against one session's. Writes PASSES.md and
-passes.json.
+passes; those are left out); the table gives it against one session's, and the round trip: the
+wall time from sending the N rounds to having all N verdicts back in the event loop. Writes
+PASSES.md and passes.json.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import argparse
 import asyncio
 import statistics
 import tempfile
+import time
 
 import torch
 
@@ -28,20 +30,26 @@ from specdec.v1 import specdec_pb2 as pb
 from verify_service.scheduler import Scheduler
 
 
-async def pass_seconds(eng: Scheduler, n: int, tau: int, context: int, repeats: int) -> list[float]:
-    """forward_s of `repeats` passes of n sessions' rounds of tau proposals each."""
+async def pass_seconds(eng: Scheduler, n: int, tau: int, context: int, repeats: int) -> tuple[list[float], list[float]]:
+    """forward_s of `repeats` passes of n sessions' rounds of tau proposals each, and the wall
+    time from sending those rounds to having every verdict back in the event loop (the pass, its
+    commits and hand-offs, and the sessions' coroutines)."""
     ss = [eng.open([3 + (i + j) % 200 for j in range(context)], (tau + 1) * (4 * repeats + 2), Sampling(), seed=1,
                    mode=pb.PROPOSAL_MODE_GREEDY) for i in range(n)]
     try:
         for s in ss:
             await eng.prefill(s)
         times: list[float] = []
+        cycles: list[float] = []
         for _ in range(4 * repeats):  # bounded: rounds submitted together may be split over passes; count the whole ones
+            t0 = time.perf_counter()
             vs = await asyncio.gather(*(eng.step(s, [s.ids[-1]] * tau, None) for s in ss))
-            times += [v.forward_s for v in vs[:1] if v.pass_rounds == n]
+            if all(v.pass_rounds == n for v in vs):
+                times.append(vs[0].forward_s)
+                cycles.append(time.perf_counter() - t0)
             if len(times) > repeats:
                 break
-        return times[1:]  # the first pass warms up
+        return times[1:], cycles[1:]  # the first pass warms up
     finally:
         for s in ss:
             eng.close(s)
@@ -65,13 +73,15 @@ def main() -> None:
         try:
             rows = []
             for n in counts:
-                ts = asyncio.run(pass_seconds(eng, n, a.tau, a.context, a.repeats))
-                rows.append(dict(sessions=n, median_ms=1e3 * statistics.median(ts), p10_ms=1e3 * sorted(ts)[len(ts) // 10]))
+                ts, cs = asyncio.run(pass_seconds(eng, n, a.tau, a.context, a.repeats))
+                rows.append(dict(sessions=n, median_ms=1e3 * statistics.median(ts), p10_ms=1e3 * sorted(ts)[len(ts) // 10],
+                                 cycle_ms=1e3 * statistics.median(cs)))
         finally:
             eng.shutdown()
-    one = rows[0]["median_ms"]
+    one, one_cycle = rows[0]["median_ms"], rows[0]["cycle_ms"]
     for r in rows:
         r["vs_one"] = r["median_ms"] / one
+        r["cycle_vs_one"] = r["cycle_ms"] / one_cycle
     res = dict(tau=a.tau, context=a.context, hidden=a.hidden, repeats=a.repeats, plan=repr(lm.engine.plan), rows=rows)
     write_report(a.out, "passes", "PASSES.md", res, render)
 
@@ -80,9 +90,11 @@ def render(res: dict) -> str:
     out = ["# Verify pass time against sessions in the pass", "",
            f"Tiny Llama target (hidden {res['hidden']}, 2 layers, 4 heads, vocab 256), float32, one thread; context {res['context']}, "
            f"rounds of tau = {res['tau']}; median of {res['repeats']} passes (scheduler's forward_s: pass, acceptance, "
-           f"host transfer). Engine plan: `{res['plan']}`.", "",
-           "| sessions | pass ms (median) | p10 ms | vs one session |", "|---|---|---|---|"]
-    out += [f"| {r['sessions']} | {r['median_ms']:.2f} | {r['p10_ms']:.2f} | {r['vs_one']:.2f}x |" for r in res["rows"]]
+           f"host transfer); a round trip is the median wall time from sending the N rounds to having all N verdicts in the "
+           f"event loop (the pass, its commits and hand-offs, the sessions' coroutines). Engine plan: `{res['plan']}`.", "",
+           "| sessions | pass ms (median) | p10 ms | vs one session | round trip ms | vs one session |", "|---|---|---|---|---|---|"]
+    out += [f"| {r['sessions']} | {r['median_ms']:.2f} | {r['p10_ms']:.2f} | {r['vs_one']:.2f}x | "
+            + (f"{r['cycle_ms']:.2f} | {r['cycle_vs_one']:.2f}x |" if "cycle_ms" in r else "- | - |") for r in res["rows"]]
     return "\n".join(out) + "\n"
 
 

@@ -1,6 +1,7 @@
 """Batched verification: correctness, isolation between sessions, capacity and idle limits."""
 import asyncio
 import random
+import threading
 
 import grpc
 import pytest
@@ -293,3 +294,50 @@ def test_a_long_target_only_stream_beside_rounds_gives_its_solo_tokens(model_dir
     assert (3, 2) in passes, passes
 
 
+
+
+def test_a_pass_hands_its_verdicts_to_the_event_loop_in_one_call(packed, monkeypatch):
+    """Six sessions' rounds and a target-only stream on one event loop: every pass wakes the loop
+    once (one call_soon_threadsafe, however many verdicts it gives), the verdicts are the ones the
+    sessions get, and nothing is left undelivered."""
+    import verify_service.scheduler as scheduler
+    from specdec.sampling import Sampling
+
+    eng = scheduler.Scheduler(packed, max_sessions=8)
+    passes = count_passes(monkeypatch, packed.engine)
+    wakes = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counted(*a, **kw):
+            wakes.append(threading.current_thread() is not threading.main_thread())
+            return real(*a, **kw)
+
+        ss = [eng.open([3 + i, 4, 5 + i % 3], 40, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY) for i in range(6)]
+        for s in ss:
+            await eng.prefill(s)
+        streamed = eng.open([6, 7, 8], 12, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)
+        passes.clear()
+        loop.call_soon_threadsafe = counted  # from here every hand-off from the scheduler thread is counted
+
+        async def rounds(s):
+            return [await eng.step(s, [s.ids[-1], 5, 6], None) for _ in range(3)]
+
+        async def stream():
+            return [v.next_token async for v in eng.steps(streamed)]
+
+        *verdicts, tokens = await asyncio.gather(*(rounds(s) for s in ss), stream())
+        loop.call_soon_threadsafe = real
+        for s in ss + [streamed]:
+            eng.close(s)
+        return verdicts, tokens, streamed.ids
+
+    try:
+        verdicts, tokens, ids = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert all(len(v) == 3 for v in verdicts) and tokens == ids[3:] and tokens
+    assert all(wakes) and len(wakes) == len(passes)  # one hand-off a pass, from the scheduler thread
+    assert len(passes) < 6 * 3 + len(tokens)  # sessions shared passes: fewer hand-offs than verdicts

@@ -11,11 +11,14 @@ kind of work, and the batched acceptance over a pass's rounds.
   prefill's place (and resolves it), so its first step shares the pass of the prompt's last chunk.
 
 A job is resolved on the scheduler's thread and handed to its caller's event loop with
-`call_soon_threadsafe`.
+`call_soon_threadsafe`. During a pass (`holding`) the hand-offs are held and posted at its end,
+one call per event loop: a loop wakes once a pass, not once a session.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -38,13 +41,18 @@ class Job:
         self._post(ok, result)
 
     def _post(self, ok: bool, result) -> None:
+        held = getattr(_held, "calls", None)
+        if held is not None:  # in a pass: posted at its end (`holding`)
+            held.setdefault(self.loop, []).append((self, self._call(ok, result)))
+            return
         try:
-            self._hand(ok, result)
+            self.loop.call_soon_threadsafe(_call_all, [self._call(ok, result)])
         except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
             self.finished = True
 
-    def _hand(self, ok: bool, result) -> None:
-        self.loop.call_soon_threadsafe(_resolve, self.future, ok, result)
+    def _call(self, ok: bool, result) -> tuple:
+        """What the caller's event loop runs to take the result: (function, *arguments)."""
+        return _resolve, self.future, ok, result
 
 
 class _NoProposals:
@@ -92,8 +100,8 @@ class Stream(_NoProposals, Job):
         self.enqueued = time.perf_counter()  # its next step is queued from now
         self._post(ok, result)
 
-    def _hand(self, ok: bool, result) -> None:
-        self.loop.call_soon_threadsafe(self.verdicts.put_nowait, (ok, result))
+    def _call(self, ok: bool, result) -> tuple:
+        return self.verdicts.put_nowait, (ok, result)
 
 
 def unfilled(s: Session) -> bool:
@@ -164,6 +172,36 @@ def _settings(ss: list[Session]) -> tuple[torch.Tensor, ...]:
             torch.tensor([s.sampling.temperature for s in ss], dtype=torch.float64),
             torch.tensor([s.sampling.top_k for s in ss]),
             torch.tensor([s.sampling.top_p for s in ss], dtype=torch.float64))
+
+
+_held = threading.local()  # the hand-offs of the pass running on this thread (`holding`)
+
+
+@contextlib.contextmanager
+def holding():
+    """Holds the hand-offs of the jobs resolved on this thread until the block ends, then posts
+    them with ONE call_soon_threadsafe per event loop (in the order they were resolved). A job whose
+    loop is closed is marked finished, as when posted alone."""
+    _held.calls = held = {}
+    try:
+        yield
+    finally:
+        _held.calls = None
+        for loop, calls in held.items():
+            try:
+                loop.call_soon_threadsafe(_call_all, [c for _, c in calls])
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                for job, _ in calls:
+                    job.finished = True
+
+
+def _call_all(calls: list[tuple]) -> None:
+    """Runs on the caller's event loop: each (function, *arguments); one failing does not stop the others."""
+    for fn, *args in calls:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported as the loop reports a failing callback
+            asyncio.get_running_loop().call_exception_handler({"message": f"handing over a verdict: {e!r}", "exception": e})
 
 
 def _resolve(fut: asyncio.Future, ok: bool, result) -> None:

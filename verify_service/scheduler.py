@@ -6,8 +6,9 @@ verify_service/jobs.py), and moves
 the verdicts of the whole batch to the host at once (two integers per session).
 
 Sessions talk to it from the asyncio event loop: `prefill` and `step` put a job on the queue
-and await a future that the thread resolves with `call_soon_threadsafe`; `steps` (target-only)
-puts one job that the thread runs step after step, posting each verdict to the caller's queue. Prompts are prefilled
+and await a future that the thread resolves; `steps` (target-only) puts one job that the thread
+runs step after step, posting each verdict to the caller's queue. A pass's verdicts reach each
+event loop in one `call_soon_threadsafe`, after the pass (jobs.holding). Prompts are prefilled
 in chunks whose boundaries depend only on the prompt (multiples of PREFILL_CHUNK), so a long
 prompt does not stall the sessions already decoding, and a session's numbers never depend on
 what else is running. A failed batched pass is retried session by session (nothing is
@@ -35,7 +36,7 @@ from specdec.engine import PREFILL_CHUNK, KVCache, Tree
 from specdec.lm import LM
 from specdec.sampling import Sampling, to_host
 from verify_service.capacity import Capacity, default_cache_budget
-from verify_service.jobs import Job, Prefill, Round, Stream, check, decide, unfilled
+from verify_service.jobs import Job, Prefill, Round, Stream, check, decide, holding, unfilled
 from verify_service.passcost import PassCost, probe
 from verify_service.session import Session, Verdict, commit
 
@@ -263,7 +264,8 @@ class Scheduler:
                 filling.append(j)
                 budget -= n
             t0 = time.perf_counter()
-            self._run(batch, filling)
+            with holding():  # the pass's verdicts go to each event loop in one hand-off, at its end
+                self._run(batch, filling)
             self._pass_s = time.perf_counter() - t0
             self._back = {j.session.sid for j in batch if isinstance(j, Round) and not j.session.finish and not j.session.closed}
             rounds += [j for j in batch if not j.finished]  # streams whose sessions go on
