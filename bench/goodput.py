@@ -2,7 +2,7 @@
 (speculative, the service's defaults) against the same N through the verify service alone
 (target-only), in one run, with the load-steered tau on and off.
 
-    python -m bench.goodput [--levels 1,4,8,16 --max-new-tokens 64 --repeats 2 --out bench/results]
+    python -m bench.goodput [--levels 1,4,8,16 --max-new-tokens 64 --repeats 2 --pin --out bench/results]
 
 Level 1 runs four prompts one after another; level n runs n requests on different code prompts
 from outside the standard library (bench/prompts.py CODE_PROMPTS, repeated as needed) together.
@@ -11,6 +11,8 @@ unsteered, then the reverse), and the median aggregate tok/s (all tokens / wall 
 Two draft services share the verify service: one with the load-steered tau
 (`--goodput`, the default) and one with it off (`--no-goodput`), so before and after come from
 the same run, on the same verify process. Everything runs with one torch thread per process.
+With --pin the verify service runs on CPU 0 and the draft services and the clients on CPU 1 (the
+split topology, with one core for every client's drafting, on a 2-core machine).
 """
 from __future__ import annotations
 
@@ -53,14 +55,19 @@ async def run_batch(address: str, target_only: bool, prompts: list[str], max_new
 
 def main(argv=None) -> int:
     a = pair_run_parser("goodput", 64, 2, levels=dict(default="1,4,8,16"),
-                        verify_args=dict(default="", help="extra verify_service arguments (one string)")).parse_args(argv)
+                        verify_args=dict(default="", help="extra verify_service arguments (one string)"),
+                        pin=dict(action="store_true", help="the split topology on one machine: the verify service on CPU 0, "
+                                 "the draft services and the clients on CPU 1")).parse_args(argv)
     levels = [int(x) for x in a.levels.split(",")]
     os.makedirs(a.out, exist_ok=True)
     env = dict(ENV, OMP_NUM_THREADS="1")
+    on = {"verify": ("taskset", "-c", "0"), "draft": ("taskset", "-c", "1")} if a.pin else {"verify": (), "draft": ()}
+    if a.pin:
+        os.sched_setaffinity(0, {1})  # this process's threads, the clients', made from here on
     verify = Service("verify_service", "--model", os.path.abspath(a.target), "--threads", "1", "--metrics-port", "0",
-                     "--max-sessions", str(max(64, max(levels))), *shlex.split(a.verify_args), env=env)
+                     "--max-sessions", str(max(64, max(levels))), *shlex.split(a.verify_args), env=env, prefix=on["verify"])
     drafts = {kind: Service("draft_service", "--model", os.path.abspath(a.draft), "--verify", verify.address, "--threads", "1",
-                            "--goodput" if kind == "steered" else "--no-goodput", env=env) for kind in KINDS[1:]}
+                            "--goodput" if kind == "steered" else "--no-goodput", env=env, prefix=on["draft"]) for kind in KINDS[1:]}
     address = {"target-only": verify.address, **{k: d.address for k, d in drafts.items()}}
     rows = []
     try:
@@ -87,7 +94,7 @@ def main(argv=None) -> int:
         for d in drafts.values():
             d.stop()
         verify.stop()
-    res = dict(**run_header(a), max_new_tokens=a.max_new_tokens, repeats=a.repeats, verify_args=a.verify_args, rows=rows)
+    res = dict(**run_header(a), max_new_tokens=a.max_new_tokens, repeats=a.repeats, verify_args=a.verify_args, pin=a.pin, rows=rows)
     return write_report(a.out, "goodput", "GOODPUT.md", res, render)
 
 
@@ -96,7 +103,9 @@ def render(res: dict) -> str:
              pair_run(res) + ", one verify service and two draft services "
              f"(load-steered tau on / off), one torch thread each, greedy, {res['max_new_tokens']} new tokens per request, code "
              f"prompts from outside the standard library, the services' defaults otherwise; median of {res['repeats']} alternating "
-             f"runs. Command: `python -m bench.goodput{' --verify-args ' + repr(res['verify_args']) if res.get('verify_args') else ''}`. "
+             f"runs{'; the verify service pinned to CPU 0, the draft services and the clients to CPU 1' if res.get('pin') else ''}. "
+             f"Command: `python -m bench.goodput{' --verify-args ' + repr(res['verify_args']) if res.get('verify_args') else ''}"
+             f"{' --pin' if res.get('pin') else ''}`. "
              "Level 1 is four requests one after another.", "",
              "| sessions | target-only tok/s | steered tok/s | × target-only | mean τ | target-only rounds | tokens from runs "
              "| unsteered tok/s | × target-only | mean τ | verifier CPU ms/token: target-only / steered / unsteered |",
