@@ -356,8 +356,9 @@ class Scheduler:
         forward_s = time.perf_counter() - t0
         metrics.FORWARD_TIME.observe(forward_s)
         self.cost.observe(*layout, sum(n + 1 for _, n, _, _ in done), forward_s, t0)
+        row_cost_s, price = self.cost.per_row_s, self.cost.price  # the same for every verdict of the pass
         metrics.PASS_UTILISATION.set(self.cost.utilisation)
-        metrics.ROW_PRICE.set(self.cost.price)
+        metrics.ROW_PRICE.set(price)
         moves: tuple[list[int], list[int]] = ([], [])
         for j, n, _, path in done:
             if path:  # a tree's accepted nodes go where the path's tokens belong, after the pending token
@@ -378,7 +379,7 @@ class Scheduler:
                 v = commit(s, accepted + [nxt], n, self.lm.eos, self.lm.max_context)
                 v.path = None if path is None else path[: v.num_accepted]  # cut where the sequence ended (EOS, a limit)
                 v.forward_s, v.queue_s, v.pass_rounds = forward_s, t0 - j.enqueued, len(jobs)
-                v.row_cost_s, v.row_price = self.cost.per_row_s, self.cost.price
+                v.row_cost_s, v.row_price = row_cost_s, price
                 metrics.QUEUE_WAIT.observe(t0 - j.enqueued)
                 j.resolve(True, v)
             except Exception as e:  # noqa: BLE001
