@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import tempfile
 import time
@@ -32,15 +33,25 @@ from specdec.v1 import specdec_pb2 as pb
 from verify_service.scheduler import Scheduler
 
 
+@contextlib.asynccontextmanager
+async def prefilled(eng: Scheduler, n: int, context: int, max_new: int):
+    """n greedy sessions on eng, each with a context of `context` tokens prefilled; closed after."""
+    ss = [eng.open([3 + (i + j) % 200 for j in range(context)], max_new, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)
+          for i in range(n)]
+    try:
+        for s in ss:
+            await eng.prefill(s)
+        yield ss
+    finally:
+        for s in ss:
+            eng.close(s)
+
+
 async def pass_seconds(eng: Scheduler, n: int, tau: int, context: int, repeats: int) -> tuple[list[float], list[float]]:
     """forward_s of `repeats` passes of n sessions' rounds of tau proposals each, and the wall
     time from sending those rounds to having every verdict back in the event loop (the pass, its
     commits and hand-offs, and the sessions' coroutines)."""
-    ss = [eng.open([3 + (i + j) % 200 for j in range(context)], (tau + 1) * (4 * repeats + 2), Sampling(), seed=1,
-                   mode=pb.PROPOSAL_MODE_GREEDY) for i in range(n)]
-    try:
-        for s in ss:
-            await eng.prefill(s)
+    async with prefilled(eng, n, context, (tau + 1) * (4 * repeats + 2)) as ss:
         times: list[float] = []
         cycles: list[float] = []
         for _ in range(4 * repeats):  # bounded: rounds submitted together may be split over passes; count the whole ones
@@ -52,17 +63,12 @@ async def pass_seconds(eng: Scheduler, n: int, tau: int, context: int, repeats: 
             if len(times) > repeats:
                 break
         return times[1:], cycles[1:]  # the first pass warms up
-    finally:
-        for s in ss:
-            eng.close(s)
 
 
 async def pipelined(eng: Scheduler, n: int, tau: int, context: int, rounds: int) -> tuple[float, float]:
     """n sessions that each send their next round of tau proposals as soon as their verdict is back
     (as sessions do), `rounds` rounds each: (rounds a second, the share of rounds verified in a pass
     that held all n)."""
-    ss = [eng.open([3 + (i + j) % 200 for j in range(context)], (tau + 1) * (rounds + 2), Sampling(), seed=1,
-                   mode=pb.PROPOSAL_MODE_GREEDY) for i in range(n)]
     full = 0
 
     async def session(s):
@@ -71,15 +77,10 @@ async def pipelined(eng: Scheduler, n: int, tau: int, context: int, rounds: int)
             v = await eng.step(s, [s.ids[-1]] * tau, None)
             full += v.pass_rounds == n
 
-    try:
-        for s in ss:
-            await eng.prefill(s)
+    async with prefilled(eng, n, context, (tau + 1) * (rounds + 2)) as ss:
         t0 = time.perf_counter()
         await asyncio.gather(*(session(s) for s in ss))
         return n * rounds / (time.perf_counter() - t0), full / (n * rounds)
-    finally:
-        for s in ss:
-            eng.close(s)
 
 
 def main() -> None:
