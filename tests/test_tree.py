@@ -27,10 +27,10 @@ PARENTS = (-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 12, 3, 14, 14, 9)
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gpt2", "qwen2"])
 @pytest.mark.parametrize("layout", ["cpu", "cpu-mask", "gpu"])
 def test_each_tree_node_gets_its_branch_logits_and_the_path_its_keys(tmp_path, name, layout):
-    """One pass over a tree, beside other sessions' rounds, gives every node the logits a chain pass
-    over its branch gives; after the accepted path's keys and values are moved into place, the
+    """One pass over two trees, beside other sessions' rounds, gives every node the logits a chain
+    pass over its branch gives; after the accepted path's keys and values are moved into place, the
     cache holds what a chain pass over the path writes. Bitwise in the CPU's layout (each path of
-    the tree an input with its branch's keys), to float rounding with a tree mask over the nodes
+    each tree an input with its branch's keys), to float rounding with a tree mask over the nodes
     (the draft's choice on the CPU, and the GPU's layout, run here on the CPU)."""
     lm = LM.load(archmodels.build(str(tmp_path), name, seed=0), "cpu", "float32")
     eng = lm.engine if layout != "gpu" else Engine(lm.model, Plan(kv_dtype=torch.float32))
@@ -40,6 +40,10 @@ def test_each_tree_node_gets_its_branch_logits_and_the_path_its_keys(tmp_path, n
     prompt = torch.randint(2, archmodels.V, (20,), generator=g).tolist()
     tokens = torch.randint(2, archmodels.V, (len(PARENTS),), generator=g).tolist()
     tree = Tree(len(prompt), PARENTS)
+    prompt2 = torch.randint(2, archmodels.V, (37,), generator=g).tolist()  # a second tree: other pages, another shape
+    parents2 = (-1, 0, 0, 1, 2, 2, 5)
+    tokens2 = torch.randint(2, archmodels.V, (len(parents2),), generator=g).tolist()
+    tree2 = Tree(len(prompt2), parents2)
 
     def prefilled(ids=prompt):
         kv = KVCache(len(ids) + len(PARENTS) + 1)
@@ -47,12 +51,15 @@ def test_each_tree_node_gets_its_branch_logits_and_the_path_its_keys(tmp_path, n
         return kv
 
     kv, others = prefilled(), [prefilled(prompt[:7]), prefilled(prompt[3:])]
-    got, *_ = eng.forward([tokens, [5, 6, 7], [8]], [kv, *others], trees=[tree, None, None], tree_paths=paths)
-    assert kv.length == len(prompt) + len(PARENTS)
-    for m in range(len(PARENTS)):
-        branch = [tokens[a] for a in tree.ancestors(m)]
-        (want,) = eng.forward([branch], [prefilled()])
-        assert same(got[m], want[-1]), (name, layout, m, tree.depth[m], (got[m] - want[-1]).abs().max())
+    kv2 = prefilled(prompt2)
+    got, _, got2, _ = eng.forward([tokens, [5, 6, 7], tokens2, [8]], [kv, others[0], kv2, others[1]],
+                                  trees=[tree, None, tree2, None], tree_paths=paths)
+    assert kv.length == len(prompt) + len(PARENTS) and kv2.length == len(prompt2) + len(parents2)
+    for t, toks, base, out in ((tree, tokens, prompt, got), (tree2, tokens2, prompt2, got2)):
+        for m in range(len(t)):
+            branch = [toks[a] for a in t.ancestors(m)]
+            (want,) = eng.forward([branch], [prefilled(base)])
+            assert same(out[m], want[-1]), (name, layout, m, t.depth[m], (out[m] - want[-1]).abs().max())
     path = tree.ancestors(17)  # 0 1 2 ... 9 17: a path that leaves the chain at its end
     src, dst = kv.path_slots(len(prompt) - 1, [r + 1 for r in path])
     eng.pool.move(src, dst)
