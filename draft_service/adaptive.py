@@ -30,10 +30,21 @@ class TauController:
     trials: float = 0.0
     steer: bool = True  # follow the verifier's load (row_price); off for seeded sampled requests (DESIGN.md §7)
     price: float = 0.0  # the verifier's last row_price: tokens of its goodput one more proposal row costs
+    second_hits: float = 0.0  # rejections whose verifier token was the draft's second choice (a greedy chain's pre-drafts follow those)
+    second_trials: float = 0.0
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.accepted = self.decay * self.accepted + accepted
         self.trials = self.decay * self.trials + accepted + (1 if accepted < drafted else 0)
+
+    def observe_second(self, hit: bool) -> None:
+        """A rejection in a round whose pre-draft followed it: whether the verifier's token was the draft's second choice."""
+        self.second_hits = self.decay * self.second_hits + hit
+        self.second_trials = self.decay * self.second_trials + 1
+
+    def second(self) -> float:
+        """How often a rejection's token is the draft's second choice: starts at 0 (a prior of prior_weight / 2 rejections, none of them hits)."""
+        return self.second_hits / (self.second_trials + self.prior_weight / 2)
 
     def estimate(self) -> float:
         a = (self.accepted + self.alpha * self.prior_weight) / (self.trials + self.prior_weight)
@@ -55,7 +66,7 @@ class TauController:
 
     def choose(self) -> int:
         """The tau of the best predicted tokens/s for the session, capped by the verifier's load."""
-        return min(choose_gamma(self.costs, self.estimate(), self.max_tau, self.predraft), self.goodput_cap())
+        return min(choose_gamma(self.costs, self.estimate(), self.max_tau, self.predraft, self.second()), self.goodput_cap())
 
 
 @dataclass

@@ -9,8 +9,9 @@ next token and yields them with the verifier's finish reason, until that reason 
 
 * Adaptive tau (draft_service/adaptive.py) picks tau per round from the acceptance so far and costs calibrated once.
 * Pre-drafting: while round k is verified, a thread drafts round k+1 assuming all of round k is
-  accepted and guessing the bonus token (draft_service/drafter.py); the verdict decides whether
-  it is used or dropped.
+  accepted and guessing the bonus token, and for a greedy chain also after each rejection whose
+  correction is the draft's second choice (draft_service/drafter.py); the verdict decides which
+  one is used, if any.
 * Fallback: when the session's measured acceptance makes the draft model slower than target-only
   rounds (adaptive.DraftJudge, from the same costs), the loop stops running the model for the
   session and sends rounds without proposals: the verifier answers each with the target's next
@@ -225,19 +226,19 @@ class DecodeLoop:
                 path = list(v.accepted_path) if tree else list(range(n))
                 new = [prop.tokens[i] for i in path] + ([v.next_token] if v.HasField("next_token") else [])
                 sent, prop = prop, None
-                if pending is not None:  # keep the pre-draft only if its assumed context came true
+                if pending is not None:  # keep a pre-draft only if the context it assumed came true
                     task, ahead_ctl = pending
-                    if (path != sent.guess if tree else n < len(sent.tokens)) or not v.HasField("next_token"):
-                        ahead_ctl.reject()
-                    else:
-                        ahead_ctl.bonus(v.next_token)
+                    ahead_ctl.verdict((n, v.next_token) if v.HasField("next_token") and (path == sent.guess or not tree) else None)
                     ahead = await task  # the thread owns the draft cache until it returns
                     pending = None
-                    if not ahead_ctl.is_set() and ahead.tokens:
-                        prop = ahead
+                    got = ahead.get(ahead_ctl.outcome())
+                    if got is not None and got.tokens:
+                        prop = got
                         stats.predraft_hits += 1
                     else:
                         stats.predraft_misses += 1
+                    if ctl and not tree and sent.alts and n < len(sent.tokens) and v.HasField("next_token"):
+                        ctl.observe_second(v.next_token == sent.alts[n])
                 st.ids.extend(new)
                 if tree and self.calibration and sent.ranks:
                     self.calibration.observe(sent, path)
@@ -268,7 +269,7 @@ class DecodeLoop:
                     return
         finally:
             if pending is not None:
-                pending[1].reject()  # the thread stops after its current step
+                pending[1].verdict(None)  # the thread stops after its current step
 
     def _lookup_left(self) -> bool:
         """Whether hybrid prompt lookup still proposes for the session."""

@@ -9,9 +9,11 @@ so it stays in step with the committed sequence after rejections, and with an as
 when pre-drafting.
 
 Pre-drafting: while round k is verified, the draft assumes all its tau proposals are accepted,
-guesses the bonus token (the draft's own argmax) and drafts round k+1 after it. Exact: the
-proposals of round k+1 are still samples from q given their context, and are used only when
-the verdict shows that context was right.
+guesses the bonus token (the draft's own argmax) and drafts round k+1 after it. A greedy chain
+prepares more outcomes at once (`outcomes`): besides that one, each "the first j proposals
+accepted, then the verifier's token is the draft's second choice at j", all in one batched pass a
+step. Exact: the proposals of round k+1 are still the draft's own given their context, and are
+used only when the verdict shows that context was right.
 
 Each sample the draft draws at absolute position i uses the keyed uniform at (seed, i, DRAFT)
 (specdec/sampling.py), so a pre-draft that is thrown away, or a step timed differently, changes
@@ -26,7 +28,7 @@ import torch
 from draft_service import tree
 from draft_service.lookup import lookup
 from draft_service.stepbatch import StepBatcher
-from specdec.engine import KVCache
+from specdec.engine import KVCache, Tree
 from specdec.lm import LM
 from specdec.proposal import Proposal, ids_only, wire_q
 from specdec.sampling import DRAFT, probs_from_logits, sample
@@ -35,23 +37,29 @@ from specdec.validation import GenParams
 __all__ = ["Drafter", "DraftState", "PredraftControl", "Proposal"]
 
 
+Outcome = tuple[int, int]  # a round's verdict as a pre-draft sees it: (tokens accepted, the verifier's next token)
+
+
 class PredraftControl:
-    """Tells a pre-draft in flight when to stop: reject() once the verdict rejected part of the
-    round, or bonus(token) once the verifier's bonus token is known and differs from the guess."""
+    """Between a pre-draft in flight and the decode loop: the pre-draft publishes the outcomes it
+    prepares (`wanted`, once it knows them); the loop tells it the verdict's (`verdict`, None for
+    one no pre-draft can follow: a tree off its likeliest path, a round without a next token).
+    is_set() once the verdict is known and not prepared: the pre-draft stops after its step."""
 
     def __init__(self):
-        self._rejected = False
-        self._bonus: int | None = None
-        self.guess: int | None = None
+        self._verdict: Outcome | None = None
+        self._known = False
+        self.wanted: set[Outcome] | None = None
 
-    def reject(self) -> None:
-        self._rejected = True
+    def verdict(self, outcome: Outcome | None) -> None:
+        self._verdict, self._known = outcome, True
 
-    def bonus(self, token: int) -> None:
-        self._bonus = token
+    def outcome(self) -> Outcome | None:
+        """The verdict, once known and prepared; else None."""
+        return self._verdict if self._known and self.wanted is not None and self._verdict in self.wanted else None
 
     def is_set(self) -> bool:
-        return self._rejected or (self._bonus is not None and self.guess is not None and self._bonus != self.guess)
+        return self._known and (self._verdict is None or (self.wanted is not None and self._verdict not in self.wanted))
 
 
 @dataclass
@@ -73,7 +81,8 @@ class Drafter:
 
     def new_state(self, params: GenParams, max_context: int | None = None) -> DraftState:
         limit = max_context or self.lm.max_context
-        ahead = 2 * params.tau + 2 + (tree.BEAM * params.tau if params.tree_budget else 0)  # pre-drafts look ahead; a tree's nodes
+        # pre-drafts look ahead: a tree's nodes; a greedy chain's outcomes (`outcomes`: up to tau + 1 branches of tau)
+        ahead = 2 * params.tau + 2 + (tree.BEAM * params.tau if params.tree_budget else (params.tau + 1) * params.tau if params.sampling.greedy else 0)
         room = min(len(params.prompt_ids) + params.max_new_tokens + ahead, limit)
         return DraftState(ids=list(params.prompt_ids), params=params, cache=KVCache(room))
 
@@ -105,8 +114,9 @@ class Drafter:
             if ids_only(prm.mode) or prm.sampling.greedy:  # q is the one-hot at the argmax
                 if i and prm.early_stop_p > 0 and float(torch.softmax(logits, -1).max()) < prm.early_stop_p:
                     break  # the draft is unsure: end the round here
-                x = int(logits.argmax())
+                x, alt = torch.topk(logits, 2).indices.tolist()
                 out.add_one_hot(x, prm.mode, logits.shape[-1])
+                out.alts.append(alt)  # the second choice: a greedy pre-draft's guess where x is rejected
                 context.append(x)
                 continue
             q = probs_from_logits(logits, prm.sampling)  # [V]
@@ -127,15 +137,64 @@ class Drafter:
         return tree.grow(self, st, budget, depth, context, stop, floor, cost, calibration)
 
     def predraft(self, st: DraftState, sent: Proposal, tau: int, ctl: PredraftControl, budget: int = 0,
-                 floor: float = 0.0, cost: tuple[float, float] | None = None, calibration: tree.Calibration | None = None) -> Proposal:
-        """Assumes `sent` is all accepted (a tree: its most likely path) and guesses the bonus token
-        (ctl.guess, the draft's argmax); returns the round after it (a tree where budget is given;
-        cut short if ctl says the assumption failed)."""
+                 floor: float = 0.0, cost: tuple[float, float] | None = None,
+                 calibration: tree.Calibration | None = None) -> dict[Outcome, Proposal]:
+        """The next round for each outcome of `sent` it prepares: `sent` all accepted (a tree: its
+        most likely path) with the draft's argmax as the bonus token (a tree where budget is
+        given), and for a greedy chain with second choices (`sent.alts`) also each outcome that
+        keeps its first j proposals and gets the second choice at j (`outcomes`). Cut short once
+        ctl says the verdict is none of them."""
         context = st.ids + sent.assumed()
-        ctl.guess = int(self._feed(st, context).argmax())
+        guess = int(self._feed(st, context).argmax())
         if budget:
-            return self.propose_tree(st, budget, tau, context + [ctl.guess], ctl, floor, cost, calibration)
-        return self.propose(st, tau, context + [ctl.guess], ctl)
+            ctl.wanted = {(len(sent.assumed()), guess)}
+            return {(len(sent.assumed()), guess): self.propose_tree(st, budget, tau, context + [guess], ctl, floor, cost, calibration)}
+        if sent.alts and sent.parents is None and st.params.sampling.greedy:
+            return self.outcomes(st, sent, tau, guess, ctl)
+        ctl.wanted = {(len(sent.tokens), guess)}
+        return {(len(sent.tokens), guess): self.propose(st, tau, context + [guess], ctl)}
+
+    def outcomes(self, st: DraftState, sent: Proposal, tau: int, guess: int, ctl: PredraftControl) -> dict[Outcome, Proposal]:
+        """A greedy chain's pre-draft for several outcomes at once: all of `sent` accepted with
+        `guess` next, and each "sent.tokens[:j] accepted, then sent.alts[j]". The cache holds the
+        context and sent's tokens (`predraft` fed them); each outcome's next token is a node of a
+        tree over them, and every step runs the outcomes still open as one tree pass, each row
+        attending its own branch. Once the verdict is known only its outcome runs on. The cache
+        holds the context and sent's tokens after (the next feed brings it to the outcome's)."""
+        prm, V, base = st.params, self.lm.vocab_size, len(st.ids)
+        heads = [(len(sent.tokens), guess, len(sent.tokens) - 1)] + [(j, a, j - 1) for j, a in enumerate(sent.alts)]
+        parents = list(range(-1, len(sent.tokens) - 1))  # the chain of sent's tokens: nodes 0..len-1, in the cache
+        props, leaf, run = {}, {}, []  # per outcome its proposal and newest node; the outcomes to run and their tokens
+        for n, c, parent in heads:
+            props[n, c] = Proposal()
+            parents.append(parent)
+            leaf[n, c] = len(parents) - 1
+            run.append(((n, c), c))
+        ctl.wanted = set(props)
+        try:
+            for i in range(tau):
+                if ctl.is_set() or base + len(parents) > st.cache.capacity:  # near the context limit the cache has less room
+                    break
+                logits = self.batcher.forward_tree(st.cache, [x for _, x in run], Tree(base, tuple(parents)))  # [len(run), V]
+                top = torch.topk(logits, 2, dim=-1).indices.tolist()
+                known, nxt = ctl.outcome(), []
+                for k, (o, _) in enumerate(run):
+                    if i and prm.early_stop_p > 0 and float(torch.softmax(logits[k], -1).max()) < prm.early_stop_p:
+                        continue  # the draft is unsure: that outcome's round ends here
+                    if known is not None and o != known:
+                        continue  # the verdict is in: only its outcome runs on
+                    props[o].add_one_hot(top[k][0], prm.mode, V)
+                    props[o].alts.append(top[k][1])
+                    nxt.append((o, top[k][0]))
+                for o, x in nxt:
+                    parents.append(leaf[o])
+                    leaf[o] = len(parents) - 1
+                run = nxt
+                if not run:
+                    break
+        finally:
+            st.cache.crop(base + len(sent.tokens))  # the outcomes' nodes go; the cache holds the context and sent's tokens
+        return props
 
     def lookup(self, st: DraftState, tau: int, min_ngram: int = 1) -> Proposal:
         """Prompt-lookup proposal with one-hot q in the session's mode ([] tokens if no match)."""

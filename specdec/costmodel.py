@@ -63,29 +63,31 @@ class Costs:
         return self.verify_base + gamma * self.verify_per_token
 
 
-def round_seconds(costs: Costs, alpha: float, gamma: int, predraft: bool) -> float:
+def round_seconds(costs: Costs, alpha: float, gamma: int, predraft: bool, second: float = 0.0) -> float:
     """Expected wall time of one round of gamma proposals.
 
     Without pre-drafting the draft proposes gamma tokens, then waits for the verdict:
     gamma * t_d + V(gamma). With it, round k+1 (a bonus guess plus gamma steps) is drafted while
     round k is verified; it is used when all gamma proposals were accepted and the guessed bonus
-    was right (probability about alpha^(gamma+1)), and then the round costs
+    was right (probability about alpha^(gamma+1)), or, where pre-drafts also follow each rejection
+    with the draft's second choice as the verifier's token (a greedy chain), when that choice was
+    right (probability `second` given a rejection); then the round costs
     max(V(gamma), (gamma+1) * t_d); otherwise it is drafted again after the verdict."""
     v, d = costs.verify(gamma), gamma * costs.draft_step
     if not predraft:
         return d + v
-    hit = alpha ** (gamma + 1)
+    hit = alpha ** (gamma + 1) + (1 - alpha**gamma) * second
     return hit * max(v, d + costs.draft_step) + (1 - hit) * (v + d)
 
 
-def tokens_per_second(costs: Costs, alpha: float, gamma: int, predraft: bool) -> float:
+def tokens_per_second(costs: Costs, alpha: float, gamma: int, predraft: bool, second: float = 0.0) -> float:
     """The model's prediction for one session: E(gamma) / expected round time."""
-    return expected_tokens(alpha, gamma) / round_seconds(costs, alpha, gamma, predraft)
+    return expected_tokens(alpha, gamma) / round_seconds(costs, alpha, gamma, predraft, second)
 
 
-def choose_gamma(costs: Costs, alpha: float, max_gamma: int, predraft: bool) -> int:
+def choose_gamma(costs: Costs, alpha: float, max_gamma: int, predraft: bool, second: float = 0.0) -> int:
     """The gamma in 1..max_gamma with the highest predicted tokens/s (the smallest on ties)."""
-    return max(range(1, max_gamma + 1), key=lambda g: (tokens_per_second(costs, alpha, g, predraft), -g))
+    return max(range(1, max_gamma + 1), key=lambda g: (tokens_per_second(costs, alpha, g, predraft, second), -g))
 
 
 def tree_size(scores: list[float], fixed_s: float, row_s: float) -> int:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from specdec.costmodel import best_gamma, expected_tokens, round_cost, speedup
+from specdec.costmodel import Costs, best_gamma, choose_gamma, expected_tokens, round_cost, round_seconds, speedup
 
 
 def test_expected_tokens_closed_forms():
@@ -56,3 +56,25 @@ def test_best_gamma():
     # a slow network makes longer rounds pay: the round cost is dominated by 1 + rho
     assert best_gamma(0.8, 0.1, range(1, 17), rho=10.0) > g
     assert best_gamma(0.5, 0.0, range(1, 5)) == 4  # ties impossible here; free drafting: the maximum
+
+
+def test_round_seconds_counts_the_predrafts_that_follow_a_rejection():
+    """With pre-drafting a round costs max(V, (gamma + 1) t_d) when its pre-draft is used, else
+    V + gamma t_d: used after all gamma accepted with the right bonus guess (alpha^(gamma+1)) and,
+    for a greedy chain's pre-drafts (`second`), after a rejection whose token was the draft's
+    second choice. Checked against a simulation of the outcomes."""
+    costs = Costs(draft_step=0.002, verify_base=0.012, verify_per_token=0.0004)
+    alpha, gamma, second = 0.6, 4, 0.45
+    v, d = costs.verify(gamma), gamma * costs.draft_step
+    rng, total, rounds = random.Random(1), 0.0, 100_000
+    for _ in range(rounds):
+        n = 0
+        while n < gamma and rng.random() < alpha:
+            n += 1
+        hit = rng.random() < (alpha if n == gamma else second)  # the guessed next token was the verifier's
+        total += max(v, d + costs.draft_step) if hit else v + d
+    assert round_seconds(costs, alpha, gamma, True, second) == pytest.approx(total / rounds, rel=0.005)
+    assert round_seconds(costs, alpha, gamma, True) > round_seconds(costs, alpha, gamma, True, second)
+    assert round_seconds(costs, alpha, gamma, False, second) == pytest.approx(v + d)  # no pre-draft: nothing to use
+    # rejections that are cheap to follow make longer rounds pay
+    assert choose_gamma(costs, 0.5, 8, True, 0.9) > choose_gamma(costs, 0.5, 8, True)
