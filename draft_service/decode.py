@@ -238,7 +238,7 @@ class DecodeLoop:
                     else:
                         stats.predraft_misses += 1
                     if ctl and not tree and sent.alts and n < len(sent.tokens) and v.HasField("next_token"):
-                        ctl.observe_second(v.next_token == sent.alts[n])
+                        ctl.observe_second(v.next_token in sent.alts[n])
                 st.ids.extend(new)
                 if tree and self.calibration and sent.ranks:
                     self.calibration.observe(sent, path)

@@ -11,8 +11,8 @@ when pre-drafting.
 Pre-drafting: while round k is verified, the draft assumes all its tau proposals are accepted,
 guesses the bonus token (the draft's own argmax) and drafts round k+1 after it. A greedy chain
 prepares more outcomes at once (`outcomes`): besides that one, each "the first j proposals
-accepted, then the verifier's token is the draft's second choice at j", all in one batched pass a
-step. Exact: the proposals of round k+1 are still the draft's own given their context, and are
+accepted, then the verifier's token is the draft's second choice at j" (CHOICES), all in one
+batched pass a step. Exact: the proposals of round k+1 are still the draft's own given their context, and are
 used only when the verdict shows that context was right.
 
 Each sample the draft draws at absolute position i uses the keyed uniform at (seed, i, DRAFT)
@@ -37,6 +37,9 @@ from specdec.validation import GenParams
 __all__ = ["Drafter", "DraftState", "PredraftControl", "Proposal"]
 
 
+# a greedy chain's pre-draft follows each rejection with each of the draft's next this many choices (1: its second);
+# 2 prepared more outcomes but was no faster on the shipped pair (bench/results/ENGINE.md)
+CHOICES = 1
 Outcome = tuple[int, int]  # a round's verdict as a pre-draft sees it: (tokens accepted, the verifier's next token)
 
 
@@ -81,8 +84,8 @@ class Drafter:
 
     def new_state(self, params: GenParams, max_context: int | None = None) -> DraftState:
         limit = max_context or self.lm.max_context
-        # pre-drafts look ahead: a tree's nodes; a greedy chain's outcomes (`outcomes`: up to tau + 1 branches of tau)
-        ahead = 2 * params.tau + 2 + (tree.BEAM * params.tau if params.tree_budget else (params.tau + 1) * params.tau if params.sampling.greedy else 0)
+        # pre-drafts look ahead: a tree's nodes; a greedy chain's outcomes (`outcomes`: up to CHOICES * tau + 1 branches of tau)
+        ahead = 2 * params.tau + 2 + (tree.BEAM * params.tau if params.tree_budget else (CHOICES * params.tau + 1) * params.tau if params.sampling.greedy else 0)
         room = min(len(params.prompt_ids) + params.max_new_tokens + ahead, limit)
         return DraftState(ids=list(params.prompt_ids), params=params, cache=KVCache(room))
 
@@ -114,9 +117,9 @@ class Drafter:
             if ids_only(prm.mode) or prm.sampling.greedy:  # q is the one-hot at the argmax
                 if i and prm.early_stop_p > 0 and float(torch.softmax(logits, -1).max()) < prm.early_stop_p:
                     break  # the draft is unsure: end the round here
-                x, alt = torch.topk(logits, 2).indices.tolist()
+                x, *alts = torch.topk(logits, 1 + CHOICES).indices.tolist()
                 out.add_one_hot(x, prm.mode, logits.shape[-1])
-                out.alts.append(alt)  # the second choice: a greedy pre-draft's guess where x is rejected
+                out.alts.append(tuple(alts))  # the next choices: a greedy pre-draft's guesses where x is rejected
                 context.append(x)
                 continue
             q = probs_from_logits(logits, prm.sampling)  # [V]
@@ -141,8 +144,8 @@ class Drafter:
                  calibration: tree.Calibration | None = None) -> dict[Outcome, Proposal]:
         """The next round for each outcome of `sent` it prepares: `sent` all accepted (a tree: its
         most likely path) with the draft's argmax as the bonus token (a tree where budget is
-        given), and for a greedy chain with second choices (`sent.alts`) also each outcome that
-        keeps its first j proposals and gets the second choice at j (`outcomes`). Cut short once
+        given), and for a greedy chain with its next choices (`sent.alts`) also each outcome that
+        keeps its first j proposals and gets one of the draft's next CHOICES choices at j (`outcomes`). Cut short once
         ctl says the verdict is none of them."""
         context = st.ids + sent.assumed()
         guess = int(self._feed(st, context).argmax())
@@ -156,13 +159,13 @@ class Drafter:
 
     def outcomes(self, st: DraftState, sent: Proposal, tau: int, guess: int, ctl: PredraftControl) -> dict[Outcome, Proposal]:
         """A greedy chain's pre-draft for several outcomes at once: all of `sent` accepted with
-        `guess` next, and each "sent.tokens[:j] accepted, then sent.alts[j]". The cache holds the
+        `guess` next, and each "sent.tokens[:j] accepted, then one of sent.alts[j]". The cache holds the
         context and sent's tokens (`predraft` fed them); each outcome's next token is a node of a
         tree over them, and every step runs the outcomes still open as one tree pass, each row
         attending its own branch. Once the verdict is known only its outcome runs on. The cache
         holds the context and sent's tokens after (the next feed brings it to the outcome's)."""
         prm, V, base = st.params, self.lm.vocab_size, len(st.ids)
-        heads = [(len(sent.tokens), guess, len(sent.tokens) - 1)] + [(j, a, j - 1) for j, a in enumerate(sent.alts)]
+        heads = [(len(sent.tokens), guess, len(sent.tokens) - 1)] + [(j, a, j - 1) for j, alts in enumerate(sent.alts) for a in alts]
         parents = list(range(-1, len(sent.tokens) - 1))  # the chain of sent's tokens: nodes 0..len-1, in the cache
         props, leaf, run = {}, {}, []  # per outcome its proposal and newest node; the outcomes to run and their tokens
         for n, c, parent in heads:
@@ -176,7 +179,7 @@ class Drafter:
                 if ctl.is_set() or base + len(parents) > st.cache.capacity:  # near the context limit the cache has less room
                     break
                 logits = self.batcher.forward_tree(st.cache, [x for _, x in run], Tree(base, tuple(parents)))  # [len(run), V]
-                top = torch.topk(logits, 2, dim=-1).indices.tolist()
+                top = torch.topk(logits, 1 + CHOICES, dim=-1).indices.tolist()
                 known, nxt = ctl.outcome(), []
                 for k, (o, _) in enumerate(run):
                     if i and prm.early_stop_p > 0 and float(torch.softmax(logits[k], -1).max()) < prm.early_stop_p:
@@ -184,7 +187,7 @@ class Drafter:
                     if known is not None and o != known:
                         continue  # the verdict is in: only its outcome runs on
                     props[o].add_one_hot(top[k][0], prm.mode, V)
-                    props[o].alts.append(top[k][1])
+                    props[o].alts.append(tuple(top[k][1:]))
                     nxt.append((o, top[k][0]))
                 for o, x in nxt:
                     parents.append(leaf[o])

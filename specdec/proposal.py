@@ -37,7 +37,7 @@ class Proposal:
     parents: list[int] | None = None  # a tree: each token's parent token, or -1 (the pending token)
     guess: list[int] = field(default_factory=list)  # a tree: its most likely path (indices), what a pre-draft assumes
     ranks: list[tuple[int, float]] = field(default_factory=list)  # a tree: each node's rank among its siblings, draft probability
-    alts: list[int] = field(default_factory=list)  # a draft model's chain: its second choice at each token (not sent; pre-drafts guess it)
+    alts: list[tuple[int, ...]] = field(default_factory=list)  # a draft model's chain: its next choices at each token (not sent; pre-drafts guess them)
 
     def to_round(self, number: int) -> pb.Round:
         return pb.Round(round=number, tokens=self.tokens, q_counts=self.q_counts, q_ids=self.q_ids, q_probs=self.q_probs,

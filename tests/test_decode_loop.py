@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from client import Client
 from specdec.costmodel import Costs
 from draft_service.decode import DecodeLoop
-from draft_service.drafter import Drafter, PredraftControl
+from draft_service.drafter import CHOICES, Drafter, PredraftControl
 from specdec.errors import Refusal, RequestError
 from specdec.lm import LM
 from specdec.validation import parse_generate
@@ -174,9 +174,9 @@ def test_greedy_loop_equals_target_generate(drafters, target, draft, features):
         assert hits > 0, "a perfect draft must hit its pre-drafts"
 
 
-def test_a_greedy_predraft_prepares_each_rejection_with_the_drafts_second_choice(drafters):
+def test_a_greedy_predraft_prepares_each_rejection_with_the_drafts_next_choices(drafters):
     """A greedy chain's pre-draft prepares, besides "all accepted, then the draft's argmax", each
-    outcome "the first j accepted, then the draft's second choice at j", in one tree pass a step:
+    outcome "the first j accepted, then one of the draft's next CHOICES choices at j", in one tree pass a step:
     each prepared round is the round the draft proposes afresh after that outcome; afterwards the
     cache holds the context and the sent tokens. The verdict picks its outcome, or stops the rest."""
     d = drafters("draft")
@@ -185,11 +185,11 @@ def test_a_greedy_predraft_prepares_each_rejection_with_the_drafts_second_choice
     st = d.new_state(g)
     d.prefill(st)
     sent = d.propose(st, 4)
-    assert len(sent.tokens) == len(sent.alts) == 4 and all(a != x for a, x in zip(sent.alts, sent.tokens))
+    assert len(sent.tokens) == len(sent.alts) == 4 and all(len(a) == CHOICES and x not in a for a, x in zip(sent.alts, sent.tokens))
     ctl = PredraftControl()
     ahead = d.predraft(st, sent, 4, ctl)
     guess = next(c for n, c in ahead if n == 4)
-    assert set(ahead) == ctl.wanted == {(4, guess)} | {(j, a) for j, a in enumerate(sent.alts)}
+    assert set(ahead) == ctl.wanted == {(4, guess)} | {(j, a) for j, alts in enumerate(sent.alts) for a in alts}
     assert st.cache.length == len(prompt) + 4 and st.cached == prompt + sent.tokens
     for (n, c), prop in ahead.items():
         fresh = d.new_state(request(d, prompt_ids=prompt + sent.tokens[:n] + [c], max_new_tokens=40, num_draft_tokens=4))
@@ -197,11 +197,11 @@ def test_a_greedy_predraft_prepares_each_rejection_with_the_drafts_second_choice
         want = d.propose(fresh, 4)
         assert (prop.tokens, prop.alts) == (want.tokens, want.alts), (n, c)
     told = PredraftControl()
-    told.verdict((1, sent.alts[1]))  # the verdict is in before the pre-draft starts: only its outcome runs on
+    told.verdict((1, sent.alts[1][-1]))  # the verdict is in before the pre-draft starts: only its outcome runs on
     only = d.predraft(st, sent, 4, told)
-    assert told.outcome() == (1, sent.alts[1]) and not told.is_set()
-    assert only[1, sent.alts[1]].tokens == ahead[1, sent.alts[1]].tokens
-    assert all(not p.tokens for o, p in only.items() if o != (1, sent.alts[1]))  # the others took no step
+    assert told.outcome() == (1, sent.alts[1][-1]) and not told.is_set()
+    assert only[1, sent.alts[1][-1]].tokens == ahead[1, sent.alts[1][-1]].tokens
+    assert all(not p.tokens for o, p in only.items() if o != (1, sent.alts[1][-1]))  # the others took no step
     missed = PredraftControl()
     missed.verdict((2, -1))  # an outcome no pre-draft prepared
     assert all(not p.tokens for p in d.predraft(st, sent, 4, missed).values()) and missed.is_set() and missed.outcome() is None
