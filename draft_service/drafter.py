@@ -10,9 +10,9 @@ when pre-drafting.
 
 Pre-drafting: while round k is verified, the draft assumes all its tau proposals are accepted,
 guesses the bonus token (the draft's own argmax) and drafts round k+1 after it. A greedy chain
-prepares more outcomes at once (`outcomes`): besides that one, each "the first j proposals
-accepted, then the verifier's token is the draft's second choice at j" (CHOICES), all in one
-batched pass a step. Exact: the proposals of round k+1 are still the draft's own given their context, and are
+prepares more outcomes at once (`outcomes`), while the model serves no other session: besides
+that one, each "the first j proposals accepted, then the verifier's token is the draft's second
+choice at j" (CHOICES), all in one batched pass a step. Exact: the proposals of round k+1 are still the draft's own given their context, and are
 used only when the verdict shows that context was right.
 
 Each sample the draft draws at absolute position i uses the keyed uniform at (seed, i, DRAFT)
@@ -145,14 +145,16 @@ class Drafter:
         """The next round for each outcome of `sent` it prepares: `sent` all accepted (a tree: its
         most likely path) with the draft's argmax as the bonus token (a tree where budget is
         given), and for a greedy chain with its next choices (`sent.alts`) also each outcome that
-        keeps its first j proposals and gets one of the draft's next CHOICES choices at j (`outcomes`). Cut short once
+        keeps its first j proposals and gets one of the draft's next CHOICES choices at j
+        (`outcomes`), unless the model serves other sessions meanwhile (StepBatcher.shared): their
+        steps come first. Cut short once
         ctl says the verdict is none of them."""
         context = st.ids + sent.assumed()
         guess = int(self._feed(st, context).argmax())
         if budget:
             ctl.wanted = {(len(sent.assumed()), guess)}
             return {(len(sent.assumed()), guess): self.propose_tree(st, budget, tau, context + [guess], ctl, floor, cost, calibration)}
-        if sent.alts and sent.parents is None and st.params.sampling.greedy:
+        if sent.alts and sent.parents is None and st.params.sampling.greedy and not self.batcher.shared():
             return self.outcomes(st, sent, tau, guess, ctl)
         ctl.wanted = {(len(sent.tokens), guess)}
         return {(len(sent.tokens), guess): self.propose(st, tau, context + [guess], ctl)}
