@@ -5,7 +5,9 @@ included), from the session's own acceptance history and costs calibrated once a
 Nothing here reads a clock: the same request with the same calibration chooses the same taus
 whatever else runs, so its random draws, keyed by position, repeat (DESIGN.md §3, §7) — except
 the cap from the verifier's load (`goodput_cap`, the price each verdict carries), which seeded
-sampled requests do without. alpha is the
+sampled requests do without, and for greedy sessions (whose tokens do not depend on tau) the
+pre-drafts that follow rejections, which run only while the draft model serves the session
+alone (`follows`, `second`). alpha is the
 maximum-likelihood estimate for a geometric run, accepted / (accepted + rejections), over the
 rounds seen so far with older rounds decayed, starting from a prior worth a few rounds.
 
@@ -32,6 +34,7 @@ class TauController:
     price: float = 0.0  # the verifier's last row_price: tokens of its goodput one more proposal row costs
     second_hits: float = 0.0  # rejections whose verifier token was the draft's second choice (a greedy chain's pre-drafts follow those)
     second_trials: float = 0.0
+    follows: bool = False  # the last pre-draft followed rejections too (drafter.outcomes): the cost model counts those hits
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.accepted = self.decay * self.accepted + accepted
@@ -66,7 +69,8 @@ class TauController:
 
     def choose(self) -> int:
         """The tau of the best predicted tokens/s for the session, capped by the verifier's load."""
-        return min(choose_gamma(self.costs, self.estimate(), self.max_tau, self.predraft, self.second()), self.goodput_cap())
+        second = self.second() if self.follows else 0.0
+        return min(choose_gamma(self.costs, self.estimate(), self.max_tau, self.predraft, second), self.goodput_cap())
 
 
 @dataclass

@@ -237,8 +237,10 @@ class DecodeLoop:
                         stats.predraft_hits += 1
                     else:
                         stats.predraft_misses += 1
-                    if ctl and not tree and sent.alts and n < len(sent.tokens) and v.HasField("next_token"):
-                        ctl.observe_second(v.next_token in sent.alts[n])
+                    if ctl:  # whether this session's pre-drafts follow rejections (not while the draft model is shared)
+                        ctl.follows = len(ahead_ctl.wanted or ()) > 1
+                        if ctl.follows and n < len(sent.tokens) and v.HasField("next_token"):
+                            ctl.observe_second(v.next_token in sent.alts[n])
                 st.ids.extend(new)
                 if tree and self.calibration and sent.ranks:
                     self.calibration.observe(sent, path)
