@@ -167,6 +167,8 @@ class DecodeLoop:
         """Yields (committed ids, verifier finish reason) per round; the last has a reason set."""
         st, stats, ctl = self.state, self.stats, self.tau
         pending = None  # a pre-draft in flight: (task, its PredraftControl)
+        serving = self.drafter.serving()
+        serving.__enter__()
         try:
             await self._timed(call.write(self.start()))
             # a session that starts in a run, or without the model (its record), drafts nothing yet: its cache
@@ -272,6 +274,7 @@ class DecodeLoop:
         finally:
             if pending is not None:
                 pending[1].verdict(None)  # the thread stops after its current step
+            serving.__exit__(None, None, None)
 
     def _lookup_left(self) -> bool:
         """Whether hybrid prompt lookup still proposes for the session."""

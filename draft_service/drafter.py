@@ -21,6 +21,8 @@ no later draw.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +83,23 @@ class Drafter:
     def __init__(self, lm: LM):
         self.lm = lm
         self.batcher = StepBatcher(lm.engine)
+        self._live = 0  # sessions whose decode loops run now (`serving`)
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def serving(self):
+        """Held by a session's decode loop while it runs: how many sessions the model serves at once."""
+        with self._lock:
+            self._live += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._live -= 1
+
+    def shared(self) -> bool:
+        """Whether the model serves other sessions beside one: then its spare steps are theirs."""
+        return self._live > 1
 
     def new_state(self, params: GenParams, max_context: int | None = None) -> DraftState:
         limit = max_context or self.lm.max_context
@@ -146,15 +165,15 @@ class Drafter:
         most likely path) with the draft's argmax as the bonus token (a tree where budget is
         given), and for a greedy chain with its next choices (`sent.alts`) also each outcome that
         keeps its first j proposals and gets one of the draft's next CHOICES choices at j
-        (`outcomes`), unless the model serves other sessions meanwhile (StepBatcher.shared): their
-        steps come first. Cut short once
+        (`outcomes`), unless the model serves other sessions meanwhile (`shared`): their steps
+        come first. Cut short once
         ctl says the verdict is none of them."""
         context = st.ids + sent.assumed()
         guess = int(self._feed(st, context).argmax())
         if budget:
             ctl.wanted = {(len(sent.assumed()), guess)}
             return {(len(sent.assumed()), guess): self.propose_tree(st, budget, tau, context + [guess], ctl, floor, cost, calibration)}
-        if sent.alts and sent.parents is None and st.params.sampling.greedy and not self.batcher.shared():
+        if sent.alts and sent.parents is None and st.params.sampling.greedy and not self.shared():
             return self.outcomes(st, sent, tau, guess, ctl)
         ctl.wanted = {(len(sent.tokens), guess)}
         return {(len(sent.tokens), guess): self.propose(st, tau, context + [guess], ctl)}

@@ -19,7 +19,6 @@ from specdec.engine import PREFILL_CHUNK, Engine, KVCache, Tree
 
 STEP_TOKENS = 8  # a forward over at most this many tokens counts as a decode step
 MAX_BATCH = 128  # decode steps per pass
-SHARED_PASSES = 32  # the model counts as shared while one of its last this many passes held several sessions' steps
 
 
 class _Step:
@@ -38,12 +37,6 @@ class StepBatcher:
         self._cv = threading.Condition()
         self._waiting: list[_Step] = []
         self._busy = False
-        self._alone = SHARED_PASSES  # passes since the last one that held several sessions' steps
-
-    def shared(self) -> bool:
-        """Whether the model serves several sessions at once (one of its last SHARED_PASSES passes
-        batched steps of more than one cache): then its spare steps are theirs, not guesses'."""
-        return self._alone < SHARED_PASSES
 
     def forward(self, cache: KVCache, tokens: list[int], logits: bool = True) -> torch.Tensor | None:
         """Runs `tokens` after `cache` (written in place); returns the logits after the last token [V]
@@ -81,7 +74,6 @@ class StepBatcher:
             steps = [s for s in self._waiting if len(s.tokens) <= STEP_TOKENS][:MAX_BATCH] or self._waiting[:1]
             self._waiting = [s for s in self._waiting if all(s is not b for b in steps)]
         metrics.DRAFT_BATCH_SIZE.observe(len(steps))
-        self._alone = 0 if len({id(s.cache) for s in steps}) > 1 else self._alone + 1
         try:
             # a tree's nodes through the tree mask: the draft's numbers need no chain equality (any q it sends is exact)
             outs = self.engine.forward([s.tokens for s in steps], [s.cache for s in steps], [s.logits for s in steps],

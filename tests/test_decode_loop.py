@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
-import time
 
 import grpc
 import pytest
@@ -20,7 +18,6 @@ from client import Client
 from specdec.costmodel import Costs
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import CHOICES, Drafter, PredraftControl
-from draft_service.stepbatch import SHARED_PASSES
 from specdec.errors import Refusal, RequestError
 from specdec.lm import LM
 from specdec.validation import parse_generate
@@ -211,42 +208,22 @@ def test_a_greedy_predraft_prepares_each_rejection_with_the_drafts_next_choices(
 
 
 def test_a_shared_draft_model_prepares_one_outcome(model_dir):
-    """While the draft model serves several sessions at once (their steps share its passes), a
+    """While the draft model serves other sessions too (their decode loops run in the process), a
     pre-draft prepares only "all accepted, then the argmax": the model's steps are the sessions'."""
     d = Drafter(LM.load(model_dir("draft")))
     prompt = prompts(1, seed=9)[0]
-    states = [d.new_state(request(d, prompt_ids=prompt, max_new_tokens=40, num_draft_tokens=4)) for _ in range(4)]
-    for st in states:
-        d.prefill(st)
-    sent = d.propose(states[0], 4)
-    stop = threading.Event()
-
-    def steps(st):  # three sessions stepping at once: a pass takes every step that waits
-        for _ in range(200):
-            if stop.is_set():
-                return
-            d.batcher.forward(st.cache, [5])
-            st.cache.crop(len(prompt) - 1)
-
-    threads = [threading.Thread(target=steps, args=(st,)) for st in states[1:]]
-    for t in threads:
-        t.start()
-    for _ in range(400):
-        if d.batcher.shared():
-            break
-        time.sleep(0.005)
-    assert d.batcher.shared()
-    ctl = PredraftControl()
-    one = d.predraft(states[0], sent, 4, ctl)
-    stop.set()
-    for t in threads:
-        t.join()
-    assert len(one) == len(ctl.wanted) == 1 and next(iter(one))[0] == 4
-    for _ in range(SHARED_PASSES):  # a session alone again: after SHARED_PASSES passes of one cache it is not shared
-        d.batcher.forward(states[0].cache, [5])
-        states[0].cache.crop(len(prompt) + 4)
-    assert not d.batcher.shared()
-    assert len(d.predraft(states[0], sent, 4, PredraftControl())) == 1 + len(sent.tokens)
+    st = d.new_state(request(d, prompt_ids=prompt, max_new_tokens=40, num_draft_tokens=4))
+    d.prefill(st)
+    sent = d.propose(st, 4)
+    with d.serving():
+        assert not d.shared()
+        with d.serving():  # a second session's loop
+            assert d.shared()
+            ctl = PredraftControl()
+            one = d.predraft(st, sent, 4, ctl)
+            assert len(one) == len(ctl.wanted) == 1 and next(iter(one))[0] == 4
+        assert not d.shared()
+        assert len(d.predraft(st, sent, 4, PredraftControl())) == 1 + len(sent.tokens)
 
 
 def test_the_context_limit_ends_the_loop(drafters, model_dir):
