@@ -200,3 +200,24 @@ def test_the_core_path_without_the_cpu_tier_serves_the_models_own_logits(model_d
         with torch.no_grad():
             want = reference(torch.tensor([s])).logits[0, -3:]
         torch.testing.assert_close(lg, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_cache_takes_consecutive_pages_where_the_pool_has_them():
+    """Pages come back to the pool in any order; a new cache takes the first run of consecutive free
+    pages long enough for it (a session alone in its group then reads its keys as a view, no
+    gather), else the lowest free ones and fresh ones after them; nothing is handed out twice."""
+    from specdec.engine import Pool
+
+    pool = Pool(torch.float32, torch.device("cpu"))
+    a, b, c = pool.cache(16 * 3), pool.cache(16 * 2), pool.cache(16 * 4)
+    assert a.pages == [1, 2, 3] and b.pages == [4, 5] and c.pages == [6, 7, 8, 9]
+    c.release()
+    a.release()
+    e = pool.cache(16 * 4)
+    assert e.pages == [6, 7, 8, 9]  # the run c gave back, not a's three lowest plus one
+    f = pool.cache(16 * 2)
+    assert f.pages == [1, 2]
+    d = pool.cache(16 * 3)  # no run of 3 left: page 3, then fresh ones
+    assert d.pages == [3, 10, 11]
+    held = [p for x in (b, d, e, f) for p in x.pages]
+    assert len(held) == len(set(held))

@@ -11,7 +11,7 @@ rows write there and masked key positions read there, and nothing reads it unmas
 
 The pool's tensors start as zeros and grow (doubling) on the thread that runs the passes, when
 pages past their end are handed out; pages come back to a free list when a cache is released or
-garbage-collected. Nothing is copied when sessions join, leave or share a pass.
+garbage-collected, and a cache takes a run of consecutive free pages where there is one (`take`). Nothing is copied when sessions join, leave or share a pass.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class Pool:
         self.k: list[torch.Tensor] = []  # per layer [slots, H_kv, D]
         self.v: list[torch.Tensor] = []
         self._pages = 1  # pages handed out so far, the trash page 0 included
-        self._free: list[int] = []
+        self._free: list[int] = []  # pages given back, ascending
         self._lock = threading.RLock()  # a finalizer may hand pages back from inside `take`
 
     def cache(self, capacity: int) -> "KVCache":
@@ -42,8 +42,18 @@ class Pool:
         return c
 
     def take(self, n: int) -> list[int]:
+        """n pages: the first run of n consecutive free ones if there is one (a session alone in
+        its group then reads its keys as a view of the pool, layout.py: no gather), else the
+        lowest free ones, then fresh ones past the end."""
         with self._lock:
-            got = [self._free.pop() for _ in range(min(n, len(self._free)))]
+            free = self._free  # ascending
+            start = next((i for i in range(len(free) - n + 1) if free[i + n - 1] - free[i] == n - 1), None)
+            if start is not None:
+                got = free[start : start + n]
+                del free[start : start + n]
+                return got
+            got = free[:n]
+            del free[:n]
             fresh = n - len(got)
             got += range(self._pages, self._pages + fresh)
             self._pages += fresh
@@ -51,7 +61,7 @@ class Pool:
 
     def give(self, pages: list[int]) -> None:
         with self._lock:
-            self._free.extend(pages)
+            self._free = sorted(self._free + pages)
 
     @property
     def slots(self) -> int:
