@@ -9,9 +9,9 @@ next token and yields them with the verifier's finish reason, until that reason 
 
 * Adaptive tau (draft_service/adaptive.py) picks tau per round from the acceptance so far and costs calibrated once.
 * Pre-drafting: while round k is verified, a thread drafts round k+1 assuming all of round k is
-  accepted and guessing the bonus token, and for a greedy chain also after each rejection whose
-  correction is the draft's second choice (draft_service/drafter.py); the verdict decides which
-  one is used, if any.
+  accepted and guessing the bonus token, and for a greedy chain the draft serves alone also
+  after each rejection whose correction is the draft's second choice (draft_service/drafter.py);
+  the verdict decides which one is used, if any.
 * Fallback: when the session's measured acceptance makes the draft model slower than target-only
   rounds (adaptive.DraftJudge, from the same costs), the loop stops running the model for the
   session and sends rounds without proposals: the verifier answers each with the target's next

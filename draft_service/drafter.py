@@ -12,8 +12,9 @@ Pre-drafting: while round k is verified, the draft assumes all its tau proposals
 guesses the bonus token (the draft's own argmax) and drafts round k+1 after it. A greedy chain
 prepares more outcomes at once (`outcomes`), while the model serves no other session: besides
 that one, each "the first j proposals accepted, then the verifier's token is the draft's second
-choice at j" (CHOICES), all in one batched pass a step. Exact: the proposals of round k+1 are still the draft's own given their context, and are
-used only when the verdict shows that context was right.
+choice at j" (CHOICES), all in one batched pass a step. Exact: the proposals of round k+1 are
+still the draft's own given their context, and are used only when the verdict shows that context
+was right.
 
 Each sample the draft draws at absolute position i uses the keyed uniform at (seed, i, DRAFT)
 (specdec/sampling.py), so a pre-draft that is thrown away, or a step timed differently, changes
@@ -104,7 +105,8 @@ class Drafter:
     def new_state(self, params: GenParams, max_context: int | None = None) -> DraftState:
         limit = max_context or self.lm.max_context
         # pre-drafts look ahead: a tree's nodes; a greedy chain's outcomes (`outcomes`: up to CHOICES * tau + 1 branches of tau)
-        ahead = 2 * params.tau + 2 + (tree.BEAM * params.tau if params.tree_budget else (CHOICES * params.tau + 1) * params.tau if params.sampling.greedy else 0)
+        outcomes = (CHOICES * params.tau + 1) * params.tau if params.sampling.greedy else 0
+        ahead = 2 * params.tau + 2 + (tree.BEAM * params.tau if params.tree_budget else outcomes)
         room = min(len(params.prompt_ids) + params.max_new_tokens + ahead, limit)
         return DraftState(ids=list(params.prompt_ids), params=params, cache=KVCache(room))
 
@@ -166,8 +168,7 @@ class Drafter:
         given), and for a greedy chain with its next choices (`sent.alts`) also each outcome that
         keeps its first j proposals and gets one of the draft's next CHOICES choices at j
         (`outcomes`), unless the model serves other sessions meanwhile (`shared`): their steps
-        come first. Cut short once
-        ctl says the verdict is none of them."""
+        come first. Cut short once ctl says the verdict is none of them."""
         context = st.ids + sent.assumed()
         guess = int(self._feed(st, context).argmax())
         if budget:
@@ -180,8 +181,8 @@ class Drafter:
 
     def outcomes(self, st: DraftState, sent: Proposal, tau: int, guess: int, ctl: PredraftControl) -> dict[Outcome, Proposal]:
         """A greedy chain's pre-draft for several outcomes at once: all of `sent` accepted with
-        `guess` next, and each "sent.tokens[:j] accepted, then one of sent.alts[j]". The cache holds the
-        context and sent's tokens (`predraft` fed them); each outcome's next token is a node of a
+        `guess` next, and each "sent.tokens[:j] accepted, then one of sent.alts[j]". The cache
+        holds the context and sent's tokens (`predraft` fed them); each outcome's next token is a node of a
         tree over them, and every step runs the outcomes still open as one tree pass, each row
         attending its own branch. Once the verdict is known only its outcome runs on. The cache
         holds the context and sent's tokens after (the next feed brings it to the outcome's)."""

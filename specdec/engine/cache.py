@@ -11,7 +11,8 @@ rows write there and masked key positions read there, and nothing reads it unmas
 
 The pool's tensors start as zeros and grow (doubling) on the thread that runs the passes, when
 pages past their end are handed out; pages come back to a free list when a cache is released or
-garbage-collected, and a cache takes a run of consecutive free pages where there is one (`take`). Nothing is copied when sessions join, leave or share a pass.
+garbage-collected, and a cache takes a run of consecutive free pages where there is one (`take`).
+Nothing is copied when sessions join, leave or share a pass.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class Pool:
         self.k: list[torch.Tensor] = []  # per layer [slots, H_kv, D]
         self.v: list[torch.Tensor] = []
         self._pages = 1  # pages handed out so far, the trash page 0 included
-        self._free: list[int] = []  # pages given back, ascending
+        self._free: list[int] = []  # free pages, ascending (`take` alone changes it)
+        self._back: list[int] = []  # pages given back since the last `take`
         self._lock = threading.RLock()  # a finalizer may hand pages back from inside `take`
 
     def cache(self, capacity: int) -> "KVCache":
@@ -46,7 +48,8 @@ class Pool:
         its group then reads its keys as a view of the pool, layout.py: no gather), else the
         lowest free ones, then fresh ones past the end."""
         with self._lock:
-            free = self._free  # ascending
+            back, self._back = self._back, []  # a finalizer that gives pages back meanwhile adds to the new list
+            free = self._free = sorted(self._free + back)
             start = next((i for i in range(len(free) - n + 1) if free[i + n - 1] - free[i] == n - 1), None)
             if start is not None:
                 got = free[start : start + n]
@@ -61,7 +64,7 @@ class Pool:
 
     def give(self, pages: list[int]) -> None:
         with self._lock:
-            self._free = sorted(self._free + pages)
+            self._back.extend(pages)
 
     @property
     def slots(self) -> int:
