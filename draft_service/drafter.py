@@ -169,15 +169,15 @@ class Drafter:
         keeps its first j proposals and gets one of the draft's next CHOICES choices at j
         (`outcomes`), unless the model serves other sessions meanwhile (`shared`): their steps
         come first. Cut short once ctl says the verdict is none of them."""
-        context = st.ids + sent.assumed()
+        assumed = sent.assumed()
+        context = st.ids + assumed
         guess = int(self._feed(st, context).argmax())
-        if budget:
-            ctl.wanted = {(len(sent.assumed()), guess)}
-            return {(len(sent.assumed()), guess): self.propose_tree(st, budget, tau, context + [guess], ctl, floor, cost, calibration)}
-        if sent.alts and sent.parents is None and st.params.sampling.greedy and not self.shared():
+        if not budget and sent.alts and sent.parents is None and st.params.sampling.greedy and not self.shared():
             return self.outcomes(st, sent, tau, guess, ctl)
-        ctl.wanted = {(len(sent.tokens), guess)}
-        return {(len(sent.tokens), guess): self.propose(st, tau, context + [guess], ctl)}
+        ctl.wanted = {(len(assumed), guess)}
+        after = context + [guess]
+        prop = self.propose_tree(st, budget, tau, after, ctl, floor, cost, calibration) if budget else self.propose(st, tau, after, ctl)
+        return {(len(assumed), guess): prop}
 
     def outcomes(self, st: DraftState, sent: Proposal, tau: int, guess: int, ctl: PredraftControl) -> dict[Outcome, Proposal]:
         """A greedy chain's pre-draft for several outcomes at once: all of `sent` accepted with
