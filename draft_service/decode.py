@@ -111,7 +111,7 @@ class DecodeLoop:
         sampling = pb.SamplingParams(temperature=g.sampling.temperature, top_k=g.sampling.top_k, top_p=g.sampling.top_p, seed=g.seed)
         return pb.VerifyRequest(start=pb.SessionStart(
             prompt_ids=g.prompt_ids, max_new_tokens=g.max_new_tokens, sampling=sampling,
-            proposal_mode=g.mode, vocab_fingerprint=self.fingerprint, request_id=g.request_id))
+            proposal_mode=g.mode, vocab_fingerprint=self.fingerprint, request_id=g.request_id, tree_budget=g.tree_budget))
 
     def cap(self, extra: int = 0) -> int:
         """Most proposals a round may carry once `extra` more tokens are committed: never more
@@ -122,11 +122,17 @@ class DecodeLoop:
 
     def tree_budget(self, tau: int) -> int:
         """Nodes of this round's tree (0: a chain): the request's tree_budget while the model drafts
-        with evidence (judged sessions start with one-token chains), as far as the tokens left allow."""
+        with evidence (judged sessions start with one-token chains) and a token may follow the next."""
         b = self.params.tree_budget
-        if not b or tau == 0 or self.fallen_back or (self.judge and not self.judge.accepted):
+        if not b or tau == 0 or self.fallen_back or (self.judge and not self.judge.accepted) or not self.cap():
             return 0
-        return min(b, self.cap())
+        return self.tree_room(b)
+
+    def tree_room(self, budget: int, extra: int = 0) -> int:
+        """Nodes a tree may have once `extra` more tokens are committed: the verifier reserved room
+        for the request's tree_budget past its last token (SessionStart.tree_budget), so only the
+        context limit cuts it; its depth is cut to the tokens left (`cap`)."""
+        return max(0, min(budget, self.max_context - len(self.state.ids) - extra))
 
     def floor(self) -> float:
         """The lowest branch probability a tree node may have: what one more row costs the verifier's
@@ -214,7 +220,7 @@ class DecodeLoop:
                 if self.predraft and not prop.lookup and next_cap > 0 and not self.fallen_back:
                     ahead_ctl = PredraftControl()
                     # a tree's pre-draft is a tree after its likeliest path
-                    more = (min(budget, self.cap(assumed)), self.floor(), self.tree_cost(), self.calibration) if tree else ()
+                    more = (self.tree_room(budget, assumed), self.floor(), self.tree_cost(), self.calibration) if tree else ()
                     pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl, *more)), ahead_ctl)
                 v = await self._timed(call.read(), self._first_read_scale() if stats.rounds == 1 else 1)
                 if v is grpc.aio.EOF:

@@ -48,7 +48,8 @@ class GreedyVerifier:
     forward over the whole sequence), the greedy acceptance rule (accept while a proposal is the
     argmax; the next token is the argmax at the first miss, or the bonus), then the verifier's end
     rules (EOS, max_new_tokens, context) applied token by token. It also checks what the loop
-    sends: rounds numbered 1, 2, ..., ids-only proposals, never more than fit."""
+    sends: rounds numbered 1, 2, ..., ids-only proposals, never more than fit (a tree: no deeper
+    than the tokens left allow, no more nodes than SessionStart.tree_budget reserved)."""
 
     def __init__(self, model, max_context: int):
         self.model, self.max_context = model, max_context
@@ -61,6 +62,7 @@ class GreedyVerifier:
             st = req.start
             assert st.proposal_mode == pb.PROPOSAL_MODE_GREEDY and st.sampling.temperature == 0
             self.ids, self.prompt_len, self.max_new = list(st.prompt_ids), len(st.prompt_ids), st.max_new_tokens
+            self.tree_budget = st.tree_budget
             return
         r = req.round
         assert not self.finished, "a round after the session finished"
@@ -69,8 +71,12 @@ class GreedyVerifier:
         assert not (r.q_counts or r.q_ids or r.q_probs), "greedy mode sends ids only"
         tokens = list(r.tokens)
         generated = len(self.ids) - self.prompt_len
-        assert len(tokens) <= self.max_new - generated - 1 and len(self.ids) + len(tokens) <= self.max_context
         parents = list(r.parents)
+        depth = []
+        for p in parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        assert max(depth, default=len(tokens)) <= self.max_new - generated - 1 and len(self.ids) + len(tokens) <= self.max_context
+        assert len(tokens) <= (self.tree_budget if parents else self.max_new - generated - 1)
         if parents:  # a tree: walk the argmax branch (the greedy tree rule)
             path, nxt = self._walk(tokens, parents)
             tokens, n = [tokens[m] for m in path], len(path)

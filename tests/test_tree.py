@@ -261,6 +261,41 @@ def test_tree_budget_past_the_verifiers_limit_is_refused_by_name(services):
         c.generate(prompt_ids=[3, 4], max_new_tokens=4, tree_budget=65)
 
 
+def test_a_tree_session_keeps_its_trees_width_in_its_last_round(services):
+    """SessionStart.tree_budget reserves room for a tree past the request's end: a round with
+    more nodes than tokens left keeps them all (its accepted path may run through the last one),
+    where a session without it has its round cut to the tokens left; a budget past the verify
+    service's limit is refused by name."""
+    import grpc
+
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+    v, _ = services("target", "draft")
+    prompt = [3, 4, 5, 6]
+    with Client(v.address, target_only=True, timeout=60) as vc:
+        want = vc.generate(prompt_ids=prompt, max_new_tokens=2).token_ids  # the target's greedy pair
+        fp = vc.info().vocab_fingerprint
+    wrong = [t for t in range(2, 16) if t != want[0]][:4]
+    tokens, parents = wrong + [want[0], want[1]], [-1] * 5 + [4]  # four wrong siblings, then the target's branch
+    with grpc.insecure_channel(v.address) as ch:
+        stub = pb_grpc.VerifyStub(ch)
+
+        def first_verdict(**start):
+            msgs = [pb.VerifyRequest(start=pb.SessionStart(prompt_ids=prompt, max_new_tokens=2, proposal_mode=pb.PROPOSAL_MODE_GREEDY,
+                                                           vocab_fingerprint=fp, **start)),
+                    pb.VerifyRequest(round=pb.Round(round=1, tokens=tokens, parents=parents))]
+            return next(iter(stub.Session(iter(msgs), timeout=60)))
+
+        wide = first_verdict(tree_budget=len(tokens))
+        assert list(wide.accepted_path) == [4, 5] and wide.num_accepted == 2 and not wide.HasField("next_token")
+        assert wide.finish_reason == pb.FINISH_REASON_LENGTH
+        cut = first_verdict()  # no reservation: the round is cut to its first 2 nodes, both wrong
+        assert list(cut.accepted_path) == [] and cut.num_accepted == 0 and cut.next_token == want[0]
+        with pytest.raises(grpc.RpcError) as e:
+            first_verdict(tree_budget=65)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tree_budget" in e.value.details() and "64" in e.value.details()
+
+
 def test_greedy_trees_equal_target_only_on_the_tiny_pair(services):
     v, d = services("target", "draft")
     counts = collections.Counter()

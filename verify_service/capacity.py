@@ -1,9 +1,9 @@
 """Admission: how many sessions and cached tokens the verify service takes, and the refusal
 (RESOURCE_EXHAUSTED, with a retry hint from the server) when it is full.
 
-Every session reserves room for its whole run at admission, min(prompt + max_new_tokens,
-context), and its cache takes that many slots of the engine's pool (specdec/engine/cache.py, rounded up to
-whole pages), so the token budget is the memory budget: tokens x kv_bytes_per_token in the
+Every session reserves room for its whole run at admission, and for one tree round past it:
+min(prompt + max_new_tokens + tree_budget, context). Its cache takes that many slots of the
+engine's pool (specdec/engine/cache.py, rounded up to whole pages), so the token budget is the memory budget: tokens x kv_bytes_per_token in the
 pool's dtype (the engine plan's kv_dtype).
 """
 from __future__ import annotations

@@ -98,9 +98,11 @@ class Scheduler:
     # ---- sessions ---------------------------------------------------------------------------
 
     def open(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, seed: int, mode: int,
-             request_id: str = "") -> Session:
-        """Admits a session (its arguments already validated); reserves its cache room."""
-        need = min(len(prompt_ids) + max_new_tokens, self.lm.max_context)
+             request_id: str = "", tree_budget: int = 0) -> Session:
+        """Admits a session (its arguments already validated); reserves its cache room: its whole
+        run, and room for a tree of `tree_budget` nodes past its last token (so its last rounds'
+        trees keep their width), up to the context limit."""
+        need = min(len(prompt_ids) + max_new_tokens + tree_budget, self.lm.max_context)
         self.capacity.admit(need)
         with self._lock:
             sid, self._next_sid = self._next_sid, self._next_sid + 1
@@ -138,7 +140,9 @@ class Scheduler:
         """One round: a pass over [pending, tokens] (batched with other sessions), acceptance, commit.
         With parents, the tokens are a tree's nodes (DESIGN.md §12)."""
         s.next_round += 1
-        left = s.max_new_tokens - s.generated  # proposals past max_new_tokens could never be emitted (nor a tree's stored)
+        # a chain's proposals past max_new_tokens could never be emitted; a tree's nodes past the
+        # session's reserved room could not be stored (`open`; commit cuts what passes max_new_tokens)
+        left = s.max_new_tokens - s.generated if parents is None else s.cache.capacity - len(s.ids)
         if len(tokens) > left:
             tokens, q = tokens[:left], None if q is None else q[:left]
             parents = None if parents is None else parents[:left]  # parents come first: still a tree

@@ -53,9 +53,12 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             raise invalid(f"start.max_new_tokens must be in [1, {self.lm.max_context}], got {st.max_new_tokens}")
         if st.proposal_mode not in pb.ProposalMode.values():
             raise invalid(f"start.proposal_mode: unknown value {st.proposal_mode}")
+        if st.tree_budget > MAX_ROUND_TOKENS:
+            raise invalid(f"start.tree_budget: {st.tree_budget} nodes; this verify service allows at most {MAX_ROUND_TOKENS} (Info.max_tree_budget)")
         sampling = validation.parse_sampling(st.sampling)
         seed = validation.parse_seed(st.sampling)
-        return self.engine.open(list(st.prompt_ids), st.max_new_tokens, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE, st.request_id)
+        return self.engine.open(list(st.prompt_ids), st.max_new_tokens, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE, st.request_id,
+                                tree_budget=st.tree_budget)
 
     def _check_round(self, s, r: pb.Round):
         """The round's proposals as (token ids, q on the host or None), every wire rule checked; the

@@ -220,20 +220,22 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., seed: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class SessionStart(_message.Message):
-    __slots__ = ("prompt_ids", "max_new_tokens", "sampling", "proposal_mode", "vocab_fingerprint", "request_id")
+    __slots__ = ("prompt_ids", "max_new_tokens", "sampling", "proposal_mode", "vocab_fingerprint", "request_id", "tree_budget")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_MODE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     sampling: SamplingParams
     proposal_mode: ProposalMode
     vocab_fingerprint: str
     request_id: str
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., proposal_mode: _Optional[_Union[ProposalMode, str]] = ..., vocab_fingerprint: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    tree_budget: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., proposal_mode: _Optional[_Union[ProposalMode, str]] = ..., vocab_fingerprint: _Optional[str] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class Round(_message.Message):
     __slots__ = ("round", "tokens", "q_counts", "q_ids", "q_probs", "target_only_steps", "parents")
