@@ -3,8 +3,8 @@
 
 Every session reserves room for its whole run at admission, and for one tree round past it:
 min(prompt + max_new_tokens + tree_budget, context). Its cache takes that many slots of the
-engine's pool (specdec/engine/cache.py, rounded up to whole pages), so the token budget is the memory budget: tokens x kv_bytes_per_token in the
-pool's dtype (the engine plan's kv_dtype).
+engine's pool (specdec/engine/cache.py, rounded up to whole pages), so the token budget is the
+memory budget: tokens x kv_bytes_per_token in the pool's dtype (the engine plan's kv_dtype).
 """
 from __future__ import annotations
 

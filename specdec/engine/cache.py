@@ -2,8 +2,8 @@
 
 The pool holds, per layer, one K and one V tensor [slots, H_kv, D] on the model's device, cut
 into pages of PAGE token slots. A session's cache (`KVCache`) owns whole pages: as many as its
-reservation needs (prompt + max_new_tokens + its tree budget, capped at the context), taken once, at admission
-(`Pool.cache`) or at its first pass. A token's keys and values live at slot
+reservation needs (prompt + max_new_tokens + its tree budget, capped at the context), taken
+once, at admission (`Pool.cache`) or at its first pass. A token's keys and values live at slot
 page[pos // PAGE] * PAGE + pos % PAGE; a pass writes its new tokens there with one `index_copy_`
 per layer, and reads a session's keys back through the same mapping (specdec/engine/layout.py, attention.py).
 A rejection only moves the session's length back. Page 0 is the trash page: a pass's padding
