@@ -15,7 +15,8 @@ rounds seen so far with older rounds decayed, starting from a prior worth a few 
 its measured acceptance makes speculation slower than target-only rounds."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from specdec.costmodel import Costs, choose_gamma, tokens_per_second
 
@@ -137,7 +138,23 @@ PROBE_S = 0.5  # ... and their seconds, summed: one session's few rounds are too
 RELAY = 1.1  # a run's seconds per token over the verifier's quote, until measured (`Pace.ran`): through the draft
 # each token of a run is relayed (one more message each way)
 RELAY_DECAY = 0.98  # weight of the measured relay factor after each later run step
-HOLD_S = (1.0, 8.0)  # how long target-only holds after speculation lost: first, and at most (doubling)
+HOLD_S = (2.0, 30.0)  # how long target-only holds at a load after speculation lost there: first, and at most (doubling)
+IDLE_S = 0.25  # the most one gap between verdicts counts toward a hold: a hold runs on busy time, not idle time
+LOAD_S = 1.0  # the load the pace acts on: the highest class among the verdicts of the last this-many busy seconds
+
+
+def load_class(sessions: int) -> int:
+    """A verifier load as the pace tells loads apart: its open sessions by powers of two (1, 2-3,
+    4-7, 8-15, ...); 0 for a verifier that does not say (VerifyResponse.open_sessions)."""
+    return max(0, sessions).bit_length()
+
+
+@dataclass
+class Hold:
+    """The pace's verdict at one load class: target-only for `left` more busy seconds; the next
+    lost comparison there holds for `next`."""
+    left: float = 0.0
+    next: float = HOLD_S[0]
 
 
 @dataclass
@@ -146,18 +163,28 @@ class Pace:
     sessions that follow the load (DESIGN.md §7): the draft's measured speed per session in its
     speculative rounds (tokens over wall time, verdict to verdict) against the speed the verifier
     quotes for a target-only session now (VerifyResponse.target_only_s), times `relay`: what a run's
-    steps measured over the quote (verdict to verdict, relayed through this process). When speculation is
-    slower, sessions run target-only for `hold` seconds (runs of target-only steps on the
-    verifier), then speculate again for PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each lost probe
-    doubles the next hold (up to HOLD_S[1]), a won one halves it (down to HOLD_S[0]). Reads a clock: seeded sampled
-    requests never use it."""
+    steps measured over the quote (verdict to verdict, relayed through this process). The verdict
+    is kept per load class (the verifier's open sessions, `load_class`): when speculation is slower
+    at a load, sessions run target-only there for a hold (runs of target-only steps on the
+    verifier), then speculate again for PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each
+    lost probe doubles that load's next hold (up to HOLD_S[1]), a won one halves it (down to
+    HOLD_S[0]). Time is busy time: the gaps between this process's verdicts, each counted up to
+    IDLE_S, so an idle spell neither ends a hold nor is taken for evidence. The load acted on is
+    the highest class the verdicts of the last LOAD_S busy seconds saw: a batch's sessions ending
+    one by one, or a new batch's first sessions, are not taken for a lighter load, and a load that
+    stays lower is judged on its own within LOAD_S. Reads a clock: seeded sampled requests never
+    use it."""
     clock: object = None  # time.monotonic unless a test gives one
     seconds: float = 0.0  # the window's speculative rounds, summed over sessions ...
     quoted: float = 0.0  # ... and their tokens' seconds at the target-only quote of their time
     rounds: int = 0
+    loads: dict = field(default_factory=dict)  # the window's rounds by load class
     target_only_s: float = 0.0
-    until: float = 0.0  # target-only until then
-    hold: float = HOLD_S[0]
+    load: int = 0  # the load class acted on: the highest of the last LOAD_S busy seconds
+    busy: float = 0.0  # busy seconds so far
+    peaks: deque = field(default_factory=deque)  # (busy, class): the classes that may still be the window's highest
+    holds: dict = field(default_factory=dict)  # load class -> Hold
+    last: float | None = None  # when the last verdict came (the busy clock)
     lost: int = 0  # probes speculation lost (for stats and tests)
     probe_rounds: int = PROBE_ROUNDS
     relay: float = RELAY
@@ -166,28 +193,51 @@ class Pace:
         import time
         return (self.clock or time.monotonic)()
 
-    def quote(self, target_only_s: float) -> None:
+    def quote(self, target_only_s: float, sessions: int = 0) -> None:
+        """Any verdict: the quote and load it came with; the busy time since the last one counts
+        toward the hold of the load it passed at."""
+        now = self.now()
+        if self.last is not None:
+            gap = min(max(now - self.last, 0.0), IDLE_S)
+            self.busy += gap
+            if self.load in self.holds:
+                self.holds[self.load].left -= gap
+        self.last = now
         if target_only_s > 0:
             self.target_only_s = target_only_s
+        c, peaks = load_class(sessions), self.peaks
+        while peaks and peaks[-1][1] <= c:
+            peaks.pop()
+        peaks.append((self.busy, c))
+        while peaks[0][0] < self.busy - LOAD_S:
+            peaks.popleft()
+        self.load = peaks[0][1]
 
-    def observe(self, tokens: int, seconds: float, target_only_s: float) -> None:
+    def held(self) -> bool:
+        hold = self.holds.get(self.load)
+        return hold is not None and hold.left > 0
+
+    def observe(self, tokens: int, seconds: float, target_only_s: float, sessions: int = 0) -> None:
         """One speculative round of some session: its committed tokens and wall seconds."""
-        self.quote(target_only_s)
-        if self.now() < self.until or not self.target_only_s:
+        self.quote(target_only_s, sessions)
+        if self.held() or not self.target_only_s:
             return  # a round of a session that came out of a run early (the window is for the probe), or no quote
         self.quoted += tokens * self.target_only_s
         self.seconds += seconds
         self.rounds += 1
+        self.loads[self.load] = self.loads.get(self.load, 0) + 1
         if self.rounds < self.probe_rounds or self.seconds < PROBE_S:
             return
+        hold = self.holds.setdefault(max(self.loads, key=self.loads.get), Hold())  # the load most of the window saw
         if self.seconds > self.relay * self.quoted:
-            self.until = self.now() + self.hold
-            self.hold = min(2 * self.hold, HOLD_S[1])
+            hold.left = hold.next
+            hold.next = min(2 * hold.next, HOLD_S[1])
             self.lost += 1
         else:  # halved, not reset: one lucky window under a steady load does not bring the short holds back
-            self.hold = max(HOLD_S[0], self.hold / 2)
+            hold.next = max(HOLD_S[0], hold.next / 2)
         self.seconds = self.quoted = 0.0
         self.rounds = 0
+        self.loads = {}
 
     def ran(self, seconds: float, target_only_s: float) -> None:
         """One step of a run, seconds from the verdict before it, against the quote it came with."""
@@ -195,11 +245,11 @@ class Pace:
             self.relay = RELAY_DECAY * self.relay + (1 - RELAY_DECAY) * seconds / target_only_s
 
     def run(self) -> int:
-        """Target-only steps a session should run now (0: speculate): enough to last the hold."""
-        left = self.until - self.now()
-        if left <= 0 or not self.target_only_s:
+        """Target-only steps a session should run now (0: speculate): enough to last the hold at
+        the load of the last verdict."""
+        if not self.held() or not self.target_only_s:
             return 0
-        return max(RUN_MIN, min(RUN_MAX, int(left / self.target_only_s)))
+        return max(RUN_MIN, min(RUN_MAX, int(self.holds[self.load].left / self.target_only_s)))
 
 
 PACE = Pace()  # the draft process's (decode.py): its sessions share one verdict on the load

@@ -263,9 +263,9 @@ class DecodeLoop:
                     # not the first round (it holds the verifier's prefill of the prompt), nor the first after a run
                     # (it holds the draft's catch-up on the run's tokens, the whole prompt after a start in a run)
                     if sent.tokens and stats.rounds > 1 and (caught_up or sent.lookup):
-                        self.pace.observe(len(new), t3 - t_mark, v.target_only_s)
+                        self.pace.observe(len(new), t3 - t_mark, v.target_only_s, v.open_sessions)
                     else:
-                        self.pace.quote(v.target_only_s)
+                        self.pace.quote(v.target_only_s, v.open_sessions)
                 caught_up = caught_up or (bool(sent.tokens) and not sent.lookup)
                 t_mark = t3
                 if self.judge and not sent.lookup:
@@ -322,7 +322,7 @@ class DecodeLoop:
             if self.tau:
                 self.tau.load(v.row_price)
             if self.pace:
-                self.pace.quote(v.target_only_s)
+                self.pace.quote(v.target_only_s, v.open_sessions)
                 if got > 1:  # the first verdict's wait holds the request's trip (and a prefill)
                     self.pace.ran(t1 - t0, v.target_only_s)
             t0 = t1

@@ -8,7 +8,8 @@ import dataclasses
 import grpc
 
 from client import Client
-from draft_service.adaptive import EXPLORE_EVERY, HOLD_S, PROBE_ROUNDS, PROBE_S, RECORD_STREAK, ModelRecord, Pace
+from draft_service.adaptive import (EXPLORE_EVERY, HOLD_S, IDLE_S, LOAD_S, PROBE_ROUNDS, PROBE_S, RECORD_STREAK, Hold, ModelRecord,
+                                    Pace, load_class)
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
 from specdec.costmodel import Costs
@@ -34,17 +35,17 @@ class Clock:
         return self.t
 
 
-class TickingPace(Pace):
-    """A pace whose clock jumps 2 s at its 10th verdict quote: the end of a first run of 10 target-only
-    steps, after which a hold of 1 s is over."""
+class EndingPace(Pace):
+    """A pace holding target-only at the verifier's load of one session until its 10th verdict
+    quote: the end of a first run of 10 target-only steps."""
 
     quotes = 0
 
-    def quote(self, target_only_s: float) -> None:
-        super().quote(target_only_s)
+    def quote(self, target_only_s: float, sessions: int = 0) -> None:
+        super().quote(target_only_s, sessions)
         self.quotes += 1
         if self.quotes == 10:
-            self.clock.t += 2.0
+            self.holds[load_class(1)].left = 0.0
 
 
 def params(n, temperature=0.0, seeded=False):
@@ -75,17 +76,19 @@ def test_runs_on_the_verifier_are_exact_and_speculation_resumes(model_dir):
             sampled = c.generate(prompt_ids=PROMPT, max_new_tokens=40, temperature=1.0, seed=7).token_ids
         lm = LM.load(target, "cpu", "float32")  # the target as its own draft: every proposal accepted
         clock = Clock()
-        # speculation lost: target-only for a second (10 steps); no new verdict after (timing is not tested)
-        pace = TickingPace(clock=clock, target_only_s=0.1, until=clock.t + 1.0, probe_rounds=10**6)
+        # speculation lost at this load: target-only for a second (10 steps); no new verdict after (timing is not tested)
+        pace = EndingPace(clock=clock, target_only_s=0.1, load=load_class(1), holds={load_class(1): Hold(left=1.0)},
+                          probe_rounds=10**6)
         loop = DecodeLoop(Drafter(lm), params(80), lm.fingerprint, lm.max_context, costs=COSTS, pace=pace)
         assert asyncio.run(_session(v.address, loop)) == greedy
         s = loop.summary()
         assert s.run_steps == 10 and s.target_only_rounds == s.run_steps  # one run, then drafting
+        assert pace.load == load_class(1) and pace.peaks  # its verdicts said one session was open (open_sessions)
         assert s.prefill_s == 0  # it started in the run: the draft's cache caught up when it first drafted
         assert s.drafted > 0 and s.accepted == s.drafted  # its cache caught up: the target agrees with itself
         assert s.rounds - s.run_steps < 80 - s.run_steps  # the rest in rounds of several tokens
 
-        pace = Pace(clock=Clock(), target_only_s=0.01, until=1e9)
+        pace = Pace(clock=Clock(), target_only_s=0.01, load=load_class(1), holds={load_class(1): Hold(left=1e9)})
         loop = DecodeLoop(Drafter(lm), params(40, 1.0, seeded=True), lm.fingerprint, lm.max_context, costs=COSTS)
         loop.pace = pace  # as if it followed the load (seeded sampled requests do not): all target-only
         assert asyncio.run(_session(v.address, loop)) == sampled
@@ -108,28 +111,72 @@ def test_runs_on_the_verifier_are_exact_and_speculation_resumes(model_dir):
         v.stop()
 
 
+def busy(p: Pace, clock: Clock, seconds: float, sessions: int = 16) -> None:
+    """Verdicts every 62.5 ms (a binary fraction: exact sums) for `seconds`, at a verifier with `sessions` open."""
+    for _ in range(round(seconds / 0.0625)):
+        clock.t += 0.0625
+        p.quote(0.01, sessions)
+
+
+def lose(p: Pace, sessions: int = 16) -> None:
+    for _ in range(PROBE_ROUNDS):  # 3 tokens in 100 ms: 30 tok/s against a target-only 100 tok/s
+        p.observe(3, 0.1, 0.01, sessions)
+
+
 def test_pace_holds_target_only_while_speculation_loses_and_probes_again():
     clock = Clock()
     p = Pace(clock=clock)
     for _ in range(PROBE_ROUNDS):  # rounds too short to judge on: no verdict yet
-        p.observe(1, PROBE_S / PROBE_ROUNDS / 2, 1.0)
+        p.observe(1, PROBE_S / PROBE_ROUNDS / 2, 1.0, 16)
     assert p.lost == 0 and p.rounds == PROBE_ROUNDS
     p = Pace(clock=clock)
-    for _ in range(PROBE_ROUNDS):  # 3 tokens in 100 ms: 30 tok/s against a target-only 200 tok/s (below MARGIN of it)
-        p.observe(3, 0.1, 0.005)
-    assert p.lost == 1 and p.run() == int(HOLD_S[0] / 0.005)
-    clock.t += HOLD_S[0]
+    lose(p)
+    assert p.lost == 1 and p.run() == int(HOLD_S[0] / 0.01)
+    busy(p, clock, HOLD_S[0] / 2)
+    assert p.run() == int(HOLD_S[0] / 2 / 0.01)  # runs last what is left of the hold
+    busy(p, clock, HOLD_S[0] / 2)
     assert p.run() == 0  # the hold is over: speculate, and measure again
-    for _ in range(PROBE_ROUNDS):
-        p.observe(3, 0.1, 0.005)
-    assert p.lost == 2 and p.hold == min(4 * HOLD_S[0], HOLD_S[1])  # lost again: a longer hold next time
-    clock.t += 2 * HOLD_S[0]
-    for _ in range(PROBE_ROUNDS):  # the load dropped: speculation gives 300 tok/s now, above target-only's 200
-        p.observe(30, 0.1, 0.005)
-    assert p.lost == 2 and p.run() == 0 and p.hold == min(4 * HOLD_S[0], HOLD_S[1]) / 2  # speculation wins: it stays
-    # (and the next hold is halved, not reset: one lucky window does not bring the short holds back)
+    lose(p)
+    assert p.lost == 2 and p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1])  # a longer hold next time
+    busy(p, clock, 2 * HOLD_S[0])
+    for _ in range(PROBE_ROUNDS):  # speculation gives 300 tok/s now, above target-only's 100
+        p.observe(30, 0.1, 0.01, 16)
+    assert p.lost == 2 and p.run() == 0 and p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1]) / 2
+    # (speculation wins: it stays; the next hold is halved, not reset: one lucky window does not bring the short holds back)
     p.observe(3, 0.03, 0.0)  # no quote (an old verifier): never target-only on no evidence
     assert Pace().run() == 0
+
+
+def test_the_pace_keeps_its_verdict_per_load_and_holds_on_busy_time():
+    """A loss at 16 open sessions holds target-only at that load only. A load that falls to 4
+    sessions is acted on once it has lasted LOAD_S of busy time (a batch's sessions ending one by
+    one are not a lighter load), and nothing holds there; back at 16 the hold holds again. Idle
+    time (no verdicts) neither ends a hold nor counts as evidence; busy time ends it."""
+    clock = Clock()
+    p = Pace(clock=clock)
+    lose(p, 16)
+    assert p.run() > 0 and p.holds[load_class(16)].left == HOLD_S[0]
+    p.holds[load_class(16)].left = 4.0  # a long hold, as after losses in a row
+    busy(p, clock, LOAD_S / 2, sessions=4)
+    assert p.load == load_class(16) and p.run() > 0
+    busy(p, clock, LOAD_S, sessions=4)
+    assert p.load == load_class(4) and p.run() == 0  # speculate: no verdict at this load yet
+    left = p.holds[load_class(16)].left
+    assert HOLD_S[0] < left < 4.0
+    clock.t += 100.0  # idle: counts as IDLE_S at most, and at the load of 4
+    p.quote(0.01, 16)  # a new batch of 16 sessions: held at once, the hold as it was
+    assert p.load == load_class(16) and p.run() > 0 and p.holds[load_class(16)].left == left
+    busy(p, clock, left + 0.0625)
+    assert p.run() == 0 and p.lost == 1  # the hold is over after its busy time: speculate and measure anew
+    # a window is judged on the load most of its rounds were acted on at
+    p = Pace(clock=clock)
+    for i in range(PROBE_ROUNDS):
+        p.observe(3, 0.1, 0.01, 16 if i < 3 else 4)
+    assert set(p.holds) == {load_class(16)}
+    p = Pace(clock=clock)
+    for i in range(PROBE_ROUNDS):
+        p.observe(3, 0.1, 0.01, 4 if i < 3 else 16)
+    assert set(p.holds) == {load_class(16)}
 
 
 def test_a_model_record_skips_a_model_that_keeps_falling_back_and_explores():

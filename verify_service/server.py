@@ -111,7 +111,8 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         return pb.VerifyResponse(
             round=number, num_accepted=v.num_accepted, next_token=v.next_token, finish_reason=edge.finish_reason(v.finish),
             forward_s=v.forward_s, queue_s=v.queue_s, seed=s.seed, row_cost_s=v.row_cost_s, row_price=v.row_price,
-            steps_left=steps_left, target_only_s=self.engine.cost.target_only_s(len(self.engine.sessions)), accepted_path=v.path or [])
+            steps_left=steps_left, target_only_s=self.engine.cost.target_only_s(len(self.engine.sessions)), accepted_path=v.path or [],
+            open_sessions=len(self.engine.sessions))
 
     async def _run(self, s, r: pb.Round, context) -> None:
         """A run of target-only steps (Round.target_only_steps): the scheduler runs them back to

@@ -264,7 +264,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[SessionStart, _Mapping]] = ..., round: _Optional[_Union[Round, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("round", "num_accepted", "next_token", "finish_reason", "forward_s", "queue_s", "seed", "row_cost_s", "row_price", "steps_left", "target_only_s", "accepted_path")
+    __slots__ = ("round", "num_accepted", "next_token", "finish_reason", "forward_s", "queue_s", "seed", "row_cost_s", "row_price", "steps_left", "target_only_s", "accepted_path", "open_sessions")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +277,7 @@ class VerifyResponse(_message.Message):
     STEPS_LEFT_FIELD_NUMBER: _ClassVar[int]
     TARGET_ONLY_S_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_accepted: int
     next_token: int
@@ -289,4 +290,5 @@ class VerifyResponse(_message.Message):
     steps_left: int
     target_only_s: float
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., forward_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., seed: _Optional[int] = ..., row_cost_s: _Optional[float] = ..., row_price: _Optional[float] = ..., steps_left: _Optional[int] = ..., target_only_s: _Optional[float] = ..., accepted_path: _Optional[_Iterable[int]] = ...) -> None: ...
+    open_sessions: int
+    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., forward_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., seed: _Optional[int] = ..., row_cost_s: _Optional[float] = ..., row_price: _Optional[float] = ..., steps_left: _Optional[int] = ..., target_only_s: _Optional[float] = ..., accepted_path: _Optional[_Iterable[int]] = ..., open_sessions: _Optional[int] = ...) -> None: ...
