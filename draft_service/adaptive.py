@@ -165,11 +165,12 @@ class Pace:
     quotes for a target-only session now (VerifyResponse.target_only_s), times `relay`: what a run's
     steps measured over the quote (verdict to verdict, relayed through this process). The verdict
     is kept per load class (the verifier's open sessions, `load_class`): when speculation is slower
-    at a load, sessions run target-only there for a hold (runs of target-only steps on the
-    verifier), then speculate again for PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each
+    at a load, sessions run target-only there and at every heavier load for a hold (runs of
+    target-only steps on the verifier), then speculate again for PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each
     lost probe doubles that load's next hold (up to HOLD_S[1]), a won one halves it (down to
     HOLD_S[0]). Time is busy time: the gaps between this process's verdicts, each counted up to
-    IDLE_S, so an idle spell neither ends a hold nor is taken for evidence. The load acted on is
+    IDLE_S toward the holds at the load of the time and lighter ones, so an idle spell neither
+    ends a hold nor is taken for evidence. The load acted on is
     the highest class the verdicts of the last LOAD_S busy seconds saw: a batch's sessions ending
     one by one, or a new batch's first sessions, are not taken for a lighter load, and a load that
     stays lower is judged on its own within LOAD_S. Reads a clock: seeded sampled requests never
@@ -200,8 +201,9 @@ class Pace:
         if self.last is not None:
             gap = min(max(now - self.last, 0.0), IDLE_S)
             self.busy += gap
-            if self.load in self.holds:
-                self.holds[self.load].left -= gap
+            for c, hold in self.holds.items():
+                if c <= self.load:
+                    hold.left -= gap
         self.last = now
         if target_only_s > 0:
             self.target_only_s = target_only_s
@@ -213,9 +215,13 @@ class Pace:
             peaks.popleft()
         self.load = peaks[0][1]
 
+    def left(self) -> float:
+        """Busy seconds target-only still holds at the load acted on: a hold at a load holds at
+        every heavier one too (what loses at a load loses where each row costs more)."""
+        return max((h.left for c, h in self.holds.items() if c <= self.load), default=0.0)
+
     def held(self) -> bool:
-        hold = self.holds.get(self.load)
-        return hold is not None and hold.left > 0
+        return self.left() > 0
 
     def observe(self, tokens: int, seconds: float, target_only_s: float, sessions: int = 0) -> None:
         """One speculative round of some session: its committed tokens and wall seconds."""
@@ -247,9 +253,10 @@ class Pace:
     def run(self) -> int:
         """Target-only steps a session should run now (0: speculate): enough to last the hold at
         the load of the last verdict."""
-        if not self.held() or not self.target_only_s:
+        left = self.left()
+        if left <= 0 or not self.target_only_s:
             return 0
-        return max(RUN_MIN, min(RUN_MAX, int(self.holds[self.load].left / self.target_only_s)))
+        return max(RUN_MIN, min(RUN_MAX, int(left / self.target_only_s)))
 
 
 PACE = Pace()  # the draft process's (decode.py): its sessions share one verdict on the load

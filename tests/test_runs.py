@@ -148,7 +148,7 @@ def test_pace_holds_target_only_while_speculation_loses_and_probes_again():
 
 
 def test_the_pace_keeps_its_verdict_per_load_and_holds_on_busy_time():
-    """A loss at 16 open sessions holds target-only at that load only. A load that falls to 4
+    """A loss at 16 open sessions holds target-only at that load (and heavier ones) only. A load that falls to 4
     sessions is acted on once it has lasted LOAD_S of busy time (a batch's sessions ending one by
     one are not a lighter load), and nothing holds there; back at 16 the hold holds again. Idle
     time (no verdicts) neither ends a hold nor counts as evidence; busy time ends it."""
@@ -168,6 +168,15 @@ def test_the_pace_keeps_its_verdict_per_load_and_holds_on_busy_time():
     assert p.load == load_class(16) and p.run() > 0 and p.holds[load_class(16)].left == left
     busy(p, clock, left + 0.0625)
     assert p.run() == 0 and p.lost == 1  # the hold is over after its busy time: speculate and measure anew
+    # a loss at 4 sessions holds at 16 too (each row costs more there), and busy time at 16 counts toward it
+    p = Pace(clock=clock)
+    lose(p, 4)
+    p.quote(0.01, 16)
+    assert p.load == load_class(16) and p.run() == int(HOLD_S[0] / 0.01)
+    busy(p, clock, HOLD_S[0] / 2)
+    assert p.holds[load_class(4)].left == HOLD_S[0] / 2 and set(p.holds) == {load_class(4)}
+    busy(p, clock, HOLD_S[0] / 2)
+    assert p.run() == 0
     # a window is judged on the load most of its rounds were acted on at
     p = Pace(clock=clock)
     for i in range(PROBE_ROUNDS):
