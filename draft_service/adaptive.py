@@ -162,19 +162,20 @@ class Pace:
     """Whether speculation pays at the verifier's current load, for all of one draft process's
     sessions that follow the load (DESIGN.md §7): the draft's measured speed per session in its
     speculative rounds (tokens over wall time, verdict to verdict) against the speed the verifier
-    quotes for a target-only session now (VerifyResponse.target_only_s), times `relay`: what a run's
-    steps measured over the quote (verdict to verdict, relayed through this process). The verdict
-    is kept per load class (the verifier's open sessions, `load_class`): when speculation is slower
-    at a load, sessions run target-only there and at every heavier load for a hold (runs of
-    target-only steps on the verifier), then speculate again for PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each
-    lost probe doubles that load's next hold (up to HOLD_S[1]), a won one halves it (down to
-    HOLD_S[0]). Time is busy time: the gaps between this process's verdicts, each counted up to
-    IDLE_S toward the holds at the load of the time and lighter ones, so an idle spell neither
-    ends a hold nor is taken for evidence. The load acted on is
-    the highest class the verdicts of the last LOAD_S busy seconds saw: a batch's sessions ending
-    one by one, or a new batch's first sessions, are not taken for a lighter load, and a load that
-    stays lower is judged on its own within LOAD_S. Reads a clock: seeded sampled requests never
-    use it."""
+    quotes for a target-only session now (VerifyResponse.target_only_s), times `relay`: what a
+    run's steps measured over the quote (verdict to verdict, relayed through this process).
+
+    The verdict is kept per load class (the verifier's open sessions, `load_class`): when
+    speculation is slower at a load, sessions run target-only there and at every heavier load
+    for a hold (runs of target-only steps on the verifier), then speculate again for
+    PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each lost probe doubles that load's next
+    hold (up to HOLD_S[1]), a won one halves it (down to HOLD_S[0]). Time is busy time: the gaps
+    between this process's verdicts, each counted up to IDLE_S toward the holds at the load of
+    the time and lighter ones, so an idle spell neither ends a hold nor is taken for evidence.
+    The load acted on is the highest class the verdicts of the last LOAD_S busy seconds saw: a
+    batch's sessions ending one by one, or a new batch's first sessions, are not taken for a
+    lighter load, and a load that stays lower is judged on its own within LOAD_S. Reads a
+    clock: seeded sampled requests never use it."""
     clock: object = None  # time.monotonic unless a test gives one
     seconds: float = 0.0  # the window's speculative rounds, summed over sessions ...
     quoted: float = 0.0  # ... and their tokens' seconds at the target-only quote of their time
