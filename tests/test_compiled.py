@@ -64,8 +64,10 @@ def test_compiled_layers_serve_the_models_own_logits(tmp_path, name):
         made = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         assert 1 <= made <= 8
         r = random.Random(1)
-        for k, rounds in ((1, [1, 1]), (3, [5, 2]), (6, [4, 1, 3])):
-            seqs = [[r.randrange(2, archmodels.V) for _ in range(r.randint(20, 40))] for _ in range(k)]
+        # (the last: one session's prefill of more than ROW_BY_ROW tokens, a long chunk attended alone, whose
+        # attention comes back strided; compiled code held the op to its fake's contiguous strides and failed on gemma2)
+        for k, rounds, length in ((1, [1, 1], (20, 40)), (3, [5, 2], (20, 40)), (6, [4, 1, 3], (20, 40)), (1, [3, 1], (90, 90))):
+            seqs = [[r.randrange(2, archmodels.V) for _ in range(r.randint(*length))] for _ in range(k)]
             for got, want in zip(passes(eng, seqs, rounds), own_logits(reference, seqs, rounds)):
                 torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == made

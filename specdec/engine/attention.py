@@ -115,7 +115,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
     serves every layer and every pass."""
     p = _current.get()
     _write(p, layer, key, value)
-    return _attend(p, layer, query, scaling, window or None, softcap or None)
+    # contiguous, as the fake below says: a long chunk attended alone comes back as a strided view
+    # (soft-capped attention's matmuls, for one), and compiled code holds the op to its fake's strides
+    return _attend(p, layer, query, scaling, window or None, softcap or None).contiguous()
 
 
 @attend.register_fake
