@@ -149,6 +149,14 @@ def load_class(sessions: int) -> int:
     return max(0, sessions).bit_length()
 
 
+def load_label(c: int) -> str:
+    """A load class as the sessions it spans: "1", "2-3", "4-7", ...; "unknown" for class 0."""
+    if c <= 0:
+        return "unknown"
+    lo, hi = 1 << (c - 1), (1 << c) - 1
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
 @dataclass
 class Hold:
     """The pace's verdict at one load class: target-only for `left` more busy seconds; the next
@@ -224,19 +232,22 @@ class Pace:
     def held(self) -> bool:
         return self.left() > 0
 
-    def observe(self, tokens: int, seconds: float, target_only_s: float, sessions: int = 0) -> None:
-        """One speculative round of some session: its committed tokens and wall seconds."""
+    def observe(self, tokens: int, seconds: float, target_only_s: float, sessions: int = 0) -> tuple[int, bool] | None:
+        """One speculative round of some session: its committed tokens and wall seconds. Returns
+        (load class, whether speculation lost) when the round completed a comparison."""
         self.quote(target_only_s, sessions)
         if self.held() or not self.target_only_s:
-            return  # a round of a session that came out of a run early (the window is for the probe), or no quote
+            return None  # a round of a session that came out of a run early (the window is for the probe), or no quote
         self.quoted += tokens * self.target_only_s
         self.seconds += seconds
         self.rounds += 1
         self.loads[self.load] = self.loads.get(self.load, 0) + 1
         if self.rounds < self.probe_rounds or self.seconds < PROBE_S:
-            return
-        hold = self.holds.setdefault(max(self.loads, key=self.loads.get), Hold())  # the load most of the window saw
-        if self.seconds > self.relay * self.quoted:
+            return None
+        load = max(self.loads, key=self.loads.get)  # the load most of the window saw
+        hold = self.holds.setdefault(load, Hold())
+        lost = self.seconds > self.relay * self.quoted
+        if lost:
             hold.left = hold.next
             hold.next = min(2 * hold.next, HOLD_S[1])
             self.lost += 1
@@ -245,6 +256,7 @@ class Pace:
         self.seconds = self.quoted = 0.0
         self.rounds = 0
         self.loads = {}
+        return load, lost
 
     def ran(self, seconds: float, target_only_s: float) -> None:
         """One step of a run, seconds from the verdict before it, against the quote it came with."""

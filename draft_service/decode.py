@@ -39,7 +39,7 @@ from typing import AsyncIterator, Protocol
 
 import grpc
 
-from draft_service.adaptive import PACE, DraftJudge, ModelRecord, Pace, TauController
+from draft_service.adaptive import PACE, DraftJudge, ModelRecord, Pace, TauController, load_label
 from draft_service.drafter import Drafter, PredraftControl, Proposal
 from draft_service.tree import CALIBRATIONS, Calibration
 from specdec.costmodel import Costs
@@ -263,7 +263,9 @@ class DecodeLoop:
                     # not the first round (it holds the verifier's prefill of the prompt), nor the first after a run
                     # (it holds the draft's catch-up on the run's tokens, the whole prompt after a start in a run)
                     if sent.tokens and stats.rounds > 1 and (caught_up or sent.lookup):
-                        self.pace.observe(len(new), t3 - t_mark, v.target_only_s, v.open_sessions)
+                        judged = self.pace.observe(len(new), t3 - t_mark, v.target_only_s, v.open_sessions)
+                        if judged:
+                            metrics.PACE_COMPARISONS.labels(load_label(judged[0]), "lost" if judged[1] else "won").inc()
                     else:
                         self.pace.quote(v.target_only_s, v.open_sessions)
                 caught_up = caught_up or (bool(sent.tokens) and not sent.lookup)

@@ -32,6 +32,9 @@ DRAFT_FALLBACK = Counter("specdec_draft_fallback_sessions_total", "Sessions that
 PROPOSALS_PER_ROUND = Histogram("specdec_draft_proposals_per_round", "Proposals sent per verify round (the tau chosen; 0 = a target-only round)",
                                 buckets=(0, 1, 2, 4, 8, 16, 32))
 DRAFT_BATCH_SIZE = Histogram("specdec_draft_batch_size", "Sessions per draft forward pass", buckets=(1, 2, 4, 8, 16, 32, 64))
+PACE_COMPARISONS = Counter("specdec_draft_pace_comparisons_total", "The pace's comparisons of speculation with target-only runs, by the "
+                           "verifier's open sessions (a power-of-two range) and outcome (lost: sessions hold target-only there)",
+                           ["load", "outcome"])
 
 # draft side (vLLM names)
 NUM_DRAFTS = Counter("specdec_spec_decode_num_drafts_total", "Speculative rounds")

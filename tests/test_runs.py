@@ -9,7 +9,7 @@ import grpc
 
 from client import Client
 from draft_service.adaptive import (EXPLORE_EVERY, HOLD_S, IDLE_S, LOAD_S, PROBE_ROUNDS, PROBE_S, RECORD_STREAK, Hold, ModelRecord,
-                                    Pace, load_class)
+                                    Pace, load_class, load_label)
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
 from specdec.costmodel import Costs
@@ -177,15 +177,15 @@ def test_the_pace_keeps_its_verdict_per_load_and_holds_on_busy_time():
     assert p.holds[load_class(4)].left == HOLD_S[0] / 2 and set(p.holds) == {load_class(4)}
     busy(p, clock, HOLD_S[0] / 2)
     assert p.run() == 0
-    # a window is judged on the load most of its rounds were acted on at
+    assert [load_label(load_class(n)) for n in (0, 1, 2, 3, 4, 16, 31)] == ["unknown", "1", "2-3", "2-3", "4-7", "16-31", "16-31"]
+    # a window is judged on the load most of its rounds were acted on at (observe says so, and whether speculation lost)
     p = Pace(clock=clock)
     for i in range(PROBE_ROUNDS):
         p.observe(3, 0.1, 0.01, 16 if i < 3 else 4)
     assert set(p.holds) == {load_class(16)}
     p = Pace(clock=clock)
-    for i in range(PROBE_ROUNDS):
-        p.observe(3, 0.1, 0.01, 4 if i < 3 else 16)
-    assert set(p.holds) == {load_class(16)}
+    judged = [p.observe(3, 0.1, 0.01, 4 if i < 3 else 16) for i in range(PROBE_ROUNDS)]
+    assert set(p.holds) == {load_class(16)} and judged == [None] * (PROBE_ROUNDS - 1) + [(load_class(16), True)]
 
 
 def test_a_model_record_skips_a_model_that_keeps_falling_back_and_explores():
