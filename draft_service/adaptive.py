@@ -265,7 +265,7 @@ class Pace:
 
     def run(self) -> int:
         """Target-only steps a session should run now (0: speculate): enough to last the hold at
-        the load of the last verdict."""
+        the load acted on (`left`)."""
         left = self.left()
         if left <= 0 or not self.target_only_s:
             return 0
