@@ -199,6 +199,11 @@ class DecodeLoop:
                     async for item in self._target_only(call):  # a verifier without runs: rounds written ahead
                         yield item
                     return
+                # a session that follows the load pre-drafts only while the model serves it alone: beside others,
+                # the model's spare steps are theirs (and, where the draft shares a machine with the verifier, its CPU)
+                ahead_ok = self.predraft and not (self.pace and self.drafter.shared())
+                if ctl:
+                    ctl.predraft = ahead_ok  # the costs tau is chosen by: draft steps hidden or not
                 tau = ctl.choose() if ctl else self.params.tau
                 if self.judge and not self.judge.accepted:
                     tau = min(tau, 1)  # no proposal of the model accepted yet: gather the judge's evidence cheaply
@@ -217,7 +222,7 @@ class DecodeLoop:
                 tree = prop.parents is not None
                 assumed = len(prop.assumed()) + 1
                 next_cap = min(self.params.tau if tree else tau, self.cap(assumed))
-                if self.predraft and not prop.lookup and next_cap > 0 and not self.fallen_back:
+                if ahead_ok and not prop.lookup and next_cap > 0 and not self.fallen_back:
                     ahead_ctl = PredraftControl()
                     # a tree's pre-draft is a tree after its likeliest path
                     more = (self.tree_room(budget, assumed), self.floor(), self.tree_cost(), self.calibration) if tree else ()

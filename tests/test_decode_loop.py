@@ -232,6 +232,31 @@ def test_a_shared_draft_model_prepares_one_outcome(model_dir):
         assert len(d.predraft(st, sent, 4, PredraftControl())) == 1 + len(sent.tokens)
 
 
+def test_a_session_that_follows_the_load_predrafts_only_while_the_model_serves_it_alone(model_dir, target):
+    """With pre-drafting on, a session whose taus follow the load (greedy, adaptive, goodput on)
+    pre-drafts while its draft model serves it alone, and not while another session's loop runs
+    on the same model: the model's spare steps are the other session's. With the load ignored
+    (--no-goodput) it pre-drafts either way. Greedy output is the target's throughout."""
+    from draft_service.adaptive import Pace
+
+    d = Drafter(LM.load(model_dir("target")))  # a perfect draft, its own model: its pre-drafts hit
+    prompt = prompts(1, seed=4)[0]
+    ref = hf_greedy(target, prompt, 30)
+
+    def session(goodput: bool) -> pb.Stats:
+        g = request(d, prompt_ids=prompt, max_new_tokens=30, num_draft_tokens=4)
+        loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, costs=Costs(0.002, 0.01, 0.0005), predraft=True,
+                          goodput=goodput, pace=Pace())
+        assert asyncio.run(run(loop, GreedyVerifier(target, d.lm.max_context)))[0] == ref
+        return loop.summary()
+
+    assert session(True).predraft_hits > 0
+    with d.serving():  # another session's loop runs on the model
+        s = session(True)
+        assert s.predraft_hits == s.predraft_misses == 0 and s.rounds < 30
+        assert session(False).predraft_hits > 0
+
+
 def test_the_context_limit_ends_the_loop(drafters, model_dir):
     """A context limit below the models' (as when the target's is the smaller): the loop never
     proposes past it (the verifier checks) and ends with CONTEXT exactly at the limit."""
