@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 import grpc
 
@@ -103,9 +104,9 @@ def main(argv=None) -> int:
             asyncio.run(batch("generate", address, prompts[:1], ids[:1], 16))
             for rep in range(a.repeats):
                 for kind in (KINDS if rep % 2 == 0 else KINDS[::-1]):
-                    c0, d0, t0 = verify.cpu_s(), draft.cpu_s(), _now()
+                    c0, d0, t0 = verify.cpu_s(), draft.cpu_s(), time.perf_counter()
                     tokens, run_steps = asyncio.run(batch(kind, address, prompts, ids, a.max_new_tokens))
-                    wall = _now() - t0
+                    wall = time.perf_counter() - t0
                     runs[kind].append(dict(tokens=tokens, wall_s=wall, tok_s=tokens / wall, run_share=run_steps / tokens,
                                            verify_cpu_ms_per_token=1e3 * (verify.cpu_s() - c0) / tokens,
                                            draft_cpu_ms_per_token=1e3 * (draft.cpu_s() - d0) / tokens))
@@ -116,11 +117,6 @@ def main(argv=None) -> int:
     res = dict(**run_header(a), draft_model="the draft's architecture with random weights (useless)", sessions=a.sessions,
                max_new_tokens=a.max_new_tokens, repeats=a.repeats, pin=a.pin, runs=runs)
     return write_report(a.out, "relay", "RELAY.md", res, render)
-
-
-def _now() -> float:
-    import time
-    return time.perf_counter()
 
 
 def render(res: dict) -> str:
