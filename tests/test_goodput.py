@@ -187,7 +187,8 @@ def test_the_draft_counts_its_paces_comparisons_by_load(services):
     """Through real services (the target as its own draft: every proposal accepted), one adaptive
     request at a time (the pace steers adaptive taus): once the pace's window holds its rounds (8, and 0.5 s of them) it compares
     speculation with the verifier's target-only quote, and the draft's metrics count the
-    comparison by the verifier's load (its one open session: "1") and outcome (speculation wins)."""
+    comparison by the verifier's load (its one open session: "1") and outcome (which one depends
+    on this machine's timing: the draft is as large as the target)."""
     v, d = services("long-target", "long-target")
 
     def counted(outcome: str, load: str = "1") -> float:
@@ -198,5 +199,5 @@ def test_the_draft_counts_its_paces_comparisons_by_load(services):
         while counted("won") + counted("lost") == 0 and made < 20:  # bounded: a few requests' rounds make up a window
             assert len(c.generate(prompt_ids=[3, 4, 5, 6], max_new_tokens=200, adaptive=True).token_ids) == 200
             made += 1
-    assert counted("won") >= 1 and counted("lost") == 0, f"after {made} requests"
-    assert counted("won", load="2-3") == counted("lost", load="2-3") == 0
+    assert counted("won") + counted("lost") >= 1, f"after {made} requests"
+    assert counted("won", load="2-3") == counted("lost", load="2-3") == 0  # no other load was seen
