@@ -26,6 +26,7 @@ import time
 import grpc
 
 from bench.cli import pair_run, pair_run_parser, run_header, write_report
+from bench.fallback import random_draft
 from bench.launch import ENV, Service
 from bench.prompts import CODE_PROMPTS
 from client import AsyncClient
@@ -33,17 +34,6 @@ from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 KINDS = ("generate", "session-runs", "draft-runs")
-
-
-def useless_draft(src: str, dst: str) -> str:
-    """A draft with `src`'s architecture and tokenizer and random weights, saved in dst."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src)).save_pretrained(dst)
-    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
-    return dst
 
 
 async def _session_run(stub, ids: list[int], max_new: int, fingerprint: str) -> int:
@@ -91,7 +81,7 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(a.target)
     ids = [tok(p)["input_ids"] for p in prompts]  # as the services tokenize a text prompt (the target's special tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        draft_dir = useless_draft(a.draft, os.path.join(tmp, "useless-draft"))
+        draft_dir = random_draft(a.draft, os.path.join(tmp, "useless-draft"))
         verify = Service("verify_service", "--model", os.path.abspath(a.target), "--threads", "1",
                          "--max-sessions", str(max(64, a.sessions)), env=env, prefix=on["verify"])
         draft = Service("draft_service", "--model", draft_dir, "--verify", verify.address, "--threads", "1",
