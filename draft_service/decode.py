@@ -416,9 +416,10 @@ class DecodeLoop:
     async def _timed(self, op, scale: int = 1):
         """Awaits one write or read on the verify stream, at most scale x round_timeout_s."""
         limit = None if self.round_timeout_s is None else scale * self.round_timeout_s
-        try:
-            return await asyncio.wait_for(op, limit)
-        except asyncio.TimeoutError:
+        try:  # not asyncio.wait_for: on Python 3.11 it loses a cancel that lands as op completes (the session then runs on)
+            async with asyncio.timeout(limit):
+                return await op
+        except TimeoutError:
             raise RequestError(Refusal.UNAVAILABLE, f"the verify service stopped answering: nothing for "
                                f"{limit:g}s in a round (--verify-round-timeout-s)") from None
 

@@ -185,4 +185,5 @@ async def _ended(call) -> None:
     that follows is then a no-op (one racing the handler's return ends the session CANCELLED)."""
     with contextlib.suppress(Exception):
         await call.done_writing()
-        await asyncio.wait_for(call.code(), ENDED_WAIT_S)
+        async with asyncio.timeout(ENDED_WAIT_S):  # not wait_for, which can lose a cancel on Python 3.11
+            await call.code()

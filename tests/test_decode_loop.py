@@ -341,6 +341,38 @@ def test_a_cancelled_round_stops_its_predraft(drafters, model_dir, monkeypatch):
     assert len(controls) == 1 and controls[0].is_set()
 
 
+def test_a_cancel_that_lands_as_a_verdict_arrives_ends_the_loop(drafters, model_dir):
+    """The client goes away just as a verdict comes in (the task is cancelled in the same loop
+    iteration as its read completes). The cancel ends the loop: Python 3.11's asyncio.wait_for
+    returned the verdict and dropped the cancel, and the session ran on to max_new_tokens."""
+    long_target = AutoModelForCausalLM.from_pretrained(model_dir("long-target"), dtype=torch.float32).eval()
+    d = drafters("long-draft")
+
+    class Racing(GreedyVerifier):
+        held = None  # (the future the read waits on, the verdict it will get)
+
+        async def read(self):
+            v = await super().read()
+            self.held = (asyncio.get_running_loop().create_future(), v)
+            return await self.held[0]
+
+    async def cancel_as_the_verdict_arrives():
+        g = request(d, prompt_ids=[3, 4, 5], max_new_tokens=40, num_draft_tokens=4)
+        loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, round_timeout_s=30.0)
+        verifier = Racing(long_target, d.lm.max_context)
+        task = asyncio.create_task(run(loop, verifier))
+        while verifier.held is None:
+            await asyncio.sleep(0.01)
+        verifier.held[0].set_result(verifier.held[1])
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return loop, verifier
+
+    loop, verifier = asyncio.run(cancel_as_the_verdict_arrives())
+    assert loop.stats.rounds == verifier.rounds == 1
+
+
 def test_loop_over_a_real_verify_service_equals_the_draft_service(services, drafters, target):
     """The same requests through the draft service and through the loop in this process, both
     against the same verify service: identical ids, in greedy and in seeded sampled modes."""

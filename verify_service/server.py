@@ -32,9 +32,10 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         return info
 
     async def _read(self, context):
-        try:
-            return await asyncio.wait_for(context.read(), self.idle_timeout_s)
-        except asyncio.TimeoutError:
+        try:  # asyncio.timeout, not wait_for (which can lose a cancel on Python 3.11)
+            async with asyncio.timeout(self.idle_timeout_s):
+                return await context.read()
+        except TimeoutError:
             raise RequestError(Refusal.DEADLINE_EXCEEDED, f"session idle for more than {self.idle_timeout_s:g}s; closed") from None
 
     def _open(self, st: pb.SessionStart):
