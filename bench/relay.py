@@ -7,7 +7,8 @@ generated target-only three ways, in one run, alternating:
   draft process;
 * `draft-runs`: through a draft service whose draft model is useless (random weights, so its
   sessions fall back and, once the model's record says so, start with that one run): the same
-  session relayed by a real draft process, verdict in, chunk out, per token.
+  session relayed by a real draft process, verdict in, chunk out (up to four steps a verdict
+  while the verifier serves other sessions: Round.run_tokens_per_verdict).
 
     python -m bench.relay [--sessions 16 --max-new-tokens 64 --repeats 3 --pin --out bench/results]
 
@@ -130,8 +131,8 @@ def render(res: dict) -> str:
         lines.append(f"| {k} | {med(k, 'tok_s'):.1f} | {med(k, 'tok_s') / base:.2f}× | {med(k, 'verify_cpu_ms_per_token'):.3f} | "
                      f"{draft_cpu} | {100 * med(k, 'run_share'):.0f}% | {each} |")
     lines += ["", "`generate`: Verify.Generate. `session-runs`: a raw Verify.Session per request asking for one run of "
-              "target-only steps (what a held session costs the verifier). `draft-runs`: the same sessions relayed by a "
-              "draft service (a verdict in, a chunk out, per token); its draft CPU includes the sessions that still "
+              "target-only steps (what a held session costs the verifier; a verdict a step). `draft-runs`: the same sessions relayed by a "
+              "draft service (a verdict in, a chunk out, up to four steps a verdict); its draft CPU includes the sessions that still "
               "judge the useless model (adaptive.ModelRecord explores every 8th), tokens from runs says how many did not. "
               "Only ratios within one run count.", ""]
     return "\n".join(lines)

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 
+from draft_service.adaptive import RUN_TOKENS_PER_VERDICT
 from specdec import auth, startup
 from specdec.startup import StartupError, add_switch, env, number
 
@@ -46,7 +47,7 @@ async def run(args, token_auth=None) -> None:
     servicer = DraftServicer(lm, verify, target, adaptive=args.adaptive, predraft=args.predraft, proposer=pb.Proposer.Value(f"PROPOSER_{args.proposer.upper()}"),
                              draft_fallback=args.draft_fallback, goodput=args.goodput,
                              costs=calibrate.parse_costs(args.costs_ms) if args.costs_ms else None,
-                             round_timeout_s=args.verify_round_timeout_s)
+                             round_timeout_s=args.verify_round_timeout_s, run_tokens=args.run_tokens_per_verdict)
     if target is not None and (args.adaptive or args.draft_fallback):
         await servicer.costs()  # calibrate now, not at the first request
     front = http.FrontDoor(servicer, args, token_auth, model=target.model_name if target is not None else lm.name) if args.http_port is not None else None
@@ -97,6 +98,10 @@ def main(argv=None) -> None:
     p.add_argument("--verify-round-timeout-s", type=number(float, above=0), default=20.0,
                    help="a request whose verify stream takes no message or gives no verdict for this long ends with UNAVAILABLE "
                         "(the verify service stopped answering) (default: 20)")
+    p.add_argument("--run-tokens-per-verdict", type=number(int, low=1, high=16), default=RUN_TOKENS_PER_VERDICT,
+                   help="a held session's run of target-only steps asks the verify service for up to this many tokens a "
+                        "verdict while it serves other sessions: fewer messages to relay, tokens streamed in bursts; 1: a "
+                        f"verdict a token (default: {RUN_TOKENS_PER_VERDICT})")
     p.add_argument("--verify-tls-ca", default=env("SPECDEC_VERIFY_TLS_CA"),
                    help="CA bundle to check the verify service's certificate (enables TLS) [env SPECDEC_VERIFY_TLS_CA]")
     p.add_argument("--verify-tls-cert", default=env("SPECDEC_VERIFY_TLS_CERT"),

@@ -133,6 +133,7 @@ class ModelRecord:
 
 
 RUN_MIN, RUN_MAX = 8, 256  # tokens in one run of target-only steps (Round.target_only_steps)
+RUN_TOKENS_PER_VERDICT = 4  # a run's steps one verdict may answer, by default (Round.run_tokens_per_verdict)
 PROBE_ROUNDS = 8  # speculative rounds, over the draft's sessions, that a comparison needs ...
 PROBE_S = 0.5  # ... and their seconds, summed: one session's few rounds are too short to judge on a shared machine
 RELAY = 1.1  # a run's seconds per token over the verifier's quote, until measured (`Pace.ran`): through the draft

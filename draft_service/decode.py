@@ -39,7 +39,7 @@ from typing import AsyncIterator, Protocol
 
 import grpc
 
-from draft_service.adaptive import PACE, DraftJudge, ModelRecord, Pace, TauController, load_label
+from draft_service.adaptive import PACE, RUN_TOKENS_PER_VERDICT, DraftJudge, ModelRecord, Pace, TauController, load_label
 from draft_service.drafter import Drafter, PredraftControl, Proposal
 from draft_service.tree import CALIBRATIONS, Calibration
 from specdec.costmodel import Costs
@@ -73,9 +73,11 @@ class DecodeLoop:
 
     def __init__(self, drafter: Drafter, params: GenParams, fingerprint: str, max_context: int,
                  costs: Costs | None = None, predraft: bool = False, fallback: Costs | None = None, goodput: bool = True,
-                 round_timeout_s: float | None = None, pace: Pace | None = None, skip: bool | None = None):
+                 round_timeout_s: float | None = None, pace: Pace | None = None, skip: bool | None = None,
+                 run_tokens: int = RUN_TOKENS_PER_VERDICT):
         self.drafter = drafter
         self.round_timeout_s = round_timeout_s  # a write or a verdict that takes longer: the verify service stopped answering
+        self.run_tokens = run_tokens  # a run's steps one verdict may answer while the verifier serves others (--run-tokens-per-verdict)
         self.params = params
         self.fingerprint = fingerprint
         self.max_context = max_context
@@ -312,26 +314,30 @@ class DecodeLoop:
         the verifier steps on its own and sends a verdict per token; the draft relays them. Its
         own cache catches up (one forward over the run's tokens) when it next drafts (drafter._feed)."""
         stats = self.stats
-        await self._timed(call.write(pb.VerifyRequest(round=pb.Round(round=stats.rounds + 1, target_only_steps=n))))
+        per = self.run_tokens  # the verifier answers this many steps a verdict while it serves other sessions
+        await self._timed(call.write(pb.VerifyRequest(round=pb.Round(round=stats.rounds + 1, target_only_steps=n, run_tokens_per_verdict=per))))
         got, t0 = 0, time.perf_counter()
         while True:
-            v = await self._timed(call.read(), self._first_read_scale() if stats.rounds == 0 else 1)
+            v = await self._timed(call.read(), (self._first_read_scale() if stats.rounds == 0 else 1) * per)
             if v is grpc.aio.EOF:
                 raise RequestError(Refusal.UNAVAILABLE, "verify service ended the session without a verdict")
-            got += 1
-            stats.rounds += 1
-            stats.target_only_rounds += 1
-            stats.fallback_rounds += self.fallen_back
-            stats.run_steps += 1
-            metrics.PROPOSALS_PER_ROUND.observe(0)
+            k = len(v.run_tokens) + 1  # the steps this verdict answers
+            first = not got
+            got += k
+            stats.rounds += k
+            stats.target_only_rounds += k
+            stats.fallback_rounds += k * self.fallen_back
+            stats.run_steps += k
+            for _ in range(k):
+                metrics.PROPOSALS_PER_ROUND.observe(0)
             t1 = time.perf_counter()
             stats.verify_s += t1 - t0
             if self.tau:
                 self.tau.load(v.row_price)
             if self.pace:
                 self.pace.quote(v.target_only_s, v.open_sessions)
-                if got > 1:  # the first verdict's wait holds the request's trip (and a prefill)
-                    self.pace.ran(t1 - t0, v.target_only_s)
+                if not first:  # the first verdict's wait holds the request's trip (and a prefill)
+                    self.pace.ran((t1 - t0) / k, v.target_only_s)
             t0 = t1
             yield self._committed(v), v.finish_reason
             if v.finish_reason:
@@ -376,9 +382,10 @@ class DecodeLoop:
     def _committed(self, v: pb.Verdict) -> list[int]:
         """A target-only verdict's token (none at a finish without one), added to the sequence and counted."""
         self.stats.verify_forward_s += v.forward_s
-        new = [v.next_token] if v.HasField("next_token") else []
+        new = list(v.run_tokens) + ([v.next_token] if v.HasField("next_token") else [])
         self.state.ids.extend(new)
-        self._count(0, 0)
+        for _ in range(len(v.run_tokens) + 1):
+            self._count(0, 0)
         return new
 
     def _judge(self, drafted: int, accepted: int) -> None:

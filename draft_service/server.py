@@ -17,6 +17,7 @@ import time
 import grpc
 
 from draft_service import calibrate
+from draft_service.adaptive import RUN_TOKENS_PER_VERDICT
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
 from draft_service.replicas import Replicas
@@ -44,7 +45,7 @@ class DraftServicer(pb_grpc.DraftServicer):
     def __init__(self, lm: LM, replicas: Replicas, target: pb.ModelInfo | None = None,
                  adaptive: bool = False, predraft: bool = False, costs: Costs | None = None,
                  proposer: int = pb.PROPOSER_DRAFT, draft_fallback: bool = False, goodput: bool = True,
-                 round_timeout_s: float | None = None):
+                 round_timeout_s: float | None = None, run_tokens: int = RUN_TOKENS_PER_VERDICT):
         self.lm = lm
         self.drafter = Drafter(lm)
         self.replicas = replicas
@@ -56,6 +57,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.draft_fallback = draft_fallback  # stop drafting in sessions where the model does not pay (decode.py)
         self.goodput = goodput  # adaptive tau follows the verifier's load (decode.py, adaptive.py)
         self.round_timeout_s = round_timeout_s
+        self.run_tokens = run_tokens  # a run's tokens a verdict (Round.run_tokens_per_verdict)
         self._costs, self._calibrating = costs, asyncio.Lock()
         self._pinned = self._measured = costs is not None  # --costs-ms; or calibrated (not the fallback)
         self._retry_at = 0.0  # after a failed calibration: when to try again
@@ -142,7 +144,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
                                   costs=costs if adaptive else None, fallback=costs if self._judge(g) else None,
                                   predraft=g.predraft, goodput=self.goodput,
-                                  round_timeout_s=self.round_timeout_s, skip=skip)
+                                  round_timeout_s=self.round_timeout_s, skip=skip, run_tokens=self.run_tokens)
                 skip = loop.skipped
                 call = replica.stub.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
                 out = Chunks(self.lm.tokenizer, g.stop, g.request_id)

@@ -8,8 +8,8 @@ import dataclasses
 import grpc
 
 from client import Client
-from draft_service.adaptive import (EXPLORE_EVERY, HOLD_S, IDLE_S, LOAD_S, PROBE_ROUNDS, PROBE_S, RECORD_STREAK, Hold, ModelRecord,
-                                    Pace, load_class, load_label)
+from draft_service.adaptive import (EXPLORE_EVERY, HOLD_S, IDLE_S, LOAD_S, PROBE_ROUNDS, PROBE_S, RECORD_STREAK, RUN_TOKENS_PER_VERDICT, Hold,
+                                    ModelRecord, Pace, load_class, load_label)
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
 from specdec.costmodel import Costs
@@ -201,6 +201,89 @@ def test_a_model_record_skips_a_model_that_keeps_falling_back_and_explores():
     assert starts.count(False) == 2 and not starts[EXPLORE_EVERY - 1] and not starts[-1]  # every EXPLORE_EVERY-th is judged
     r.judged(True)  # an explorer found the model pays (the prompts changed): sessions use it again
     assert not r.skip()
+
+
+class Counted:
+    """A verify stream that counts the verdicts read from it."""
+
+    def __init__(self, call):
+        self.call, self.reads = call, 0
+
+    async def write(self, req):
+        await self.call.write(req)
+
+    async def read(self):
+        self.reads += 1
+        return await self.call.read()
+
+
+def test_a_runs_verdicts_answer_several_steps_beside_other_sessions(model_dir):
+    """Round.run_tokens_per_verdict: one verdict answers up to that many steps of a run (the
+    verifier caps it at RUN_TOKENS_PER_VERDICT), the earlier steps' tokens in run_tokens, numbered
+    as its last step; the tokens are the same as a verdict a step. The verifier does so only
+    while it serves other sessions: a session alone gets a verdict a step. A held session's
+    runs ask for it (--run-tokens-per-verdict; 1: a verdict a step)."""
+    from verify_service.server import RUN_TOKENS_PER_VERDICT as CAP
+
+    target = model_dir("long-target")
+    v = Service("verify_service", "--model", target)
+    try:
+        with Client(v.address, target_only=True, timeout=60) as c:
+            greedy = c.generate(prompt_ids=PROMPT, max_new_tokens=80).token_ids
+        lm = LM.load(target, "cpu", "float32")
+        start = DecodeLoop(Drafter(lm), params(80), lm.fingerprint, lm.max_context).start()
+
+        async def opened(ch, max_new=80):
+            call = pb_grpc.VerifyStub(ch).Session(timeout=60)
+            start.start.max_new_tokens = max_new
+            await call.write(start)
+            return call
+
+        async def run(per, steps, max_new, other_open=True):
+            async with grpc.aio.insecure_channel(v.address) as ch:
+                other = await opened(ch) if other_open else None  # a second session open at the verifier
+                call = await opened(ch, max_new)
+                await call.write(pb.VerifyRequest(round=pb.Round(round=1, target_only_steps=steps, run_tokens_per_verdict=per)))
+                got = []
+                while not got or got[-1].steps_left and not got[-1].finish_reason:
+                    got.append(await call.read())
+                for c in (call, other):
+                    c and c.cancel()
+                return got
+
+        got = asyncio.run(run(4, 23, 80, other_open=False))  # alone: a verdict a step
+        assert [len(r.run_tokens) for r in got] == [0] * 23 and [r.next_token for r in got] == greedy[:23]
+        got = asyncio.run(run(4, 23, 80))
+        assert [len(r.run_tokens) + 1 for r in got] == [4, 4, 4, 4, 4, 3]
+        assert [r.round for r in got] == [4, 8, 12, 16, 20, 23] and [r.steps_left for r in got] == [19, 15, 11, 7, 3, 0]
+        assert [t for r in got for t in [*r.run_tokens, r.next_token]] == greedy[:23]
+        assert all(r.forward_s > 0 for r in got)
+        got = asyncio.run(run(1000, 40, 80))
+        assert [len(r.run_tokens) + 1 for r in got] == [CAP, CAP, 40 - 2 * CAP]
+        got = asyncio.run(run(4, 23, 10))  # the session ends within a verdict's steps
+        assert [len(r.run_tokens) + 1 for r in got] == [4, 4, 2] and got[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert [t for r in got for t in [*r.run_tokens, r.next_token]] == greedy[:10]
+
+        async def held(other_open: bool, run_tokens: int = RUN_TOKENS_PER_VERDICT):
+            async with grpc.aio.insecure_channel(v.address) as ch:
+                other = await opened(ch) if other_open else None
+                pace = Pace(clock=Clock(), target_only_s=0.01, load=load_class(1), holds={load_class(1): Hold(left=1e9)})  # held throughout
+                loop = DecodeLoop(Drafter(lm), params(80), lm.fingerprint, lm.max_context, costs=COSTS, pace=pace, run_tokens=run_tokens)
+                call = Counted(pb_grpc.VerifyStub(ch).Session(timeout=60))
+                out = [t async for new, _ in loop.rounds(call) for t in new]
+                for c in (call.call, other):
+                    c and c.cancel()
+                return out, loop.summary(), call.reads
+
+        out, s, reads = asyncio.run(held(True))
+        assert out == greedy and s.run_steps == s.target_only_rounds == s.rounds == 80 and s.drafted == 0
+        assert reads == 80 // RUN_TOKENS_PER_VERDICT
+        out, s, reads = asyncio.run(held(False))
+        assert out == greedy and s.run_steps == 80 and reads == 80
+        out, s, reads = asyncio.run(held(True, run_tokens=1))  # --run-tokens-per-verdict 1
+        assert out == greedy and s.run_steps == 80 and reads == 80
+    finally:
+        v.stop()
 
 
 def test_a_run_right_after_the_start_takes_the_queued_prefill_over(model_dir, monkeypatch):

@@ -17,6 +17,7 @@ from verify_service.scheduler import Scheduler
 
 log = logging.getLogger("specdec.verify")
 SERVICE = "verify"
+RUN_TOKENS_PER_VERDICT = 16  # the most steps of a run one verdict answers (Round.run_tokens_per_verdict)
 
 
 class VerifyServicer(pb_grpc.VerifyServicer):
@@ -117,13 +118,26 @@ class VerifyServicer(pb_grpc.VerifyServicer):
 
     async def _run(self, s, r: pb.Round, context) -> None:
         """A run of target-only steps (Round.target_only_steps): the scheduler runs them back to
-        back as it does Generate's (Scheduler.steps), one verdict each, numbered on from the round's;
-        never past max_new_tokens (the session finishes there)."""
+        back as it does Generate's (Scheduler.steps), numbered on from the round's; never past
+        max_new_tokens (the session finishes there). While other sessions are open, a verdict
+        answers up to Round.run_tokens_per_verdict steps (at most RUN_TOKENS_PER_VERDICT): the
+        earlier steps' tokens in run_tokens, their forward seconds summed; fewer messages for the
+        draft to relay where the verifier is shared, a verdict a step (no burst) where it is not."""
         limit = min(r.target_only_steps, s.max_new_tokens - s.generated)
-        done = 0
+        per = max(1, min(r.run_tokens_per_verdict, RUN_TOKENS_PER_VERDICT))
+        done, held, forward_s = 0, [], 0.0
         async for v in self.engine.steps(s, limit):
             done += 1
-            await context.write(self._verdict(s, r.round + done - 1, v, 0 if v.finish else limit - done))
+            forward_s += v.forward_s
+            left = 0 if v.finish else limit - done
+            if left and len(held) + 1 < per and len(self.engine.sessions) > 1:  # alone, a verdict a step (latency)
+                held.append(v.next_token)
+                continue
+            out = self._verdict(s, r.round + done - 1, v, left)
+            out.run_tokens.extend(held)
+            out.forward_s = forward_s
+            await context.write(out)
+            held, forward_s = [], 0.0
         s.next_round += done
 
     async def Generate(self, request, context):

@@ -238,7 +238,7 @@ class SessionStart(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., proposal_mode: _Optional[_Union[ProposalMode, str]] = ..., vocab_fingerprint: _Optional[str] = ..., request_id: _Optional[str] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class Round(_message.Message):
-    __slots__ = ("round", "tokens", "q_counts", "q_ids", "q_probs", "target_only_steps", "parents")
+    __slots__ = ("round", "tokens", "q_counts", "q_ids", "q_probs", "target_only_steps", "parents", "run_tokens_per_verdict")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_COUNTS_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class Round(_message.Message):
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     TARGET_ONLY_STEPS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_TOKENS_PER_VERDICT_FIELD_NUMBER: _ClassVar[int]
     round: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q_counts: _containers.RepeatedScalarFieldContainer[int]
@@ -253,7 +254,8 @@ class Round(_message.Message):
     q_probs: _containers.RepeatedScalarFieldContainer[float]
     target_only_steps: int
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_counts: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., target_only_steps: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    run_tokens_per_verdict: int
+    def __init__(self, round: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_counts: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., target_only_steps: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ..., run_tokens_per_verdict: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("start", "round")
@@ -264,7 +266,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[SessionStart, _Mapping]] = ..., round: _Optional[_Union[Round, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("round", "num_accepted", "next_token", "finish_reason", "forward_s", "queue_s", "seed", "row_cost_s", "row_price", "steps_left", "target_only_s", "accepted_path", "open_sessions")
+    __slots__ = ("round", "num_accepted", "next_token", "finish_reason", "forward_s", "queue_s", "seed", "row_cost_s", "row_price", "steps_left", "target_only_s", "accepted_path", "open_sessions", "run_tokens")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +280,7 @@ class VerifyResponse(_message.Message):
     TARGET_ONLY_S_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RUN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_accepted: int
     next_token: int
@@ -291,4 +294,5 @@ class VerifyResponse(_message.Message):
     target_only_s: float
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
     open_sessions: int
-    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., forward_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., seed: _Optional[int] = ..., row_cost_s: _Optional[float] = ..., row_price: _Optional[float] = ..., steps_left: _Optional[int] = ..., target_only_s: _Optional[float] = ..., accepted_path: _Optional[_Iterable[int]] = ..., open_sessions: _Optional[int] = ...) -> None: ...
+    run_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., forward_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., seed: _Optional[int] = ..., row_cost_s: _Optional[float] = ..., row_price: _Optional[float] = ..., steps_left: _Optional[int] = ..., target_only_s: _Optional[float] = ..., accepted_path: _Optional[_Iterable[int]] = ..., open_sessions: _Optional[int] = ..., run_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
