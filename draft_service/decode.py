@@ -311,7 +311,8 @@ class DecodeLoop:
 
     async def _run(self, call: VerifyStream, n: int) -> AsyncIterator[tuple[list[int], int]]:
         """A run of n target-only steps on the verifier (Round.target_only_steps): one message out,
-        the verifier steps on its own and sends a verdict per token; the draft relays them. Its
+        the verifier steps on its own and sends a verdict per token, or per up to run_tokens while it
+        serves other sessions (Round.run_tokens_per_verdict); the draft relays them. Its
         own cache catches up (one forward over the run's tokens) when it next drafts (drafter._feed)."""
         stats = self.stats
         per = self.run_tokens  # the verifier answers this many steps a verdict while it serves other sessions
@@ -380,7 +381,7 @@ class DecodeLoop:
                 return
 
     def _committed(self, v: pb.Verdict) -> list[int]:
-        """A target-only verdict's token (none at a finish without one), added to the sequence and counted."""
+        """A target-only verdict's tokens (a run's several; none at a finish without one), added to the sequence and counted."""
         self.stats.verify_forward_s += v.forward_s
         new = list(v.run_tokens) + ([v.next_token] if v.HasField("next_token") else [])
         self.state.ids.extend(new)

@@ -219,11 +219,11 @@ class Counted:
 
 def test_a_runs_verdicts_answer_several_steps_beside_other_sessions(model_dir):
     """Round.run_tokens_per_verdict: one verdict answers up to that many steps of a run (the
-    verifier caps it at RUN_TOKENS_PER_VERDICT), the earlier steps' tokens in run_tokens, numbered
+    verifier caps it at MAX_RUN_TOKENS_PER_VERDICT), the earlier steps' tokens in run_tokens, numbered
     as its last step; the tokens are the same as a verdict a step. The verifier does so only
     while it serves other sessions: a session alone gets a verdict a step. A held session's
     runs ask for it (--run-tokens-per-verdict; 1: a verdict a step)."""
-    from verify_service.server import RUN_TOKENS_PER_VERDICT as CAP
+    from verify_service.server import MAX_RUN_TOKENS_PER_VERDICT as CAP
 
     target = model_dir("long-target")
     v = Service("verify_service", "--model", target)

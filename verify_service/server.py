@@ -17,7 +17,7 @@ from verify_service.scheduler import Scheduler
 
 log = logging.getLogger("specdec.verify")
 SERVICE = "verify"
-RUN_TOKENS_PER_VERDICT = 16  # the most steps of a run one verdict answers (Round.run_tokens_per_verdict)
+MAX_RUN_TOKENS_PER_VERDICT = 16  # the most steps of a run one verdict answers (Round.run_tokens_per_verdict)
 
 
 class VerifyServicer(pb_grpc.VerifyServicer):
@@ -120,11 +120,11 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         """A run of target-only steps (Round.target_only_steps): the scheduler runs them back to
         back as it does Generate's (Scheduler.steps), numbered on from the round's; never past
         max_new_tokens (the session finishes there). While other sessions are open, a verdict
-        answers up to Round.run_tokens_per_verdict steps (at most RUN_TOKENS_PER_VERDICT): the
+        answers up to Round.run_tokens_per_verdict steps (at most MAX_RUN_TOKENS_PER_VERDICT): the
         earlier steps' tokens in run_tokens, their forward seconds summed; fewer messages for the
         draft to relay where the verifier is shared, a verdict a step (no burst) where it is not."""
         limit = min(r.target_only_steps, s.max_new_tokens - s.generated)
-        per = max(1, min(r.run_tokens_per_verdict, RUN_TOKENS_PER_VERDICT))
+        per = max(1, min(r.run_tokens_per_verdict, MAX_RUN_TOKENS_PER_VERDICT))
         done, held, forward_s = 0, [], 0.0
         async for v in self.engine.steps(s, limit):
             done += 1
