@@ -127,9 +127,9 @@ class _Call:
                 self.fields.update(finish_reason=_finish_name(msg.finish_reason), prompt_tokens=st.prompt_tokens)
                 if st.drafted:
                     self.fields.update(accepted=st.accepted, drafted=st.drafted)
-        elif isinstance(msg, pb.VerifyResponse):  # one per verification round
-            self.rounds += 1
-            self.tokens += msg.num_accepted + msg.HasField("next_token")
+        elif isinstance(msg, pb.VerifyResponse):  # one per verification round, or per several steps of a run
+            self.rounds += 1 + len(msg.run_tokens)
+            self.tokens += msg.num_accepted + len(msg.run_tokens) + msg.HasField("next_token")
             if msg.finish_reason:
                 self.fields["finish_reason"] = _finish_name(msg.finish_reason)
 

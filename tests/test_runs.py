@@ -225,8 +225,11 @@ def test_a_runs_verdicts_answer_several_steps_beside_other_sessions(model_dir):
     runs ask for it (--run-tokens-per-verdict; 1: a verdict a step)."""
     from verify_service.server import MAX_RUN_TOKENS_PER_VERDICT as CAP
 
+    import json
+    import time
+
     target = model_dir("long-target")
-    v = Service("verify_service", "--model", target)
+    v = Service("verify_service", "--model", target, "--log-level", "INFO")
     try:
         with Client(v.address, target_only=True, timeout=60) as c:
             greedy = c.generate(prompt_ids=PROMPT, max_new_tokens=80).token_ids
@@ -263,6 +266,15 @@ def test_a_runs_verdicts_answer_several_steps_beside_other_sessions(model_dir):
         got = asyncio.run(run(4, 23, 10))  # the session ends within a verdict's steps
         assert [len(r.run_tokens) + 1 for r in got] == [4, 4, 2] and got[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert [t for r in got for t in [*r.run_tokens, r.next_token]] == greedy[:10]
+
+        def logged():  # the verifier's `session done` lines of sessions that committed tokens: (tokens, rounds)
+            lines = [json.loads(x) for x in v.stderr if '"session done"' in x]
+            return [(f["tokens"], f["rounds"]) for f in lines if f["tokens"]]
+
+        deadline = time.monotonic() + 10
+        while logged()[-1:] != [(10, 10)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert logged()[-1] == (10, 10)  # its log counts every step's token and round, not one per verdict
 
         async def held(other_open: bool, run_tokens: int = RUN_TOKENS_PER_VERDICT):
             async with grpc.aio.insecure_channel(v.address) as ch:
