@@ -136,8 +136,8 @@ RUN_MIN, RUN_MAX = 8, 256  # tokens in one run of target-only steps (Round.targe
 RUN_TOKENS_PER_VERDICT = 4  # a run's steps one verdict may answer, by default (Round.run_tokens_per_verdict)
 PROBE_ROUNDS = 8  # speculative rounds, over the draft's sessions, that a comparison needs ...
 PROBE_S = 0.5  # ... and their seconds, summed: one session's few rounds are too short to judge on a shared machine
-RELAY = 1.1  # a run's seconds per token over the verifier's quote, until measured (`Pace.ran`): through the draft
-# each token of a run is relayed (one more message each way)
+RELAY = 1.0  # a run's seconds per token over the verifier's quote, until measured (`Pace.ran`): 1.00-1.02 measured
+# with runs relayed several tokens a verdict (bench/results/GOODPUT.md)
 RELAY_DECAY = 0.98  # weight of the measured relay factor after each later run step
 HOLD_S = (2.0, 30.0)  # how long target-only holds at a load after speculation lost there: first, and at most (doubling)
 IDLE_S = 0.25  # the most one gap between verdicts counts toward a hold: a hold runs on busy time, not idle time
