@@ -1,9 +1,11 @@
 """Runs of target-only steps (Round.target_only_steps, DESIGN.md §7): the verifier steps on its
-own and sends a verdict per token; the draft asks for them when its process's Pace says
+own and sends a verdict per token (or per several while it serves other sessions); the draft asks for them when its process's Pace says
 speculation loses at the verifier's load, and comes back to speculation after the hold.
 (A useless draft's session using them: tests/test_pairing.py.)"""
 import asyncio
 import dataclasses
+import json
+import time
 
 import grpc
 
@@ -22,6 +24,7 @@ from helpers.greedy import hf_greedy
 from specdec.validation import GenParams
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from verify_service.server import MAX_RUN_TOKENS_PER_VERDICT as CAP
 
 COSTS = Costs(draft_step=0.001, verify_base=0.010, verify_per_token=0.0002)
 PROMPT = [3, 4, 5, 6]
@@ -223,11 +226,6 @@ def test_a_runs_verdicts_answer_several_steps_beside_other_sessions(model_dir):
     as its last step; the tokens are the same as a verdict a step. The verifier does so only
     while it serves other sessions: a session alone gets a verdict a step. A held session's
     runs ask for it (--run-tokens-per-verdict; 1: a verdict a step)."""
-    from verify_service.server import MAX_RUN_TOKENS_PER_VERDICT as CAP
-
-    import json
-    import time
-
     target = model_dir("long-target")
     v = Service("verify_service", "--model", target, "--log-level", "INFO")
     try:
@@ -251,7 +249,8 @@ def test_a_runs_verdicts_answer_several_steps_beside_other_sessions(model_dir):
                 while not got or got[-1].steps_left and not got[-1].finish_reason:
                     got.append(await call.read())
                 for c in (call, other):
-                    c and c.cancel()
+                    if c is not None:
+                        c.cancel()
                 return got
 
         got = asyncio.run(run(4, 23, 80, other_open=False))  # alone: a verdict a step
@@ -284,7 +283,8 @@ def test_a_runs_verdicts_answer_several_steps_beside_other_sessions(model_dir):
                 call = Counted(pb_grpc.VerifyStub(ch).Session(timeout=60))
                 out = [t async for new, _ in loop.rounds(call) for t in new]
                 for c in (call.call, other):
-                    c and c.cancel()
+                    if c is not None:
+                        c.cancel()
                 return out, loop.summary(), call.reads
 
         out, s, reads = asyncio.run(held(True))
