@@ -1,6 +1,7 @@
 """Runs of target-only steps (Round.target_only_steps, DESIGN.md §7): the verifier steps on its
-own and sends a verdict per token (or per several while it serves other sessions); the draft asks for them when its process's Pace says
-speculation loses at the verifier's load, and comes back to speculation after the hold.
+own and sends a verdict per token (or per several while it serves other sessions); the draft
+asks for them when its process's Pace says speculation loses at the verifier's load, and comes
+back to speculation after the hold.
 (A useless draft's session using them: tests/test_pairing.py.)"""
 import asyncio
 import dataclasses
