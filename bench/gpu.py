@@ -17,14 +17,16 @@ Measures
     plain generate()'s. On the CPU (no CUDA graphs) it compiles in mode "default", and only when asked
     for. A failure is recorded in gpu.json ("error"), not raised; the model's attention and compile state
     are restored afterwards.
-With `--compile-layers` the decoder layers are compiled (specdec/engine/compiled.py;
-the load's time includes it), and target-only is timed once more uncompiled, in the same run;
+With compiled layers (the engine's default on CUDA; `--no-compile-layers` turns them off) the decoder
+layers are compiled (specdec/engine/compiled.py; the load's time includes it), and target-only is
+timed once more uncompiled, in the same run;
 generate() always runs uncompiled. `--max-prefill-rows` sets the scheduler's rows of prompt chunks
 per pass (default: its own).
 Every timed run follows an identical untimed one (per-shape kernel set-up is not decoding);
 generate() and target-only are timed in `--repeats` alternating pairs, and their medians reported. With
 `--profile`, after the timed stages, torch.profiler runs over one target-only session and one
-generate() of 16 tokens each (prefill included): their op tables (sorted by self CPU time) go to
+generate() of 16 tokens each (prefill included): their op tables (sorted by self CPU time, and on
+cuda a second one of the kernels sorted by device time) go to
 --out/profile_target_only.txt and --out/profile_generate.txt, and gpu.json's "host_ops_per_token"
 holds each one's host-side profiler events (every op call, nested ones included, and on cuda the CUDA
 runtime calls) per generated token, which is what launch-bound decoding pays for. Writes its report
@@ -104,6 +106,8 @@ def op_table(prof, tokens: int, path: str) -> float:
     """Writes the profile's op table to path; returns its host-side events (op calls) per generated token."""
     with open(path, "w") as fh:
         fh.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+        if any(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events()):  # the kernels, by device time
+            fh.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40) + "\n")
     return sum(e.device_type == torch.autograd.DeviceType.CPU for e in prof.events()) / tokens
 
 
@@ -204,8 +208,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed generate() / target-only pairs, alternating; the medians are reported")
     p.add_argument("--out", default=os.path.join("bench", "results", "gpu"))
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a target-only session and a generate()")
-    p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=False,
-                   help="compile the decoder layers (specdec/engine/compiled.py; a GPU only)")
+    p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decoder layers (specdec/engine/compiled.py; a GPU only; default: the engine's, on for CUDA)")
     p.add_argument("--max-prefill-rows", type=int, default=None, help="the scheduler's rows of prompt chunks per pass")
     p.add_argument("--compiled-baseline", action=argparse.BooleanOptionalAction, default=None,
                    help="generate() with a static cache and torch.compile, last (default: on for cuda, off for cpu)")

@@ -112,7 +112,7 @@ class LM:
         """Loads the model and prepares its engine (choices: the engine's pinned load-time choices,
         engine.cpu.choose.parse_choices, else they are timed, by timer where given:
         engine.cpu.rows.clock; graphs: CUDA graphs for passes of rounds, default on CUDA; compiled:
-        the decoder layers compiled, on a GPU, default off: engine/compiled.py);
+        the decoder layers compiled, on a GPU, default on CUDA: engine/compiled.py);
         with check, first refuses
         (Unsupported) an architecture the engine cannot serve, and after checks that the engine's
         logits are the model's own."""

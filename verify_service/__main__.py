@@ -24,9 +24,10 @@ def main(argv=None) -> None:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="on CUDA, capture each uniform shape of a pass of rounds as a CUDA graph and replay it "
                         "(default: on where the model runs on CUDA; the CPU has none)")
-    p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="on a GPU, compile the decoder layers with torch.compile (fused kernels, captured in the CUDA graphs) "
-                        "at start-up; a model that cannot be compiled runs uncompiled, with a warning (default: off)")
+                        "at start-up; a model that cannot be compiled runs uncompiled, with a warning (default: on where "
+                        "the model runs on CUDA)")
     p.add_argument("--max-prefill-rows", type=number(int, low=1), default=None,
                    help="rows of prompt chunks and rounds in one pass (at least one chunk a pass; default: 1024 on the CPU, "
                         "8192 on a GPU)")

@@ -130,8 +130,8 @@ def prepare(model, per_row: bool | None = None, prepack: bool | None = None, att
     """Switches `model` to the engine's attention and returns its Engine. On the CPU the CPU tier makes
     its load-time choices first (pinned by per_row, prepack and attention where given; timed
     with timer, for tests, else the clock); on a GPU there are none to make, and passes of rounds
-    are captured as CUDA graphs unless graphs is False, and with `compiled` the decoder layers are
-    compiled (compiled.py; off unless asked for)."""
+    are captured as CUDA graphs unless graphs is False, and the decoder layers are compiled
+    (compiled.py) unless compiled is False: on CUDA by default, elsewhere only when asked for."""
     model.set_attn_implementation(ATTN)
     name = f"{type(model).__name__} in {model.dtype}"
     if model.device.type != "cpu":
@@ -140,7 +140,7 @@ def prepare(model, per_row: bool | None = None, prepack: bool | None = None, att
             log.warning("%s: engine choices are made on the CPU only; the pinned %s ignored on %s", name, ", ".join(pins), model.device)
         graphs = model.device.type == "cuda" and graphs is not False
         engine = Engine(model, Plan(kv_dtype=model.dtype, graphs=graphs))
-        if compiled:
+        if compiled or (compiled is None and model.device.type == "cuda"):
             engine.compiled = compile_layers(engine)
             engine.plan.compiled = bool(engine.compiled)
         log.info("%s on %s: CUDA graphs %s, compiled layers %s", name, model.device, "on" if graphs else "off",
