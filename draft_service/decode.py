@@ -273,6 +273,8 @@ class DecodeLoop:
                         judged = self.pace.observe(len(new), t3 - t_mark, v.target_only_s, v.open_sessions)
                         if judged:
                             metrics.PACE_COMPARISONS.labels(load_label(judged[0]), "lost" if judged[1] else "won").inc()
+                            log.debug("pace: a comparison at %s open sessions: speculation %s", load_label(judged[0]),
+                                      "lost" if judged[1] else "won")
                     else:
                         self.pace.quote(v.target_only_s, v.open_sessions)
                 caught_up = caught_up or (bool(sent.tokens) and not sent.lookup)
