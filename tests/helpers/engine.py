@@ -2,6 +2,7 @@
 a model loaded with its matmuls forced one way, the logits of a short session, and a pass counter."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdec.engine import KVCache
@@ -45,11 +46,37 @@ def load_packed(path: str, dtype: str, matmuls: str) -> LM:
         return LM.load(path, "cpu", dtype)
     if matmuls in ("prepacked", "unpacked"):
         lm = LM.load(path, "cpu", dtype, check=False, choices=dict(prepack=matmuls == "prepacked"))
-        assert lm.engine.plan.prepacked == (matmuls == "prepacked" and BF16_ONEDNN)
+        want = matmuls == "prepacked" and BF16_ONEDNN
+        if want and not lm.engine.plan.prepacked and not prepacked_products_agree(path, dtype):
+            pytest.skip("this CPU's oneDNN products with prepacked weights round differently from the modules' own: "
+                        "the engine keeps the weights unpacked")
+        assert lm.engine.plan.prepacked == want
         return lm
     lm = LM.load(path, "cpu", dtype, check=False, choices=dict(per_row=True))
     assert lm.engine.plan.pad_to == 1 and lm.engine.plan.top == PER_ROW_LEAD  # kept: no padding rows
     return lm
+
+
+def prepacked_products_agree(path: str, dtype: str) -> bool:
+    """Whether every linear module of the model at path, in dtype, gives the same numbers through
+    oneDNN with its weight prepacked as through its own forward, for five rows together and for
+    each of them alone, over four random draws: where they differ (seen on a CPU without native
+    bf16 instructions, one row at a time), the engine must not prepack."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                w = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), 1)
+                b = None if m.bias is None else m.bias.detach()
+                for _ in range(4):
+                    x = torch.randn(1, 5, m.in_features, generator=g).to(model.dtype)
+                    if not all(torch.equal(torch.ops.mkldnn._linear_pointwise(r, w, b, "none", [], ""), m(r))
+                               for r in (x, *x.split(1, dim=1))):
+                        return False
+    return True
 
 
 def logits_of_a_session(engine) -> torch.Tensor:
