@@ -84,7 +84,7 @@ def proposal(logits, mode, t, k, p, sparse_k):
     return q
 
 
-async def sample_many(address, n_samples, seed0, concurrency=8, prompt_ids=PROMPT, **params):
+async def sample_many(address, n_samples, seed0, concurrency=32, prompt_ids=PROMPT, **params):
     results = [None] * n_samples
     async with AsyncClient(address, timeout=60) as c:
         async def worker(w):
@@ -105,7 +105,7 @@ def test_sampled_output_has_target_distribution(services, stat_models, mode, t, 
     _, d = services("stat-target", "stat-draft")
     target, _ = stat_models
     params = dict(max_new_tokens=3, num_draft_tokens=2, prompt_ids=PROMPT) | extra
-    concurrency = params.pop("concurrency", 8)
+    concurrency = params.pop("concurrency", 32)
     exact = exact_distribution(target, t, k, p, params["max_new_tokens"], params["prompt_ids"])
     n = 3000
     res = asyncio.run(sample_many(d.address, n, 10_000, concurrency=concurrency, temperature=t, top_k=k, top_p=p, proposal_mode=mode,
