@@ -164,6 +164,7 @@ class Hold:
     lost comparison there holds for `next`."""
     left: float = 0.0
     next: float = HOLD_S[0]
+    doubt: bool = False  # the last comparison here lost: a win counts only once the window after it agrees
 
 
 @dataclass
@@ -178,7 +179,9 @@ class Pace:
     speculation is slower at a load, sessions run target-only there and at every heavier load
     for a hold (runs of target-only steps on the verifier), then speculate again for
     PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each lost probe doubles that load's next
-    hold (up to HOLD_S[1]), a won one halves it (down to HOLD_S[0]). Time is busy time: the gaps
+    hold (up to HOLD_S[1]), a won one halves it (down to HOLD_S[0]). After a loss at a load, a
+    won window there decides nothing until the next window agrees: a probe's first window holds
+    the rounds that ended first once the sessions left their runs, the short ones. Time is busy time: the gaps
     between this process's verdicts, each counted up to IDLE_S toward the holds at the load of
     the time and lighter ones, so an idle spell neither ends a hold nor is taken for evidence.
     The load acted on is the highest class the verdicts of the last LOAD_S busy seconds saw: a
@@ -248,15 +251,19 @@ class Pace:
         load = max(self.loads, key=self.loads.get)  # the load most of the window saw
         hold = self.holds.setdefault(load, Hold())
         lost = self.seconds > self.relay * self.quoted
-        if lost:
-            hold.left = hold.next
-            hold.next = min(2 * hold.next, HOLD_S[1])
-            self.lost += 1
-        else:  # halved, not reset: one lucky window under a steady load does not bring the short holds back
-            hold.next = max(HOLD_S[0], hold.next / 2)
         self.seconds = self.quoted = 0.0
         self.rounds = 0
         self.loads = {}
+        if lost:
+            hold.left = hold.next
+            hold.next = min(2 * hold.next, HOLD_S[1])
+            hold.doubt = True
+            self.lost += 1
+        elif hold.doubt:  # the first window after a hold: its rounds, the first to end, are the short ones
+            hold.doubt = False
+            return None
+        else:  # halved, not reset: one lucky window under a steady load does not bring the short holds back
+            hold.next = max(HOLD_S[0], hold.next / 2)
         return load, lost
 
     def ran(self, seconds: float, target_only_s: float) -> None:

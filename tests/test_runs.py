@@ -143,10 +143,19 @@ def test_pace_holds_target_only_while_speculation_loses_and_probes_again():
     lose(p)
     assert p.lost == 2 and p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1])  # a longer hold next time
     busy(p, clock, 2 * HOLD_S[0])
-    for _ in range(PROBE_ROUNDS):  # speculation gives 300 tok/s now, above target-only's 100
-        p.observe(30, 0.1, 0.01, 16)
+    win = lambda: [p.observe(30, 0.1, 0.01, 16) for _ in range(PROBE_ROUNDS)][-1]  # 300 tok/s, above target-only's 100
+    assert win() is None and p.run() == 0  # the first window after a hold wins: it decides nothing alone ...
+    assert p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1])
+    assert win() == (load_class(16), False)  # ... until the next one agrees: speculation stays
     assert p.lost == 2 and p.run() == 0 and p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1]) / 2
-    # (speculation wins: it stays; the next hold is halved, not reset: one lucky window does not bring the short holds back)
+    # (the next hold is halved, not reset: one lucky window does not bring the short holds back)
+    assert win() == (load_class(16), False) and p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1]) / 4
+    # (no doubt left: each later window decides alone)
+    lose(p)
+    busy(p, clock, HOLD_S[1])
+    assert win() is None  # a won first window followed by a lost one: lost, and the next hold doubled
+    lose(p)
+    assert p.lost == 4 and p.run() > 0 and p.holds[load_class(16)].next == min(2 * HOLD_S[0], HOLD_S[1]) * 2
     p.observe(3, 0.03, 0.0)  # no quote (an old verifier): never target-only on no evidence
     assert Pace().run() == 0
 
