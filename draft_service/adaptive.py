@@ -200,6 +200,7 @@ class Pace:
     holds: dict = field(default_factory=dict)  # load class -> Hold
     last: float | None = None  # when the last verdict came (the busy clock)
     lost: int = 0  # probes speculation lost (for stats and tests)
+    ratio: float = 0.0  # the last comparison's seconds over relay x quoted (above 1: lost; for the log)
     probe_rounds: int = PROBE_ROUNDS
     relay: float = RELAY
 
@@ -236,9 +237,10 @@ class Pace:
     def held(self) -> bool:
         return self.left() > 0
 
-    def observe(self, tokens: int, seconds: float, target_only_s: float, sessions: int = 0) -> tuple[int, bool] | None:
+    def observe(self, tokens: int, seconds: float, target_only_s: float, sessions: int = 0) -> tuple[int, str] | None:
         """One speculative round of some session: its committed tokens and wall seconds. Returns
-        (load class, whether speculation lost) when the round completed a comparison."""
+        (load class, outcome) when the round completed a comparison: "lost" (target-only holds
+        there now), "won", or "unconfirmed" (a won window right after a loss: the next decides)."""
         self.quote(target_only_s, sessions)
         if self.held() or not self.target_only_s:
             return None  # a round of a session that came out of a run early (the window is for the probe), or no quote
@@ -250,21 +252,21 @@ class Pace:
             return None
         load = max(self.loads, key=self.loads.get)  # the load most of the window saw
         hold = self.holds.setdefault(load, Hold())
-        lost = self.seconds > self.relay * self.quoted
+        self.ratio = self.seconds / (self.relay * self.quoted)
         self.seconds = self.quoted = 0.0
         self.rounds = 0
         self.loads = {}
-        if lost:
+        if self.ratio > 1.0:
             hold.left = hold.next
             hold.next = min(2 * hold.next, HOLD_S[1])
             hold.doubt = True
             self.lost += 1
-        elif hold.doubt:  # the first window after a hold: its rounds, the first to end, are the short ones
+            return load, "lost"
+        if hold.doubt:  # the first window after a hold: its rounds, the first to end, are the short ones
             hold.doubt = False
-            return None
-        else:  # halved, not reset: one lucky window under a steady load does not bring the short holds back
-            hold.next = max(HOLD_S[0], hold.next / 2)
-        return load, lost
+            return load, "unconfirmed"
+        hold.next = max(HOLD_S[0], hold.next / 2)  # halved, not reset: one lucky window under a steady load does not bring the short holds back
+        return load, "won"
 
     def ran(self, seconds: float, target_only_s: float) -> None:
         """One step of a run, seconds from the verdict before it, against the quote it came with."""

@@ -272,9 +272,9 @@ class DecodeLoop:
                     if sent.tokens and stats.rounds > 1 and (caught_up or sent.lookup):
                         judged = self.pace.observe(len(new), t3 - t_mark, v.target_only_s, v.open_sessions)
                         if judged:
-                            metrics.PACE_COMPARISONS.labels(load_label(judged[0]), "lost" if judged[1] else "won").inc()
-                            log.debug("pace: a comparison at %s open sessions: speculation %s", load_label(judged[0]),
-                                      "lost" if judged[1] else "won")
+                            metrics.PACE_COMPARISONS.labels(load_label(judged[0]), judged[1]).inc()
+                            log.debug("pace: a comparison at %s open sessions: speculation %s (%.2f of target-only's "
+                                      "seconds, relay %.2f)", load_label(judged[0]), judged[1], self.pace.ratio, self.pace.relay)
                     else:
                         self.pace.quote(v.target_only_s, v.open_sessions)
                 caught_up = caught_up or (bool(sent.tokens) and not sent.lookup)

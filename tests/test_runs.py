@@ -144,16 +144,16 @@ def test_pace_holds_target_only_while_speculation_loses_and_probes_again():
     assert p.lost == 2 and p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1])  # a longer hold next time
     busy(p, clock, 2 * HOLD_S[0])
     win = lambda: [p.observe(30, 0.1, 0.01, 16) for _ in range(PROBE_ROUNDS)][-1]  # 300 tok/s, above target-only's 100
-    assert win() is None and p.run() == 0  # the first window after a hold wins: it decides nothing alone ...
+    assert win() == (load_class(16), "unconfirmed") and p.run() == 0  # the first window after a hold wins: it decides nothing alone ...
     assert p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1])
-    assert win() == (load_class(16), False)  # ... until the next one agrees: speculation stays
+    assert win() == (load_class(16), "won")  # ... until the next one agrees: speculation stays
     assert p.lost == 2 and p.run() == 0 and p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1]) / 2
     # (the next hold is halved, not reset: one lucky window does not bring the short holds back)
-    assert win() == (load_class(16), False) and p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1]) / 4
+    assert win() == (load_class(16), "won") and p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1]) / 4
     # (no doubt left: each later window decides alone)
     lose(p)
     busy(p, clock, HOLD_S[1])
-    assert win() is None  # a won first window followed by a lost one: lost, and the next hold doubled
+    assert win() == (load_class(16), "unconfirmed")  # a won first window followed by a lost one: lost, and the next hold doubled
     lose(p)
     assert p.lost == 4 and p.run() > 0 and p.holds[load_class(16)].next == min(2 * HOLD_S[0], HOLD_S[1]) * 2
     p.observe(3, 0.03, 0.0)  # no quote (an old verifier): never target-only on no evidence
@@ -198,7 +198,7 @@ def test_the_pace_keeps_its_verdict_per_load_and_holds_on_busy_time():
     assert set(p.holds) == {load_class(16)}
     p = Pace(clock=clock)
     judged = [p.observe(3, 0.1, 0.01, 4 if i < 3 else 16) for i in range(PROBE_ROUNDS)]
-    assert set(p.holds) == {load_class(16)} and judged == [None] * (PROBE_ROUNDS - 1) + [(load_class(16), True)]
+    assert set(p.holds) == {load_class(16)} and judged == [None] * (PROBE_ROUNDS - 1) + [(load_class(16), "lost")]
 
 
 def test_a_model_record_skips_a_model_that_keeps_falling_back_and_explores():
