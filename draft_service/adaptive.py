@@ -164,7 +164,8 @@ class Hold:
     lost comparison there holds for `next`."""
     left: float = 0.0
     next: float = HOLD_S[0]
-    doubt: bool = False  # the last comparison here lost: a win counts only once the window after it agrees
+    lost: bool | None = None  # the last decided comparison here (None: none yet)
+    doubt: bool = False  # the window before this load's next disagreed with `lost`: the next decides
 
 
 @dataclass
@@ -179,9 +180,11 @@ class Pace:
     speculation is slower at a load, sessions run target-only there and at every heavier load
     for a hold (runs of target-only steps on the verifier), then speculate again for
     PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each lost probe doubles that load's next
-    hold (up to HOLD_S[1]), a won one halves it (down to HOLD_S[0]). After a loss at a load, a
-    won window there decides nothing until the next window agrees: a probe's first window holds
-    the rounds that ended first once the sessions left their runs, the short ones. Time is busy time: the gaps
+    hold (up to HOLD_S[1]), a won one halves it (down to HOLD_S[0]). A window whose outcome
+    differs from the last decided one at its load decides nothing ("unconfirmed"): the next
+    window there decides. A probe's first window holds the rounds that ended first once the
+    sessions left their runs, the short ones; one session's 8 rounds swing with its text's
+    acceptance. Time is busy time: the gaps
     between this process's verdicts, each counted up to IDLE_S toward the holds at the load of
     the time and lighter ones, so an idle spell neither ends a hold nor is taken for evidence.
     The load acted on is the highest class the verdicts of the last LOAD_S busy seconds saw: a
@@ -240,7 +243,8 @@ class Pace:
     def observe(self, tokens: int, seconds: float, target_only_s: float, sessions: int = 0) -> tuple[int, str] | None:
         """One speculative round of some session: its committed tokens and wall seconds. Returns
         (load class, outcome) when the round completed a comparison: "lost" (target-only holds
-        there now), "won", or "unconfirmed" (a won window right after a loss: the next decides)."""
+        there now), "won", or "unconfirmed" (the window disagreed with the last decided outcome
+        at its load: the next window decides)."""
         self.quote(target_only_s, sessions)
         if self.held() or not self.target_only_s:
             return None  # a round of a session that came out of a run early (the window is for the probe), or no quote
@@ -256,15 +260,16 @@ class Pace:
         self.seconds = self.quoted = 0.0
         self.rounds = 0
         self.loads = {}
-        if self.ratio > 1.0:
+        lost = self.ratio > 1.0
+        if hold.lost is not None and lost != hold.lost and not hold.doubt:
+            hold.doubt = True  # e.g. a probe's first window, whose rounds (the first to end) are the short ones
+            return load, "unconfirmed"
+        hold.lost, hold.doubt = lost, False
+        if lost:
             hold.left = hold.next
             hold.next = min(2 * hold.next, HOLD_S[1])
-            hold.doubt = True
             self.lost += 1
             return load, "lost"
-        if hold.doubt:  # the first window after a hold: its rounds, the first to end, are the short ones
-            hold.doubt = False
-            return load, "unconfirmed"
         hold.next = max(HOLD_S[0], hold.next / 2)  # halved, not reset: one lucky window under a steady load does not bring the short holds back
         return load, "won"
 

@@ -122,9 +122,9 @@ def busy(p: Pace, clock: Clock, seconds: float, sessions: int = 16) -> None:
         p.quote(0.01, sessions)
 
 
-def lose(p: Pace, sessions: int = 16) -> None:
-    for _ in range(PROBE_ROUNDS):  # 3 tokens in 100 ms: 30 tok/s against a target-only 100 tok/s
-        p.observe(3, 0.1, 0.01, sessions)
+def lose(p: Pace, sessions: int = 16) -> tuple[int, str] | None:
+    """A window of rounds at 30 tok/s against a target-only 100 tok/s (3 tokens in 100 ms): what the last round's observe said."""
+    return [p.observe(3, 0.1, 0.01, sessions) for _ in range(PROBE_ROUNDS)][-1]
 
 
 def test_pace_holds_target_only_while_speculation_loses_and_probes_again():
@@ -150,11 +150,12 @@ def test_pace_holds_target_only_while_speculation_loses_and_probes_again():
     assert p.lost == 2 and p.run() == 0 and p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1]) / 2
     # (the next hold is halved, not reset: one lucky window does not bring the short holds back)
     assert win() == (load_class(16), "won") and p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1]) / 4
-    # (no doubt left: each later window decides alone)
-    lose(p)
+    # (a window that agrees with the last decided one decides alone)
+    assert lose(p) == (load_class(16), "unconfirmed") and p.run() == 0  # one losing window after wins decides nothing ...
+    assert lose(p) == (load_class(16), "lost") and p.lost == 3 and p.run() > 0  # ... the next one agreeing does
     busy(p, clock, HOLD_S[1])
     assert win() == (load_class(16), "unconfirmed")  # a won first window followed by a lost one: lost, and the next hold doubled
-    lose(p)
+    assert lose(p) == (load_class(16), "lost")
     assert p.lost == 4 and p.run() > 0 and p.holds[load_class(16)].next == min(2 * HOLD_S[0], HOLD_S[1]) * 2
     p.observe(3, 0.03, 0.0)  # no quote (an old verifier): never target-only on no evidence
     assert Pace().run() == 0
