@@ -180,11 +180,12 @@ class Pace:
     speculation is slower at a load, sessions run target-only there and at every heavier load
     for a hold (runs of target-only steps on the verifier), then speculate again for
     PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each lost probe doubles that load's next
-    hold (up to HOLD_S[1]), a won one halves it (down to HOLD_S[0]). A window whose outcome
-    differs from the last decided one at its load decides nothing ("unconfirmed"): the next
-    window there decides. A probe's first window holds the rounds that ended first once the
-    sessions left their runs, the short ones; one session's 8 rounds swing with its text's
-    acceptance. Time is busy time: the gaps
+    hold (up to HOLD_S[1]), a won one halves it (down to HOLD_S[0]). A won window after a loss at
+    its load decides nothing ("unconfirmed"): the next window there decides. A probe's first
+    window holds the rounds that ended first once the sessions left their runs, the short ones.
+    A lost window after a win is unconfirmed alike, but only with one session open: a shared
+    verifier's ties go to target-only (its goodput first), a lone session's to speculation (its
+    latency: nothing else is at stake), whose 8 rounds swing with its text's acceptance. Time is busy time: the gaps
     between this process's verdicts, each counted up to IDLE_S toward the holds at the load of
     the time and lighter ones, so an idle spell neither ends a hold nor is taken for evidence.
     The load acted on is the highest class the verdicts of the last LOAD_S busy seconds saw: a
@@ -243,8 +244,8 @@ class Pace:
     def observe(self, tokens: int, seconds: float, target_only_s: float, sessions: int = 0) -> tuple[int, str] | None:
         """One speculative round of some session: its committed tokens and wall seconds. Returns
         (load class, outcome) when the round completed a comparison: "lost" (target-only holds
-        there now), "won", or "unconfirmed" (the window disagreed with the last decided outcome
-        at its load: the next window decides)."""
+        there now), "won", or "unconfirmed" (a win after a loss at its load, or a loss after a
+        win with one session open: the next window decides)."""
         self.quote(target_only_s, sessions)
         if self.held() or not self.target_only_s:
             return None  # a round of a session that came out of a run early (the window is for the probe), or no quote
@@ -261,8 +262,8 @@ class Pace:
         self.rounds = 0
         self.loads = {}
         lost = self.ratio > 1.0
-        if hold.lost is not None and lost != hold.lost and not hold.doubt:
-            hold.doubt = True  # e.g. a probe's first window, whose rounds (the first to end) are the short ones
+        if hold.lost is not None and lost != hold.lost and not hold.doubt and (not lost or load == load_class(1)):
+            hold.doubt = True  # a probe's first window, whose rounds (the first to end) are the short ones; a lone session's swing
             return load, "unconfirmed"
         hold.lost, hold.doubt = lost, False
         if lost:

@@ -34,7 +34,7 @@ PROPOSALS_PER_ROUND = Histogram("specdec_draft_proposals_per_round", "Proposals 
 DRAFT_BATCH_SIZE = Histogram("specdec_draft_batch_size", "Sessions per draft forward pass", buckets=(1, 2, 4, 8, 16, 32, 64))
 PACE_COMPARISONS = Counter("specdec_draft_pace_comparisons_total", "The pace's comparisons of speculation with target-only runs, by the "
                            "verifier's open sessions (a power-of-two range) and outcome (lost: sessions hold target-only there; won; "
-                           "unconfirmed: a window that disagreed with the last decided one, which the next window decides)",
+                           "unconfirmed: a win after a loss, or a lone session's loss after a win, which the next window decides)",
                            ["load", "outcome"])
 
 # draft side (vLLM names)

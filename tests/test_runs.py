@@ -151,12 +151,17 @@ def test_pace_holds_target_only_while_speculation_loses_and_probes_again():
     # (the next hold is halved, not reset: one lucky window does not bring the short holds back)
     assert win() == (load_class(16), "won") and p.holds[load_class(16)].next == min(4 * HOLD_S[0], HOLD_S[1]) / 4
     # (a window that agrees with the last decided one decides alone)
-    assert lose(p) == (load_class(16), "unconfirmed") and p.run() == 0  # one losing window after wins decides nothing ...
-    assert lose(p) == (load_class(16), "lost") and p.lost == 3 and p.run() > 0  # ... the next one agreeing does
+    assert lose(p) == (load_class(16), "lost") and p.lost == 3 and p.run() > 0  # a shared verifier's loss decides at once
     busy(p, clock, HOLD_S[1])
     assert win() == (load_class(16), "unconfirmed")  # a won first window followed by a lost one: lost, and the next hold doubled
     assert lose(p) == (load_class(16), "lost")
     assert p.lost == 4 and p.run() > 0 and p.holds[load_class(16)].next == min(2 * HOLD_S[0], HOLD_S[1]) * 2
+    # a session alone at the verifier: a loss after a win needs the next window too (its ties go to speculation)
+    p = Pace(clock=clock)
+    for won in (True, False):
+        assert [p.observe(30 if won else 3, 0.1, 0.01, 1) for _ in range(PROBE_ROUNDS)][-1] == (load_class(1), "won" if won else "unconfirmed")
+    assert p.run() == 0 and p.lost == 0
+    assert lose(p, 1) == (load_class(1), "lost") and p.run() > 0
     p.observe(3, 0.03, 0.0)  # no quote (an old verifier): never target-only on no evidence
     assert Pace().run() == 0
 
