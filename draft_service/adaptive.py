@@ -164,7 +164,7 @@ class Hold:
     lost comparison there holds for `next`."""
     left: float = 0.0
     next: float = HOLD_S[0]
-    lost: bool | None = None  # the last decided comparison here (None: none yet)
+    lost: bool | None = None  # the last decided comparison here (None: none yet; a lighter load's loss counts)
     doubt: bool = False  # the window before this load's next disagreed with `lost`: the next decides
 
 
@@ -256,7 +256,9 @@ class Pace:
         if self.rounds < self.probe_rounds or self.seconds < PROBE_S:
             return None
         load = max(self.loads, key=self.loads.get)  # the load most of the window saw
-        hold = self.holds.setdefault(load, Hold())
+        if load not in self.holds:  # a first comparison here: a loss at a lighter load stands for this one (each row costs more here)
+            self.holds[load] = Hold(lost=True if any(h.lost for c, h in self.holds.items() if c < load) else None)
+        hold = self.holds[load]
         self.ratio = self.seconds / (self.relay * self.quoted)
         self.seconds = self.quoted = 0.0
         self.rounds = 0
