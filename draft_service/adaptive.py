@@ -165,7 +165,7 @@ class Hold:
     left: float = 0.0
     next: float = HOLD_S[0]
     lost: bool | None = None  # the last decided comparison here (None: none yet; a lighter load's loss counts)
-    doubt: bool = False  # the window before this load's next disagreed with `lost`: the next decides
+    doubt: bool = False  # the last window here disagreed with `lost` and decided nothing: the next one decides
 
 
 @dataclass
@@ -181,11 +181,12 @@ class Pace:
     for a hold (runs of target-only steps on the verifier), then speculate again for
     PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each lost probe doubles that load's next
     hold (up to HOLD_S[1]), a won one halves it (down to HOLD_S[0]). A won window after a loss at
-    its load decides nothing ("unconfirmed"): the next window there decides. A probe's first
-    window holds the rounds that ended first once the sessions left their runs, the short ones.
-    A lost window after a win is unconfirmed alike, but only with one session open: a shared
-    verifier's ties go to target-only (its goodput first), a lone session's to speculation (its
-    latency: nothing else is at stake), whose 8 rounds swing with its text's acceptance. Time is busy time: the gaps
+    its load (or, at a load's first comparison, at a lighter load) decides nothing
+    ("unconfirmed"): the next window there decides. A probe's first window holds the rounds that
+    ended first once the sessions left their runs, the short ones. A lost window after a win is
+    unconfirmed alike, but only with one session open: a shared verifier's ties go to
+    target-only (its goodput first), a lone session's to speculation (only its own latency is at
+    stake), whose 8 rounds swing with its text's acceptance. Time is busy time: the gaps
     between this process's verdicts, each counted up to IDLE_S toward the holds at the load of
     the time and lighter ones, so an idle spell neither ends a hold nor is taken for evidence.
     The load acted on is the highest class the verdicts of the last LOAD_S busy seconds saw: a
