@@ -164,10 +164,9 @@ def test_pace_holds_target_only_while_speculation_loses_and_probes_again():
     assert lose(p, 1) == (load_class(1), "lost") and p.run() > 0
     # a first comparison at a heavier load than one that lost there last: the loss stands for it, so a win waits for the next window
     busy(p, clock, HOLD_S[1], sessions=1)
-    win16 = lambda: [p.observe(30, 0.1, 0.01, 16) for _ in range(PROBE_ROUNDS)][-1]
-    assert win16() == (load_class(16), "unconfirmed") and win16() == (load_class(16), "won")
+    assert win() == (load_class(16), "unconfirmed") and win() == (load_class(16), "won")
     p = Pace(clock=clock)
-    assert win16() == (load_class(16), "won")  # no loss anywhere yet: a win decides
+    assert win() == (load_class(16), "won")  # no loss anywhere yet: a win decides
     p.observe(3, 0.03, 0.0)  # no quote (an old verifier): never target-only on no evidence
     assert Pace().run() == 0
 
