@@ -180,8 +180,9 @@ class Pace:
     speculation is slower at a load, sessions run target-only there and at every heavier load
     for a hold (runs of target-only steps on the verifier), then speculate again for
     PROBE_ROUNDS rounds (and PROBE_S) to measure anew; each lost probe doubles that load's next
-    hold (up to HOLD_S[1]), a won one halves it (down to HOLD_S[0]). A won window after a loss at
-    its load (or, at a load's first comparison, at a lighter load) decides nothing
+    hold (up to HOLD_S[1]), a won one halves it (down to HOLD_S[0]); a load's first comparison
+    starts from the next hold of a lighter load whose last comparison lost. A won window after a
+    loss at its load (or, at a load's first comparison, at a lighter load) decides nothing
     ("unconfirmed"): the next window there decides. A probe's first window holds the rounds that
     ended first once the sessions left their runs, the short ones. A lost window after a win is
     unconfirmed alike, but only with one session open: a shared verifier's ties go to
@@ -257,8 +258,10 @@ class Pace:
         if self.rounds < self.probe_rounds or self.seconds < PROBE_S:
             return None
         load = max(self.loads, key=self.loads.get)  # the load most of the window saw
-        if load not in self.holds:  # a first comparison here: a loss at a lighter load stands for this one (each row costs more here)
-            self.holds[load] = Hold(lost=True if any(h.lost for c, h in self.holds.items() if c < load) else None)
+        if load not in self.holds:  # a first comparison here: a loss at a lighter load stands for this one (each row costs more
+            # here), its next hold too: what keeps losing there is not probed here every HOLD_S[0]
+            lost = [h for c, h in self.holds.items() if c < load and h.lost]
+            self.holds[load] = Hold(lost=True if lost else None, next=max((h.next for h in lost), default=HOLD_S[0]))
         hold = self.holds[load]
         self.ratio = self.seconds / (self.relay * self.quoted)
         self.seconds = self.quoted = 0.0

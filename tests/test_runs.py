@@ -201,6 +201,18 @@ def test_the_pace_keeps_its_verdict_per_load_and_holds_on_busy_time():
     assert p.holds[load_class(4)].left == HOLD_S[0] / 2 and set(p.holds) == {load_class(4)}
     busy(p, clock, HOLD_S[0] / 2)
     assert p.run() == 0
+    # a loss at 4 again (its next hold doubles), then a first comparison at 16 that loses: 16's hold starts
+    # from 4's next one, not from HOLD_S[0]; a load where nothing lost starts from HOLD_S[0]
+    busy(p, clock, LOAD_S + 0.0625, sessions=4)
+    lose(p, 4)
+    busy(p, clock, HOLD_S[0] * 2, sessions=4)
+    assert p.run() == 0 and set(p.holds) == {load_class(4)} and p.holds[load_class(4)].next == 4 * HOLD_S[0]
+    busy(p, clock, LOAD_S + 0.0625)
+    assert lose(p, 16) == (load_class(16), "lost")
+    assert p.holds[load_class(16)].left == 4 * HOLD_S[0] and p.holds[load_class(16)].next == min(8 * HOLD_S[0], HOLD_S[1])
+    q = Pace(clock=clock)
+    lose(q, 16)
+    assert q.holds[load_class(16)].left == HOLD_S[0]
     assert [load_label(load_class(n)) for n in (0, 1, 2, 3, 4, 16, 31)] == ["unknown", "1", "2-3", "2-3", "4-7", "16-31", "16-31"]
     # a window is judged on the load most of its rounds were acted on at (observe says so, and whether speculation lost)
     p = Pace(clock=clock)
