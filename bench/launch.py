@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,17 +21,27 @@ ENV.setdefault("OMP_NUM_THREADS", "1")
 
 
 class Service:
-    """A service started as its own process with `python -m <module> ... --port 0`."""
+    """A service started as its own process with `python -m <module> ... --port PORT` (0: a free
+    port, which it prints); `wait=False` returns at once, and `wait()` waits for it to listen."""
 
     def __init__(self, module: str, *args: str, timeout: float = 120.0, host: str = "127.0.0.1", env: dict | None = None,
-                 prefix: tuple[str, ...] = ()):
-        self.cmd = [*prefix, sys.executable, "-m", module, "--host", host, "--port", "0", "--log-level", "WARNING", *args]
+                 prefix: tuple[str, ...] = (), port: int = 0, wait: bool = True):
+        self.cmd = [*prefix, sys.executable, "-m", module, "--host", host, "--port", str(port), "--log-level", "WARNING", *args]
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []
         self.metrics_address: str | None = None
         self.http_address: str | None = None  # the draft's OpenAI-compatible API, with --http-port
+        self.timeout = timeout
         threading.Thread(target=self._drain_stderr, daemon=True).start()
-        self.address = self._wait_listening(timeout)
+        self.address: str | None = None
+        if wait:
+            self.wait()
+
+    def wait(self) -> "Service":
+        """Waits for `listening on` (a Service made with wait=False); RuntimeError if the process ends first."""
+        if self.address is None:
+            self.address = self._wait_listening(self.timeout)
+        return self
 
     def _drain_stderr(self):
         for line in self.proc.stderr:
@@ -76,16 +87,48 @@ class Service:
         return self.proc.returncode
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on `host` now; another process may bind it before the caller does."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_pair(verify_args: tuple[str, ...], draft_args: tuple[str, ...], env: dict | None = None,
+               draft_env: dict | None = None, attempts: int = 3) -> tuple[Service, Service]:
+    """A verify service and a draft service pointed at it, started side by side rather than one
+    after the other: the verify's port is picked here, and the draft waits for it to serve
+    (--verify-wait-s; `draft_args` may set its own). A port taken in between fails the verify's
+    start (the services bind with SO_REUSEPORT off) and the pair starts again on another port."""
+    for attempt in range(attempts):
+        port = free_port()
+        v = Service("verify_service", *verify_args, port=port, env=env, wait=False)
+        d = Service("draft_service", "--verify", f"127.0.0.1:{port}", "--verify-wait-s", "120", *draft_args,
+                    env=draft_env or env, wait=False)
+        try:
+            v.wait()
+        except BaseException as e:
+            d.stop()
+            if isinstance(e, RuntimeError) and "in use" in str(e) and attempt + 1 < attempts:
+                continue
+            raise
+        try:
+            d.wait()
+        except BaseException:
+            v.stop()
+            raise
+        return v, d
+    raise AssertionError("unreachable")
+
+
 @contextlib.contextmanager
 def service_pair(target: str, draft: str, *args: str):
     """A verify service on the model directory `target` and a draft service on `draft` pointed
-    at it, both with a metrics port and `args`; yields (verify, draft) and stops both after."""
-    v = Service("verify_service", "--model", target, "--metrics-port", "0", *args)
+    at it, both with a metrics port and `args`, started side by side (start_pair); yields
+    (verify, draft) and stops both after."""
+    v, d = start_pair(("--model", target, "--metrics-port", "0", *args), ("--model", draft, "--metrics-port", "0", *args))
     try:
-        d = Service("draft_service", "--model", draft, "--verify", v.address, "--metrics-port", "0", *args)
-        try:
-            yield v, d
-        finally:
-            d.stop()
+        yield v, d
     finally:
+        d.stop()
         v.stop()

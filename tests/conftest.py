@@ -17,7 +17,7 @@ os.environ.setdefault("SPECDEC_PROPOSER", "draft")
 os.environ.setdefault("SPECDEC_DRAFT_FALLBACK", "0")
 
 from bench import tinymodels  # noqa: E402
-from bench.launch import Service  # noqa: E402
+from bench.launch import Service, start_pair  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -52,9 +52,8 @@ def services(model_dir):
     def get(target: str = "target", draft: str = "draft", *verify_args: str):
         key = (target, draft, verify_args)
         if key not in started:
-            v = Service("verify_service", "--model", model_dir(target), "--metrics-port", "0", *verify_args)
-            d = Service("draft_service", "--model", model_dir(draft), "--verify", v.address, "--metrics-port", "0")
-            started[key] = (v, d)
+            started[key] = start_pair(("--model", model_dir(target), "--metrics-port", "0", *verify_args),
+                                      ("--model", model_dir(draft), "--metrics-port", "0"))
         return started[key]
 
     yield get

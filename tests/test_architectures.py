@@ -29,7 +29,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.launch import ENV, ROOT, Service
+from bench.launch import ENV, ROOT, start_pair
 from client import AsyncClient, Client
 from helpers import archmodels, metric
 from helpers.archmodels import CTX, EOS, SPECS, TRANSFORMED, V, WINDOW
@@ -65,12 +65,7 @@ def arch(request, tmp_path_factory):
     target = archmodels.build(root, name, seed=0, eos_from=LLAMA_EOS_PROMPT if name == "llama" else None)
     draft = archmodels.build(root, name, seed=1)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    v = Service("verify_service", "--model", target, "--metrics-port", "0")
-    try:
-        d = Service("draft_service", "--model", draft, "--verify", v.address, "--metrics-port", "0")
-    except Exception:
-        v.stop()
-        raise
+    v, d = start_pair(("--model", target, "--metrics-port", "0"), ("--model", draft, "--metrics-port", "0"))
     yield SimpleNamespace(name=name, model=model, verify=v, draft=d)
     d.stop()
     v.stop()

@@ -253,6 +253,29 @@ def test_a_draft_waits_for_its_verify_service_not_serving(late_pair):
         assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=5).token_ids) == 5
 
 
+def test_a_pair_started_side_by_side_moves_off_a_port_taken_before_its_verify_binds(model_dir, monkeypatch):
+    """bench.launch.start_pair (the fixtures' pairs) picks the verify's port before the verify binds
+    it, so another process can take it in between: that verify exits on the taken port, and the pair
+    starts again on another port and serves."""
+    import bench.launch as launch
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks = iter([busy])
+        fresh = launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": next(picks, None) or fresh(host))
+        v, d = launch.start_pair(("--model", model_dir("long-target"), "--threads", "1"), ("--model", model_dir("long-draft"), "--threads", "1"))
+    try:
+        assert next(picks, None) is None and v.address != f"127.0.0.1:{busy}"
+        with Client(d.address, timeout=TIMEOUT) as c:
+            assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=5).token_ids) == 5
+    finally:
+        d.stop()
+        v.stop()
+
+
 def test_a_second_service_on_a_busy_port_exits_2(late_pair, model_dir):
     """Case 3 with real services: a second verify service on the first one's port, and a
     second draft service on the draft's port, refuse to start (no shared port)."""

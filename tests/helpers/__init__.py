@@ -10,8 +10,9 @@ and the benchmarks start services the same way, and bench never imports tests.""
 from __future__ import annotations
 
 import json
-import socket
 import time
+
+from bench.launch import free_port  # noqa: F401 - a port that was free a moment ago, for a service that must be told one
 
 
 def wait_for(cond, timeout: float = 10.0) -> bool:
@@ -22,13 +23,6 @@ def wait_for(cond, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return bool(cond())
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a service that must be told one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(text: str, name: str, **labels) -> float:
