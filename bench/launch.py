@@ -37,11 +37,10 @@ class Service:
         if wait:
             self.wait()
 
-    def wait(self) -> "Service":
+    def wait(self) -> None:
         """Waits for `listening on` (a Service made with wait=False); RuntimeError if the process ends first."""
         if self.address is None:
             self.address = self._wait_listening(self.timeout)
-        return self
 
     def _drain_stderr(self):
         for line in self.proc.stderr:
@@ -100,25 +99,23 @@ def start_pair(verify_args: tuple[str, ...], draft_args: tuple[str, ...], env: d
     after the other: the verify's port is picked here, and the draft waits for it to serve
     (--verify-wait-s; `draft_args` may set its own). A port taken in between fails the verify's
     start (the services bind with SO_REUSEPORT off) and the pair starts again on another port."""
-    for attempt in range(attempts):
-        port = free_port()
-        v = Service("verify_service", *verify_args, port=port, env=env, wait=False)
-        d = Service("draft_service", "--verify", f"127.0.0.1:{port}", "--verify-wait-s", "120", *draft_args,
-                    env=draft_env or env, wait=False)
-        try:
-            v.wait()
-        except BaseException as e:
-            d.stop()
-            if isinstance(e, RuntimeError) and "in use" in str(e) and attempt + 1 < attempts:
-                continue
-            raise
-        try:
-            d.wait()
-        except BaseException:
-            v.stop()
-            raise
-        return v, d
-    raise AssertionError("unreachable")
+    port = free_port()
+    v = Service("verify_service", *verify_args, port=port, env=env, wait=False)
+    d = Service("draft_service", "--verify", f"127.0.0.1:{port}", "--verify-wait-s", "120", *draft_args,
+                env=draft_env or env, wait=False)
+    try:
+        v.wait()
+    except BaseException as e:
+        d.stop()
+        if isinstance(e, RuntimeError) and "in use" in str(e) and attempts > 1:
+            return start_pair(verify_args, draft_args, env, draft_env, attempts - 1)
+        raise
+    try:
+        d.wait()
+    except BaseException:
+        v.stop()
+        raise
+    return v, d
 
 
 @contextlib.contextmanager
