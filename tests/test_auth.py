@@ -15,7 +15,7 @@ import sys
 import grpc
 import pytest
 
-from bench.launch import ENV, ROOT, Service
+from bench.launch import ENV, ROOT, start_pair
 from client import AsyncClient, Client
 from helpers import assert_health_and_reflection, free_port, json_log_lines, metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
@@ -54,9 +54,9 @@ def tokens(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(model_dir, tokens):
     venv = dict(ENV, SPECDEC_AUTH_TOKEN_FILE=tokens["session"], SPECDEC_CLIENT_TOKEN_FILE=tokens["client"])
-    v = Service("verify_service", "--model", model_dir("target"), "--metrics-port", "0", "--log-level", "INFO", env=venv)
-    d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--metrics-port", "0", "--log-level", "INFO",
-                "--verify-auth-token-file", tokens["session"], "--auth-token-file", tokens["client"])
+    v, d = start_pair(("--model", model_dir("target"), "--metrics-port", "0", "--log-level", "INFO"),
+                      ("--model", model_dir("draft"), "--metrics-port", "0", "--log-level", "INFO",
+                       "--verify-auth-token-file", tokens["session"], "--auth-token-file", tokens["client"]), env=venv, draft_env=ENV)
     yield v, d
     d.stop()
     v.stop()

@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from bench.launch import ENV, ROOT, Service
+from bench.launch import ENV, ROOT, start_pair
 from client import AsyncClient, Client
 from helpers import assert_health_and_reflection, metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
@@ -132,8 +132,7 @@ def test_cancelled_stream_frees_the_verify_session_at_once(services):
 
 
 def test_sigterm_drains_running_streams(model_dir):
-    v = Service("verify_service", "--model", model_dir("long-target"), "--drain-s", "60")
-    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", v.address, "--drain-s", "60")
+    v, d = start_pair(("--model", model_dir("long-target"), "--drain-s", "60"), ("--model", model_dir("long-draft"), "--drain-s", "60"))
     try:
         with Client(d.address, timeout=120) as c:
             it = c.stream(prompt_ids=[3, 4], max_new_tokens=400, num_draft_tokens=1)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from bench.launch import ENV, ROOT, Service
+from bench.launch import ENV, ROOT, Service, start_pair
 from client import AsyncClient, Client
 
 
@@ -41,8 +41,7 @@ def test_a_bad_engine_choice_exits_with_a_usage_line(model_dir, pin, via):
 @pytest.fixture(scope="module")
 def bf16(model_dir):
     env = dict(ENV, SPECDEC_DTYPE="bfloat16")
-    v = Service("verify_service", "--model", model_dir("long-target"), "--threads", "1", env=env)
-    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", v.address, "--threads", "1", env=env)
+    v, d = start_pair(("--model", model_dir("long-target"), "--threads", "1"), ("--model", model_dir("long-draft"), "--threads", "1"), env=env)
     yield v, d
     d.stop()
     v.stop()
@@ -96,10 +95,9 @@ def test_same_seed_same_tokens_with_adaptive_tau_under_load_and_across_restarts(
     choices with --engine-choices or SPECDEC_ENGINE_CHOICES: on tiny models their timings sit near
     the thresholds, and a choice that flips changes the numbers a sample is drawn from)."""
     def start():
-        v = Service("verify_service", "--model", model_dir("target"), "--log-level", "INFO",
-                    env=dict(ENV, SPECDEC_ENGINE_CHOICES="per-row=off"))
-        d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--costs-ms", "1.0,3.0,0.2",
-                    "--engine-choices", "per-row=off", "--log-level", "INFO")
+        v, d = start_pair(("--model", model_dir("target"), "--log-level", "INFO"),
+                          ("--model", model_dir("draft"), "--costs-ms", "1.0,3.0,0.2", "--engine-choices", "per-row=off", "--log-level", "INFO"),
+                          env=dict(ENV, SPECDEC_ENGINE_CHOICES="per-row=off"), draft_env=ENV)
         for svc, pin in ((v, "per-row=off"), (d, "per-row=off")):  # padded GEMMs: on every CPU (per-row may not calibrate)
             deadline = time.monotonic() + 10  # the log line was written at load; its reader thread may lag
             while not any(f"engine choices {pin} (pinned: per-row" in line for line in list(svc.stderr)):

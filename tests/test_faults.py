@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from bench.launch import Service, service_pair
+from bench.launch import Service, service_pair, start_pair
 from client import Client
 from helpers import free_port, metric, wait_for
 
@@ -123,8 +123,8 @@ def test_client_deadline_propagates_through_both_hops_and_frees_the_session(pair
 
 def test_a_full_verify_service_is_resource_exhausted_through_the_draft(model_dir):
     """Capacity refusals keep their status across the hop (not INTERNAL), with the retry hint."""
-    v = Service("verify_service", "--model", model_dir("long-target"), "--max-sessions", "1", "--threads", "1")
-    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", v.address, "--threads", "1")
+    v, d = start_pair(("--model", model_dir("long-target"), "--max-sessions", "1", "--threads", "1"),
+                      ("--model", model_dir("long-draft"), "--threads", "1"))
     try:
         with Client(d.address, timeout=60) as holder, Client(d.address, timeout=30) as c:
             it = holder.stream(**LONG)

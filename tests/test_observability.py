@@ -4,7 +4,7 @@ request leaves one JSON log line on each hop carrying the same request id."""
 import grpc
 import pytest
 
-from bench.launch import Service, service_pair
+from bench.launch import Service, service_pair, start_pair
 from client import Client, make_request
 from helpers import json_log_lines, metric, wait_for
 
@@ -137,8 +137,7 @@ def test_opentelemetry_spans_link_both_hops(model_dir):
     from bench.launch import ENV
 
     env = dict(ENV, SPECDEC_TRACE="console")
-    v = Service("verify_service", "--model", model_dir("target"), env=env)
-    d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, env=env)
+    v, d = start_pair(("--model", model_dir("target")), ("--model", model_dir("draft")), env=env)
     try:
         with Client(d.address, timeout=60) as c:
             r = c.generate(prompt="w3 w4", max_new_tokens=6, request_id="traced-1")
