@@ -226,7 +226,7 @@ class DecodeLoop:
                 next_cap = min(self.params.tau if tree else tau, self.cap(assumed))
                 if ahead_ok and not prop.lookup and next_cap > 0 and not self.fallen_back:
                     ahead_ctl = PredraftControl()
-                    # a tree's pre-draft is a tree after its likeliest path
+                    # a tree's pre-draft: a tree after its likeliest path (a greedy tree's: after each end of that path)
                     more = (self.tree_room(budget, assumed), self.floor(), self.tree_cost(), self.calibration) if tree else ()
                     pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl, *more)), ahead_ctl)
                 v = await self._timed(call.read(), self._first_read_scale() if stats.rounds == 1 else 1)
@@ -243,7 +243,8 @@ class DecodeLoop:
                 sent, prop = prop, None
                 if pending is not None:  # keep a pre-draft only if the context it assumed came true
                     task, ahead_ctl = pending
-                    ahead_ctl.verdict((n, v.next_token) if v.HasField("next_token") and (path == sent.guess or not tree) else None)
+                    on_guess = not tree or path == sent.guess[: len(path)]  # a tree's outcomes end on its likeliest path
+                    ahead_ctl.verdict((n, v.next_token) if v.HasField("next_token") and on_guess else None)
                     ahead = await task  # the thread owns the draft cache until it returns
                     pending = None
                     got = ahead.get(ahead_ctl.outcome())
@@ -254,7 +255,7 @@ class DecodeLoop:
                         stats.predraft_misses += 1
                     if ctl:  # whether this session's pre-drafts follow rejections (not while the draft model is shared)
                         ctl.follows = len(ahead_ctl.wanted or ()) > 1
-                        if ctl.follows and n < len(sent.tokens) and v.HasField("next_token"):
+                        if ctl.follows and on_guess and n < len(sent.alts) and v.HasField("next_token"):
                             ctl.observe_second(v.next_token in sent.alts[n])
                 st.ids.extend(new)
                 if tree and self.calibration and sent.ranks:

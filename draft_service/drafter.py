@@ -8,11 +8,12 @@ missing tokens are fed first;
 so it stays in step with the committed sequence after rejections, and with an assumed sequence
 when pre-drafting.
 
-Pre-drafting: while round k is verified, the draft assumes all its tau proposals are accepted,
-guesses the bonus token (the draft's own argmax) and drafts round k+1 after it. A greedy chain
-prepares more outcomes at once (`outcomes`), while the model serves no other session: besides
-that one, each "the first j proposals accepted, then the verifier's token is the draft's second
-choice at j" (CHOICES), all in one batched pass a step. Exact: the proposals of round k+1 are
+Pre-drafting: while round k is verified, the draft assumes all its tau proposals are accepted
+(a tree: its likeliest path), guesses the bonus token (the draft's own argmax) and drafts round
+k+1 after it. A greedy round prepares more outcomes at once, while the model serves no other
+session: besides that one, each "the first j proposals accepted, then the verifier's token is the
+draft's next choice at j" (a chain: its second choice and CHOICES, `outcomes`; a tree: its best
+token the round does not send there, tree.grow_outcomes), all in one batched pass a step. Exact: the proposals of round k+1 are
 still the draft's own given their context, and are used only when the verdict shows that context
 was right.
 
@@ -104,9 +105,10 @@ class Drafter:
 
     def new_state(self, params: GenParams, max_context: int | None = None) -> DraftState:
         limit = max_context or self.lm.max_context
-        # pre-drafts look ahead: a tree's nodes; a greedy chain's outcomes (`outcomes`: up to CHOICES * tau + 1 branches of tau)
-        outcomes = (CHOICES * params.tau + 1) * params.tau if params.sampling.greedy else 0
-        ahead = 2 * params.tau + 2 + (tree.BEAM * params.tau if params.tree_budget else outcomes)
+        # pre-drafts look ahead: a greedy round's outcomes, up to CHOICES * tau + 1 (a tree: tau + 1), each a chain of
+        # tau (`outcomes`) or a tree's expanded nodes, up to BEAM a level (tree.grow_outcomes); else one tree's, or none
+        grown = tree.BEAM * params.tau if params.tree_budget else params.tau
+        ahead = 2 * params.tau + 2 + ((CHOICES * params.tau + 1) * grown if params.sampling.greedy else grown if params.tree_budget else 0)
         room = min(len(params.prompt_ids) + params.max_new_tokens + ahead, limit)
         return DraftState(ids=list(params.prompt_ids), params=params, cache=KVCache(room))
 
@@ -165,15 +167,22 @@ class Drafter:
                  calibration: tree.Calibration | None = None) -> dict[Outcome, Proposal]:
         """The next round for each outcome of `sent` it prepares: `sent` all accepted (a tree: its
         most likely path) with the draft's argmax as the bonus token (a tree where budget is
-        given), and for a greedy chain with its next choices (`sent.alts`) also each outcome that
-        keeps its first j proposals and gets one of the draft's next CHOICES choices at j
-        (`outcomes`), unless the model serves other sessions meanwhile (`shared`): their steps
-        come first. Cut short once ctl says the verdict is none of them."""
+        given), and for a greedy round with its next choices (`sent.alts`) also each outcome that
+        keeps its first j proposals (a tree: of its likeliest path) and gets one of the draft's
+        next choices at j (a chain: `outcomes`; a tree: tree.grow_outcomes), unless the model
+        serves other sessions meanwhile (`shared`): their steps come first. Cut short once ctl
+        says the verdict is none of them."""
         assumed = sent.assumed()
         context = st.ids + assumed
         guess = int(self._feed(st, context).argmax())
-        if not budget and sent.alts and sent.parents is None and st.params.sampling.greedy and not self.shared():
+        several = bool(sent.alts) and st.params.sampling.greedy and not self.shared()
+        if several and not budget and sent.parents is None:
             return self.outcomes(st, sent, tau, guess, ctl)
+        if several and budget and sent.parents is not None:  # a greedy tree: each end of its likeliest path, at once
+            roots = [(len(assumed), guess)] + [(j, a) for j, alts in enumerate(sent.alts) for a in alts]
+            roots = roots[: max(0, st.cache.capacity - len(context))]
+            ctl.wanted = set(roots)
+            return dict(zip(roots, tree.grow_outcomes(self, st, assumed, roots, budget, tau, ctl, floor, cost, calibration)))
         ctl.wanted = {(len(assumed), guess)}
         after = context + [guess]
         prop = self.propose_tree(st, budget, tau, after, ctl, floor, cost, calibration) if budget else self.propose(st, tau, after, ctl)

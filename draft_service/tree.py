@@ -87,6 +87,16 @@ class _Node:
     q: tuple  # the wire q it was drawn from: (probs, ids or None), or None for one-hot
     written: int = -1  # its place among the nodes written to the draft's cache this round (-1: not run)
     rank: tuple[int, float] = (0, 1.0)  # its rank among its siblings and its draft probability (Calibration)
+    kids: list[int] | None = None  # greedy, once expanded: the draft's candidate tokens after it, best first
+
+
+@dataclass
+class _Tree:
+    """One tree being grown: after the node at tree position `at` (-1: the context's last token)."""
+    at: int
+    logits: torch.Tensor  # the draft's logits after its root [V]
+    nodes: list[_Node]
+    kids: list[int]  # greedy: the draft's candidate tokens after its root, best first (one more than it may take)
 
 
 def grow(drafter, st, budget: int, depth: int, context: list[int] | None = None, stop=None, floor: float = 0.0,
@@ -97,38 +107,83 @@ def grow(drafter, st, budget: int, depth: int, context: list[int] | None = None,
     a greedy or ids-only tree then sends as many of its best nodes as pay (costmodel.tree_size).
     calibration: a greedy or ids-only tree's scores take it in place of the draft's probabilities."""
     context = list(st.ids if context is None else context)
-    prm = st.params
-    sampled = not (ids_only(prm.mode) or prm.sampling.greedy)
     logits = drafter._feed(st, context)  # [V]; the cache now holds the context
     base = len(context)
-    nodes: list[_Node] = []
-    _children(nodes, -1, logits, prm, base, min(BRANCH, budget), floor, calibration)
-    level, written = 1, []  # written: candidate indices in the order the cache holds them
     try:
-        while level < depth and not (stop is not None and stop.is_set()):
+        (t,) = _grow(drafter, st, Tree(base, ()), [_Tree(-1, logits, [], [])], budget, depth, stop, floor, calibration)
+    finally:
+        st.cache.crop(base)  # the tree's nodes go; the cache holds the context
+    return _finish(t, budget, st.params, drafter.lm.vocab_size, floor, cost)
+
+
+def grow_outcomes(drafter, st, path: list[int], roots: list[tuple[int, int]], budget: int, depth: int, stop=None,
+                  floor: float = 0.0, cost: tuple[float, float] | None = None,
+                  calibration: Calibration | None = None) -> list[Proposal]:
+    """A greedy tree's pre-draft for several outcomes at once: for each root (j, x), the tree that
+    `grow` makes after the committed sequence, path[:j] and x. The cache holds the committed sequence
+    and `path` (a round's likeliest path); the roots are nodes of a tree over them, and every level
+    of every outcome's tree runs in one pass. Once `stop` (a PredraftControl) knows its verdict,
+    only that outcome grows on; once it knows the verdict is none of them, none does. The cache
+    holds the committed sequence and `path` after."""
+    base = len(st.ids)
+    chain = tuple(range(-1, len(path) - 1))  # path's tokens: tree positions 0..len-1, in the cache already
+    roots = roots[: max(0, st.cache.capacity - base - len(path))]  # near the context limit the cache has less room
+    if not roots or (stop is not None and stop.is_set()):
+        return [Proposal(parents=[]) for _ in roots]
+    tree = Tree(base, chain + tuple(j - 1 for j, _ in roots))
+    try:
+        logits = drafter.batcher.forward_tree(st.cache, [x for _, x in roots], tree)  # [roots, V]
+        ts = [_Tree(len(path) + k, logits[k], [], []) for k in range(len(roots))]
+        ts = _grow(drafter, st, tree, ts, budget, depth, stop, floor, calibration, keys=roots)
+    finally:
+        st.cache.crop(base + len(path))
+    return [_finish(t, budget, st.params, drafter.lm.vocab_size, floor, cost) for t in ts]
+
+
+def _grow(drafter, st, tree: Tree, ts: list[_Tree], budget: int, depth: int, stop, floor: float,
+          calibration: Calibration | None, keys: list | None = None) -> list[_Tree]:
+    """Grows the trees `ts` level by level, all of them in one draft pass a level, on top of the
+    nodes `tree` has in the cache already; returns them. keys: each tree's outcome, for `stop`."""
+    prm = st.params
+    sampled = not (ids_only(prm.mode) or prm.sampling.greedy)
+    k0 = min(BRANCH, budget)
+    for t in ts:
+        _children(t, -1, t.logits, prm, tree.base, k0, floor, calibration)
+    parents, level = list(tree.parents), 1
+    while level < depth and not (stop is not None and stop.is_set()):
+        known = stop.outcome() if keys is not None and stop is not None else None
+        rows = []  # (tree, node, how many children)
+        for k, t in enumerate(ts):
+            if known is not None and keys[k] != known:
+                continue  # the verdict is in: only its outcome grows on
+            nodes = t.nodes
             cut = max(floor, 0.0 if sampled else _cutoff(nodes, budget))
             pick = sorted((i for i, n in enumerate(nodes) if n.depth == level and n.score >= cut), key=lambda i: -nodes[i].score)[:BEAM]
             if sampled:  # every child drawn stays: each expanded node's count is fixed before its draws (see above)
-                room, counts = budget - len(nodes), []
-                for _ in pick:
-                    counts.append(min(BRANCH, room))
-                    room -= counts[-1]
-                pick = [i for i, c in zip(pick, counts) if c]
-            pick = pick[: max(0, st.cache.capacity - base - len(written))]  # near the context limit the cache has less room
-            if not pick:
-                break
-            for i in pick:
-                nodes[i].written = len(written)
-                written.append(i)
-            tree = Tree(base, tuple(nodes[nodes[i].parent].written if nodes[i].parent >= 0 else -1 for i in written))
-            out = drafter.batcher.forward_tree(st.cache, [nodes[i].token for i in pick], tree)  # [len(pick), V]
-            for k, i in enumerate(pick):
-                _children(nodes, i, out[k], prm, base, counts[k] if sampled else min(BRANCH, budget), floor, calibration)
-            level += 1
-    finally:
-        st.cache.crop(base)  # the tree's nodes go; the cache holds the context
-    return _proposal(nodes, len(nodes) if sampled else budget, prm, drafter.lm.vocab_size, 0.0 if sampled else floor,
-                     None if sampled else cost)
+                room = budget - len(nodes)
+                for i in pick:
+                    if room > 0:
+                        rows.append((t, i, min(BRANCH, room)))
+                        room -= rows[-1][2]
+            else:
+                rows += [(t, i, k0) for i in pick]
+        rows = rows[: max(0, st.cache.capacity - tree.base - len(parents))]  # near the context limit the cache has less room
+        if not rows:
+            break
+        for t, i, _ in rows:
+            n = t.nodes[i]
+            n.written = len(parents)
+            parents.append(t.nodes[n.parent].written if n.parent >= 0 else t.at)
+        out = drafter.batcher.forward_tree(st.cache, [t.nodes[i].token for t, i, _ in rows], Tree(tree.base, tuple(parents)))
+        for r, (t, i, c) in enumerate(rows):
+            _children(t, i, out[r], prm, tree.base, c, floor, calibration)
+        level += 1
+    return ts
+
+
+def _finish(t: _Tree, budget: int, prm, vocab_size: int, floor: float, cost: tuple[float, float] | None) -> Proposal:
+    sampled = not (ids_only(prm.mode) or prm.sampling.greedy)
+    return _proposal(t, len(t.nodes) if sampled else budget, prm, vocab_size, 0.0 if sampled else floor, None if sampled else cost)
 
 
 def _cutoff(nodes: list[_Node], budget: int) -> float:
@@ -137,16 +192,22 @@ def _cutoff(nodes: list[_Node], budget: int) -> float:
     return scores[budget - 1] if len(scores) >= budget else 0.0
 
 
-def _children(nodes: list[_Node], parent: int, logits: torch.Tensor, prm, base: int, k: int, floor: float,
+def _children(t: _Tree, parent: int, logits: torch.Tensor, prm, base: int, k: int, floor: float,
               calibration: Calibration | None = None) -> None:
-    """Adds up to k children of `parent` (-1: the context) from the draft's logits after it (fewer
+    """Adds to t up to k children of `parent` (-1: t's root) from the draft's logits after it (fewer
     where q has fewer tokens; sampled: no more than q has tokens whose branch would reach `floor`,
     a count that q decides before any draw)."""
+    nodes = t.nodes
     score, depth = (nodes[parent].score, nodes[parent].depth + 1) if parent >= 0 else (1.0, 1)
     if ids_only(prm.mode) or prm.sampling.greedy:  # the draft's top tokens, q one-hot
         probs = torch.softmax(logits.float(), -1) if prm.sampling.greedy else probs_from_logits(logits, prm.sampling)
-        vals, ids = torch.topk(probs, k)
-        for r, (v, x) in enumerate(zip(vals.tolist(), ids.tolist())):
+        vals, ids = torch.topk(probs, min(k + 1, probs.shape[-1]))
+        kids = [x for v, x in zip(vals.tolist(), ids.tolist()) if v > 0]
+        if parent >= 0:
+            nodes[parent].kids = kids
+        else:
+            t.kids = kids
+        for r, (v, x) in enumerate(zip(vals.tolist()[:k], ids.tolist()[:k])):
             if v > 0:
                 nodes.append(_Node(x, parent, score * (calibration(r, v) if calibration else v), depth, None, rank=(r, v)))
         return
@@ -164,14 +225,16 @@ def _children(nodes: list[_Node], parent: int, logits: torch.Tensor, prm, base: 
         keep = cur > 0
         wire = (cur[keep], None if ids is None else ids[keep]) if ids is not None else (cur, None)
         x = j if ids is None else int(ids[j])
-        nodes.append(_Node(x, parent, score * float(vals[j]), depth, wire))
+        t.nodes.append(_Node(x, parent, score * float(vals[j]), depth, wire))
         left[j] = 0.0
 
 
-def _proposal(nodes: list[_Node], budget: int, prm, vocab_size: int, floor: float, cost: tuple[float, float] | None) -> Proposal:
-    """The budget best nodes (ties: shallower first) from `floor` up (the best one in any case), as
+def _proposal(t: _Tree, budget: int, prm, vocab_size: int, floor: float, cost: tuple[float, float] | None) -> Proposal:
+    """The budget best nodes of t (ties: shallower first) from `floor` up (the best one in any case), as
     many as pay where `cost` is given, parents before children and siblings in the order they were
-    drawn, as a Proposal."""
+    drawn, as a Proposal. A greedy tree's `alts`: at each step of its likeliest path, the draft's
+    best token there that the round does not send (what a pre-draft guesses if the path ends there)."""
+    nodes = t.nodes
     ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))
     best = ranked[:1] + [i for i in ranked[1:budget] if nodes[i].score >= floor]
     if cost is not None:
@@ -192,6 +255,9 @@ def _proposal(nodes: list[_Node], budget: int, prm, vocab_size: int, floor: floa
         kids = [c for c in range(len(order)) if out.parents[c] == k]
         if not kids:
             break
+        if prm.sampling.greedy:
+            known = t.kids if k < 0 else nodes[order[k]].kids or []
+            out.alts.append(tuple(x for x in known if x not in {out.tokens[c] for c in kids})[:1])
         k = max(kids, key=lambda c: (nodes[order[c]].score, -c))
         out.guess.append(k)
     return out

@@ -213,6 +213,45 @@ def test_a_greedy_predraft_prepares_each_rejection_with_the_drafts_next_choices(
     assert all(not p.tokens for p in d.predraft(st, sent, 4, missed).values()) and missed.is_set() and missed.outcome() is None
 
 
+def test_a_greedy_tree_predraft_prepares_each_end_of_its_likeliest_path(model_dir):
+    """A greedy tree's pre-draft prepares, besides "its likeliest path accepted, then the draft's
+    argmax", each outcome "the path's first j nodes accepted, then the draft's best token there that
+    the round did not send" (`alts`), every outcome's tree grown level by level in one pass a level:
+    each prepared tree is the tree the draft grows afresh after that outcome; afterwards the cache
+    holds the context and the path. The verdict picks its outcome, or stops the rest."""
+    d = Drafter(LM.load(model_dir("draft")))  # its own: no other test's sessions share its model
+    prompt = prompts(1, seed=9)[0]
+    g = request(d, prompt_ids=prompt, max_new_tokens=60, num_draft_tokens=4, tree_budget=8)
+    st = d.new_state(g)
+    d.prefill(st)
+    sent = d.propose_tree(st, 8, 4)
+    path = sent.assumed()
+    assert len(sent.alts) == len(sent.guess) >= 2
+    for j, alts in enumerate(sent.alts):  # never a token the round sends after path[:j]
+        parent = sent.guess[j - 1] if j else -1
+        assert not {a for a in alts} & {x for x, p in zip(sent.tokens, sent.parents) if p == parent}
+    ctl = PredraftControl()
+    ahead = d.predraft(st, sent, 4, ctl, 8)
+    guess = next(c for n, c in ahead if n == len(path))
+    assert set(ahead) == ctl.wanted == {(len(path), guess)} | {(j, a) for j, alts in enumerate(sent.alts) for a in alts}
+    assert st.cache.length == len(prompt) + len(path) and st.cached == prompt + path
+    for (n, c), prop in ahead.items():
+        fresh = d.new_state(request(d, prompt_ids=prompt + path[:n] + [c], max_new_tokens=60, num_draft_tokens=4, tree_budget=8))
+        d.prefill(fresh)
+        want = d.propose_tree(fresh, 8, 4)
+        assert (prop.tokens, prop.parents, prop.guess, prop.alts) == (want.tokens, want.parents, want.guess, want.alts), (n, c)
+    o = (1, sent.alts[1][0])
+    told = PredraftControl()
+    told.verdict(o)  # the verdict is in before the pre-draft starts: only its outcome grows past its first level
+    only = d.predraft(st, sent, 4, told, 8)
+    assert told.outcome() == o and not told.is_set() and only[o].tokens == ahead[o].tokens
+    assert all(p == -1 for k in only if k != o for p in only[k].parents)  # the others: their roots' children only
+    missed = PredraftControl()
+    missed.verdict((1, -1))  # an outcome no pre-draft prepared
+    assert all(not p.tokens for p in d.predraft(st, sent, 4, missed, 8).values()) and missed.is_set() and missed.outcome() is None
+    assert st.cache.length == len(prompt) + len(path)
+
+
 def test_a_shared_draft_model_prepares_one_outcome(model_dir):
     """While the draft model serves other sessions too (their decode loops run in the process), a
     pre-draft prepares only "all accepted, then the argmax": the model's steps are the sessions'."""
