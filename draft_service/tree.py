@@ -20,6 +20,9 @@ at every step) is what a pre-draft assumes.
   a node gets is fixed before they are drawn (BRANCH, while the budget lasts, in the order the
   expanded nodes rank), every child drawn is sent, and only which nodes to expand looks at scores.
 
+A greedy tree's pre-draft grows several trees at once (`grow_outcomes`): one after each way the
+round's likeliest path may end, each level of all of them in one pass.
+
 The draft's cache holds the context after a round; the nodes it wrote for the tree are cropped off.
 """
 from __future__ import annotations
