@@ -88,7 +88,7 @@ class _Node:
     score: float  # the draft's probability of the branch
     depth: int  # 1 for a child of the context
     q: tuple  # the wire q it was drawn from: (probs, ids or None), or None for one-hot
-    written: int = -1  # its place among the nodes written to the draft's cache this round (-1: not run)
+    written: int = -1  # its tree position in the draft's cache this round (specdec/engine/tree.py; -1: not run)
     rank: tuple[int, float] = (0, 1.0)  # its rank among its siblings and its draft probability (Calibration)
     kids: list[int] | None = None  # greedy, once expanded: the draft's candidate tokens after it, best first
 
