@@ -229,7 +229,7 @@ def test_a_greedy_tree_predraft_prepares_each_end_of_its_likeliest_path(model_di
     assert len(sent.alts) == len(sent.guess) >= 2
     for j, alts in enumerate(sent.alts):  # never a token the round sends after path[:j]
         parent = sent.guess[j - 1] if j else -1
-        assert not {a for a in alts} & {x for x, p in zip(sent.tokens, sent.parents) if p == parent}
+        assert not set(alts) & {x for x, p in zip(sent.tokens, sent.parents) if p == parent}
     ctl = PredraftControl()
     ahead = d.predraft(st, sent, 4, ctl, 8)
     guess = next(c for n, c in ahead if n == len(path))
