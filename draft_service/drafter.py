@@ -107,8 +107,9 @@ class Drafter:
         limit = max_context or self.lm.max_context
         # pre-drafts look ahead: a greedy round's outcomes, up to CHOICES * tau + 1 (a tree: tau + 1), each a chain of
         # tau (`outcomes`) or a tree's expanded nodes, up to BEAM a level (tree.grow_outcomes); else one tree's, or none
-        grown = tree.BEAM * params.tau if params.tree_budget else params.tau
-        ahead = 2 * params.tau + 2 + ((CHOICES * params.tau + 1) * grown if params.sampling.greedy else grown if params.tree_budget else 0)
+        grown = tree.BEAM * params.tau if params.tree_budget else params.tau  # one outcome's
+        outcomes = CHOICES * params.tau + 1 if params.sampling.greedy else int(bool(params.tree_budget))
+        ahead = 2 * params.tau + 2 + outcomes * grown
         room = min(len(params.prompt_ids) + params.max_new_tokens + ahead, limit)
         return DraftState(ids=list(params.prompt_ids), params=params, cache=KVCache(room))
 
@@ -180,7 +181,7 @@ class Drafter:
             return self.outcomes(st, sent, tau, guess, ctl)
         if several and budget and sent.parents is not None:  # a greedy tree: each end of its likeliest path, at once
             roots = [(len(assumed), guess)] + [(j, a) for j, alts in enumerate(sent.alts) for a in alts]
-            roots = roots[: max(0, st.cache.capacity - len(context))]
+            roots = roots[: max(0, st.cache.capacity - len(context))]  # near the context limit the cache has less room
             ctl.wanted = set(roots)
             return dict(zip(roots, tree.grow_outcomes(self, st, assumed, roots, budget, tau, ctl, floor, cost, calibration)))
         ctl.wanted = {(len(assumed), guess)}

@@ -125,12 +125,11 @@ def grow_outcomes(drafter, st, path: list[int], roots: list[tuple[int, int]], bu
     """A greedy tree's pre-draft for several outcomes at once: for each root (j, x), the tree that
     `grow` makes after the committed sequence, path[:j] and x. The cache holds the committed sequence
     and `path` (a round's likeliest path); the roots are nodes of a tree over them, and every level
-    of every outcome's tree runs in one pass. Once `stop` (a PredraftControl) knows its verdict,
-    only that outcome grows on; once it knows the verdict is none of them, none does. The cache
-    holds the committed sequence and `path` after."""
+    of every outcome's tree runs in one pass (the roots must fit in the cache). Once `stop` (a
+    PredraftControl) knows its verdict, only that outcome grows on; once it knows the verdict is
+    none of them, none does. The cache holds the committed sequence and `path` after."""
     base = len(st.ids)
     chain = tuple(range(-1, len(path) - 1))  # path's tokens: tree positions 0..len-1, in the cache already
-    roots = roots[: max(0, st.cache.capacity - base - len(path))]  # near the context limit the cache has less room
     if not roots or (stop is not None and stop.is_set()):
         return [Proposal(parents=[]) for _ in roots]
     tree = Tree(base, chain + tuple(j - 1 for j, _ in roots))
@@ -259,8 +258,8 @@ def _proposal(t: _Tree, budget: int, prm, vocab_size: int, floor: float, cost: t
         if not kids:
             break
         if prm.sampling.greedy:
-            known = t.kids if k < 0 else nodes[order[k]].kids or []
-            out.alts.append(tuple(x for x in known if x not in {out.tokens[c] for c in kids})[:1])
+            known, sent = t.kids if k < 0 else nodes[order[k]].kids or [], {out.tokens[c] for c in kids}
+            out.alts.append(tuple(x for x in known if x not in sent)[:1])
         k = max(kids, key=lambda c: (nodes[order[c]].score, -c))
         out.guess.append(k)
     return out
