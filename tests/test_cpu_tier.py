@@ -84,7 +84,7 @@ def test_prepacked_products_are_the_modules_own_numbers():
                 assert torch.equal(fwd(x[:, :k]), m(x[:, :k])), (type(m).__name__, k)
 
 
-PINS = [("float32", "per-row=on"), ("float32", "per-row=off"), ("bfloat16", "attention=model,prepack=off,per-row=off"),
+PINS = [("float32", "prepack=off,per-row=on"), ("float32", "prepack=off,per-row=off"), ("float32", "prepack=on,per-row=off"), ("bfloat16", "attention=model,prepack=off,per-row=off"),
         pytest.param("bfloat16", "attention=float32,prepack=on,per-row=off",
                      marks=pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU"))]
 
@@ -106,6 +106,7 @@ def test_pinned_engine_choices_are_made_as_given_without_timing(model_dir, dtype
 INF = float("inf")
 OUTCOMES = [  # dtype, attention timed faster in float32, prepack gain timed, per-row products timed to pay, GEMMs calibrate
     ("float32", None, None, True, True), ("float32", None, None, False, True), ("float32", None, None, True, False),
+    ("float32", None, 2.0, False, True),  # prepacked products kept: a step and a pass both timed twice as fast
     ("bfloat16", True, 2.0, False, True), ("bfloat16", False, 1.0, True, True), ("bfloat16", False, 1.0, False, True),
     ("bfloat16", True, 2.0, True, False),  # prepacking kept, then undone: no GEMM row counts agree
 ]
@@ -133,6 +134,8 @@ def test_a_timed_loads_choices_pinned_give_its_numbers(model_dir, monkeypatch, d
         assert chosen.startswith(f"attention={'float32' if fp32_attention else 'model'},")
         if BF16_ONEDNN:
             assert ("prepack=on" in chosen) == (gain == 2.0 and gemms), chosen  # kept, or undone where no GEMM rows agree
+    else:
+        assert ("prepack=on" in chosen) == (gain == 2.0), chosen  # float32: kept where a step and a pass are timed to pay
     pinned = LM.load(model_dir("target"), "cpu", dtype, choices=parse_choices(chosen), timer=refuse_timing)
     assert pinned.engine.plan.choices() == chosen
     assert pinned.engine.plan.rows == timed.engine.plan.rows

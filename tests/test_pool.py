@@ -13,7 +13,17 @@ from specdec.engine.cpu.rows import clock
 from specdec.lm import LM
 
 
-def test_batched_pass_is_bitwise_equal_to_each_session_alone(packed, model_dir):
+@pytest.mark.parametrize("viewed", [False, True], ids=["gathered", "viewed"])
+def test_batched_pass_is_bitwise_equal_to_each_session_alone(packed, model_dir, monkeypatch, viewed):
+    """Gathered: the tiny model's sessions read their keys through one gather per group. Viewed:
+    every session whose pages are consecutive reads them as a view of the pool, in a group of its
+    own (layout.VIEW_BYTES, what the CPU does where a session's keys are big)."""
+    import specdec.engine.forward as fwd
+    from specdec.engine import layout
+
+    monkeypatch.setattr(layout, "VIEW_BYTES", 0 if viewed else layout.VIEW_BYTES)
+    passes = []
+    monkeypatch.setattr(fwd, "layout", lambda *a, **k: passes.append(layout.layout(*a, **k)) or passes[-1])
     reference = AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=packed.dtype).eval()
     eng = packed.engine
     r = random.Random(0)
@@ -23,6 +33,12 @@ def test_batched_pass_is_bitwise_equal_to_each_session_alone(packed, model_dir):
     batch = [cached(eng, s, c) for s, c in zip(seqs, cut)]
     news = [s[c:] for s, c in zip(seqs, cut)]
     logits = eng.forward(news, batch)
+    views = sum(g.first_slot is not None for g in passes[-1].short)
+    runs = sum(kv.pages[:-(-len(s) // 16)] == list(range(kv.pages[0], kv.pages[0] + -(-len(s) // 16))) for s, kv in zip(seqs, batch))
+    if viewed:
+        assert views == runs, (views, runs)
+    else:  # one group per size class (one alone in its class reads a view, as before)
+        assert len(passes[-1].short) <= len(layout.GROUPS)
     for s, c, new, kv, lg in zip(seqs, cut, news, batch, logits):
         alone_kv = cached(eng, s, c)
         (alone,) = eng.forward([new], [alone_kv])
@@ -112,7 +128,8 @@ def test_cache_budget_is_sized_from_the_model_and_memory(packed):
     assert packed.max_context <= budget <= 8 * packed.max_context
 
 
-MATMULS = [("float32", "calibrated"), ("bfloat16", "prepacked"), ("float32", "per-row"), ("bfloat16", "unpacked")]
+MATMULS = [("float32", "calibrated"), ("bfloat16", "prepacked"), ("float32", "per-row"), ("bfloat16", "unpacked"),
+           ("float32", "prepacked")]
 
 
 @pytest.mark.parametrize("dtype,matmuls", MATMULS)

@@ -25,6 +25,7 @@ from specdec.engine.tree import Tree
 
 ROW_BY_ROW = 64  # inputs of up to this many tokens attend a query at a time (in one call per group); longer ones together
 GROUPS = (8, 16, 32, ROW_BY_ROW)  # short inputs are grouped by the first of these their length fits
+VIEW_BYTES = 64 * 1024  # per-query layout: an input whose consecutive pages hold at least this many bytes of a layer's keys attends alone (`_viewed`)
 
 
 @dataclass
@@ -121,6 +122,10 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
     for top in GROUPS:
         members = [i for i, n in enumerate(counts) if lo < n <= top and i not in branched]
         lo = top
+        if per_query:  # the CPU: an input whose keys are a view attends in a group of its own, ungathered
+            alone = [i for i in members if _viewed(caches[i], starts[i] + counts[i], pool)]
+            plan += [([i], counts[i]) for i in alone]
+            members = [i for i in members if i not in alone]
         if members:
             plan.append((members, max(counts[i] for i in members)))
     short = len(plan)
@@ -166,6 +171,19 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
     ordered = len(plan) == 1 and rows == real and all(c == plan[0][1] for c in counts) and not branched  # one group, in packed order, no padding
     short_groups = groups[:short] + groups[len(plan):]  # the branch groups attend a query at a time, after the short ones
     return Pass(pool, rows, lead, slots, short_groups, groups[short:len(plan)], None if ordered else back, per_query)
+
+
+def _viewed(cache: KVCache, keys: int, pool: Pool) -> bool:
+    """Whether an input's keys (up to `keys` positions) are read as a view of the pool, in a group
+    of their own, rather than gathered with other inputs' (per-query layout, the CPU): where its
+    pages are consecutive and a layer's keys take at least VIEW_BYTES, so that copying them costs
+    more than one more attention call."""
+    pages = -(-keys // PAGE)
+    own = cache.pages[:pages]
+    if len(own) < pages or own != list(range(own[0], own[0] + pages)) or not pool.k:
+        return False
+    k = pool.k[0]
+    return pages * PAGE * k.shape[1] * k.shape[2] * k.element_size() >= VIEW_BYTES
 
 
 def _branch_groups(inputs: list[int], caches: list[KVCache], counts: list[int], offsets: list[int], trees: list[Tree],

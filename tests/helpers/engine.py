@@ -40,15 +40,15 @@ def steps_and_rounds(engine, ids: list[int]):
 
 def load_packed(path: str, dtype: str, matmuls: str) -> LM:
     """The model as the services load it ("calibrated": GEMMs, or per-row products where the
-    calibration says they pay), with per-row matmul products forced ("per-row"), or in half
-    precision with prepacked GEMMs forced where oneDNN has bf16 ("prepacked") or with the module's
-    own GEMMs ("unpacked")."""
+    calibration says they pay), with per-row matmul products forced ("per-row"), with prepacked
+    oneDNN products forced ("prepacked": in half precision where oneDNN has bf16; in float32 another
+    kernel than the module's own) or with the module's own GEMMs ("unpacked")."""
     if matmuls == "calibrated":
         return LM.load(path, "cpu", dtype)
     if matmuls in ("prepacked", "unpacked"):
         lm = LM.load(path, "cpu", dtype, check=False, choices=dict(prepack=matmuls == "prepacked"))
-        want = matmuls == "prepacked" and BF16_ONEDNN
-        if want and not lm.engine.plan.prepacked and not prepacked_products_agree(path, dtype):
+        want = matmuls == "prepacked" and (dtype == "float32" or BF16_ONEDNN)
+        if want and dtype != "float32" and not lm.engine.plan.prepacked and not prepacked_products_agree(path, dtype):
             pytest.skip("this CPU's oneDNN products with prepacked weights round differently from the modules' own: "
                         "the engine keeps the weights unpacked")
         assert lm.engine.plan.prepacked == want

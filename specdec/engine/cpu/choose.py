@@ -19,6 +19,7 @@ log = logging.getLogger("specdec.engine")
 ATTN_FLOAT32_GAIN = 1.5  # a half-precision model attends in float32 on the CPU where that is this much faster
 PINS = {"attention": ("float32", "model"), "prepack": ("on", "off"), "per-row": ("on", "off")}
 HALF = (torch.bfloat16, torch.float16)
+PACKED = (*HALF, torch.float32)  # the dtypes whose weights may be prepacked for oneDNN (prepack.py)
 
 
 def parse_choices(text: str | None) -> dict[str, bool | str]:
@@ -85,6 +86,7 @@ def _made(model, plan: Plan) -> dict[str, str]:
     out = {}
     if model.dtype in HALF:
         out["attention"] = "float32" if plan.kv_dtype == torch.float32 else "model"
+    if model.dtype in PACKED:
         out["prepack"] = "on" if plan.prepacked else "off"
     out["per-row"] = "on" if plan.per_row else "off"
     return out
@@ -101,10 +103,13 @@ def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | 
             plan.kv_dtype = torch.float32 if attention == "float32" else model.dtype
         log.info("%s: KV cache and attention in %s on this CPU", name, plan.kv_dtype)
     unpacked = None
-    if model.dtype in HALF and per_row is not True and prepack is not False:
-        unpacked = prepack_weights(model, force=bool(prepack), timer=timer)  # {module: plain forward}, or None
+    plain = None  # float32: the plain GEMMs' row counts, which prepacking is weighed against
+    if model.dtype in PACKED and per_row is not True and prepack is not False:
+        if model.dtype == torch.float32:
+            plain = calibrate_rows(model)
+        unpacked = prepack_weights(model, force=bool(prepack), timer=timer, plain_rows=plain)  # {module: plain forward}, or None
     mods = row_modules(model)
-    rows = calibrate_rows(model) if per_row is not True else None
+    rows = calibrate_rows(model) if per_row is not True and (unpacked is not None or plain is None) else plain
     if unpacked is not None:
         if rows is None:  # no row counts agree: back to the plain forwards, so per-row products can be tried
             for m, fwd in unpacked.items():
