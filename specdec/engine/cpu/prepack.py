@@ -69,7 +69,7 @@ def prepack(model, force: bool = False, timer=None, plain_rows: tuple[int, int] 
       pass of PASS_ROWS rows at least PREPACK_GAIN times faster while a one-token step costs at
       most PREPACK_GAIN times as much: a verifier's passes hold rounds, a step pays a little.
 
-    Timed with one module of each kind, in up to PREPACK_TRIES tries; the packed copies must fit
+    Timed with one module of each kind (half precision: in up to PREPACK_TRIES tries); the packed copies must fit
     in PREPACK_MEMORY_SHARE of the host's free memory. The plain weights stay (the modules' own
     attributes: anything that reads them directly still computes with the right numbers), so the
     matmul weights are held twice. One module of each kind is packed for the checks; the rest only
@@ -117,8 +117,9 @@ def prepack(model, force: bool = False, timer=None, plain_rows: tuple[int, int] 
                     [(lambda m: blocked(m.forward, hi), PASS_ROWS), (lambda m: blocked(pack(m), rows[1]), PASS_ROWS)]]
             what = "%s: prepacked matmuls are %.2fx as fast for a step, %.2fx for a " + f"{PASS_ROWS}-row pass"
             bars = (1 / PREPACK_GAIN, PREPACK_GAIN)
-        if not force:
-            for _ in range(PREPACK_TRIES):  # a miss is timed again: once, a loaded machine timed a 1.85x step at 1.02x
+        if not force:  # a half-precision miss is timed again (once, a loaded machine timed a 1.85x step at 1.02x); a
+            # float32 one is not: it keeps the default GEMMs, and it would cost every float32 start-up the retries
+            for _ in range(PREPACK_TRIES if half else 1):
                 gains = [plain / fast for plain, fast in (matmul_seconds(model, run, timer, "prepack") for run in runs)]
                 log.info(what, name, *gains)
                 if all(g >= bar for g, bar in zip(gains, bars)):
