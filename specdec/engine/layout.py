@@ -9,7 +9,9 @@ tensors that place every row's keys and queries.
   is still the query's own), each with its own causal (and sliding-window) mask row. So a query is
   computed exactly as a one-token step at its position computes it, whatever the group's size, its
   other sessions or its Lb: on the CPU, with one thread, bitwise (tests/test_pool.py), because
-  masked key positions add exact zeros and every key length is a multiple of PAGE.
+  masked key positions add exact zeros and every key length is a multiple of PAGE. There an input
+  whose pages are consecutive and hold VIEW_BYTES of a layer's keys attends in a group of its
+  own, reading them as a view of the pool (`_viewed`): copying them would cost more.
 * **Long inputs** (prefill chunks of more tokens) attend in one masked call each, queries
   together: their numbers then depend on the chunk alone, whose bounds depend on the prompt alone.
 * **Trees** (tree.py) are cut into paths on the CPU (`_branch_groups`), else masked (Group.tree).

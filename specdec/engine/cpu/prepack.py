@@ -7,7 +7,7 @@ uses) and the module runs through `torch.ops.mkldnn._linear_pointwise`.
 * Float32: PyTorch's matmul is MKL's GEMM, whose kernel for a few rows costs nearly as much per
   row as one row (the shipped target: 15 ms for 2 rows, 30 ms for 9, 48 ms for 16 in two blocks).
   oneDNN's prepacked product is another kernel, with other numbers, whose cost grows far more
-  slowly with rows (16 ms, 24 ms, 27 ms). Its own row calibration (rows.calibrate_rows) then
+  slowly with rows (20 ms, 24 ms, 27 ms; a step is padded to 2 rows). Its own row calibration (rows.calibrate_rows) then
   decides its padding and blocks, as for any product."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from specdec.engine.cpu.rows import ROUND_ROWS, blocked, calibrate_rows, kinds, 
 
 log = logging.getLogger("specdec.engine")
 
-PREPACK_GAIN = 1.2  # a half-precision model's weights are prepacked for oneDNN where that makes its matmuls this much faster
+PREPACK_GAIN = 1.2  # weights are prepacked for oneDNN where that makes the matmuls this much faster (float32: see `prepack`)
 PREPACK_MEMORY_SHARE = 0.25  # ... and where the packed copies take at most this share of the host's free memory
 PREPACK_TRIES = 3  # timings before prepacking is found not to pay (its numbers are the same either way; only speed is at stake)
 PASS_ROWS = 2 * ROUND_ROWS  # float32: a verify pass of two sessions' rounds (or one of tau = 9), for the prepacking's bar
