@@ -1,6 +1,6 @@
 """What a verify pass of the shipped target costs on the CPU as sessions and rows grow, under the
 CPU tier's two layout choices that trade a step against a batch: float32 matmuls through MKL's
-GEMM (the default) or oneDNN with prepacked weights (`--engine-choices prepack=on`), and keys read
+GEMM (the default) or oneDNN with prepacked weights (`--engine-choices fp32-prepack=on`), and keys read
 through one gather per group or, for a session whose pages are consecutive, as a view of the pool
 in a group of its own (layout.VIEW_BYTES).
 
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     view_bytes = layout.VIEW_BYTES
-    lms = {packed: LM.load(a.target, "cpu", a.dtype, choices=dict(prepack=packed)) for packed in (False, True)}
+    lms = {packed: LM.load(a.target, "cpu", a.dtype, choices=dict(fp32_prepack=packed)) for packed in (False, True)}
     prompt = [3 + i % 200 for i in range(a.context)]
     caches = {}
     for packed, lm in lms.items():
@@ -86,7 +86,7 @@ def render(res: dict) -> str:
            f"Run {res['date']}; `{res['target']}` in {res['dtype']}, one torch thread, {res['context']} cached tokens a "
            f"session; best of {res['repeats']} medians of 10 passes, configurations in turn. Command: `python -m bench.kernels`. "
            f"GEMM: MKL's float32 matmul (the default plan); prepacked: oneDNN with prepacked weights "
-           f"(`--engine-choices prepack=on`); views: a session whose consecutive pages hold at least "
+           f"(`--engine-choices fp32-prepack=on`); views: a session whose consecutive pages hold at least "
            f"{res['view_bytes'] // 1024} KiB of a layer's keys reads them as a view of the pool (the default), gathered: "
            f"every group's keys through one gather. Speed-ups: views against gathered (both GEMM), prepacked against "
            f"GEMM (both views).\n",
@@ -96,7 +96,7 @@ def render(res: dict) -> str:
         ms = [r["ms"][n] for n in names]
         out.append(f"| {r['sessions']} | {r['rows']} | {r['sessions'] * r['rows']} | " + " | ".join(f"{x:.1f}" for x in ms)
                    + f" | {ms[0] / ms[1]:.2f}× | {ms[1] / ms[2]:.2f}× |")
-    out.append("\nPlans: " + "; ".join(f"prepack={'on' if k == 'True' else 'off'}: `{v}`" for k, v in res["plans"].items()) + "\n")
+    out.append("\nPlans: " + "; ".join(f"fp32-prepack={'on' if k == 'True' else 'off'}: `{v}`" for k, v in res["plans"].items()) + "\n")
     return "\n".join(out)
 
 

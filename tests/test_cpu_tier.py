@@ -84,7 +84,8 @@ def test_prepacked_products_are_the_modules_own_numbers():
                 assert torch.equal(fwd(x[:, :k]), m(x[:, :k])), (type(m).__name__, k)
 
 
-PINS = [("float32", "prepack=off,per-row=on"), ("float32", "prepack=off,per-row=off"), ("float32", "prepack=on,per-row=off"), ("bfloat16", "attention=model,prepack=off,per-row=off"),
+PINS = [("float32", "fp32-prepack=off,per-row=on"), ("float32", "fp32-prepack=off,per-row=off"), ("float32", "fp32-prepack=on,per-row=off"),
+        ("bfloat16", "attention=model,prepack=off,per-row=off"),
         pytest.param("bfloat16", "attention=float32,prepack=on,per-row=off",
                      marks=pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU"))]
 
@@ -135,7 +136,7 @@ def test_a_timed_loads_choices_pinned_give_its_numbers(model_dir, monkeypatch, d
         if BF16_ONEDNN:
             assert ("prepack=on" in chosen) == (gain == 2.0 and gemms), chosen  # kept, or undone where no GEMM rows agree
     else:
-        assert ("prepack=on" in chosen) == (gain == 2.0), chosen  # float32: kept where a step and a pass are timed to pay
+        assert ("fp32-prepack=on" in chosen) == (gain == 2.0), chosen  # float32: kept where a step and a pass are timed to pay
     pinned = LM.load(model_dir("target"), "cpu", dtype, choices=parse_choices(chosen), timer=refuse_timing)
     assert pinned.engine.plan.choices() == chosen
     assert pinned.engine.plan.rows == timed.engine.plan.rows
@@ -145,7 +146,8 @@ def test_a_timed_loads_choices_pinned_give_its_numbers(model_dir, monkeypatch, d
 def test_engine_choices_parse_and_refuse():
     assert parse_choices("") == {} and parse_choices(None) == {}
     assert parse_choices(" attention=float32 , prepack=off,per-row=on") == {"attention": "float32", "prepack": False, "per_row": True}
-    for bad in ("prepack", "prepack=yes", "attention=bfloat16", "rows=4", "per-row=on,per-row=off", "prepack=on,per-row=on"):
+    for bad in ("prepack", "prepack=yes", "attention=bfloat16", "rows=4", "per-row=on,per-row=off", "prepack=on,per-row=on",
+                "fp32-prepack=on,per-row=on"):
         with pytest.raises(ValueError, match="--engine-choices"):
             parse_choices(bad)
 

@@ -25,7 +25,8 @@ def test_device_cuda_without_cuda_exits_with_one_line(model_dir, module):
     assert len(lines) == 1 and "CUDA is not available" in lines[0] and "Traceback" not in p.stderr, p.stderr
 
 
-@pytest.mark.parametrize("pin", ["prepack=maybe", "per-row", "colour=blue", "per-row=on,per-row=off", "prepack=on,per-row=on"])
+@pytest.mark.parametrize("pin", ["prepack=maybe", "per-row", "colour=blue", "per-row=on,per-row=off", "prepack=on,per-row=on",
+                                 "fp32-prepack=on,per-row=on"])
 @pytest.mark.parametrize("via", ["flag", "env"])
 def test_a_bad_engine_choice_exits_with_a_usage_line(model_dir, pin, via):
     args = [sys.executable, "-m", "verify_service", "--model", model_dir("target"), "--port", "0"]
@@ -94,13 +95,15 @@ def test_same_seed_same_tokens_with_adaptive_tau_under_load_and_across_restarts(
     services restart with the same flags (costs pinned with --costs-ms, the engine's timed load-time
     choices with --engine-choices or SPECDEC_ENGINE_CHOICES: on tiny models their timings sit near
     the thresholds, and a choice that flips changes the numbers a sample is drawn from)."""
+    PIN = "fp32-prepack=off,per-row=off"  # every float32 choice the CPU tier times
+
     def start():
         v, d = start_pair(("--model", model_dir("target"), "--log-level", "INFO"),
-                          ("--model", model_dir("draft"), "--costs-ms", "1.0,3.0,0.2", "--engine-choices", "per-row=off", "--log-level", "INFO"),
-                          env=dict(ENV, SPECDEC_ENGINE_CHOICES="per-row=off"), draft_env=ENV)
-        for svc, pin in ((v, "per-row=off"), (d, "per-row=off")):  # padded GEMMs: on every CPU (per-row may not calibrate)
+                          ("--model", model_dir("draft"), "--costs-ms", "1.0,3.0,0.2", "--engine-choices", PIN, "--log-level", "INFO"),
+                          env=dict(ENV, SPECDEC_ENGINE_CHOICES=PIN), draft_env=ENV)
+        for svc in (v, d):  # padded GEMMs: on every CPU (per-row may not calibrate)
             deadline = time.monotonic() + 10  # the log line was written at load; its reader thread may lag
-            while not any(f"engine choices {pin} (pinned: per-row" in line for line in list(svc.stderr)):
+            while not any(f"engine choices {PIN} (pinned: fp32-prepack, per-row" in line for line in list(svc.stderr)):
                 assert time.monotonic() < deadline, svc.stderr
                 time.sleep(0.05)
         return v, d

@@ -46,7 +46,7 @@ def load_packed(path: str, dtype: str, matmuls: str) -> LM:
     if matmuls == "calibrated":
         return LM.load(path, "cpu", dtype)
     if matmuls in ("prepacked", "unpacked"):
-        lm = LM.load(path, "cpu", dtype, check=False, choices=dict(prepack=matmuls == "prepacked"))
+        lm = LM.load(path, "cpu", dtype, check=False, choices={"fp32_prepack" if dtype == "float32" else "prepack": matmuls == "prepacked"})
         want = matmuls == "prepacked" and (dtype == "float32" or BF16_ONEDNN)
         if want and dtype != "float32" and not lm.engine.plan.prepacked and not prepacked_products_agree(path, dtype):
             pytest.skip("this CPU's oneDNN products with prepacked weights round differently from the modules' own: "

@@ -17,7 +17,7 @@ from specdec.engine.plan import Plan
 log = logging.getLogger("specdec.engine")
 
 ATTN_FLOAT32_GAIN = 1.5  # a half-precision model attends in float32 on the CPU where that is this much faster
-PINS = {"attention": ("float32", "model"), "prepack": ("on", "off"), "per-row": ("on", "off")}
+PINS = {"attention": ("float32", "model"), "prepack": ("on", "off"), "fp32-prepack": ("on", "off"), "per-row": ("on", "off")}
 HALF = (torch.bfloat16, torch.float16)
 PACKED = (*HALF, torch.float32)  # the dtypes whose weights may be prepacked for oneDNN (prepack.py)
 
@@ -36,8 +36,10 @@ def parse_choices(text: str | None) -> dict[str, bool | str]:
         if key in out:
             raise ValueError(f"--engine-choices: {name} given twice")
         out[key] = value if name == "attention" else value == "on"
-    if out.get("prepack") and out.get("per_row"):
-        raise ValueError("--engine-choices: prepack=on and per-row=on exclude each other (per-row products read the plain weights)")
+    for packed in ("prepack", "fp32_prepack"):
+        if out.get(packed) and out.get("per_row"):
+            raise ValueError(f"--engine-choices: {packed.replace('_', '-')}=on and per-row=on exclude each other "
+                             "(per-row products read the plain weights)")
     return out
 
 
@@ -62,13 +64,17 @@ def faster_attention(model, keys: int = 256, timer=None) -> torch.dtype:
     return torch.float32 if own > ATTN_FLOAT32_GAIN * wide else dt
 
 
-def choose(model, per_row: bool | None = None, prepack: bool | None = None, attention: str | None = None, timer=None) -> Plan:
-    """The CPU plan for `model`, its matmul modules switched to it. per_row, prepack and attention
-    ('float32' or 'model') pin a choice instead of timing it; timer(what, fns) -> seconds per call of
-    each fn replaces the clock (rows.clock: `what` names the choice timed; tests)."""
+def choose(model, per_row: bool | None = None, prepack: bool | None = None, attention: str | None = None, timer=None,
+           fp32_prepack: bool | None = None) -> Plan:
+    """The CPU plan for `model`, its matmul modules switched to it. per_row, prepack (half precision),
+    fp32_prepack (float32: another kernel, so its own name, and a pin of either leaves the other
+    dtype alone) and attention ('float32' or 'model') pin a choice instead of timing it;
+    timer(what, fns) -> seconds per call of each fn replaces the clock (rows.clock: `what` names the
+    choice timed; tests)."""
     name = f"{type(model).__name__} in {model.dtype}"
-    pins = {k: v for k, v in (("attention", attention), ("prepack", prepack), ("per-row", per_row)) if v is not None}
-    plan = _choose(model, per_row, prepack, attention, timer)
+    pins = {k: v for k, v in (("attention", attention), ("prepack", prepack), ("fp32-prepack", fp32_prepack), ("per-row", per_row))
+            if v is not None}
+    plan = _choose(model, per_row, fp32_prepack if model.dtype == torch.float32 else prepack, attention, timer)
     plan.made = _made(model, plan)
     for k, v in pins.items():
         want = v if k == "attention" else ("on" if v else "off")
@@ -87,12 +93,13 @@ def _made(model, plan: Plan) -> dict[str, str]:
     if model.dtype in HALF:
         out["attention"] = "float32" if plan.kv_dtype == torch.float32 else "model"
     if model.dtype in PACKED:
-        out["prepack"] = "on" if plan.prepacked else "off"
+        out["prepack" if model.dtype in HALF else "fp32-prepack"] = "on" if plan.prepacked else "off"
     out["per-row"] = "on" if plan.per_row else "off"
     return out
 
 
 def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | None, timer) -> Plan:
+    """prepack: the pin of the model's dtype's prepacking (prepack or fp32_prepack)."""
     plan = Plan(kv_dtype=model.dtype, per_query=True)
     name = f"{type(model).__name__} in {model.dtype}"
     if model.dtype in HALF:
