@@ -109,14 +109,20 @@ def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | 
         else:
             plan.kv_dtype = torch.float32 if attention == "float32" else model.dtype
         log.info("%s: KV cache and attention in %s on this CPU", name, plan.kv_dtype)
-    unpacked = None
+    unpacked = packed_rows = None
     plain = None  # float32: the plain GEMMs' row counts, which prepacking is weighed against
     if model.dtype in PACKED and per_row is not True and prepack is not False:
         if model.dtype == torch.float32:
             plain = calibrate_rows(model)
-        unpacked = prepack_weights(model, force=bool(prepack), timer=timer, plain_rows=plain)  # {module: plain forward}, or None
+        # ({module: plain forward}, float32: the packed products' rows), or None
+        unpacked, packed_rows = prepack_weights(model, force=bool(prepack), timer=timer, plain_rows=plain) or (None, None)
     mods = row_modules(model)
-    rows = calibrate_rows(model) if per_row is not True and (unpacked is not None or plain is None) else plain
+    if per_row is True:
+        rows = None
+    elif unpacked is not None:
+        rows = packed_rows or calibrate_rows(model)  # half precision calibrates the packed products here
+    else:
+        rows = plain or calibrate_rows(model)
     if unpacked is not None:
         if rows is None:  # no row counts agree: back to the plain forwards, so per-row products can be tried
             for m, fwd in unpacked.items():

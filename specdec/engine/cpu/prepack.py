@@ -56,9 +56,11 @@ def holders(model) -> collections.Counter:
 
 
 @torch.inference_mode()
-def prepack(model, force: bool = False, timer=None, plain_rows: tuple[int, int] | None = None) -> dict | None:
+def prepack(model, force: bool = False, timer=None, plain_rows: tuple[int, int] | None = None) \
+        -> tuple[dict, tuple[int, int] | None] | None:
     """Switches every matmul module's forward to `prepacked` where that keeps the engine exact and,
-    unless forced, pays; returns {module: its plain forward} if it switched, else None.
+    unless forced, pays; returns ({module: its plain forward}, the prepacked products' calibrated
+    rows (float32; None in half precision, which calibrates after)) if it switched, else None.
 
     * Half precision: the prepacked product must give the module's own numbers (one module of each
       kind probed, at 1 and ROUND_ROWS rows) and make the matmuls of a one-token step and of a
@@ -85,6 +87,7 @@ def prepack(model, force: bool = False, timer=None, plain_rows: tuple[int, int] 
         log.info("%s: prepacked matmuls not used: their %.2f GiB would pass %.0f%% of the %.2f GiB free", name, extra / 2**30,
                  100 * PREPACK_MEMORY_SHARE, free / 2**30)
         return None
+    rows = None  # float32: the prepacked products' calibrated rows
     packed: dict = {}  # module -> its prepacked forward: one module of each kind until the checks pass
     by_weight: dict = {}  # (layout, weight id) -> the packed weight: modules that share a weight share one packed copy
 
@@ -108,7 +111,7 @@ def prepack(model, force: bool = False, timer=None, plain_rows: tuple[int, int] 
             what = "%s: prepacked matmuls are %.2fx as fast for a step, %.2fx for a " + f"{ROUND_ROWS}-row round"
             bars = (PREPACK_GAIN, PREPACK_GAIN)
         else:
-            rows = calibrate_rows(model, forward_of=pack)
+            rows = calibrate_rows(model, forward_of=pack)  # returned: the engine pads and blocks by them
             if rows is None:
                 log.info("%s: prepacked matmuls calibrate to no row counts on this CPU; not used", name)
                 return None
@@ -134,4 +137,4 @@ def prepack(model, force: bool = False, timer=None, plain_rows: tuple[int, int] 
     former = {}
     for m, fwd in packed.items():
         former[m], m.forward = m.forward, fwd
-    return former
+    return former, rows
