@@ -36,9 +36,12 @@ def pair_run_parser(command: str, max_new_tokens: int, repeats: int, **flags: di
 
 
 def run_header(a) -> dict:
-    """What every result file starts with: when it ran and which pair (paths from the checkout)."""
-    return dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), target=os.path.relpath(a.target, ROOT),
-                draft=os.path.relpath(a.draft, ROOT))
+    """What every result file starts with: when it ran and which models (paths from the checkout):
+    the pair, or a target alone where `a` has no draft."""
+    out = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), target=os.path.relpath(a.target, ROOT))
+    if getattr(a, "draft", None):
+        out["draft"] = os.path.relpath(a.draft, ROOT)
+    return out
 
 
 def pair_run(res: dict, where: str = "") -> str:

@@ -74,9 +74,8 @@ def main(argv=None) -> int:
             print(sessions, n, {k: round(v, 1) for k, v in best.items()}, flush=True)
     finally:
         layout.VIEW_BYTES = view_bytes
-    res = dict(**run_header(argparse.Namespace(target=a.target, draft=a.target)), dtype=a.dtype, context=a.context,
+    res = dict(**run_header(a), dtype=a.dtype, context=a.context,
                repeats=a.repeats, view_bytes=view_bytes, plans={str(k): repr(lm.engine.plan) for k, lm in lms.items()}, cases=rows)
-    del res["draft"]
     return write_report(a.out, "kernels", "KERNELS.md", res, render)
 
 
