@@ -7,7 +7,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-fast protos check-protos deploy-check lint-imports bench clean
+.PHONY: setup demo test test-fast protos check-protos deploy-check lint-imports node-client bench clean
 
 setup: $(VENV)/.ok
 $(VENV)/.ok: pyproject.toml
@@ -20,7 +20,7 @@ $(VENV)/.ok: pyproject.toml
 demo: setup
 	$(BIN)/python -m bench.demo
 
-test: setup check-protos deploy-check lint-imports
+test: setup check-protos deploy-check lint-imports node-client
 	$(BIN)/python -m pytest
 
 test-fast: setup
@@ -35,6 +35,13 @@ check-protos: setup
 deploy-check: setup
 	VENV=$(VENV) bash deploy/check.sh
 
+# the Node client written from the .proto (clients/node; tests/test_node_client.py), where npm is installed
+NODE_OK := clients/node/node_modules/.ok
+node-client: $(NODE_OK)
+$(NODE_OK): clients/node/package-lock.json
+	@if command -v npm > /dev/null; then npm ci --prefix clients/node --no-audit --no-fund --loglevel=error && touch $@; \
+	else echo "npm not found: tests/test_node_client.py will be skipped"; fi
+
 # the layers' import contracts (pyproject.toml [tool.importlinter]) and no cycles between the packages
 lint-imports: setup
 	$(BIN)/lint-imports --no-cache
@@ -46,4 +53,4 @@ bench: setup
 	$(BIN)/python -m bench.concurrency
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache clients/node/node_modules

@@ -1,0 +1,66 @@
+"""A client written in another language from the .proto alone: clients/node/generate.js loads
+protos/specdec/v1/specdec.proto at run time (@grpc/proto-loader, @grpc/grpc-js; `make test`
+installs them with npm) and streams a generation from the real services. A request without the
+tree fields (what a client written before them sends) is a chain; with tree_budget it is a tree;
+both give the Python client's greedy tokens, and a budget over the verifier's limit is
+INVALID_ARGUMENT naming it."""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from bench.launch import ROOT
+from client import Client
+
+NODE_DIR = os.path.join(ROOT, "clients", "node")
+pytestmark = pytest.mark.skipif(
+    shutil.which("node") is None or not os.path.isdir(os.path.join(NODE_DIR, "node_modules", "@grpc", "grpc-js")),
+    reason="needs node and clients/node's packages (make test runs npm ci there where npm is installed)")
+
+
+def node(*args):
+    r = subprocess.run(["node", os.path.join(NODE_DIR, "generate.js"), *args], capture_output=True, text=True, timeout=120)
+    return r.returncode, r.stdout, r.stderr
+
+
+def test_node_client_streams_chains_and_trees_from_the_proto(services):
+    v, d = services("target", "draft")
+    with Client(d.address, timeout=60) as c:
+        want = c.generate(prompt_ids=[3, 4, 5], max_new_tokens=12).token_ids
+    rc, out, err = node("--server", d.address, "--prompt-ids", "3,4,5", "--max-new-tokens", "12")
+    assert rc == 0, err
+    chain = json.loads(out)
+    assert chain["token_ids"] == want and chain["finish_reason"] in ("FINISH_REASON_EOS", "FINISH_REASON_LENGTH")
+    assert chain["stats"]["rounds"] >= 1 and chain["stats"]["tree_rounds"] == 0
+    assert chain["stats"]["generated_tokens"] == len(want) and int(chain["seed"]) >= 0
+    rc, out, err = node("--server", d.address, "--prompt-ids", "3,4,5", "--max-new-tokens", "12", "--tree-budget", "8",
+                        "--tau", "3", "--proposer", "draft")
+    assert rc == 0, err
+    tree = json.loads(out)
+    assert tree["token_ids"] == want and tree["stats"]["tree_rounds"] > 0
+    rc, out, err = node("--server", v.address, "--target-only", "--prompt-ids", "3,4,5", "--max-new-tokens", "12")
+    assert rc == 0, err
+    assert json.loads(out)["token_ids"] == want
+
+
+def test_node_client_sampled_seed_round_trips_as_uint64(services):
+    """A uint64 seed past 2**53 travels exactly (a decimal string in JavaScript), and a seeded
+    request gives the Python client's tokens."""
+    _, d = services("target", "draft")
+    seed = 2**64 - 1
+    with Client(d.address, timeout=60) as c:
+        want = c.generate(prompt_ids=[3, 4], max_new_tokens=10, temperature=0.9, seed=seed)
+    rc, out, err = node("--server", d.address, "--prompt-ids", "3,4", "--max-new-tokens", "10", "--temperature", "0.9",
+                        "--seed", str(seed))
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["seed"] == str(seed) and got["token_ids"] == want.token_ids
+
+
+def test_node_client_gets_invalid_argument_naming_the_tree_limit(services):
+    _, d = services("target", "draft")
+    rc, out, err = node("--server", d.address, "--prompt-ids", "3,4,5", "--tree-budget", "65")
+    assert rc == 1 and out == ""
+    assert err.startswith("INVALID_ARGUMENT:") and "tree_budget" in err and "64" in err, err
