@@ -267,6 +267,8 @@ class DecodeLoop:
                     else:
                         ctl.observe(len(sent.tokens), n)
                     ctl.load(v.row_price)
+                    if prop is not None and ctl.steer:  # a pre-draft: made before this verdict's price was known
+                        prop = self._within_load(prop)
                 if self.pace:
                     # not the first round (it holds the verifier's prefill of the prompt), nor the first after a run
                     # (it holds the draft's catch-up on the run's tokens, the whole prompt after a start in a run)
@@ -293,6 +295,18 @@ class DecodeLoop:
             if pending is not None:
                 pending[1].verdict(None)  # the thread stops after its current step
             serving.__exit__(None, None, None)
+
+    def _within_load(self, prop: Proposal) -> Proposal | None:
+        """A pre-draft as the verifier's load now allows it: a chain cut to the goodput cap; none at
+        a cap of 0 (then counted a miss, not a hit), so the round is decided afresh (a target-only
+        round, or a run). A tree is kept whole above 0: its nodes were grown against the price
+        before (its floor)."""
+        keep = self.tau.goodput_cap()
+        if keep == 0:
+            self.stats.predraft_hits -= 1
+            self.stats.predraft_misses += 1
+            return None
+        return prop.prefix(keep) if prop.parents is None else prop
 
     def _lookup_left(self) -> bool:
         """Whether hybrid prompt lookup still proposes for the session."""

@@ -43,6 +43,19 @@ class Proposal:
         return pb.Round(round=number, tokens=self.tokens, q_counts=self.q_counts, q_ids=self.q_ids, q_probs=self.q_probs,
                         parents=self.parents or [])
 
+    def prefix(self, k: int) -> Proposal:
+        """A chain's first k proposals with their q (a pre-draft cut to what the verifier's load allows)."""
+        assert self.parents is None, "a tree is not cut by length"
+        n = len(self.tokens)
+        if k >= n:
+            return self
+        if self.q_counts:  # sparse: q_counts[i] entries per token
+            m = sum(self.q_counts[:k])
+            q_ids, q_probs = self.q_ids[:m], self.q_probs[:m]
+        else:  # dense (V per token) or none
+            q_ids, q_probs = [], self.q_probs[: len(self.q_probs) // n * k] if n else []
+        return Proposal(self.tokens[:k], self.q_counts[:k], q_ids, q_probs, self.lookup, alts=self.alts[:k])
+
     def assumed(self) -> list[int]:
         """The tokens a pre-draft after this round assumes accepted: a chain's all, a tree's most likely path."""
         return self.tokens if self.parents is None else [self.tokens[i] for i in self.guess]

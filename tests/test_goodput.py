@@ -6,10 +6,12 @@ import asyncio
 import grpc
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from client import Client
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
+from draft_service.tree import CALIBRATIONS
 from helpers import metric
 from specdec.costmodel import Costs
 from specdec.lm import LM
@@ -21,36 +23,60 @@ COSTS = Costs(draft_step=0.001, verify_base=0.010, verify_per_token=0.0002)
 
 
 class Verifier:
-    """A verify stream in-process: accepts every proposal, and quotes the price it is told to."""
+    """A verify stream in-process that quotes the price it is told to. It accepts every chain
+    proposal and a tree's first-child path, and its next token is 5, or, given a model, that
+    model's argmax after the accepted tokens (the draft model's own: then pre-drafts hit)."""
 
-    def __init__(self, prices):
-        self.prices, self.rounds, self.next = list(prices), [], 5
+    def __init__(self, prices, model=None):
+        self.prices, self.rounds, self.model, self.context, self.shapes = list(prices), [], model, [], []
 
     async def write(self, req: pb.VerifyRequest) -> None:
+        if req.HasField("start"):
+            self.context = list(req.start.prompt_ids)
         if req.HasField("round"):
             self.rounds.append(list(req.round.tokens))
+            self.parents = list(req.round.parents)
+            self.shapes.append(self.parents)
+
+    def _path(self) -> list[int]:
+        if not self.parents:
+            return list(range(len(self.rounds[-1])))
+        path, at = [], -1
+        while (kids := [i for i, p in enumerate(self.parents) if p == at]):
+            at = kids[0]
+            path.append(at)
+        return path
 
     async def read(self):
         if len(self.rounds) > len(self.prices):
             return grpc.aio.EOF
-        n = len(self.rounds[-1])
+        path = self._path()
+        self.context += [self.rounds[-1][i] for i in path]
+        with torch.inference_mode():
+            nxt = int(self.model(torch.tensor([self.context])).logits[0, -1].argmax()) if self.model is not None else 5
+        self.context.append(nxt)
         finish = pb.FINISH_REASON_LENGTH if len(self.rounds) == len(self.prices) else pb.FINISH_REASON_UNSPECIFIED
-        return pb.VerifyResponse(round=len(self.rounds), num_accepted=n, next_token=self.next, finish_reason=finish,
-                                 row_price=self.prices[len(self.rounds) - 1])
+        return pb.VerifyResponse(round=len(self.rounds), num_accepted=len(path), next_token=nxt, finish_reason=finish,
+                                 row_price=self.prices[len(self.rounds) - 1], accepted_path=path if self.parents else [])
 
 
-def rounds_under(prices, model_dir, temperature=0.0, seeded=False, goodput=True):
+def rounds_under(prices, model_dir, temperature=0.0, seeded=False, goodput=True, proposer=pb.PROPOSER_DRAFT, predraft=False,
+                 tree_budget=0, prompt=(3, 4, 5)):
+    """(proposals per round, the loop's stats) of one request under the verifier's prices, round by
+    round; with pre-drafting, the verifier continues as the draft model does (pre-drafts hit)."""
     lm = LM.load(model_dir("draft"), "cpu", "float32")
-    params = GenParams(prompt_ids=[3, 4, 5], max_new_tokens=200, sampling=Sampling(temperature=temperature), seed=7, seeded=seeded,
-                       tau=8, proposer=pb.PROPOSER_DRAFT, mode=pb.PROPOSAL_MODE_GREEDY if temperature == 0 else pb.PROPOSAL_MODE_SPARSE)
-    loop = DecodeLoop(Drafter(lm), params, lm.fingerprint, lm.max_context, costs=COSTS, goodput=goodput)
-    v = Verifier(prices)
+    params = GenParams(prompt_ids=list(prompt), max_new_tokens=200, sampling=Sampling(temperature=temperature), seed=7, seeded=seeded,
+                       tau=8, proposer=proposer, mode=pb.PROPOSAL_MODE_GREEDY if temperature == 0 else pb.PROPOSAL_MODE_SPARSE,
+                       predraft=predraft, tree_budget=tree_budget)
+    CALIBRATIONS.pop(lm.name, None)  # a tree's sizes start from no evidence (other tests' sessions taught this process's)
+    loop = DecodeLoop(Drafter(lm), params, lm.fingerprint, lm.max_context, costs=COSTS, goodput=goodput, predraft=predraft)
+    v = Verifier(prices, AutoModelForCausalLM.from_pretrained(model_dir("draft")).eval() if predraft else None)
 
     async def run():
         async for _ in loop.rounds(v):
             pass
     asyncio.run(run())
-    return [len(r) for r in v.rounds], loop.summary()
+    return [len(r) for r in v.rounds], loop.summary(), v.shapes
 
 
 def test_tau_follows_the_price_down_to_target_only_rounds_and_back(model_dir):
@@ -58,22 +84,50 @@ def test_tau_follows_the_price_down_to_target_only_rounds_and_back(model_dir):
     a price above alpha gets rounds without proposals (no draft step), and tau comes back when
     the price falls; in between, only the depths that still pay (alpha^k > price)."""
     prices = [0.0] * 4 + [0.999] * 4 + [0.0] * 4
-    taus, stats = rounds_under(prices, model_dir)
+    taus, stats, _ = rounds_under(prices, model_dir)
     assert all(t > 0 for t in taus[:5]), taus  # the first round is sent before any price is known
     assert taus[5:9] == [0, 0, 0, 0], taus  # each verdict's price sets the next round
     assert all(t > 0 for t in taus[9:]), taus
     assert stats.target_only_rounds == 4 and stats.rounds == len(prices)
-    partial, _ = rounds_under([0.0] * 3 + [0.9] * 6, model_dir)  # alpha estimate < 1: a shorter cap, not none
+    partial, _, _ = rounds_under([0.0] * 3 + [0.9] * 6, model_dir)  # alpha estimate < 1: a shorter cap, not none
     assert 0 < min(partial[4:]) < max(partial[:4]), partial
+
+
+@pytest.mark.parametrize("proposer,predraft,tree_budget", [
+    (pb.PROPOSER_DRAFT, True, 0), (pb.PROPOSER_LOOKUP, False, 0), (pb.PROPOSER_HYBRID, False, 0), (pb.PROPOSER_HYBRID, True, 0),
+    (pb.PROPOSER_DRAFT, False, 8), (pb.PROPOSER_DRAFT, True, 8)])
+def test_every_proposer_follows_the_price_down_to_target_only_rounds_and_back(model_dir, proposer, predraft, tree_budget):
+    """Prompt lookup, hybrid, pre-drafted chains and trees: the round after a verdict that prices
+    every proposal out carries none. A pre-draft made while that verdict was pending is not sent
+    (the verifier continues as the draft model does, so pre-drafts hit), and proposals come back
+    when the price falls."""
+    prices = [0.0] * 4 + [0.999] * 4 + [0.0] * 4
+    taus, stats, _ = rounds_under(prices, model_dir, proposer=proposer, predraft=predraft, tree_budget=tree_budget, prompt=(3, 4, 5, 3, 4, 5))
+    assert all(t > 0 for t in taus[:5]) and taus[5:9] == [0, 0, 0, 0] and all(t > 0 for t in taus[9:]), taus
+    assert stats.target_only_rounds == 4
+    assert stats.predraft_hits > 0 if predraft else stats.predraft_hits == 0
+    assert (stats.lookup_rounds > 0) == (proposer != pb.PROPOSER_DRAFT) and (stats.tree_rounds > 0) == bool(tree_budget)
+
+
+def test_under_load_a_tree_shrinks_to_a_chain(model_dir):
+    """A price above 1/2 is a floor no two siblings can both clear (their branch probabilities sum
+    to at most their parent's), so a busy verifier gets chains: no node with two children."""
+    prices = [0.0] * 5 + [0.6] * 6
+    taus, stats, shapes = rounds_under(prices, model_dir, tree_budget=8, prompt=(3, 4, 5, 3, 4, 5))
+
+    def branched(parents):
+        return len(set(parents)) < len(parents)
+    assert any(branched(p) for p in shapes[1:6]), shapes  # an idle verifier's trees branch
+    assert not any(branched(p) for p in shapes[6:]) and stats.tree_rounds == len(prices), shapes
 
 
 def test_seeded_sampled_requests_ignore_the_price(model_dir):
     """Their taus must not depend on load (DESIGN.md §7); unseeded sampled ones follow it."""
     prices = [0.0] * 2 + [0.999] * 4
-    seeded, _ = rounds_under(prices, model_dir, temperature=1.0, seeded=True)
-    free, _ = rounds_under([0.0] * len(prices), model_dir, temperature=1.0, seeded=True)
-    unseeded, _ = rounds_under(prices, model_dir, temperature=1.0, seeded=False)
-    off, _ = rounds_under(prices, model_dir, goodput=False)
+    seeded, _, _ = rounds_under(prices, model_dir, temperature=1.0, seeded=True)
+    free, _, _ = rounds_under([0.0] * len(prices), model_dir, temperature=1.0, seeded=True)
+    unseeded, _, _ = rounds_under(prices, model_dir, temperature=1.0, seeded=False)
+    off, _, _ = rounds_under(prices, model_dir, goodput=False)
     assert seeded == free and 0 not in seeded
     assert unseeded[3:] == [0, 0, 0]
     assert 0 not in off  # --no-goodput

@@ -39,6 +39,14 @@ def test_round_trip(mode):
     assert tokens.tolist() == prop.tokens
     torch.testing.assert_close(q, torch.stack(want), rtol=0, atol=1e-7)  # float32 on the wire
     assert _decode(r, mode, greedy=True)[1] is None  # greedy sessions never build q
+    for k in range(4):  # a chain cut to its first k proposals (a pre-draft under load) keeps each one's own q
+        cut = prop.prefix(k).to_round(1)
+        if k:
+            tokens, q = _decode(pb.Round.FromString(cut.SerializeToString()), mode)
+            assert tokens.tolist() == prop.tokens[:k]
+            torch.testing.assert_close(q, torch.stack(want[:k]), rtol=0, atol=1e-7)
+        else:
+            assert list(cut.tokens) == [] and list(cut.q_probs) == [] and list(cut.q_ids) == []
 
 
 def test_one_hot_lookup_proposals_in_every_mode():
