@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.acceptance import accept_batch
+from specdec.acceptance import accept_batch, accept_tree, tree_tables
 from specdec.engine import Engine, KVCache, Plan
 from specdec.engine.attention import ATTN, set_opaque
 from specdec.engine.compiled import compile_layers, decoder_layers
@@ -131,29 +131,46 @@ def test_compiled_cuda_graph_replays_give_the_models_logits(model_dir):
         set_opaque(False)
 
 
+def verdicts(lg: torch.Tensor, ins: list[list[int]], at: int, rule: str, q: torch.Tensor) -> torch.Tensor:
+    """The batched acceptance of a pass's logits [B, 5, V] for rounds of 4 proposals (ins[b][1:]),
+    by `rule`: greedy, sampled (temperature 0.8, the draft's q given) or as trees of 4 nodes (the
+    same rows read as a tree's: nodes 0 and 1 children of the pending token, 2 of 0, 3 of 1),
+    sampled. Every per-session setting is a host tensor, as the scheduler makes them; returns the
+    verdicts on the device (their copy to the host is the caller's)."""
+    B, dev = lg.shape[0], lg.device
+    proposals = torch.tensor([x[1:] for x in ins]).to(dev, non_blocking=True)
+    greedy = torch.full((B,), rule == "greedy")
+    settings = (greedy, torch.arange(B, dtype=torch.long) + 7, torch.full((B,), at), torch.full((B,), 0.8, dtype=torch.float64),
+                torch.zeros(B, dtype=torch.long), torch.ones(B, dtype=torch.float64))
+    if rule == "tree":
+        return accept_tree(lg, proposals, torch.full((B,), 4), tree_tables([[-1, -1, 0, 1]] * B, 5), q, *settings)
+    return torch.stack(accept_batch(lg, proposals, torch.full((B,), 4), q, *settings), 1)
+
+
 @CUDA
-def test_a_graphed_pass_and_its_acceptance_never_sync_the_host(model_dir):
+@pytest.mark.parametrize("rule", ["greedy", "sampled", "tree"])
+def test_a_graphed_pass_and_its_acceptance_never_sync_the_host(model_dir, rule):
     """After a shape's warm-up pass and its capture, a pass of rounds and the batched acceptance on
-    its logits run under torch.cuda.set_sync_debug_mode("error"): the verdicts' one copy to the
-    host (the scheduler's .tolist()) is the pass's only sync."""
+    its logits (greedy, sampled with the draft's q, or the tree rule) run under
+    torch.cuda.set_sync_debug_mode("error"): the verdicts' one copy to the host (the scheduler's
+    .tolist()) is the pass's only sync."""
     eng, _ = engine_on(model_dir, "cuda", graphs=True)
     seqs = sessions(4, 3)
     caches = [KVCache(len(s)) for s in seqs]
     eng.forward([s[:10] for s in seqs], caches, logits=False)
-    B = len(seqs)
+    B, V = len(seqs), eng.model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    q = torch.zeros(B, 4, V) if rule == "greedy" else torch.softmax(torch.randn(B, 4, V, generator=g), -1)
+    q = q.to("cuda")
     for at in (10, 15, 20):  # eager, capture, replay
         ins = [s[at : at + 5] for s in seqs]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            lg = eng.forward(ins, caches, padded=True)
-            proposals = torch.tensor([x[1:] for x in ins]).to("cuda", non_blocking=True)
-            n, nxt = accept_batch(lg, proposals, torch.full((B,), 4), torch.zeros(B, 4, lg.shape[-1], device="cuda"),
-                                  torch.ones(B, dtype=torch.bool), torch.zeros(B, dtype=torch.long), torch.full((B,), at),
-                                  torch.ones(B, dtype=torch.float64), torch.zeros(B, dtype=torch.long), torch.ones(B, dtype=torch.float64))
+            out = verdicts(eng.forward(ins, caches, padded=True), ins, at, rule, q)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert torch.stack((n, nxt), 1).tolist()  # the one sync
+        assert out.tolist()  # the one sync
         for c in caches:
             c.crop(at + 5)
     assert eng.uniform.captures == 1
