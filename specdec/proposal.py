@@ -53,7 +53,7 @@ class Proposal:
             m = sum(self.q_counts[:k])
             q_ids, q_probs = self.q_ids[:m], self.q_probs[:m]
         else:  # dense (V per token) or none
-            q_ids, q_probs = [], self.q_probs[: len(self.q_probs) // n * k] if n else []
+            q_ids, q_probs = [], self.q_probs[: len(self.q_probs) // n * k]
         return Proposal(self.tokens[:k], self.q_counts[:k], q_ids, q_probs, self.lookup, alts=self.alts[:k])
 
     def assumed(self) -> list[int]:
