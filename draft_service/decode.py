@@ -302,8 +302,8 @@ class DecodeLoop:
         round, or a run). A tree is kept whole above 0: its nodes were grown against the price
         before (its floor)."""
         keep = self.tau.goodput_cap()
-        if keep < len(prop.tokens):
-            log.debug("pre-draft of %d proposals: the verifier's price %.3f allows %d", len(prop.tokens), self.tau.price, keep)
+        if keep < len(prop.tokens) and (keep == 0 or prop.parents is None):
+            log.debug("pre-draft of %d proposals cut to %d by the verifier's price %.3f", len(prop.tokens), keep, self.tau.price)
         if keep == 0:
             self.stats.predraft_hits -= 1
             self.stats.predraft_misses += 1

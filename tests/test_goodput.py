@@ -114,11 +114,15 @@ def test_under_load_a_tree_shrinks_to_a_chain(model_dir):
     to at most their parent's), so a busy verifier gets chains: no node with two children."""
     prices = [0.0] * 5 + [0.6] * 6
     taus, stats, shapes = rounds_under(prices, model_dir, tree_budget=8, prompt=(3, 4, 5, 3, 4, 5))
+    idle_taus, _, idle = rounds_under([0.0] * len(prices), model_dir, tree_budget=8, prompt=(3, 4, 5, 3, 4, 5))
 
     def branched(parents):
         return len(set(parents)) < len(parents)
-    assert any(branched(p) for p in shapes[1:6]), shapes  # an idle verifier's trees branch
+    # the same request with the verifier idle throughout still branches in those rounds (the
+    # calibration, learning that this verifier takes first children, does not make chains alone)
+    assert any(branched(p) for p in shapes[1:6]) and any(branched(p) for p in idle[6:]), (shapes, idle)
     assert not any(branched(p) for p in shapes[6:]) and stats.tree_rounds == len(prices), shapes
+    assert max(taus[6:]) < max(idle_taus[6:]), (taus, idle_taus)
 
 
 def test_seeded_sampled_requests_ignore_the_price(model_dir):

@@ -34,7 +34,7 @@ def test_node_client_streams_chains_and_trees_from_the_proto(services):
     chain = json.loads(out)
     assert chain["token_ids"] == want and chain["finish_reason"] in ("FINISH_REASON_EOS", "FINISH_REASON_LENGTH")
     assert chain["stats"]["rounds"] >= 1 and chain["stats"]["tree_rounds"] == 0
-    assert chain["stats"]["generated_tokens"] == len(want) and int(chain["seed"]) >= 0
+    assert chain["stats"]["generated_tokens"] == len(want) and chain["seed"].isdigit()  # a uint64: a decimal string
     rc, out, err = node("--server", d.address, "--prompt-ids", "3,4,5", "--max-new-tokens", "12", "--tree-budget", "8",
                         "--tau", "3", "--proposer", "draft")
     assert rc == 0, err
@@ -57,6 +57,17 @@ def test_node_client_sampled_seed_round_trips_as_uint64(services):
     assert rc == 0, err
     got = json.loads(out)
     assert got["seed"] == str(seed) and got["token_ids"] == want.token_ids
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--seed", "-1"], "--seed"), (["--seed", "18446744073709551616"], "--seed"), (["--proposer", "drafts"], "--proposer"),
+    (["--max-new-tokens", "4294967296"], "--max-new-tokens"), (["--temperature", "x"], "--temperature"), (["--tau"], "--tau"),
+])
+def test_node_client_refuses_bad_flags_before_calling(args, says):
+    """What the wire would silently wrap or zero (a uint64 or uint32 out of range, an unknown enum
+    name, NaN) is refused by the client itself: exit 2, naming the flag, nothing sent."""
+    rc, out, err = node("--server", "127.0.0.1:1", "--prompt-ids", "3", *args)
+    assert rc == 2 and out == "" and says in err, err
 
 
 def test_node_client_gets_invalid_argument_naming_the_tree_limit(services):

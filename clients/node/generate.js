@@ -4,11 +4,12 @@
 //
 //   node clients/node/generate.js --server HOST:PORT (--prompt TEXT | --prompt-ids 3,4,5)
 //        [--max-new-tokens N] [--tau T] [--tree-budget B] [--proposer draft|lookup|hybrid]
-//        [--temperature X] [--seed S] [--target-only]
+//        [--temperature X] [--seed S] [--timeout SECONDS] [--target-only]
 //
 // Draft.Generate (speculative) unless --target-only (Verify.Generate on a verify service). Prints
-// one JSON object: token_ids, text, finish_reason, seed, stats. A gRPC error exits 1 with
-// "CODE: details" on stderr.
+// one JSON object: token_ids, text, finish_reason, seed (a uint64, as a decimal string), stats.
+// A gRPC error, or a stream that ends without its last chunk, exits 1 with "CODE: details" on
+// stderr; a bad flag exits 2 before anything is sent (the wire would wrap a number out of range).
 "use strict";
 
 const path = require("path");
@@ -35,9 +36,19 @@ function parse(argv) {
   return a;
 }
 
-function uint(text, flag) {
-  if (!/^\d+$/.test(text)) throw new Error(`${flag} must be a whole number >= 0, got ${JSON.stringify(text)}`);
-  return Number(text);
+const PROPOSERS = ["draft", "lookup", "hybrid"];
+
+function uint(text, flag, bits = 32) {  // a uint32 (or uint64, returned as its decimal string)
+  if (!/^\d+$/.test(text) || BigInt(text) >= 2n ** BigInt(bits)) {
+    throw new Error(`${flag} must be a whole number in [0, 2^${bits}), got ${JSON.stringify(text)}`);
+  }
+  return bits > 32 ? BigInt(text).toString() : Number(text);
+}
+
+function real(text, flag) {
+  const x = Number(text);
+  if (text.trim() === "" || !Number.isFinite(x)) throw new Error(`${flag} must be a number, got ${JSON.stringify(text)}`);
+  return x;
 }
 
 function request(a) {
@@ -46,23 +57,27 @@ function request(a) {
   else req.prompt_ids = a.promptIds.split(",").map((x) => uint(x.trim(), "--prompt-ids"));
   if (a.tau !== undefined) req.num_draft_tokens = uint(a.tau, "--tau");
   if (a.treeBudget !== undefined) req.tree_budget = uint(a.treeBudget, "--tree-budget");
-  if (a.proposer !== undefined) req.proposer = "PROPOSER_" + a.proposer.toUpperCase();
+  if (a.proposer !== undefined) {
+    if (!PROPOSERS.includes(a.proposer)) throw new Error(`--proposer must be one of ${PROPOSERS.join(", ")}, got ${JSON.stringify(a.proposer)}`);
+    req.proposer = "PROPOSER_" + a.proposer.toUpperCase();
+  }
   if (a.temperature !== undefined || a.seed !== undefined) {
-    req.sampling = { temperature: Number(a.temperature || 0) };
-    if (a.seed !== undefined) req.sampling.seed = a.seed;  // uint64: a decimal string
+    req.sampling = { temperature: a.temperature === undefined ? 0 : real(a.temperature, "--temperature") };
+    if (a.seed !== undefined) req.sampling.seed = uint(a.seed, "--seed", 64);  // uint64: a decimal string
   }
   return req;
 }
 
 function main() {
   const a = parse(process.argv.slice(2));
+  const req = request(a);  // a bad flag throws here, before anything connects
+  const deadline = new Date(Date.now() + 1000 * real(a.timeout, "--timeout"));
   const def = protoLoader.loadSync(PROTO, { keepCase: true, longs: String, enums: String, defaults: true });
   const v1 = grpc.loadPackageDefinition(def).specdec.v1;
   const Service = a.targetOnly ? v1.Verify : v1.Draft;
   const stub = new Service(a.server, grpc.credentials.createInsecure());
-  const deadline = new Date(Date.now() + 1000 * Number(a.timeout));
   const out = { token_ids: [], text: "", finish_reason: null, seed: null, stats: null };
-  const call = stub.Generate(request(a), { deadline });
+  const call = stub.Generate(req, { deadline });
   call.on("data", (r) => {
     out.token_ids.push(...r.token_ids);
     out.text += r.text;
@@ -77,6 +92,10 @@ function main() {
     process.exitCode = 1;
   });
   call.on("end", () => {
+    if (!process.exitCode && out.finish_reason === null) {
+      process.stderr.write("INTERNAL: the stream ended without its last chunk\n");
+      process.exitCode = 1;
+    }
     if (!process.exitCode) process.stdout.write(JSON.stringify(out) + "\n");
     stub.close();
   });
