@@ -238,7 +238,7 @@ async def run(args) -> dict:
     cells_spec = [("closed", c) for c in _floats(args.concurrency)] + [("open", r) for r in _floats(args.rate)]
     if not cells_spec:
         raise SystemExit("give --concurrency and/or --rate")
-    tags = dict(_tag(t) for t in args.tag) | ({"path": "target-only"} if args.target_only else {})
+    tags = {"path": "target-only" if args.target_only else "speculative"} | dict(_tag(t) for t in args.tag)
     cells = []
     async with AsyncClient(args.server, target_only=args.target_only, timeout=args.timeout_s, **credential_kwargs(args)) as client:
         info = await client.info()
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--server", required=True, help="draft service HOST:PORT (a verify service with --target-only)")
     p.add_argument("--target-only", action="store_true",
-                   help="the baseline: --server is a verify service, generating target-only; cells are tagged path=target-only")
+                   help="the baseline: --server is a verify service, generating target-only; cells are tagged path=target-only (else path=speculative)")
     add_credential_args(p)
     p.add_argument("--concurrency", default="", help="closed-loop cells: comma-separated session counts, e.g. 1,4,16,64")
     p.add_argument("--rate", default="", help="open-loop cells: comma-separated request rates (req/s, Poisson arrivals)")

@@ -20,7 +20,7 @@ def test_target_only_baseline_and_capacity_side_by_side(services, tmp_path):
     load(v.address, tmp_path, "--target-only")
     load(d.address, tmp_path)
     cells = json.loads((tmp_path / "loadtest.json").read_text())["cells"]
-    paths = sorted((c["tags"].get("path", "speculative"), c["concurrency"]) for c in cells)
+    paths = sorted((c["tags"]["path"], c["concurrency"]) for c in cells)  # every cell names its path
     assert paths == [("speculative", 1), ("speculative", 2), ("target-only", 1), ("target-only", 2)]
     for c in cells:
         assert c["summary"]["completed"] == 4 and c["summary"]["errors"] == 0
@@ -29,7 +29,7 @@ def test_target_only_baseline_and_capacity_side_by_side(services, tmp_path):
     report = (tmp_path / "REPORT.md").read_text()
     table = report[report.index("## Capacity at 1 tokens/s per session"):]
     rows = [line for line in table.splitlines()[6:] if line.startswith("|")]
-    assert [r.split("|")[1].strip() for r in rows] == ["all", "path=target-only"]
+    assert [r.split("|")[1].strip() for r in rows] == ["path=speculative", "path=target-only"]
     assert all(r.split("|")[2].strip() == "2" for r in rows)  # both sustain 2 sessions at 1 tok/s each
 
 
