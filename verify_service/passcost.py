@@ -15,7 +15,7 @@ depth k while alpha^k exceeds it (draft_service/adaptive.py), down to none.
 """
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 DECAY = 0.97  # weight of a pass after each later one (about the last 30 passes count)
 PROBE_WEIGHT = 0.1  # each start-up probe counts as this share of a fresh pass, never decayed: enough to fix what
@@ -28,7 +28,7 @@ class PassCost:
     def __init__(self, probes: list[tuple[int, int, float]] = ()):
         """probes: (rows, sessions, seconds) measured at start-up."""
         self._probe_a, self._probe_b = _normal([(r, s, t) for r, s, t in probes], PROBE_WEIGHT)
-        self._a, self._b = torch.zeros(3, 3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+        self._a, self._b = [[0.0] * 3 for _ in range(3)], [0.0] * 3
         self._busy = self._span = self._pass_s = self._tokens = 0.0
         self._last: tuple[float, float] | None = None  # (start, seconds) of the last pass
         self.base_s = self.per_row_s = self.per_session_s = 0.0
@@ -36,8 +36,11 @@ class PassCost:
 
     def observe(self, rows: int, sessions: int, tokens: int, seconds: float, start: float) -> None:
         """A pass that began at `start` (perf_counter) and committed `tokens` tokens."""
-        a, b = _normal([(rows, sessions, seconds)], 1.0)
-        self._a, self._b = self._a * DECAY + a, self._b * DECAY + b
+        x = (1.0, float(rows), float(sessions))
+        for i in range(3):  # the decayed normal equations, in plain floats: a pass's host time pays for this
+            self._b[i] = self._b[i] * DECAY + x[i] * seconds
+            for j in range(3):
+                self._a[i][j] = self._a[i][j] * DECAY + x[i] * x[j]
         if self._last is not None:  # the last pass's share of the time from its start to this one's
             last_start, last_s = self._last
             self._span = self._span * DECAY + max(start - last_start, last_s)
@@ -49,7 +52,8 @@ class PassCost:
 
     def _fit(self) -> None:
         """Weighted least squares from the decayed normal equations (minimum norm if singular)."""
-        coef = torch.linalg.lstsq(self._probe_a + self._a, (self._probe_b + self._b)[:, None]).solution[:, 0].tolist()
+        coef = _solve([[p + q for p, q in zip(pr, r)] for pr, r in zip(self._probe_a, self._a)],
+                      [p + q for p, q in zip(self._probe_b, self._b)])
         self.base_s, self.per_row_s, self.per_session_s = coef[0], max(coef[1], 0.0), coef[2]
 
     @property
@@ -74,11 +78,35 @@ class PassCost:
         return max(self.base_s + max(sessions, 1) * (self.per_row_s + self.per_session_s), 0.0)
 
 
-def _normal(points: list[tuple[int, int, float]], weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _normal(points: list[tuple[int, int, float]], weight: float) -> tuple[list[list[float]], list[float]]:
     """X'WX and X'Wy of (rows, sessions, seconds) points for seconds ~ [1, rows, sessions]."""
-    x = torch.tensor([[1.0, r, s] for r, s, _ in points], dtype=torch.float64).reshape(-1, 3)
-    y = torch.tensor([t for *_, t in points], dtype=torch.float64)
-    return weight * x.T @ x, weight * x.T @ y
+    xs = [((1.0, float(r), float(s)), t) for r, s, t in points]
+    a = [[weight * sum(x[i] * x[j] for x, _ in xs) for j in range(3)] for i in range(3)]
+    return a, [weight * sum(x[i] * t for x, t in xs) for i in range(3)]
+
+
+SINGULAR = 1e-10  # a pivot this small against the matrix's largest entry: singular, solved by numpy's minimum-norm lstsq
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """c with a c = b for the 3 x 3 normal equations: Gaussian elimination with partial pivoting in
+    plain floats (every pass runs it: about 10 us against 250 for torch's lstsq on tiny tensors,
+    on this CPU), or numpy's minimum-norm least squares where a pivot says the system is singular."""
+    m = [row[:] + [v] for row, v in zip(a, b)]
+    scale = max(abs(v) for row in a for v in row)
+    for c in range(3):
+        p = max(range(c, 3), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) <= SINGULAR * scale:
+            return np.linalg.lstsq(np.array(a), np.array(b), rcond=None)[0].tolist()
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, 3):
+            f = m[r][c] / m[c][c]
+            for k in range(c, 4):
+                m[r][k] -= f * m[c][k]
+    out = [0.0] * 3
+    for c in (2, 1, 0):
+        out[c] = (m[c][3] - sum(m[c][k] * out[k] for k in range(c + 1, 3))) / m[c][c]
+    return out
 
 
 def probe(timed_pass, vocab_size: int, tries: int = 3) -> list[tuple[int, int, float]]:
