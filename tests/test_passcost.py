@@ -46,3 +46,24 @@ def test_price_is_row_cost_times_goodput_times_busy_share():
     assert busy.price == pytest.approx(ROW * 8 / s, rel=1e-3)
     assert idle.price == pytest.approx(ROW * 8 / (s + 0.2), rel=1e-3)
     assert PassCost().price == 0.0  # a verifier that has not run yet asks nothing
+
+
+def test_the_solve_is_least_squares_and_minimum_norm_where_singular():
+    """The plain-float solve of the normal equations agrees with torch's least squares, on
+    well-posed systems and on singular ones (passes all alike, no probes: the minimum-norm fit)."""
+    import random
+
+    import torch
+
+    from verify_service.passcost import _normal, _solve
+
+    rnd = random.Random(0)
+    for _ in range(200):
+        points = [(rnd.randint(1, 1000), rnd.randint(1, 64), rnd.random()) for _ in range(rnd.randint(3, 30))]
+        a, b = _normal(points, 1.0)
+        want = torch.linalg.lstsq(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)[:, None]).solution[:, 0]
+        assert _solve(a, b) == pytest.approx(want.tolist(), rel=1e-6, abs=1e-12)
+    a, b = _normal([(5, 1, 0.01)] * 10, 1.0)  # one layout only: rank 1
+    x = _solve(a, b)
+    assert 1 * x[0] + 5 * x[1] + 1 * x[2] == pytest.approx(0.01)  # fits the passes it saw
+    assert x == pytest.approx([v * 0.01 / 27 for v in (1, 5, 1)])  # the minimum-norm one: along (1, 5, 1)

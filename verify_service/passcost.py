@@ -15,7 +15,7 @@ depth k while alpha^k exceeds it (draft_service/adaptive.py), down to none.
 """
 from __future__ import annotations
 
-import numpy as np
+import torch
 
 DECAY = 0.97  # weight of a pass after each later one (about the last 30 passes count)
 PROBE_WEIGHT = 0.1  # each start-up probe counts as this share of a fresh pass, never decayed: enough to fix what
@@ -85,19 +85,20 @@ def _normal(points: list[tuple[int, int, float]], weight: float) -> tuple[list[l
     return a, [weight * sum(x[i] * t for x, t in xs) for i in range(3)]
 
 
-SINGULAR = 1e-10  # a pivot this small against the matrix's largest entry: singular, solved by numpy's minimum-norm lstsq
+SINGULAR = 1e-10  # a pivot this small against the matrix's largest entry: singular, solved by torch's minimum-norm lstsq
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     """c with a c = b for the 3 x 3 normal equations: Gaussian elimination with partial pivoting in
     plain floats (every pass runs it: about 10 us against 250 for torch's lstsq on tiny tensors,
-    on this CPU), or numpy's minimum-norm least squares where a pivot says the system is singular."""
+    on this CPU), or torch's minimum-norm least squares where a pivot says the system is singular
+    (no probes, and every pass alike)."""
     m = [row[:] + [v] for row, v in zip(a, b)]
     scale = max(abs(v) for row in a for v in row)
     for c in range(3):
         p = max(range(c, 3), key=lambda r: abs(m[r][c]))
         if abs(m[p][c]) <= SINGULAR * scale:
-            return np.linalg.lstsq(np.array(a), np.array(b), rcond=None)[0].tolist()
+            return torch.linalg.lstsq(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
         m[c], m[p] = m[p], m[c]
         for r in range(c + 1, 3):
             f = m[r][c] / m[c][c]
