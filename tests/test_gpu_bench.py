@@ -30,3 +30,15 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     assert "aten::mm" in (out / "profile_target_only.txt").read_text() and "aten::mm" in (out / "profile_generate.txt").read_text()
     assert res["host_ops_per_token"]["target_only"] > 0 and res["host_ops_per_token"]["generate"] > 0
     assert "generate_compiled" not in res  # the compiled baseline is on by default on cuda only
+
+
+def test_varlen_probe_smoke_on_cpu(tmp_path):
+    """bench/varlen_probe.py on the CPU runs only its copy of the engine's layout (gathered pages, a
+    KV head's queries as one problem's rows, a mask), which must be attention: equal to the float32
+    reference with keys past each session's length on the trash page; the varlen variants need CUDA."""
+    p = subprocess.run([sys.executable, "-m", "bench.varlen_probe", "--sessions", "1,3", "--rows", "1,5", "--context", "40",
+                        "--layers", "2", "--out", str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads((tmp_path / "varlen_probe.json").read_text())["rows"]
+    assert [(r["sessions"], r["rows"], r["variant"]) for r in rows] == [(1, 1, "engine"), (1, 5, "engine"), (3, 1, "engine"), (3, 5, "engine")]
+    assert all("error" not in r and r["max_abs_err"] < 1e-5 and r["us"] > 0 for r in rows)
