@@ -51,7 +51,8 @@ def main(argv=None) -> int:
             ref = ref or outs
             diffs = [first_difference(o, r) for o, r in zip(outs, ref)]
             at = [x for x in diffs if x is not None]
-            label = "target-only (verify service)" if target_only else f"tau {tau}" + {0: " (the reference)", len(TAUS) - 1: " again (control)"}.get(k, "")
+            role = {0: " (the reference)", len(TAUS) - 1: " again (control)"}.get(k, "")
+            label = "target-only (verify service)" if target_only else f"tau {tau}{role}"
             rows.append(dict(run=label, tau=tau, same=len(prompts) - len(at), prompts=len(prompts), first_difference=diffs,
                              median_first_difference=statistics.median(at) if at else None))
             print(rows[-1], flush=True)
@@ -61,7 +62,8 @@ def main(argv=None) -> int:
 
 def render(res: dict) -> str:
     out = ["# A seeded sampled request's tokens against its tau", "",
-           f"{pair_run(res)}. {len(res['rows'][0]['first_difference'])} code prompts, each with its own seed, temperature {res['temperature']}, "
+           f"{pair_run(res)}. {len(res['rows'][0]['first_difference'])} code prompts, each with its own seed, "
+           f"temperature {res['temperature']}, "
            f"{res['max_new_tokens']} new tokens, fixed tau (adaptive off); every run compared with the first tau-4 run.",
            "", "| run | same tokens as tau 4 | median first difference (token) | first difference per prompt |", "|---|---|---|---|"]
     for r in res["rows"]:

@@ -98,7 +98,8 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     for c in range(3):
         p = max(range(c, 3), key=lambda r: abs(m[r][c]))
         if abs(m[p][c]) <= SINGULAR * scale:
-            return torch.linalg.lstsq(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+            at, bt = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+            return torch.linalg.lstsq(at, bt[:, None]).solution[:, 0].tolist()
         m[c], m[p] = m[p], m[c]
         for r in range(c + 1, 3):
             f = m[r][c] / m[c][c]
