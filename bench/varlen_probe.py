@@ -19,6 +19,7 @@ the engine variant runs (a shape check of this script). Writes varlen_probe.json
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -34,7 +35,7 @@ H, HKV, D = 32, 8, 128
 def setup(B: int, n: int, L: int, dev, dtype, gen: torch.Generator) -> dict:
     """A paged pool with each session's pages scattered, and every index each variant needs."""
     pages_each = -(-L // PAGE)
-    pages = torch.randperm(B * pages_each, generator=gen)[: B * pages_each].view(B, pages_each) + 1  # page 0: trash
+    pages = torch.randperm(B * pages_each, generator=gen).view(B, pages_each) + 1  # page 0: trash
     slots_total = (B * pages_each + 1) * PAGE
     K = torch.randn(slots_total, HKV, D, generator=gen).to(dev, dtype)
     V = torch.randn(slots_total, HKV, D, generator=gen).to(dev, dtype)
@@ -76,16 +77,22 @@ def _varlen_kwargs(params) -> dict:
     return kw
 
 
-def varlen(c: dict) -> torch.Tensor:
+@functools.cache
+def _varlen_api():
+    """torch's varlen_attn and its parameters, looked up once (eager CPU timings would count it)."""
     from torch.nn.attention.varlen import varlen_attn
-    kw = _varlen_kwargs(inspect.signature(varlen_attn).parameters)
+    return varlen_attn, inspect.signature(varlen_attn).parameters
+
+
+def varlen(c: dict) -> torch.Tensor:
+    varlen_attn, params = _varlen_api()
+    kw = _varlen_kwargs(params)
     k, v = c["K"].index_select(0, c["packed"]), c["V"].index_select(0, c["packed"])
     return varlen_attn(c["q"], k, v, c["cu_q"], c["cu_k"], c["n"], c["L"], **kw)
 
 
 def paged(c: dict) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-    params = inspect.signature(varlen_attn).parameters
+    varlen_attn, params = _varlen_api()
     if "block_table" not in params:
         raise NotImplementedError("this torch's varlen_attn takes no block_table")
     kw = _varlen_kwargs(params)

@@ -36,11 +36,7 @@ class PassCost:
 
     def observe(self, rows: int, sessions: int, tokens: int, seconds: float, start: float) -> None:
         """A pass that began at `start` (perf_counter) and committed `tokens` tokens."""
-        x = (1.0, float(rows), float(sessions))
-        for i in range(3):  # the decayed normal equations, in plain floats: a pass's host time pays for this
-            self._b[i] = self._b[i] * DECAY + x[i] * seconds
-            for j in range(3):
-                self._a[i][j] = self._a[i][j] * DECAY + x[i] * x[j]
+        _add(self._a, self._b, rows, sessions, seconds, 1.0, DECAY)
         if self._last is not None:  # the last pass's share of the time from its start to this one's
             last_start, last_s = self._last
             self._span = self._span * DECAY + max(start - last_start, last_s)
@@ -71,7 +67,6 @@ class PassCost:
         """Expected tokens one more proposal row costs the verifier's goodput now (see above)."""
         return self.per_row_s * self.tokens_per_s * self.utilisation
 
-
     def target_only_s(self, sessions: int) -> float:
         """Seconds per token of a target-only session now: a pass with `sessions` sessions of one
         row each (every open session in every pass, as Verify.Generate's streams run)."""
@@ -80,9 +75,20 @@ class PassCost:
 
 def _normal(points: list[tuple[int, int, float]], weight: float) -> tuple[list[list[float]], list[float]]:
     """X'WX and X'Wy of (rows, sessions, seconds) points for seconds ~ [1, rows, sessions]."""
-    xs = [((1.0, float(r), float(s)), t) for r, s, t in points]
-    a = [[weight * sum(x[i] * x[j] for x, _ in xs) for j in range(3)] for i in range(3)]
-    return a, [weight * sum(x[i] * t for x, t in xs) for i in range(3)]
+    a, b = [[0.0] * 3 for _ in range(3)], [0.0] * 3
+    for r, s, t in points:
+        _add(a, b, r, s, t, weight)
+    return a, b
+
+
+def _add(a: list[list[float]], b: list[float], rows: int, sessions: int, seconds: float, weight: float, decay: float = 1.0) -> None:
+    """Decays the normal equations (a, b) in place, then adds one weighted point to them, in plain
+    floats: every pass pays for this in its host time."""
+    x = (1.0, float(rows), float(sessions))
+    for i in range(3):
+        b[i] = b[i] * decay + weight * x[i] * seconds
+        for j in range(3):
+            a[i][j] = a[i][j] * decay + weight * x[i] * x[j]
 
 
 SINGULAR = 1e-10  # a pivot this small against the matrix's largest entry: singular, solved by torch's minimum-norm lstsq
