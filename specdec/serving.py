@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 import grpc
@@ -24,6 +25,19 @@ from specdec.observe import REQUEST_ID_KEY, RequestObserver  # noqa: F401 - REQU
 from specdec.v1 import specdec_pb2 as pb
 
 log = logging.getLogger("specdec.serving")
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc), so the `serving` line says how long the
+    start-up took, imports and the engine's load-time choices included; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, counted from field 3
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return round(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, ValueError, IndexError):
+        return None
 
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata on RESOURCE_EXHAUSTED: when to try again
 PUSHBACK_KEY = "grpc-retry-pushback-ms"  # the same, read by gRPC's own retry policy (client.core.retry_service_config)
@@ -182,7 +196,8 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
     if http is not None:
         await http.start()
     print(f"listening on {args.host}:{port}", flush=True)
-    log.info("serving", extra={"fields": {"address": f"{args.host}:{port}", "metrics_port": mport, "service": service_name}})
+    log.info("serving", extra={"fields": {"address": f"{args.host}:{port}", "metrics_port": mport, "service": service_name,
+                                          "startup_s": process_age_s()}})
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -156,3 +156,19 @@ def test_opentelemetry_spans_link_both_hops(model_dir):
     finally:
         d.stop()
         v.stop()
+
+
+def test_the_serving_line_says_how_long_the_start_up_took(model_dir):
+    """`serving` carries startup_s, the process's age when it began to serve: the imports and the
+    engine's load-time choices, which a restart (or a pod's readiness) waits for."""
+    import time
+
+    t0 = time.monotonic()
+    v = Service("verify_service", "--model", model_dir("target"), "--log-level", "INFO")
+    waited = time.monotonic() - t0  # from before the process existed to its `listening on` line
+    try:
+        assert wait_for(lambda: json_log_lines(v, msg="serving"), 5), v.stderr[-3:]
+        (line,) = json_log_lines(v, msg="serving")
+        assert 0.2 < line["startup_s"] <= waited + 0.5, (line, waited)  # importing torch alone takes longer than 0.2 s
+    finally:
+        v.stop()
