@@ -114,11 +114,15 @@ def render(res: dict) -> str:
         m, x = r["median"], r["ratio"]
         cpu = " / ".join(f"{statistics.median(run['verify_cpu_ms_per_token'] for run in r['runs'][k]):.2f}"
                          if all("verify_cpu_ms_per_token" in run for run in r["runs"][k]) else "-" for k in KINDS)
-        lines.append(f"| {r['sessions']} | {m['target-only']['tok_s']:.1f} | {m['steered']['tok_s']:.1f} | **{x['steered']:.2f}×** | "
+        tok_s = {k: statistics.median(run["tok_s"] for run in r["runs"][k]) for k in KINDS}  # what the ratios divide
+        lines.append(f"| {r['sessions']} | {tok_s['target-only']:.1f} | {tok_s['steered']:.1f} | **{x['steered']:.2f}×** | "
                      f"{m['steered']['mean_tau']:.2f} | {100 * m['steered']['target_only_share']:.0f}% | "
-                     f"{100 * m['steered'].get('run_share', 0):.0f}% | {m['unsteered']['tok_s']:.1f} | "
+                     f"{100 * m['steered'].get('run_share', 0):.0f}% | {tok_s['unsteered']:.1f} | "
                      f"{x['unsteered']:.2f}× | {m['unsteered']['mean_tau']:.2f} | {cpu} |")
-    lines += ["", "Only ratios within one run count: this shared 2-core machine's speed drifts. The verifier's CPU "
+    lines += ["", "tok/s is the median of the runs (of an even number, the mean of the middle two), and each ratio "
+              "divides two of those medians; mean τ and the shares of rounds and tokens are the median run's (of an even "
+              "number, the faster of the middle two). Only ratios within one run count: this shared 2-core machine's "
+              "speed drifts. The verifier's CPU "
               "per token (its process's user + system seconds over the tokens, median of the runs) is what the requests "
               "cost the verifier itself, the draft's relay and drafting apart: here all processes share 2 cores, in the "
               "split topology the draft runs on the client's hardware.", ""]
