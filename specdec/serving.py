@@ -39,6 +39,7 @@ def process_age_s() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
 
+
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata on RESOURCE_EXHAUSTED: when to try again
 PUSHBACK_KEY = "grpc-retry-pushback-ms"  # the same, read by gRPC's own retry policy (client.core.retry_service_config)
 RETRY_AFTER_MS = 1000
