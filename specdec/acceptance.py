@@ -94,6 +94,13 @@ def accept_batch(logits: torch.Tensor, tokens: torch.Tensor, tau: torch.Tensor, 
     return torch.where(g, n, n_s), torch.where(g, nxt, nxt_s)
 
 
+def accept_greedy_batch(logits: torch.Tensor, tokens: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """accept_batch for a pass whose sessions are all greedy: the argmax rule alone, so no
+    settings, q or uniforms need building. logits [B, T+1, V] and tokens [B, T] on the device,
+    tau [B] on the host. Returns (n accepted [B], next token [B]) on the device."""
+    return _greedy_rows(logits.argmax(-1), tokens, to_device(tau, logits.device))
+
+
 def tree_tables(parents: list[list[int]], R: int) -> dict[str, torch.Tensor]:
     """Host tables of B trees for `accept_tree` (row 0 of a tree is the pending token, row i + 1
     its node i; parents[b][i] is node i's parent node or -1), each padded to R rows:

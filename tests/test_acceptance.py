@@ -196,6 +196,22 @@ def test_batched_rule_equals_the_per_session_rule(seed):
         assert all(n <= x[1].shape[0] for (n, _), x in zip(want, sessions))
 
 
+def test_the_greedy_batch_rule_equals_the_per_session_rule():
+    """A pass of greedy sessions only (the scheduler's path for greedy rounds and target-only steps,
+    verify_service/jobs.py `accept`): accept_greedy_batch gives every session its own verdict, with
+    taus from 0 to 6 padded to the longest, so padding is never accepted."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(25):
+        sessions = [_random_session(g, 12, int(torch.randint(0, 7, (), generator=g)), Sampling(), i)
+                    for i in range(int(torch.randint(1, 7, (), generator=g)))]
+        B, T = len(sessions), max(x[1].shape[0] for x in sessions)
+        logits, tokens = torch.zeros(B, T + 1, 12), torch.zeros(B, T, dtype=torch.long)
+        for i, (lg, x, *_) in enumerate(sessions):
+            logits[i, : lg.shape[0]], tokens[i, : x.shape[0]] = lg, x
+        n, nxt = acceptance.accept_greedy_batch(logits, tokens, torch.tensor([x[1].shape[0] for x in sessions]))
+        assert torch.stack([n, nxt], 1).tolist() == [_session_verdict(*x) for x in sessions], trial
+
+
 def test_padding_is_never_accepted():
     """A short round beside a long one: the padding ids (0) match the argmax of the zero padding
     rows, and would be accepted if padding counted; a sampled session's q is zero there."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.acceptance import accept_batch, accept_tree, tree_tables
+from specdec.acceptance import accept_batch, accept_greedy_batch, accept_tree, tree_tables
 from specdec.sampling import int64
 from verify_service.session import Session
 
@@ -121,8 +121,10 @@ def accept(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor) -> tuple[
     rounds padded to the longest. lg [B, T+1, V] (rows past a session's tau+1 are padding);
     proposals [B, >= T]."""
     T = lg.shape[1] - 1
-    return accept_batch(lg, proposals[:, :T], torch.tensor([len(j.tokens) for j in jobs]), _q(jobs, lg, T),
-                        *_settings([j.session for j in jobs]))
+    tau, sessions = torch.tensor([len(j.tokens) for j in jobs]), [j.session for j in jobs]
+    if all(s.sampling.greedy for s in sessions):  # greedy rounds and target-only steps: nothing to sample
+        return accept_greedy_batch(lg, proposals[:, :T], tau)
+    return accept_batch(lg, proposals[:, :T], tau, _q(jobs, lg, T), *_settings(sessions))
 
 
 def decide(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor, forced=None) -> tuple[list[int], torch.Tensor]:
@@ -139,10 +141,11 @@ def decide(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor, forced=No
         if forced is not None:
             n = torch.tensor([max(0, min(forced(j.session, len(j.tokens)), len(j.tokens))) for j in cj], device=lg.device)
             nxt = c_lg[torch.arange(len(cj), device=lg.device), n].argmax(-1)
-        parts.append(torch.nn.functional.pad(torch.stack((n, nxt), 1), (0, W)))
+        verdicts = torch.stack((n, nxt), 1)
+        parts.append(torch.nn.functional.pad(verdicts, (0, W)) if W else verdicts)
     if tree:
         parts.append(accept_trees([jobs[i] for i in tree], lg[tree, : 1 + W], proposals[tree]))
-    return chain + tree, torch.cat(parts)
+    return chain + tree, torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def accept_trees(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
