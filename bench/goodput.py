@@ -86,9 +86,9 @@ def main(argv=None) -> int:
                     r["mean_batch"] = (b1[0] - b0[0]) / max(b1[1] - b0[1], 1)
                     runs[kind].append(r)
             med = {k: sorted(v, key=lambda r: r["tok_s"])[len(v) // 2] for k, v in runs.items()}
-            base = statistics.median(r["tok_s"] for r in runs["target-only"])
-            rows.append(dict(sessions=n, prompts=len(prompts), runs=runs, median=med,
-                             ratio={k: statistics.median(r["tok_s"] for r in runs[k]) / base for k in KINDS}))
+            tok_s = {k: statistics.median(r["tok_s"] for r in runs[k]) for k in KINDS}
+            rows.append(dict(sessions=n, prompts=len(prompts), runs=runs, median=med, tok_s=tok_s,
+                             ratio={k: tok_s[k] / tok_s["target-only"] for k in KINDS}))
             print(n, {k: round(v, 2) for k, v in rows[-1]["ratio"].items()}, flush=True)
     finally:
         for d in drafts.values():
@@ -111,10 +111,9 @@ def render(res: dict) -> str:
              "| unsteered tok/s | × target-only | mean τ | verifier CPU ms/token: target-only / steered / unsteered |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        m, x = r["median"], r["ratio"]
+        m, x, tok_s = r["median"], r["ratio"], r["tok_s"]  # tok_s: the medians the ratios divide
         cpu = " / ".join(f"{statistics.median(run['verify_cpu_ms_per_token'] for run in r['runs'][k]):.2f}"
                          if all("verify_cpu_ms_per_token" in run for run in r["runs"][k]) else "-" for k in KINDS)
-        tok_s = {k: statistics.median(run["tok_s"] for run in r["runs"][k]) for k in KINDS}  # what the ratios divide
         lines.append(f"| {r['sessions']} | {tok_s['target-only']:.1f} | {tok_s['steered']:.1f} | **{x['steered']:.2f}×** | "
                      f"{m['steered']['mean_tau']:.2f} | {100 * m['steered']['target_only_share']:.0f}% | "
                      f"{100 * m['steered'].get('run_share', 0):.0f}% | {tok_s['unsteered']:.1f} | "
