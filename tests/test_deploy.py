@@ -2,7 +2,8 @@
 in Secret files, the network fences, where each model runs, threads against CPU limits, pinned
 engine choices, connection recycling, and the monitoring and autoscaling resources against
 the metrics the services really export. deploy/check.sh validates the same renders against
-the Kubernetes and operator schemas."""
+the Kubernetes and operator schemas. And what the images install: the package built from
+pyproject.toml."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import yaml
@@ -195,3 +197,25 @@ def test_custom_resource_check_catches_unknown_and_mistyped_fields(tmp_path):
         src.write_text(yaml.safe_dump_all(bad))
         r = subprocess.run(crds, capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and error in r.stderr, r.stderr
+
+
+def test_the_installed_package_holds_every_module_the_services_import(tmp_path):
+    """What the images install (`pip install /src[server]`, deploy/docker/*.Dockerfile) is a wheel
+    built from pyproject.toml's package list, not the checkout: every module of specdec (its engine
+    and CPU tier included), the client (as specdec.client) and both services must be in it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "specdec", "client", "draft_service", "verify_service"):
+        (shutil.copytree if os.path.isdir(os.path.join(ROOT, name)) else shutil.copy)(os.path.join(ROOT, name), src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "out"), str(src)],
+                   check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "out").glob("*.whl")
+    have = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
+    want = set()
+    for top, installed in (("specdec", "specdec"), ("client", "specdec/client"), ("draft_service", "draft_service"),
+                           ("verify_service", "verify_service")):
+        for d, _, files in os.walk(os.path.join(ROOT, top)):
+            rel = os.path.relpath(d, os.path.join(ROOT, top))
+            want |= {os.path.normpath(os.path.join(installed, rel, f)).replace(os.sep, "/") for f in files if f.endswith(".py")}
+    assert "specdec/engine/forward.py" in want and "specdec/engine/cpu/rows.py" in want
+    assert not want - have, f"not installed: {sorted(want - have)}"
