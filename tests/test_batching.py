@@ -109,6 +109,49 @@ def test_capacity_limits_answer_resource_exhausted_and_recover(model_dir):
         v.stop()
 
 
+def test_a_closed_sessions_room_comes_back_with_its_pages(model_dir):
+    """While the scheduler thread is busy (held here, as by a long pass), a closed session's pages
+    wait for it, and so does its room: admission never hands out pages the pool has not got back,
+    so sessions opened and closed under a pass never grow the pool past the cache budget."""
+    import contextlib
+
+    from specdec.engine import PAGE
+    from specdec.errors import Refusal, RequestError
+    from specdec.sampling import Sampling
+    from verify_service.scheduler import Scheduler
+
+    torch.set_num_threads(1)
+    lm = LM.load(model_dir("target"), "cpu", "float32")
+    go = threading.Event()
+
+    @contextlib.contextmanager
+    def busy():
+        go.wait(60)
+        yield
+
+    eng = Scheduler(lm, max_sessions=2, max_cached_tokens=4 * PAGE, thread_context=busy)
+    before = lm.engine.pool.slots  # the load's and start-up probes' pages, all free again: more than the budget's
+    try:
+        def cycle():
+            a, b = (eng.open([3, 4, 5], 2 * PAGE - 3, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY) for _ in range(2))
+            eng.close(a)
+            eng.close(b)
+
+        cycle()
+        with pytest.raises(RequestError) as e:  # closed, but their pages are not back: no room yet
+            cycle()
+        assert e.value.kind == Refusal.RESOURCE_EXHAUSTED
+        go.set()
+        for _ in range(10):
+            assert wait_for(lambda: eng.capacity.reserved == 0 and eng.capacity.sessions == 0, 5)
+            cycle()
+        assert wait_for(lambda: eng.capacity.reserved == 0, 5)
+        assert before >= 5 * PAGE and lm.engine.pool.slots == before  # the churn took no page past the pool's
+    finally:
+        go.set()
+        eng.shutdown()
+
+
 def test_idle_session_times_out_and_frees_its_cache(model_dir):
     v = Service("verify_service", "--model", model_dir("target"), "--idle-timeout-s", "1", "--metrics-port", "0")
     try:

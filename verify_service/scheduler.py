@@ -118,8 +118,9 @@ class Scheduler:
                 return
             s.closed = True
             del self.sessions[s.sid]
-        self._queue.put(s.cache)  # the scheduler thread frees the buffers between passes, never under one in flight
-        self.capacity.release(s.reserved)
+        # The scheduler thread frees its pages between passes, never under one in flight, and only then
+        # gives its room back: admission never promises pages that are not in the pool yet (`_take`).
+        self._queue.put(s)
         metrics.CACHED_TOKENS.set(self.cached_tokens())
 
     def cached_tokens(self) -> int:
@@ -211,8 +212,9 @@ class Scheduler:
                     return True
             if job is _STOP:
                 return False
-            if isinstance(job, KVCache):  # a closed session's cache (`close`)
-                job.release()
+            if isinstance(job, Session):  # a closed session (`close`): its pages back to the pool, then its room
+                job.cache.release()
+                self.capacity.release(job.reserved)
             elif job.session.closed:
                 job.resolve(False, RequestError(Refusal.CANCELLED, "session closed"))
             elif unfilled(job.session) and isinstance(job, (Prefill, Stream)):  # its prompt is not in yet: it fills it
