@@ -3,10 +3,14 @@ pass of the draft model (specdec/engine: one pooled cache, the same numbers alon
 
 No thread of its own: each session drafts in its own worker thread and calls `forward()`. The
 first caller to find the model idle becomes the leader: it takes every step queued so far, runs
-them as one pass, hands out the results, and repeats while steps are waiting; the others wait
-for their result. A session drafting alone therefore runs its step in its own thread with no
-hand-off at all. Prompts go in chunks of PREFILL_CHUNK tokens, alone in their pass (beside
-decode steps they would hold them up).
+them as one pass and hands out the results, until its own step is done; then it hands the lead
+to a thread whose step still waits, so no session drafts for the others while its own loop
+waits. The others wait for their result. A session drafting alone therefore runs its step in its
+own thread with no hand-off at all. Prompts go in chunks of PREFILL_CHUNK tokens, alone in their
+pass (beside decode steps they would hold them up), in their turn: a pass takes the decode steps
+queued before the oldest waiting chunk, else that chunk. So a step waits for what was queued
+before it (a pass's worth of steps and at most one chunk, besides the pass in flight), whatever
+the other sessions keep asking for.
 """
 from __future__ import annotations
 
@@ -59,10 +63,10 @@ class StepBatcher:
                 self._cv.wait()
             lead = not step.done
             self._busy = self._busy or lead
-        while lead:  # run passes until nothing waits (this step included)
+        while lead:  # run passes until this step is done, then hand the lead on (to a waiting step's thread)
             self._pass()
             with self._cv:
-                if not self._waiting:
+                if step.done:
                     self._busy = lead = False
                     self._cv.notify_all()
         if step.error is not None:
@@ -71,7 +75,8 @@ class StepBatcher:
 
     def _pass(self) -> None:
         with self._cv:
-            steps = [s for s in self._waiting if len(s.tokens) <= STEP_TOKENS][:MAX_BATCH] or self._waiting[:1]
+            chunk = next((i for i, s in enumerate(self._waiting) if len(s.tokens) > STEP_TOKENS), None)
+            steps = self._waiting[:chunk][:MAX_BATCH] or self._waiting[:1]  # the steps before the oldest chunk, else it
             self._waiting = [s for s in self._waiting if all(s is not b for b in steps)]
         metrics.DRAFT_BATCH_SIZE.observe(len(steps))
         try:
