@@ -29,10 +29,13 @@ class Finish(enum.IntEnum):
 
 
 class RequestError(Exception):
-    def __init__(self, kind: Refusal, message: str):
+    def __init__(self, kind: Refusal, message: str, retry: bool = True):
+        """retry: whether the same request may succeed later on the same service (False: a
+        RESOURCE_EXHAUSTED that no wait cures, such as a request larger than the whole cache budget)."""
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.retry = retry
 
 
 def invalid(message: str) -> RequestError:

@@ -127,7 +127,8 @@ async def upstream_error(e: Exception, call) -> Exception:
     code = await call.code()
     if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
         return e
-    return RequestError(edge.refusal(code), f"upstream: {await call.details()}")
+    final = dict(await call.trailing_metadata() or ()).get(PUSHBACK_KEY) == "-1"  # the upstream said no retry cures it
+    return RequestError(edge.refusal(code), f"upstream: {await call.details()}", retry=not final)
 
 
 async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: Exception, upstream=None):
@@ -148,9 +149,12 @@ async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: 
         log.exception("internal error in %s", method)
         code, msg = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
     if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
-        # retry-after-ms for people and our own tools; grpc-retry-pushback-ms for gRPC's retry policy (a
-        # full service, or one whose upstream is restarting: retries spaced a second apart outlast a restart)
-        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)), (PUSHBACK_KEY, str(RETRY_AFTER_MS))))
+        if isinstance(e, RequestError) and not e.retry:  # a negative pushback: gRPC's retry policy does not retry
+            context.set_trailing_metadata(((PUSHBACK_KEY, "-1"),))
+        else:
+            # retry-after-ms for people and our own tools; grpc-retry-pushback-ms for gRPC's retry policy (a
+            # full service, or one whose upstream is restarting: retries spaced a second apart outlast a restart)
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)), (PUSHBACK_KEY, str(RETRY_AFTER_MS))))
     await context.abort(code, msg)
 
 

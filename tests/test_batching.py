@@ -94,16 +94,21 @@ def test_capacity_limits_answer_resource_exhausted_and_recover(model_dir):
                     if metric(v.metrics(), "specdec_live_sessions", service="verify") == 0:
                         break
                     await asyncio.sleep(0.05)
-                e = await _refused_session(stub, fp, max_new=60)  # 2 + 60 tokens > --max-cached-tokens 40
-                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "cache" in e.details()
+                e = await _refused_session(stub, fp, max_new=60)  # 2 + 60 tokens > --max-cached-tokens 40: never fits here
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-cached-tokens" in e.details()
+                trailers = dict(e.trailing_metadata())  # no wait cures it: no retry hint, and a pushback gRPC does not retry on
+                assert "retry-after-ms" not in trailers and trailers.get("grpc-retry-pushback-ms") == "-1"
                 c, rc = await _open_session(stub, fp)  # room again
                 assert rc.round == 1
                 c.cancel()
         asyncio.run(run())
+        with Client(v.address, target_only=True, retries=4, timeout=60) as c, pytest.raises(grpc.RpcError) as e:
+            c.generate(prompt_ids=[3, 4], max_new_tokens=60)  # gRPC's retry policy takes the pushback: one attempt
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         wait_for(lambda: metric(v.metrics(), "specdec_live_sessions", service="verify") == 0, 5)
         text = v.metrics()
         assert metric(text, "specdec_capacity_rejections_total", reason="sessions") == 1
-        assert metric(text, "specdec_capacity_rejections_total", reason="cached_tokens") == 1
+        assert metric(text, "specdec_capacity_rejections_total", reason="cached_tokens") == 2  # not 1 + 5
         assert metric(text, "specdec_live_sessions", service="verify") == 0
     finally:
         v.stop()

@@ -46,6 +46,11 @@ class Capacity:
     def admit(self, need: int) -> None:
         """Reserves `need` cache tokens for a new session, or raises RESOURCE_EXHAUSTED."""
         with self._lock:
+            if need > self.max_cached_tokens:  # no wait makes room for it here (another replica may be larger)
+                metrics.CAPACITY_REJECTIONS.labels("cached_tokens").inc()
+                raise RequestError(Refusal.RESOURCE_EXHAUSTED, f"the request needs {need} cache tokens (its prompt, max_new_tokens "
+                                   f"and tree room, within the context), more than this verify service's whole cache "
+                                   f"({self.max_cached_tokens} tokens, --max-cached-tokens); ask for fewer", retry=False)
             if self.sessions >= self.max_sessions:
                 metrics.CAPACITY_REJECTIONS.labels("sessions").inc()
                 raise RequestError(Refusal.RESOURCE_EXHAUSTED, f"verify service is at its limit of {self.max_sessions} sessions; retry later")
