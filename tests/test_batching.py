@@ -109,6 +109,15 @@ def test_capacity_limits_answer_resource_exhausted_and_recover(model_dir):
         text = v.metrics()
         assert metric(text, "specdec_capacity_rejections_total", reason="sessions") == 1
         assert metric(text, "specdec_capacity_rejections_total", reason="cached_tokens") == 2  # not 1 + 5
+        d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--metrics-port", "0")
+        try:  # through the draft service: it passes the verifier's "no retry" on
+            with Client(d.address, retries=4, timeout=60) as c, pytest.raises(grpc.RpcError) as e:
+                c.generate(prompt_ids=[3, 4], max_new_tokens=60)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-cached-tokens" in e.value.details()
+            assert dict(e.value.trailing_metadata()).get("grpc-retry-pushback-ms") == "-1"
+            assert metric(d.metrics(), "specdec_request_latency_seconds_count", service="draft", method="Generate") == 1
+        finally:
+            d.stop()
         assert metric(text, "specdec_live_sessions", service="verify") == 0
     finally:
         v.stop()
