@@ -78,7 +78,7 @@ class Replicas:
         self.name, self.fixed = parse_target(target)
         self.make_channel, self.timeout_s = make_channel, timeout_s
         self.replicas: dict[str, Replica] = {}
-        self._leaving: dict[str, Replica] = {}  # gone from the name, sessions still open
+        self._leaving: list[Replica] = []  # gone from the name, sessions still open (an address may leave twice)
         self._turn = itertools.count()
 
     async def _addresses(self) -> list[str] | None:
@@ -102,10 +102,11 @@ class Replicas:
                 if a not in self.replicas:
                     self.replicas[a] = Replica(a, self.make_channel(a, authority))
             for a in set(self.replicas) - set(addresses):
-                self._leaving[a] = self.replicas.pop(a)
-        for a, r in list(self._leaving.items()):
-            if r.open == 0:
-                await self._leaving.pop(a).channel.close()
+                self._leaving.append(self.replicas.pop(a))
+        drained = [r for r in self._leaving if r.open == 0]
+        self._leaving = [r for r in self._leaving if r.open]
+        for r in drained:
+            await r.channel.close()
         await asyncio.gather(*(self._poll(r) for r in list(self.replicas.values())))
 
     async def _poll(self, r: Replica) -> None:
@@ -151,7 +152,7 @@ class Replicas:
             await asyncio.sleep(min(poll_s, max(0.0, deadline - loop.time())))
 
     async def close(self) -> None:
-        for r in [*self.replicas.values(), *self._leaving.values()]:
+        for r in [*self.replicas.values(), *self._leaving]:
             await r.channel.close()
         self.replicas.clear()
         self._leaving.clear()

@@ -146,11 +146,15 @@ class DraftServicer(pb_grpc.DraftServicer):
                                   predraft=g.predraft, goodput=self.goodput,
                                   round_timeout_s=self.round_timeout_s, skip=skip, run_tokens=self.run_tokens)
                 skip = loop.skipped
-                call = replica.stub.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
                 out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
                 started = False
                 replica.open += 1
                 try:
+                    call = None
+                    try:
+                        call = replica.stub.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
+                    except grpc.aio.UsageError:  # its channel is closed: it left the name (Replicas.refresh) after the ranking
+                        raise RequestError(Refusal.UNAVAILABLE, f"verify replica {replica.address} is gone") from None
                     async with contextlib.aclosing(loop.rounds(call)) as rounds:  # closing it stops a pre-draft
                         async for new, finish in rounds:
                             started = True
@@ -170,7 +174,8 @@ class DraftServicer(pb_grpc.DraftServicer):
                     replica.refused()  # full or gone: rank it last until its next poll says otherwise
                     log.info("verify replica refused a session; trying another", extra={"fields": {
                         "request_id": g.request_id, "replica": replica.address, "code": code.name}})
-                    call.cancel()
+                    if call is not None:
+                        call.cancel()
                 finally:
                     replica.open -= 1
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through

@@ -1,6 +1,7 @@
 """A draft service in front of several verify replicas (draft_service/replicas.py), with real
 processes on loopback: sessions go where there is room, a refusal before the first verdict is
 placed again on another replica, and the draft's readiness follows its replicas."""
+import asyncio
 import queue
 import time
 
@@ -8,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.launch import Service
+from bench.launch import Service, free_port
 from client import Client
 from helpers import metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
@@ -196,3 +197,48 @@ def test_scaleout_bench_spreads_one_burst_over_two_replicas(model_dir, tmp_path)
     assert one["tokens"] == two["tokens"] == 4 * 8 and one["tok_s"] > 0 and two["tok_s"] > 0
     assert one["sessions_per_replica"] == [4, 0] and min(two["sessions_per_replica"]) >= 1, two
     assert "Two replicas / one" in (tmp_path / "SCALEOUT.md").read_text()
+
+
+def test_a_replica_that_leaves_twice_has_both_channels_closed_once_drained(monkeypatch):
+    """An address that leaves the name while this draft has sessions there, comes back and leaves
+    again: each time its channel waits for its own sessions, and both are closed once they end (a
+    closed channel's calls raise UsageError, which the draft's Generate takes as the replica gone)."""
+    from draft_service import replicas as placement
+
+    answers: list[list[str]] = []
+
+    async def resolve(name):  # what the DNS name resolves to at each poll
+        return answers[-1]
+
+    monkeypatch.setattr(placement, "resolve", resolve)
+    made: list[grpc.aio.Channel] = []
+
+    def make_channel(address, authority):
+        made.append(grpc.aio.insecure_channel(address))
+        return made[-1]
+
+    async def run():
+        r = placement.Replicas("dns:verify.example:50052", make_channel, timeout_s=0.2)
+        address = f"127.0.0.1:{free_port()}"  # nothing listens there: its polls fail, which changes nothing here
+        answers.append([address])
+        await r.refresh()
+        first = r.replicas[address]
+        first.open = 1  # a session still running there
+        answers.append([])
+        await r.refresh()
+        answers.append([address])
+        await r.refresh()
+        second = r.replicas[address]
+        assert second is not first
+        second.open = 1
+        answers.append([])
+        await r.refresh()
+        assert made == [first.channel, second.channel]
+        first.open = second.open = 0
+        await r.refresh()
+        for channel in made:
+            with pytest.raises(grpc.aio.UsageError):
+                await pb_grpc.VerifyStub(channel).Info(pb.InfoRequest(), timeout=1)
+        await r.close()
+
+    asyncio.run(run())
