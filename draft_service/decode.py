@@ -292,9 +292,17 @@ class DecodeLoop:
                 if v.finish_reason:
                     return
         finally:
-            if pending is not None:
-                pending[1].verdict(None)  # the thread stops after its current step
-            serving.__exit__(None, None, None)
+            if pending is None:
+                serving.__exit__(None, None, None)
+            else:  # a failure or a close with a pre-draft in flight: its thread stops after its current step
+                pending[1].verdict(None)
+
+                def ended(task: asyncio.Task) -> None:  # the session is served until then; its error is nobody's
+                    if not task.cancelled():
+                        task.exception()
+                    serving.__exit__(None, None, None)
+
+                pending[0].add_done_callback(ended)
 
     def _within_load(self, prop: Proposal) -> Proposal | None:
         """A pre-draft as the verifier's load now allows it: a chain cut to the goodput cap; none at

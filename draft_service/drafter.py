@@ -99,6 +99,11 @@ class Drafter:
             with self._lock:
                 self._live -= 1
 
+    @property
+    def serving_now(self) -> int:
+        """Sessions the model serves now (decode loops running, or their pre-drafts finishing)."""
+        return self._live
+
     def shared(self) -> bool:
         """Whether the model serves other sessions beside one: then its spare steps are theirs."""
         return self._live > 1

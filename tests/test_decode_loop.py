@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import threading
 
 import grpc
 import pytest
@@ -347,17 +349,28 @@ def test_the_caller_may_stop_after_any_round(drafters, model_dir):
     assert got == hf_greedy(long_target, [3, 4, 5], len(got))
 
 
-def test_a_cancelled_round_stops_its_predraft(drafters, model_dir, monkeypatch):
+@pytest.mark.parametrize("fails", [False, True], ids=["predraft", "failing-predraft"])
+def test_a_cancelled_round_stops_its_predraft(drafters, model_dir, monkeypatch, fails):
     """Cancelled while waiting for a verdict (the client went away): the pre-draft running in
-    its thread is told to stop."""
+    its thread is told to stop; the session counts as served until it has, and an error it ends
+    with is taken (asyncio reports none as never retrieved)."""
     long_target = AutoModelForCausalLM.from_pretrained(model_dir("long-target"), dtype=torch.float32).eval()
     d = drafters("long-draft")
     controls = []
     predraft = d.predraft
 
+    release, ended = threading.Event(), []
+
     def spy(st, sent, tau, ctl):
         controls.append(ctl)
-        return predraft(st, sent, tau, ctl)
+        try:
+            out = predraft(st, sent, tau, ctl)
+            release.wait(30)  # a long last step: it ends after the loop has
+            if fails:
+                raise RuntimeError("a pre-draft that fails")
+            return out
+        finally:
+            ended.append(True)
 
     monkeypatch.setattr(d, "predraft", spy)
 
@@ -375,9 +388,22 @@ def test_a_cancelled_round_stops_its_predraft(drafters, model_dir, monkeypatch):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert d.serving_now == 1 and not ended  # the loop is gone, its pre-draft still steps the model
+        release.set()
+        for _ in range(500):
+            if ended and not d.serving_now:
+                break
+            await asyncio.sleep(0.01)
+        assert ended and d.serving_now == 0
+        await asyncio.sleep(0.05)  # the task's own completion, after its thread's
 
-    asyncio.run(cancel_mid_round())
+    reported = []
+    with asyncio.Runner() as runner:
+        runner.get_loop().set_exception_handler(lambda loop, context: reported.append(context))
+        runner.run(cancel_mid_round())
+        gc.collect()  # a task's unretrieved exception is reported when the task is collected
     assert len(controls) == 1 and controls[0].is_set()
+    assert not reported
 
 
 def test_a_cancel_that_lands_as_a_verdict_arrives_ends_the_loop(drafters, model_dir):
