@@ -5,7 +5,8 @@ a verify service with target_only=True for target-only generation. `retries` > 0
 gRPC's own retry policy for Generate: a call refused with UNAVAILABLE or RESOURCE_EXHAUSTED
 before its first token is tried again (at most 4 retries, gRPC's cap), after an exponential
 backoff or, when the server says when (`grpc-retry-pushback-ms`, sent beside `retry-after-ms`),
-after that; gRPC never retries a call once a response has arrived, so no token is streamed
+after that (a pushback of -1, for a request larger than the verifier's whole cache, means no
+retry); gRPC never retries a call once a response has arrived, so no token is streamed
 twice. With `fallback` set to a verify address, a request the draft service still cannot take
 (UNAVAILABLE before any token) is then served target-only there: same output distribution, no
 speed-up. `token` is sent as

@@ -245,7 +245,8 @@ class DecodeLoop:
                     task, ahead_ctl = pending
                     on_guess = not tree or path == sent.guess[: len(path)]  # a tree's outcomes end on its likeliest path
                     ahead_ctl.verdict((n, v.next_token) if v.HasField("next_token") and on_guess else None)
-                    ahead = await task  # the thread owns the draft cache until it returns
+                    ahead = await asyncio.shield(task)  # the thread owns the draft cache until it returns (a cancel here
+                    # leaves the task to its thread: `finally` counts the session until it ends)
                     pending = None
                     got = ahead.get(ahead_ctl.outcome())
                     if got is not None and got.tokens:

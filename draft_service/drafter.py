@@ -85,12 +85,13 @@ class Drafter:
     def __init__(self, lm: LM):
         self.lm = lm
         self.batcher = StepBatcher(lm.engine)
-        self._live = 0  # sessions whose decode loops run now (`serving`)
+        self._live = 0  # sessions whose decode loops run now, or their last pre-drafts (`serving`)
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def serving(self):
-        """Held by a session's decode loop while it runs: how many sessions the model serves at once."""
+        """Held by a session's decode loop while it runs (and until a pre-draft it leaves running ends):
+        how many sessions the model serves at once."""
         with self._lock:
             self._live += 1
         try:

@@ -49,7 +49,7 @@ class Replica:
         return free - (self.open - self.open_at_poll)
 
     def refused(self) -> None:
-        """It said it is full: rank it last until its next Info says otherwise."""
+        """It refused a session for now (full, or gone): rank it last until its next Info says otherwise."""
         if self.info is not None:
             self.info.capacity.free_sessions = 0
             self.open_at_poll = self.open - 1  # the refused session, still counted, ends at once

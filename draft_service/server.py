@@ -140,6 +140,7 @@ class DraftServicer(pb_grpc.DraftServicer):
             if not replicas:
                 raise RequestError(Refusal.UNAVAILABLE, f"no verify replica is known at {self.replicas.target}")
             skip = None  # whether the model's record skips it: decided once per request, not per placement
+            retryable = False  # whether a replica refused for now only (full, gone), not for good (too small for it)
             for i, replica in enumerate(replicas):
                 loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
                                   costs=costs if adaptive else None, fallback=costs if self._judge(g) else None,
@@ -151,10 +152,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 replica.open += 1
                 try:
                     call = None
-                    try:
-                        call = replica.stub.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
-                    except grpc.aio.UsageError:  # its channel is closed: it left the name (Replicas.refresh) after the ranking
-                        raise RequestError(Refusal.UNAVAILABLE, f"verify replica {replica.address} is gone") from None
+                    call = replica.stub.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
                     async with contextlib.aclosing(loop.rounds(call)) as rounds:  # closing it stops a pre-draft
                         async for new, finish in rounds:
                             started = True
@@ -167,11 +165,18 @@ class DraftServicer(pb_grpc.DraftServicer):
                             await _ended(call)
                             return
                 except Exception as e:  # noqa: BLE001 - a write on a call the replica ended fails otherwise than its status
+                    if isinstance(e, grpc.aio.UsageError):  # a closed channel (at the call, or at its first write where the
+                        # channel has interceptors): the replica left the name (Replicas.refresh) after the ranking
+                        e, call = RequestError(Refusal.UNAVAILABLE, f"verify replica {replica.address} is gone"), None
                     e = await serving.upstream_error(e, call)
                     code = edge.refusal(e.code()) if isinstance(e, grpc.aio.AioRpcError) else getattr(e, "kind", None)
+                    retryable = retryable or getattr(e, "retry", True)
                     if started or i == len(replicas) - 1 or code not in PLACE_AGAIN:
+                        if isinstance(e, RequestError) and not started:
+                            e.retry = retryable  # "no retry" only where no replica may take it later
                         raise e from None
-                    replica.refused()  # full or gone: rank it last until its next poll says otherwise
+                    if getattr(e, "retry", True):
+                        replica.refused()  # full or gone: rank it last until its next poll says otherwise
                     log.info("verify replica refused a session; trying another", extra={"fields": {
                         "request_id": g.request_id, "replica": replica.address, "code": code.name}})
                     if call is not None:

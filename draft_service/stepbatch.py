@@ -2,15 +2,14 @@
 pass of the draft model (specdec/engine: one pooled cache, the same numbers alone or batched).
 
 No thread of its own: each session drafts in its own worker thread and calls `forward()`. The
-first caller to find the model idle becomes the leader: it takes every step queued so far, runs
-them as one pass and hands out the results, until its own step is done; then it hands the lead
-to a thread whose step still waits, so no session drafts for the others while its own loop
-waits. The others wait for their result. A session drafting alone therefore runs its step in its
-own thread with no hand-off at all. Prompts go in chunks of PREFILL_CHUNK tokens, alone in their
-pass (beside decode steps they would hold them up), in their turn: a pass takes the decode steps
-queued before the oldest waiting chunk, else that chunk. So a step waits for what was queued
-before it (a pass's worth of steps and at most one chunk, besides the pass in flight), whatever
-the other sessions keep asking for.
+first caller to find the model idle becomes the leader: it runs passes over the queued steps and
+hands out the results until its own step is done; then it hands the lead to a thread whose step
+still waits, so no session drafts for the others while its own loop waits. The others wait for
+their result. A session drafting alone therefore runs its step in its own thread with no
+hand-off at all. Prompts go in chunks of PREFILL_CHUNK tokens, alone in their pass (beside
+decode steps they would hold them up), in their turn: a pass takes the decode steps queued
+before the oldest waiting chunk (at most MAX_BATCH), else that chunk. So a step waits only for
+what was queued before it (besides the pass in flight), whatever the others ask for after it.
 """
 from __future__ import annotations
 
@@ -64,11 +63,13 @@ class StepBatcher:
             lead = not step.done
             self._busy = self._busy or lead
         while lead:  # run passes until this step is done, then hand the lead on (to a waiting step's thread)
-            self._pass()
-            with self._cv:
-                if step.done:
-                    self._busy = lead = False
-                    self._cv.notify_all()
+            try:
+                self._pass()
+            finally:  # (a pass that raised past its steps, too: the lead goes on, so no one waits for ever)
+                with self._cv:
+                    if step.done:
+                        self._busy = lead = False
+                        self._cv.notify_all()
         if step.error is not None:
             raise step.error
         return step.result
@@ -85,10 +86,13 @@ class StepBatcher:
                                        trees=[s.tree for s in steps], tree_paths=False)
             for s, o in zip(steps, outs):
                 s.result = None if o is None else o if s.tree is not None else o[-1]
-        except Exception as e:  # noqa: BLE001 - handed to the waiting sessions
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting sessions, so none waits for ever
             for s in steps:
                 s.error = e
-        with self._cv:
-            for s in steps:
-                s.done = True
-            self._cv.notify_all()
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            with self._cv:
+                for s in steps:
+                    s.done = True
+                self._cv.notify_all()

