@@ -124,11 +124,11 @@ def test_capacity_limits_answer_resource_exhausted_and_recover(model_dir):
 
 
 def test_a_closed_sessions_room_comes_back_with_its_pages(model_dir):
-    """While the scheduler thread is busy (held here, as by a long pass), a closed session's pages
-    wait for it, and so does its room: admission never hands out pages the pool has not got back,
-    so sessions opened and closed under a pass never grow the pool past the cache budget."""
-    import contextlib
-
+    """A session closed while a pass is in flight (held here) gives its pages, and only then its
+    room, back after that pass: admission never hands out pages the pool has not got back, so
+    sessions opened and closed under a pass never grow the pool past the cache budget. One closed
+    between passes gives both back at once, so a session that ends and another that starts at the
+    limit never meet a refusal."""
     from specdec.engine import PAGE
     from specdec.errors import Refusal, RequestError
     from specdec.sampling import Sampling
@@ -136,31 +136,44 @@ def test_a_closed_sessions_room_comes_back_with_its_pages(model_dir):
 
     torch.set_num_threads(1)
     lm = LM.load(model_dir("target"), "cpu", "float32")
-    go = threading.Event()
-
-    @contextlib.contextmanager
-    def busy():
-        go.wait(60)
-        yield
-
-    eng = Scheduler(lm, max_sessions=2, max_cached_tokens=4 * PAGE, thread_context=busy)
+    eng = Scheduler(lm, max_sessions=3, max_cached_tokens=5 * PAGE)
     before = lm.engine.pool.slots  # the load's and start-up probes' pages, all free again: more than the budget's
-    try:
-        def cycle():
-            a, b = (eng.open([3, 4, 5], 2 * PAGE - 3, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY) for _ in range(2))
-            eng.close(a)
-            eng.close(b)
+    greedy = dict(sampling=Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)
 
+    def cycle():
+        a, b = (eng.open([3, 4, 5], 2 * PAGE - 3, **greedy) for _ in range(2))
+        eng.close(a)
+        eng.close(b)
+
+    entered, go = threading.Event(), threading.Event()
+    try:
+        for _ in range(10):  # between passes: the room is back at once
+            cycle()
+        assert eng.capacity.reserved == 0 and eng.capacity.sessions == 0
+        forward = lm.engine.forward
+
+        def held(*args, **kwargs):  # a pass that waits, as a long one does
+            entered.set()
+            go.wait(60)
+            return forward(*args, **kwargs)
+
+        lm.engine.forward = held
+        long = eng.open([3, 4, 5, 6], 4, **greedy)  # a small session whose prefill pass is held
+        filling = threading.Thread(target=lambda: asyncio.run(eng.prefill(long)))
+        filling.start()
+        assert entered.wait(30)
         cycle()
-        with pytest.raises(RequestError) as e:  # closed, but their pages are not back: no room yet
+        with pytest.raises(RequestError) as e:  # closed under the pass: their pages are not back, nor their room
             cycle()
         assert e.value.kind == Refusal.RESOURCE_EXHAUSTED
+        lm.engine.forward = forward
         go.set()
+        filling.join(30)
+        eng.close(long)
+        assert wait_for(lambda: eng.capacity.reserved == 0 and eng.capacity.sessions == 0, 5)
         for _ in range(10):
-            assert wait_for(lambda: eng.capacity.reserved == 0 and eng.capacity.sessions == 0, 5)
             cycle()
-        assert wait_for(lambda: eng.capacity.reserved == 0, 5)
-        assert before >= 5 * PAGE and lm.engine.pool.slots == before  # the churn took no page past the pool's
+        assert before >= 6 * PAGE and lm.engine.pool.slots == before  # the churn took no page past the pool's
     finally:
         go.set()
         eng.shutdown()

@@ -81,6 +81,7 @@ class Scheduler:
         self.sessions: dict[int, Session] = {}
         self._next_sid = 1
         self._lock = threading.Lock()
+        self._passing = False  # a pass is in flight (the scheduler thread sets it under _lock; `close` reads it)
         self._queue: queue.Queue = queue.Queue()
         self.cost = PassCost(probe(self._timed_pass, lm.vocab_size))  # before the scheduler thread owns the model
         self._thread_context = thread_context or contextlib.nullcontext
@@ -118,9 +119,12 @@ class Scheduler:
                 return
             s.closed = True
             del self.sessions[s.sid]
-        # The scheduler thread frees its pages between passes, never under one in flight, and only then
-        # gives its room back: admission never promises pages that are not in the pool yet (`_take`).
-        self._queue.put(s)
+            now = not self._passing  # no pass reads its pages, and the next one drops its jobs (`_dropped`)
+        if now:
+            s.cache.release()
+            self.capacity.release(s.reserved)
+        else:  # the scheduler thread frees its pages after the pass in flight, and only then gives its room
+            self._queue.put(s)  # back: admission never counts on pages that are not in the pool yet (`_take`)
         metrics.CACHED_TOKENS.set(self.cached_tokens())
 
     def cached_tokens(self) -> int:
@@ -271,7 +275,13 @@ class Scheduler:
                 budget -= n
             t0 = time.perf_counter()
             with holding():  # the pass's verdicts go to each event loop in one hand-off, at its end
-                self._run(batch, filling)
+                with self._lock:
+                    self._passing = True
+                try:
+                    self._run(batch, filling)
+                finally:  # before the hand-off: a session its verdict ends is closed after the pass
+                    with self._lock:
+                        self._passing = False
             self._pass_s = time.perf_counter() - t0
             self._back = {j.session.sid for j in batch if isinstance(j, Round) and not j.session.finish and not j.session.closed}
             rounds += [j for j in batch if not j.finished]  # streams whose sessions go on
