@@ -14,6 +14,7 @@ import time
 import grpc
 import torch
 
+from specdec import serving
 from specdec.costmodel import Costs
 from specdec.engine import KVCache
 from specdec.v1 import specdec_pb2 as pb
@@ -63,18 +64,19 @@ async def verify_round_seconds(stub, fingerprint: str, vocab_size: int, max_cont
     times: dict[int, list[float]] = {0: [], gamma_max: []}
     deadline = time.monotonic() + timeout_s
     call, used, number = None, 0, 0
+    budget = 4 * (rounds + 1) * (gamma_max + 1)  # what every round could write: the verifier reserves no more cache than that
     try:
         for r in range(4 * (rounds + 1)):
             if min(len(times[0]), len(times[gamma_max])) >= rounds:
                 break
             gamma = gamma_max if r % 2 else 0
             if call is not None and used + gamma + 1 >= max_context:
-                call.cancel()
+                await serving.release(call)
                 call = None
             if call is None:  # a new session: the first, or the last one ended
                 call = stub.Session(metadata=[("x-request-id", "specdec-calibration")], timeout=max(0.1, deadline - time.monotonic()))
                 await _write(call, pb.VerifyRequest(start=pb.SessionStart(
-                    prompt_ids=prompt, max_new_tokens=max(1, min(512, max_context - len(prompt))),
+                    prompt_ids=prompt, max_new_tokens=max(1, min(budget, max_context - len(prompt))),
                     proposal_mode=pb.PROPOSAL_MODE_GREEDY, vocab_fingerprint=fingerprint, request_id="specdec-calibration")))
                 used, number = len(prompt), 0
             number += 1
@@ -88,10 +90,11 @@ async def verify_round_seconds(stub, fingerprint: str, vocab_size: int, max_cont
             used += v.num_accepted + 1
             if v.finish_reason:  # EOS or a limit: whatever the target wrote, go on in a new session
                 await call.code()  # once the verify service has closed this one (its capacity is free again)
+                await serving.release(call)
                 call = None
     finally:
         if call is not None:
-            call.cancel()
+            await serving.release(call)
     if not times[0] or not times[gamma_max]:
         raise RuntimeError("no round could be timed")
     base = statistics.median(times[0])

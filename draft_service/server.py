@@ -180,7 +180,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                     log.info("verify replica refused a session; trying another", extra={"fields": {
                         "request_id": g.request_id, "replica": replica.address, "code": code.name}})
                     if call is not None:
-                        call.cancel()
+                        await serving.release(call)
                 finally:
                     replica.open -= 1
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
@@ -188,7 +188,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         finally:
             metrics.LIVE_SESSIONS.labels(SERVICE).dec()
             if call is not None:
-                call.cancel()  # frees the verifier's session at once (no-op if already done)
+                await serving.release(call)  # frees the verifier's session at once
 
 
 async def _ended(call) -> None:

@@ -134,6 +134,20 @@ async def upstream_error(e: Exception, call) -> Exception:
         return e
 
 
+async def release(call) -> None:
+    """Ends an upstream bidirectional call for good: cancels it if it still runs, then closes its
+    request side. On a channel with interceptors (the session token, tracing) grpc.aio feeds
+    `write` through a queue that a task of the call drains; when the PEER ends the call, cancel()
+    is a no-op and that task waits on the queue forever, one leaked task (and a "Task was
+    destroyed but it is pending" error when it is collected) per call that the verify service
+    ended or refused (grpc/grpc pull request 37355, not merged). done_writing() ends that queue."""
+    call.cancel()
+    try:
+        await call.done_writing()
+    except Exception:  # noqa: BLE001 - a cancelled or finished call may refuse it; the queue is closed either way or was never used
+        pass
+
+
 async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: Exception, upstream=None):
     """Ends the RPC with the status an exception stands for (INTERNAL for the unexpected): the
     one place a transport-neutral refusal becomes a gRPC status (specdec/edge.py).

@@ -11,6 +11,9 @@
   draft's health follows it; a draft started before its verify service is NOT_SERVING until it
   answers (case 7).
 """
+import asyncio
+import contextlib
+import gc
 import json
 import os
 import shutil
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import grpc
 import pytest
@@ -27,6 +31,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.launch import ENV, ROOT, Service
 from client import Client
+from draft_service import calibrate
+from draft_service.upstream import verify_channel
 from helpers import free_port, metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -187,6 +193,29 @@ def test_calibration_does_not_depend_on_what_the_target_writes(eos_verify, model
     finally:
         d.stop()
     # the verify service's one session is taken: calibration cannot run, the draft starts anyway
+    with held_session(v):
+        d = Service("draft_service", *args)
+        try:
+            assert wait_for(lambda: any("calibration failed" in line for line in d.stderr), 10), "".join(d.stderr)[-3000:]
+            warnings = [line for line in "".join(d.stderr).splitlines() if "calibration failed" in line]
+            # RESOURCE_EXHAUSTED; or INTERNAL when the refusal raced the probe's next write and gRPC lost the
+            # status (grpc/grpc#36066, specdec.serving.upstream_error): seen once in a full-suite run
+            assert len(warnings) == 1 and ("RESOURCE_EXHAUSTED" in warnings[0] or '"error": "INTERNAL' in warnings[0]), \
+                "".join(d.stderr)[-3000:]
+            with Client(d.address, timeout=TIMEOUT) as c:  # requests the full verifier refuses: each call it ends is released
+                for _ in range(5):
+                    with pytest.raises(grpc.RpcError) as e:
+                        c.generate(prompt_ids=[3, 4], max_new_tokens=8)
+                    assert e.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE), e.value
+        finally:
+            d.stop()
+    assert not any("Task was destroyed" in line or "never retrieved" in line for line in d.stderr), "".join(d.stderr)[-3000:]
+
+
+@contextlib.contextmanager
+def held_session(v):
+    """Holds the verify service's one session (a stream that sends its start, then waits) while
+    the block runs; yields the target's vocabulary fingerprint."""
     release = threading.Event()
     auth = [("authorization", f"Bearer {SESSION_TOKEN}")]
 
@@ -199,19 +228,46 @@ def test_calibration_does_not_depend_on_what_the_target_writes(eos_verify, model
         held = pb_grpc.VerifyStub(ch).Session(hold(), metadata=auth, timeout=TIMEOUT)
         try:
             assert wait_for(lambda: metric(v.metrics(), "specdec_live_sessions", service="verify") == 1, 20), v.metrics()
-            d = Service("draft_service", *args)
-            try:
-                assert wait_for(lambda: any("calibration failed" in line for line in d.stderr), 10), "".join(d.stderr)[-3000:]
-                warnings = [line for line in "".join(d.stderr).splitlines() if "calibration failed" in line]
-                # RESOURCE_EXHAUSTED; or INTERNAL when the refusal raced the probe's next write and gRPC lost the
-                # status (grpc/grpc#36066, specdec.serving.upstream_error): seen once in a full-suite run
-                assert len(warnings) == 1 and ("RESOURCE_EXHAUSTED" in warnings[0] or '"error": "INTERNAL' in warnings[0]), \
-                    "".join(d.stderr)[-3000:]
-            finally:
-                d.stop()
+            yield fingerprint
         finally:
             release.set()
             held.cancel()
+
+
+def test_upstream_calls_the_verifier_ends_leave_no_task_behind(eos_verify):
+    """Calls to the verify service on the draft's own channel (its session token sent by an
+    interceptor) that the VERIFIER ends, by refusing them or by ending a finished session, leave
+    no task of the call waiting: grpc.aio's writer task of such a call waited forever (one leak
+    per call, "Task was destroyed but it is pending" when collected) until serving.release."""
+    v, files = eos_verify
+    args = types.SimpleNamespace(max_message_bytes=64 << 20, verify_tls_ca=None, verify_tls_cert=None, verify_tls_key=None,
+                                 verify_token=SESSION_TOKEN)
+
+    async def calibrate_three_times(fingerprint: str, refused: bool) -> list:
+        errors = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx.get("message")))
+        channel = verify_channel(args, v.address)
+        try:
+            stub = pb_grpc.VerifyStub(channel)
+            for _ in range(3):
+                if refused:
+                    with pytest.raises((grpc.aio.AioRpcError, RuntimeError)):
+                        await calibrate.verify_round_seconds(stub, fingerprint, 16, 64, rounds=2, timeout_s=TIMEOUT)
+                else:  # every session ends at its first round (the target writes EOS): each round a new session
+                    base, _ = await calibrate.verify_round_seconds(stub, fingerprint, 16, 64, rounds=2, timeout_s=TIMEOUT)
+                    assert base > 0
+            await asyncio.sleep(0.1)
+            pending = [t for t in asyncio.all_tasks() if "_consume_request_iterator" in repr(t)]
+            gc.collect()
+            await asyncio.sleep(0.1)
+            return [f"{len(pending)} writer tasks pending"] * bool(pending) + errors
+        finally:
+            await channel.close()
+
+    with held_session(v) as fingerprint:
+        assert asyncio.run(calibrate_three_times(fingerprint, refused=True)) == []
+    assert wait_for(lambda: metric(v.metrics(), "specdec_live_sessions", service="verify") == 0, 20), v.metrics()
+    assert asyncio.run(calibrate_three_times(fingerprint, refused=False)) == []
 
 
 # ---- a draft started before its verify service; then bad input; then the verify service hangs ---
