@@ -79,6 +79,7 @@ class VerifyCheck:
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 pass  # it already ended the call (a refusal): its status says why
             code = await call.code()
+            await serving.release(call)
             if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 return self.token_refused(code, await call.details())
             self.token_ok = code == grpc.StatusCode.OK
