@@ -27,13 +27,15 @@ next token and yields them with the verifier's finish reason, until that reason 
 
 The caller owns the stream (opens it and cancels it) and the text: it turns the ids into
 GenerateResponse chunks and may stop early (a stop string) by closing the generator; closing it
-stops a pre-draft in flight. Anything with async `write(VerifyRequest)` and `read()` returning
+stops a pre-draft, or the draft's prefill of the prompt, after its current step or chunk (the session
+is counted as served until then). Anything with async `write(VerifyRequest)` and `read()` returning
 VerifyResponse or grpc.aio.EOF works as the stream, so the loop runs in-process in tests.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import AsyncIterator, Protocol
 
@@ -175,15 +177,25 @@ class DecodeLoop:
         """Yields (committed ids, verifier finish reason) per round; the last has a reason set."""
         st, stats, ctl = self.state, self.stats, self.tau
         pending = None  # a pre-draft in flight: (task, its PredraftControl)
+        busy = None  # a prefill or a proposal in its thread (its task): the thread holds the draft's cache until it returns
+        gone = threading.Event()  # set when the loop ends: a prefill still in its thread stops after its current chunk
         serving = self.drafter.serving()
         serving.__enter__()
+
+        async def in_thread(fn, *args):
+            nonlocal busy
+            busy = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+            out = await asyncio.shield(busy)  # a cancel here leaves the task to its thread: `finally` counts the session until it ends
+            busy = None
+            return out
+
         try:
             await self._timed(call.write(self.start()))
             # a session that starts in a run, or without the model (its record), drafts nothing yet: its cache
             # catches up when it first drafts (_feed)
             if not self.fallen_back and not self._run_wanted():
                 t1 = time.perf_counter()
-                await asyncio.to_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
+                await in_thread(self.drafter.prefill, st, gone)  # the verifier prefills meanwhile
                 stats.prefill_s = time.perf_counter() - t1
             prop = None
             t_mark = time.perf_counter()  # the last verdict: a round's wall time for Pace runs from there
@@ -214,7 +226,7 @@ class DecodeLoop:
                 if prop is None and (self.fallen_back or tau == 0):
                     prop = self.propose(min(tau, self.cap()))  # no model step: not worth a thread
                 elif prop is None:
-                    prop = await asyncio.to_thread(self.propose, min(tau, self.cap()), budget)
+                    prop = await in_thread(self.propose, min(tau, self.cap()), budget)
                 t2 = time.perf_counter()
                 stats.rounds += 1
                 stats.tree_rounds += prop.parents is not None
@@ -293,17 +305,20 @@ class DecodeLoop:
                 if v.finish_reason:
                     return
         finally:
-            if pending is None:
-                serving.__exit__(None, None, None)
-            else:  # a failure or a close with a pre-draft in flight: its thread stops after its current step
+            gone.set()
+            if pending is not None:  # a failure or a close with a pre-draft in flight: its thread stops after its current step
                 pending[1].verdict(None)
+            task = pending[0] if pending is not None else busy
 
-                def ended(task: asyncio.Task) -> None:  # the session is served until then; its error is nobody's
-                    if not task.cancelled():
-                        task.exception()
-                    serving.__exit__(None, None, None)
+            def ended(task: asyncio.Task | None) -> None:  # the session is served until its thread returns; its error is nobody's
+                if task is not None and not task.cancelled():
+                    task.exception()
+                serving.__exit__(None, None, None)
 
-                pending[0].add_done_callback(ended)
+            if task is None or task.done():
+                ended(task)
+            else:
+                task.add_done_callback(ended)
 
     def _within_load(self, prop: Proposal) -> Proposal | None:
         """A pre-draft as the verifier's load now allows it: a chain cut to the goodput cap; none at

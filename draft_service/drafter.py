@@ -32,7 +32,7 @@ import torch
 from draft_service import tree
 from draft_service.lookup import lookup
 from draft_service.stepbatch import StepBatcher
-from specdec.engine import KVCache, Tree
+from specdec.engine import PREFILL_CHUNK, KVCache, Tree
 from specdec.lm import LM
 from specdec.proposal import Proposal, ids_only, wire_q
 from specdec.sampling import DRAFT, probs_from_logits, sample
@@ -119,10 +119,16 @@ class Drafter:
         room = min(len(params.prompt_ids) + params.max_new_tokens + ahead, limit)
         return DraftState(ids=list(params.prompt_ids), params=params, cache=KVCache(room))
 
-    def prefill(self, st: DraftState) -> None:
-        if len(st.ids) > 1:
-            self.batcher.forward(st.cache, st.ids[:-1], logits=False)
-            st.cached = st.ids[:-1]
+    def prefill(self, st: DraftState, stop: threading.Event | None = None) -> None:
+        """The prompt (all but its last token) into the cache, a chunk at a time; once `stop` is set
+        (the session is gone) it stops after the chunk in flight, and the cache is left empty."""
+        ids = st.ids[:-1]
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            if stop is not None and stop.is_set():
+                st.cache.crop(0)
+                return
+            self.batcher.forward(st.cache, ids[start : start + PREFILL_CHUNK], logits=False)
+        st.cached = ids
 
     def _feed(self, st: DraftState, context: list[int]) -> torch.Tensor:
         """Brings the cache to hold all of `context`; returns the logits after it [V]."""

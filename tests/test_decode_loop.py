@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from client import Client
 from specdec.costmodel import Costs
+from specdec.engine import PREFILL_CHUNK
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import CHOICES, Drafter, PredraftControl
 from specdec.errors import Refusal, RequestError
@@ -403,6 +404,49 @@ def test_a_cancelled_round_stops_its_predraft(drafters, model_dir, monkeypatch, 
         runner.run(cancel_mid_round())
         gc.collect()  # a task's unretrieved exception is reported when the task is collected
     assert len(controls) == 1 and controls[0].is_set()
+    assert not reported
+
+
+def test_a_cancel_during_the_drafts_prefill_stops_it_after_its_chunk(drafters, monkeypatch):
+    """Cancelled while the draft prefills a long prompt in its thread (the client went away): the
+    session counts as served until the thread returns (other sessions would otherwise pre-draft as
+    if the model were theirs alone), and the thread stops after the chunk in flight instead of
+    prefilling the rest of a prompt nobody waits for."""
+    d = drafters("long-draft")
+    forward, chunks, release = d.batcher.forward, [], threading.Event()
+
+    def held(cache, tokens, logits=True):
+        chunks.append(len(tokens))
+        if len(chunks) == 1:
+            release.wait(30)  # the first chunk is in flight when the cancel lands
+        return forward(cache, tokens, logits)
+
+    monkeypatch.setattr(d.batcher, "forward", held)
+
+    async def cancel_mid_prefill():
+        g = request(d, prompt_ids=[3 + i % 12 for i in range(4 * PREFILL_CHUNK + 1)], max_new_tokens=8)
+        loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context)
+        task = asyncio.create_task(run(loop, GreedyVerifier(None, d.lm.max_context)))
+        while not chunks:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert d.serving_now == 1  # the loop is gone, its prefill still holds the model
+        release.set()
+        for _ in range(500):
+            if not d.serving_now:
+                break
+            await asyncio.sleep(0.01)
+        assert d.serving_now == 0
+        await asyncio.sleep(0.05)
+
+    reported = []
+    with asyncio.Runner() as runner:
+        runner.get_loop().set_exception_handler(lambda loop, context: reported.append(context))
+        runner.run(cancel_mid_prefill())
+        gc.collect()
+    assert chunks == [PREFILL_CHUNK]  # four chunks of prompt; the three after the cancel never ran
     assert not reported
 
 
