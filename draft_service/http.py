@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from draft_service import openai_schemas as s
-from draft_service.openai_reply import CLIENT_GONE, ClientGone, Context, HttpError, Reply
+from draft_service.openai_reply import CLIENT_GONE, ClientGone, Context, HttpError, Reply, http_names
 from specdec import metrics, serving, validation
 from specdec.errors import Refusal, RequestError
 from specdec.v1 import specdec_pb2 as pb
@@ -116,8 +116,8 @@ async def _error_response(request: Request, e: Exception) -> Response:
     if isinstance(e, ClientGone):
         call["status"] = CLIENT_GONE
         return Response(status_code=CLIENT_GONE)
-    if isinstance(e, HTTPException):
-        e = HttpError(e.status_code, str(e.detail))
+    if isinstance(e, HTTPException):  # Starlette's own (404, 405 with its Allow header)
+        e = HttpError(e.status_code, str(e.detail), headers=e.headers)
     elif not isinstance(e, HttpError):
         log.exception("internal error in %s", request.url.path)
         e = HttpError(500, f"internal error: {type(e).__name__}: {e}")
@@ -196,15 +196,19 @@ class FrontDoor:
         if self.draining:
             raise HttpError(503, "the service is shutting down", retry_after=1)
         try:
-            r = s.parse(s.ChatRequest if chat else s.CompletionRequest, json.loads(await self._body(request)))
+            body = json.loads(await self._body(request))
+            json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate ("\\ud800") is valid JSON, not a string gRPC or a reply can carry
+            r = s.parse(s.ChatRequest if chat else s.CompletionRequest, body)
         except s.Refused as e:
             raise HttpError(400, e.message, e.param) from None
-        except ValueError:  # JSON's (and UTF-8's) errors
+        except UnicodeError:
+            raise HttpError(400, "the body has a string that is not valid Unicode (a lone surrogate escape)") from None
+        except (ValueError, RecursionError):  # JSON's (and UTF-8's) errors; nesting deeper than the parser goes
             raise HttpError(400, "the body is not valid JSON") from None
         if r.model not in self.accepted:
             raise HttpError(404, f"the model {r.model!r} does not exist; this server serves {self.model!r}", "model", "model_not_found")
         reply = Reply(chat, r, rid, self.model, call)
-        chunks = self.servicer.Generate(self._grpc_request(r, rid, chat), Context(rid))
+        chunks = self.servicer.Generate(self._grpc_request(r, rid, chat), Context(rid, http_names(chat, r)))
         headers = {"X-Request-Id": rid}
         if not r.stream:
             return Response(await unless_disconnected(request, reply.collect(chunks)), media_type="application/json", headers=headers)
@@ -249,6 +253,8 @@ class FrontDoor:
                                  request_id=rid, proposer=PROPOSERS.get(r.proposer, pb.PROPOSER_UNSPECIFIED), adaptive=r.adaptive,
                                  predraft=r.predraft, tree_budget=r.tree_budget)
         prompt = self._render(r) if chat else r.prompt
+        if chat:  # the template wrote the special tokens it wants (a BOS, for one): the tokenizer adds none of its own
+            req.add_special_tokens = False
         if isinstance(prompt, str):
             req.prompt = prompt
         else:

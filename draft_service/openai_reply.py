@@ -33,15 +33,18 @@ CLIENT_GONE = 499  # logged for a client that disconnected (nginx's code; never 
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, retry_after: int | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, retry_after: int | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
-        return s.error_body(self.message, ERROR_TYPES.get(self.status, "server_error"), self.param, self.code)
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error" if 400 <= self.status < 500 else "server_error")
+        return s.error_body(self.message, kind, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after else {}
+        headers = dict(self.headers, **({"Retry-After": str(self.retry_after)} if self.retry_after else {}))
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         return JSONResponse(self.body(), self.status, headers)
@@ -51,11 +54,20 @@ class ClientGone(Exception):
     pass
 
 
-def from_grpc(code: grpc.StatusCode, details: str, trailing=()) -> HttpError:
+def http_names(chat: bool, r: s._Request) -> dict[str, str]:
+    """HTTP_NAMES for one request: a chat request's prompt is its messages, and its token limit the
+    field it sent (max_completion_tokens, else max_tokens)."""
+    if not chat:
+        return HTTP_NAMES
+    limit = "max_completion_tokens" if getattr(r, "max_completion_tokens", None) else "max_tokens"
+    return dict(HTTP_NAMES, prompt="messages", prompt_ids="messages", max_new_tokens=limit)
+
+
+def from_grpc(code: grpc.StatusCode, details: str, trailing=(), names: dict[str, str] = HTTP_NAMES) -> HttpError:
     status = STATUS.get(code, 500)
     param = None
     if status == 400 and (m := re.match(r"[\w.]+", details)):  # validation's messages start with the field's name
-        param = HTTP_NAMES.get(m.group(), m.group() if m.group() in FIELDS else None)
+        param = names.get(m.group(), m.group() if m.group() in FIELDS else None)
         details = (param or m.group()) + details[m.end():]
     retry = None
     if status in (429, 503) and dict(trailing).get(serving.PUSHBACK_KEY) != "-1":  # -1: no wait cures it (too large)
@@ -67,9 +79,11 @@ def from_grpc(code: grpc.StatusCode, details: str, trailing=()) -> HttpError:
 class Context:
     """What DraftServicer.Generate uses of a grpc.aio ServicerContext, for a call from HTTP."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, names: dict[str, str] = HTTP_NAMES):
+        """names: the request's fields as HTTP names them (http_names), for the errors it gets."""
         self.metadata = ((serving.REQUEST_ID_KEY, request_id),)
         self.trailing = ()
+        self.names = names
 
     def invocation_metadata(self):
         return self.metadata
@@ -84,7 +98,7 @@ class Context:
         self.trailing = tuple(md)
 
     async def abort(self, code, details):
-        raise from_grpc(code, details, self.trailing)
+        raise from_grpc(code, details, self.trailing, self.names)
 
 
 def spec_metrics(st: pb.Stats) -> s.Metrics:

@@ -16,7 +16,8 @@ from specdec.proposal import MAX_ROUND_TOKENS
 from specdec.validation import MAX_TAU
 
 # OpenAI fields sent with their "off" value are accepted as if absent
-NEUTRAL = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
+# (a boolean matches a boolean only: `logprobs: 0` asks /v1/completions for the chosen tokens' logprobs, and is refused)
+NEUTRAL = {"n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,),
            "presence_penalty": (0,), "frequency_penalty": (0,), "parallel_tool_calls": (False,)}
 MAX_TOKENS = 1 << 31
 
@@ -110,7 +111,9 @@ def parse(model: type[_Request], body) -> _Request:
     """The validated request, or Refused naming the first bad field."""
     if not isinstance(body, dict):
         raise Refused("the body must be a JSON object")
-    body = {k: v for k, v in body.items() if v is not None and not (k in NEUTRAL and v in NEUTRAL[k] and type(v) is not str)}
+    body = {k: v for k, v in body.items() if v is not None and not _neutral(k, v)}
+    if isinstance(body.get("messages"), list):  # a message's null fields too (the SDK's model_dump() of a reply has several)
+        body["messages"] = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in body["messages"]]
     unknown = [k for k in body if k not in model.model_fields]
     if unknown:
         raise Refused(f"unsupported field(s): {', '.join(unknown)} (this server does not implement them)", unknown[0])
@@ -123,6 +126,11 @@ def parse(model: type[_Request], body) -> _Request:
         if err["type"] == "extra_forbidden":
             raise Refused(f"{param}: unsupported field", param) from None
         raise Refused(msg if msg.startswith(f"{param}:") else f"{param}: {msg}", param) from None
+
+
+def _neutral(field: str, v) -> bool:
+    """Whether v is the "off" value of an OpenAI field this server does not implement."""
+    return any(v == off and type(v) is not str and isinstance(v, bool) == isinstance(off, bool) for off in NEUTRAL.get(field, ()))
 
 
 def _union_tag(part) -> bool:

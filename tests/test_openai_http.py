@@ -122,6 +122,16 @@ def test_chat_sync_and_streamed_equal_grpc_on_the_rendered_template(oai, rpc):
     assert finish.choices[0].finish_reason == "length" and finish.choices[0].delta.content is None and finish.usage is None
 
 
+def test_a_reply_sent_back_as_a_dict_is_a_message(oai):
+    """The SDK's model_dump() of a reply message has null fields (refusal, tool_calls, ...):
+    null counts as absent inside a message too."""
+    first = [{"role": "user", "content": "w7 w8"}]
+    r = oai.chat.completions.create(model=MODEL, messages=first, max_tokens=3, temperature=0)
+    again = oai.chat.completions.create(model=MODEL, messages=[*first, r.choices[0].message.model_dump(), {"role": "user", "content": "w9"}],
+                                        max_tokens=3, temperature=0)
+    assert again.choices[0].finish_reason == "length" and again.usage.completion_tokens == 3
+
+
 def test_async_client_concurrent_chat_and_stream(pair, oai):
     messages = [{"role": "user", "content": "w9 w10"}]
     want = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0).choices[0].message.content
@@ -234,6 +244,7 @@ def test_auth_401_without_the_token_200_with_it(pair, oai):
 BAD = [  # (endpoint, arguments, the field the 400 names)
     ("completions", dict(n=2), "n"),
     ("completions", dict(logprobs=2), "logprobs"),
+    ("completions", dict(logprobs=0), "logprobs"),  # the chosen tokens' logprobs: not implemented, so refused, not ignored
     ("completions", dict(max_tokens=0), "max_tokens"),
     ("completions", dict(max_tokens=5000), "max_tokens"),  # past the context limit (gRPC validation's message, renamed)
     ("completions", dict(temperature=-1), "temperature"),
@@ -249,6 +260,9 @@ BAD = [  # (endpoint, arguments, the field the 400 names)
     ("chat", dict(response_format={"type": "json_object"}), "response_format"),
     ("chat", dict(messages=[{"role": "tool", "content": "w3", "tool_call_id": "1"}]), "messages.0.role"),
     ("chat", dict(messages=[]), "messages"),
+    ("chat", dict(max_completion_tokens=5000), "max_completion_tokens"),  # the name the request used, in gRPC validation's message
+    ("chat", dict(max_tokens=5000), "max_tokens"),
+    ("chat", dict(messages=[{"role": "user", "content": "w3 " * 4100}]), "messages"),  # no room left in the context
 ]
 
 
@@ -269,8 +283,13 @@ def test_unknown_model_404_and_bad_json_400(pair, oai):
     with pytest.raises(openai.NotFoundError) as e:
         oai.completions.create(model="gpt-4", prompt="w3", max_tokens=2)
     assert e.value.code == "model_not_found" and e.value.param == "model"
-    resp = raw(pair, "POST", "/v1/completions", b"{not json", {"Authorization": f"Bearer {TOKEN}"})
-    assert resp.status == 400 and "JSON" in json.loads(resp.read())["error"]["message"]
+    for body in (b"{not json", b"[" * 100_000 + b"]" * 100_000):  # the second: nesting past the parser's recursion
+        resp = raw(pair, "POST", "/v1/completions", body, {"Authorization": f"Bearer {TOKEN}"})
+        assert resp.status == 400 and "JSON" in json.loads(resp.read())["error"]["message"]
+    for field, value in (("prompt", "w3 \\ud800"), ("stop", "\\ud800"), ("user\\ud800", "x")):  # valid JSON, but no UTF-8 string
+        body = ('{"model": "%s", "max_tokens": 2, "prompt": "w3", "%s": "%s"}' % (MODEL, field, value)).encode()
+        resp = raw(pair, "POST", "/v1/completions", body, {"Authorization": f"Bearer {TOKEN}"})
+        assert resp.status == 400 and "surrogate" in json.loads(resp.read())["error"]["message"], field
     assert raw(pair, "GET", "/v1/nothing-here", headers={"Authorization": f"Bearer {TOKEN}"}).status == 404
 
 

@@ -17,6 +17,7 @@ from bench.tinymodels import word_tokenizer
 from draft_service.http import FrontDoor
 from specdec import serving
 from specdec.errors import Refusal, RequestError
+from specdec.validation import parse_generate
 from specdec.v1 import specdec_pb2 as pb
 
 
@@ -80,6 +81,29 @@ def test_chat_template_flag_renders_the_messages(tmp_path):
     r = client(stub, str(path)).post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "w3 w4"
     assert stub.requests[0].prompt == "w5 w7 w6" and stub.requests[0].max_new_tokens == 2
+
+
+def test_a_chat_prompt_carries_the_templates_special_tokens_only(tmp_path):
+    """A template that writes the BOS itself (Llama-3's, Gemma's): the prompt the servicer
+    validates is the template's tokens, as transformers' apply_chat_template(tokenize=True) gives
+    them, not the tokenizer's BOS in front of the template's."""
+    tok = word_tokenizer(16, bos=True)
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}w5 {{ m['content'] }} {% endfor %}w6"
+    stub = Stub(tok)
+    assert client(stub).post("/v1/chat/completions", json=CHAT).status_code == 200
+    messages = [{"role": "user", "content": "w7"}]
+    want = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)  # a BatchEncoding in transformers 5
+    got = parse_generate(stub.requests[0], tok, 16, 64).prompt_ids
+    assert got == want and got.count(3) == 1, got  # id 3: <bos>
+    assert client(stub).post("/v1/completions", json={"model": "stub", "prompt": "w7"}).status_code == 200
+    assert parse_generate(stub.requests[1], tok, 16, 64).prompt_ids == [3, 7]  # a completion's prompt takes the tokenizer's BOS
+
+
+def test_405_keeps_allow_and_is_a_client_error():
+    r = client(Stub(word_tokenizer(16))).get("/v1/completions")
+    assert r.status_code == 405 and "POST" in r.headers["Allow"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize("code,status", [(Refusal.RESOURCE_EXHAUSTED, 429), (Refusal.UNAVAILABLE, 503)])
