@@ -66,22 +66,34 @@ def parse(argv):
     return p.parse_args(argv)
 
 
+def _out_of_range(a) -> str | None:
+    """Why a number cannot go in its GenerateRequest field (the proto's unsigned and 32-bit ones), or None."""
+    for name in ("max_new_tokens", "top_k", "tau", "sparse_k", "tree_budget"):
+        if not 0 <= getattr(a, name) < 1 << 32:
+            return f"--{name.replace('_', '-')} must be in [0, {(1 << 32) - 1}]"
+    if a.seed is not None and not 0 <= a.seed < 1 << 64:
+        return f"--seed must be in [0, {(1 << 64) - 1}]"
+    if any(not 0 <= i < 1 << 31 for i in a.prompt_ids or ()):
+        return "--prompt-ids: token ids are in [0, 2147483647]"
+    return None
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     try:
-        creds = credential_kwargs(a)
+        client = Client(a.server, target_only=a.target_only, fallback=a.fallback, timeout=a.timeout, retries=a.retries,
+                        **credential_kwargs(a))
     except (OSError, ValueError, StartupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    client = Client(a.server, target_only=a.target_only, fallback=a.fallback, timeout=a.timeout, retries=a.retries, **creds)
     try:
         if a.cmd == "info":
             print(json.dumps(MessageToDict(client.info(), preserving_proto_field_name=True), indent=2))
             return 0
-        for name in ("max_new_tokens", "top_k", "tau", "sparse_k", "tree_budget"):  # proto fields are unsigned
-            if getattr(a, name) < 0:
-                print(f"error: INVALID_ARGUMENT: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
-                return 1
+        why = _out_of_range(a)
+        if why:
+            print(f"error: INVALID_ARGUMENT: {why}", file=sys.stderr)
+            return 1
         req = make_request(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                            top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=a.stop, num_draft_tokens=a.tau,
                            proposal_mode=a.mode, sparse_k=a.sparse_k, request_id=a.request_id, proposer=a.proposer,

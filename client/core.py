@@ -9,9 +9,10 @@ after that (a pushback of -1, for a request larger than the verifier's whole cac
 retry); gRPC never retries a call once a response has arrived, so no token is streamed
 twice. With `fallback` set to a verify address, a request the draft service still cannot take
 (UNAVAILABLE before any token) is then served target-only there: same output distribution, no
-speed-up. `token` is sent as
+speed-up; `timeout` bounds the whole request, the fallback's attempt included. `token` is sent as
 `authorization: Bearer <token>` to the server, and to the fallback too unless `fallback_token`
-is given."""
+is given. TLS is on where `tls_ca` (the server's CA) or the client's `tls_cert` and `tls_key`
+(mTLS, with the system's roots where no `tls_ca`) are given."""
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from specdec.files import read_token
+from specdec.files import read_file, read_token
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -96,10 +97,15 @@ class _Collector:
 
 
 def _credentials(tls_ca, tls_cert, tls_key):
-    if not tls_ca:
+    """TLS where any of the three is given: the server's certificate checked against tls_ca, else
+    the system's roots; with tls_cert and tls_key (together only), mTLS. A file that cannot be read
+    is a StartupError naming its flag."""
+    if not (tls_ca or tls_cert or tls_key):
         return None
-    read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
-    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("--tls-cert and --tls-key (tls_cert, tls_key) go together: the client's certificate and its key")
+    read = lambda p, flag: read_file(p, flag) if p else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(tls_ca, "--tls-ca"), read(tls_key, "--tls-key"), read(tls_cert, "--tls-cert"))
 
 
 @dataclass
@@ -114,12 +120,17 @@ class _Attempts:
     Iterating yields each target; `failed(e)` re-raises the error unless the fallback is left and
     the error is one it is for."""
 
-    def __init__(self, targets: list[_Target]):
+    def __init__(self, targets: list[_Target], timeout: float | None):
         self.plan, self.attempt = targets, -1
+        self.deadline = None if timeout is None else time.monotonic() + timeout  # the whole request's, fallback included
 
     def __iter__(self):
         for self.attempt, target in enumerate(self.plan):
             yield target
+
+    def timeout(self) -> float | None:
+        """What is left of the request's timeout, for the next attempt."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     def failed(self, e: grpc.RpcError) -> None:
         if e.code() not in FALLBACK_ON or self.attempt + 1 >= len(self.plan):
@@ -163,7 +174,8 @@ def _auth(token: str | None) -> list[tuple[str, str]]:
 
 def add_credential_args(p) -> None:
     """The credential flags of the CLI and the load testers (an argparse parser)."""
-    p.add_argument("--tls-ca", help="CA bundle to check the server's certificate (enables TLS)")
+    p.add_argument("--tls-ca", help="CA bundle to check the server's certificate (enables TLS; with only --tls-cert/--tls-key, "
+                                    "TLS against the system's roots)")
     p.add_argument("--tls-cert", help="client certificate (mTLS)")
     p.add_argument("--tls-key", help="client key (mTLS)")
     p.add_argument("--token-file", help="file holding the bearer token for --server (and the fallback)")
@@ -203,9 +215,9 @@ class Client(_Base):
         yield from self._stream(request or make_request(**params))[1]
 
     def _stream(self, request):
-        attempts = _Attempts(self._targets)
+        attempts = _Attempts(self._targets, self.timeout)
         for target in attempts:
-            it = target.stub.Generate(request, timeout=self.timeout, metadata=target.metadata)
+            it = target.stub.Generate(request, timeout=attempts.timeout(), metadata=target.metadata)
             try:
                 first = next(it)
             except grpc.RpcError as e:
@@ -255,9 +267,9 @@ class AsyncClient(_Base):
             yield c
 
     async def _stream(self, request):
-        attempts = _Attempts(self._targets)
+        attempts = _Attempts(self._targets, self.timeout)
         for target in attempts:
-            call = target.stub.Generate(request, timeout=self.timeout, metadata=target.metadata)
+            call = target.stub.Generate(request, timeout=attempts.timeout(), metadata=target.metadata)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as e:

@@ -3,6 +3,7 @@ gRPC's own retry policy retries RESOURCE_EXHAUSTED before the first token, waiti
 the server's pushback says, and never once a token has been streamed."""
 import asyncio
 import time
+from concurrent import futures
 
 import grpc
 import pytest
@@ -11,6 +12,8 @@ from bench.launch import Service
 from client import AsyncClient, Client
 from helpers import metric, wait_for
 from specdec import serving
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 LONG = dict(prompt_ids=[3, 4], max_new_tokens=3000)  # greedy: no EOS on long-target, runs for many seconds
 
@@ -84,3 +87,40 @@ def test_no_retry_once_tokens_have_streamed(model_dir):
         assert 0 < len(ids) < LONG["max_new_tokens"]
     finally:
         v.stop()
+
+
+def test_the_timeout_bounds_the_whole_request_fallback_included():
+    """A draft service that answers UNAVAILABLE after 1 s, and a fallback verify service that
+    answers after 2.5 s: with timeout=3 the request ends DEADLINE_EXCEEDED (the fallback gets what
+    is left, 2 s), where each attempt's own 3 s made it a success after 3.5 s."""
+    class Slow(pb_grpc.DraftServicer, pb_grpc.VerifyServicer):
+        def __init__(self, wait_s, fail):
+            self.wait_s, self.fail = wait_s, fail
+
+        def Generate(self, request, context):
+            time.sleep(self.wait_s)
+            if self.fail:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the draft's verify service is gone")
+            yield pb.GenerateResponse(token_ids=[3], text="w3", finish_reason=pb.FINISH_REASON_LENGTH)
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_DraftServicer_to_server(Slow(1.0, True), server)
+    pb_grpc.add_VerifyServicer_to_server(Slow(2.5, False), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        with Client(address, fallback=address, timeout=60) as c:  # the fallback serves it, given the time
+            assert c.generate(prompt="w3").served_by == "verify"
+        with Client(address, fallback=address, timeout=3) as c, pytest.raises(grpc.RpcError) as e:
+            c.generate(prompt="w3")
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        async def run():
+            async with AsyncClient(address, fallback=address, timeout=3) as c:
+                await c.generate(prompt="w3")
+        with pytest.raises(grpc.RpcError) as e:
+            asyncio.run(run())
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        server.stop(0)

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 
 import pytest
@@ -138,6 +139,30 @@ def exported_metrics() -> set[str]:
                           "print('\\n'.join(f'{m.name} {m.type}' for m in p.REGISTRY.collect()))"],
                          capture_output=True, text=True, check=True, cwd=ROOT, timeout=120).stdout.splitlines()
     return {name + s for name, kind in (line.split() for line in out) if name.startswith("specdec_") for s in suffixes[kind]}
+
+
+def test_the_readmes_own_overlay_recipe_points_the_pods_at_your_images():
+    """deploy/README.md's recipe (an overlay on ../gpu, then `kustomize edit set image OLD=NEW`),
+    its image lines applied as that command writes them: every pod then pulls the new images."""
+    with open(os.path.join(ROOT, "deploy", "README.md")) as f:
+        edits = re.findall(r"^\s*(\S+)=(\S+):(\S+?)(?: \\)?$", f.read().split("kustomize edit set image", 1)[1].split("```", 1)[0], re.M)
+    assert len(edits) == 2, edits
+    # the names the recipe replaces, with images of the test's own (the recipe's placeholders may match the overlay's)
+    edits = [(old, "registry.test/mine/" + new.rsplit("/", 1)[-1], "9.9.9") for old, new, _ in edits]
+    images = "".join(f"  - name: {old}\n    newName: {new}\n    newTag: {tag}\n" for old, new, tag in edits)
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("needs kubectl")
+    prod = tempfile.mkdtemp(prefix="readme-", dir=os.path.join(ROOT, "deploy", "k8s", "overlays"))  # beside ../gpu, as the recipe's
+    try:
+        with open(os.path.join(prod, "kustomization.yaml"), "w") as f:
+            f.write(f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - ../gpu\nimages:\n{images}")
+        out = subprocess.run([kubectl, "kustomize", prod], capture_output=True, text=True, check=True, timeout=120).stdout
+    finally:
+        shutil.rmtree(prod)
+    pulled = {c["image"] for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"
+              for c in d["spec"]["template"]["spec"]["containers"]}
+    assert pulled == {f"{new}:{tag}" for _, new, tag in edits}, pulled
 
 
 def test_monitoring_and_autoscaling_use_exported_metrics():

@@ -57,11 +57,21 @@ def test_cli_prompt_ids_and_sampling_flags(services):
     (["--prompt", "w3", "--tau", "1000"], "num_draft_tokens"),
     (["--prompt", "w3", "--tree-budget", "65"], "tree_budget"),
     (["--prompt", "w3", "--tree-budget", "-1"], "--tree-budget"),
+    (["--prompt", "w3", "--seed", "-1"], "--seed"),  # checked before the call: the proto's fields would raise
+    (["--prompt", "w3", "--max-new-tokens", "99999999999"], "--max-new-tokens"),
+    (["--prompt-ids", "3,99999999999"], "--prompt-ids"),
 ])
 def test_cli_reports_status_code_and_message(services, args, field):
     _, d = services("target", "draft")
     rc, out, err = cli("generate", "--server", d.address, *args)
-    assert rc != 0 and "INVALID_ARGUMENT" in err and field in err, err
+    assert rc != 0 and "INVALID_ARGUMENT" in err and field in err and "Traceback" not in err, err
+
+
+def test_cli_tls_files_it_cannot_use_are_one_line_errors():
+    for args, words in ((["--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem"),
+                        (["--tls-cert", "/nonexistent/cert.pem"], "--tls-key")):  # a certificate without its key
+        rc, _, err = cli("generate", "--server", "127.0.0.1:1", "--prompt", "w3", *args)
+        assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_cli_unreachable_server_is_unavailable():
