@@ -161,19 +161,23 @@ def accept_tree(logits: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor
         u_next = keyed_uniforms(seeds, positions, VERIFY, counts, device=dev)  # [B]
         chosen = torch.full((B, R), -1, dtype=torch.long, device=dev)
         qrow = torch.cat([q.new_zeros(B, 1, V), q], 1)  # [B, R, V] q by row
-        for s in range(kids.shape[2]):
-            c = kids[:, :, s]  # [B, R] each row's s-th child row, or -1
-            try_ = (c >= 0) & (chosen < 0)
-            cr = c.clamp(min=0)
-            x = tok_row.gather(1, cr)  # [B, R]
-            qc = qrow.gather(1, cr[:, :, None].expand(B, R, V)).double()  # [B, R, V]
-            px, qx = p.gather(2, x[:, :, None]).squeeze(2), qc.gather(2, x[:, :, None]).squeeze(2)
-            take = try_ & (qx > 0) & (u.gather(1, (cr - 1).clamp(min=0)) * qx <= px)
-            chosen = torch.where(take, c, chosen)
-            rest = (p - qc).clamp_(min=0)
+        # rank s of the siblings works on the rows that have an s-th child only (found in the host table, so
+        # no sync): a wide node costs its own children's steps, not every row's in the pass
+        has = [(tables["kids"][:, :, s] >= 0).nonzero() for s in range(kids.shape[2])]  # [M_s, 2] (tree, row) each
+        for s, (b, r) in enumerate(t.unbind(1) for t in to_device(torch.cat(has), dev).split([len(h) for h in has])):
+            if not len(b):
+                continue
+            c = kids[b, r, s]  # [M] the s-th child's row
+            try_ = chosen[b, r] < 0
+            x = tok_row[b, c]  # [M]
+            pr, qc = p[b, r], qrow[b, c].double()  # [M, V]
+            px, qx = pr.gather(1, x[:, None]).squeeze(1), qc.gather(1, x[:, None]).squeeze(1)
+            take = try_ & (qx > 0) & (u[b, c - 1] * qx <= px)
+            chosen[b, r] = torch.where(take, c, chosen[b, r])
+            rest = (pr - qc).clamp_(min=0)
             total = rest.sum(-1, keepdim=True)
-            rest = torch.where(total > 0, rest / total.clamp(min=1e-300), p)  # all mass cancelled (only if p = q_c): p
-            p = torch.where((try_ & ~take)[:, :, None], rest, p)
+            rest = torch.where(total > 0, rest / total.clamp(min=1e-300), pr)  # all mass cancelled (only if p = q_c): p
+            p[b, r] = torch.where((try_ & ~take)[:, None], rest, pr)
         ok_s = chosen.gather(1, parent) == torch.arange(R, device=dev)[None, :]
         nxt_s = sample_with(p, u_next[:, None].expand(B, R))  # [B, R]: each row's next token if the path ends there
         g = to_device(greedy, dev)[:, None]

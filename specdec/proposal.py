@@ -148,6 +148,8 @@ def decode_round(r: pb.Round, *, expected: int, room: int, vocab_size: int, mode
     else:
         if len(r.q_counts) != tau or len(r.q_ids) != len(r.q_probs) or sum(r.q_counts) != len(r.q_ids):
             raise invalid("round.q_counts/q_ids/q_probs: lengths disagree (one count per token, one prob per id)")
+        if tau and max(r.q_counts) > V:
+            raise invalid(f"round.q_counts: {max(r.q_counts)} ids for one position; a position has at most V = {V} distinct ids")
         probs = torch.tensor(list(r.q_probs), dtype=torch.float32)
         ids = torch.tensor(list(r.q_ids), dtype=torch.long)
         if ids.numel() and (ids.min() < 0 or ids.max() >= V):

@@ -173,6 +173,9 @@ SESSION_CASES = [
     ("q id out of vocab", {}, [rnd(1, [3], [2], [3, V], [0.5, 0.5])], INVALID, "q_ids"),
     ("negative q id", {}, [rnd(1, [3], [2], [3, -1], [0.5, 0.5])], INVALID, "q_ids"),
     ("duplicate q id", {}, [rnd(1, [3], [2], [3, 3], [0.5, 0.5])], INVALID, "q_ids"),
+    # refused by its counts, before any per-element work (a million such ids stalled the event loop for a second)
+    ("more q ids at a position than the vocabulary has", {}, [rnd(1, [3], [V + 1], [3] + [4] * V, [1.0] + [0.0] * V)], INVALID,
+     "round.q_counts"),
     ("negative probability", {}, [rnd(1, [3], [2], [3, 4], [1.5, -0.5])], INVALID, "q_probs"),
     ("NaN probability", {}, [rnd(1, [3], [2], [3, 4], [math.nan, 0.5])], INVALID, "q_probs"),
     ("inf probability", {}, [rnd(1, [3], [1], [3], [math.inf])], INVALID, "q_probs"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -62,11 +63,14 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         return self.engine.open(list(st.prompt_ids), st.max_new_tokens, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE, st.request_id,
                                 tree_budget=st.tree_budget)
 
-    def _check_round(self, s, r: pb.Round):
+    async def _check_round(self, s, r: pb.Round):
         """The round's proposals as (token ids, q on the host or None), every wire rule checked; the
-        scheduler moves all sessions' q to the device in one copy per pass."""
-        tokens, q = decode_round(r, expected=s.next_round, room=self.engine.room(s), vocab_size=self.lm.vocab_size,
-                                 mode=s.mode, greedy=s.sampling.greedy)
+        scheduler moves all sessions' q to the device in one copy per pass. A round of many q values
+        (dense q of a large vocabulary) is checked in a worker thread: its per-element checks would
+        stall every other call on the event loop."""
+        check = functools.partial(decode_round, r, expected=s.next_round, room=self.engine.room(s), vocab_size=self.lm.vocab_size,
+                                  mode=s.mode, greedy=s.sampling.greedy)
+        _, q = await asyncio.to_thread(check) if len(r.q_probs) > validation.LARGE_REQUEST else check()
         return r.tokens, q, decode_parents(r)
 
     async def Session(self, request_iterator, context):
@@ -90,7 +94,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                     raise invalid("start: a session is already open on this stream (one session per stream); send `round` messages")
                 if kind != "round":
                     raise invalid("round: a message with neither `start` nor `round` set")
-                tokens, q, parents = self._check_round(s, req.round)
+                tokens, q, parents = await self._check_round(s, req.round)
                 if prefill.done():
                     prefill.result()  # raises if the prefill failed
                 if not tokens and req.round.target_only_steps > 1:
