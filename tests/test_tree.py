@@ -65,7 +65,8 @@ def test_each_tree_node_gets_its_branch_logits_and_the_path_its_keys(tmp_path, n
     eng.pool.move(src, dst)
     kv.crop(len(prompt) + len(path))
     chain = prefilled()
-    eng.forward([[tokens[a] for a in path]], [chain], logits=False)
+    eng.forward([[tokens[a] for a in path]], [chain])  # with logits: a round, not a prompt chunk (with per-row products, a
+    # keys-only input of more than PER_ROW_LEAD tokens is a GEMM of its own, whose numbers are its own)
     for i in range(kv.layers):
         for a, b in zip(kv.layer(i), chain.layer(i)):
             assert same(a, b), (name, layout, i)
