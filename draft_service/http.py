@@ -201,7 +201,7 @@ class FrontDoor:
             r = s.parse(s.ChatRequest if chat else s.CompletionRequest, body)
         except s.Refused as e:
             raise HttpError(400, e.message, e.param) from None
-        except UnicodeError:
+        except UnicodeEncodeError:  # the body's bytes were UTF-8 (else UnicodeDecodeError, below): a string is not
             raise HttpError(400, "the body has a string that is not valid Unicode (a lone surrogate escape)") from None
         except (ValueError, RecursionError):  # JSON's (and UTF-8's) errors; nesting deeper than the parser goes
             raise HttpError(400, "the body is not valid JSON") from None

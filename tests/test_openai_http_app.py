@@ -100,6 +100,16 @@ def test_a_chat_prompt_carries_the_templates_special_tokens_only(tmp_path):
     assert parse_generate(stub.requests[1], tok, 16, 64).prompt_ids == [3, 7]  # a completion's prompt takes the tokenizer's BOS
 
 
+def test_bodies_that_are_not_json_text_are_400s_that_say_why():
+    stub = Stub(word_tokenizer(16))
+    c = client(stub)
+    for body, why in ((b'{"model": "stub", "prompt": "w3 \xff"}', "not valid JSON"),  # not UTF-8
+                      (b'{"model": "stub", "prompt": "w3 \\ud800"}', "lone surrogate")):  # UTF-8, but no Unicode string
+        r = c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+    assert not stub.requests
+
+
 def test_405_keeps_allow_and_is_a_client_error():
     r = client(Stub(word_tokenizer(16))).get("/v1/completions")
     assert r.status_code == 405 and "POST" in r.headers["Allow"]
