@@ -51,7 +51,7 @@ async def run(args, token_auth=None) -> None:
                              round_timeout_s=args.verify_round_timeout_s, run_tokens=args.run_tokens_per_verdict)
     if target is not None and (args.adaptive or args.draft_fallback):
         await servicer.costs()  # calibrate now, not at the first request
-    front = http.FrontDoor(servicer, args, token_auth, model=target.model_name if target is not None else lm.name) if args.http_port is not None else None
+    front = http.FrontDoor(servicer, args, token_auth, model=target.model_name if target is not None else "") if args.http_port is not None else None
     tasks = set()
 
     def on_start(set_health):

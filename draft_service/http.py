@@ -129,10 +129,10 @@ class FrontDoor:
     """The HTTP app over a DraftServicer; `start()` serves it, `stop()` drains it."""
 
     def __init__(self, servicer, args, token_auth=None, model: str = ""):
-        """model: the target's name (else the draft's); --served-model-name wins."""
+        """model: the target's name if known at start-up (else the servicer's target once it is, else
+        the draft's); --served-model-name wins."""
         self.servicer, self.args, self.auth = servicer, args, token_auth
-        self.model = getattr(args, "served_model_name", None) or model or servicer.lm.name
-        self.accepted = {self.model, model, servicer.lm.name} - {""}  # also the target's and the draft's own names
+        self._served, self._given = getattr(args, "served_model_name", None), model
         self.created = int(time.time())
         self.template = open(args.chat_template).read() if args.chat_template else None  # noqa: SIM115 - read at start-up
         self.draining, self.server, self.task = False, None, None
@@ -141,6 +141,22 @@ class FrontDoor:
                                      Route("/v1/chat/completions", self.chat, methods=["POST"]),
                                      Route("/v1/models", self.models), Route("/health", self.health)],
                              exception_handlers=errors, middleware=[Middleware(_Observe)])
+
+    def _target(self) -> str:
+        """The target's name: the servicer's once its verify service has answered (a draft started
+        before it learns it then), else the one given at start-up."""
+        target = getattr(self.servicer, "target", None)
+        return target.model_name if target is not None else self._given
+
+    @property
+    def model(self) -> str:
+        """The model id served: --served-model-name, else the target's name, else the draft's."""
+        return self._served or self._target() or self.servicer.lm.name
+
+    @property
+    def accepted(self) -> set[str]:
+        """The model ids a request may name: the served one, the target's and the draft's own."""
+        return {self.model, self._target(), self._given, self.servicer.lm.name} - {"", None}
 
     async def start(self) -> int:
         """Binds --host:--http-port, serves, prints `http on HOST:PORT`; returns the port."""

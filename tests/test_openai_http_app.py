@@ -62,6 +62,21 @@ def test_served_model_name_is_listed_and_the_models_own_names_accepted():
     assert c.post("/v1/completions", json={"model": "other", "prompt": "w3"}).status_code == 404
 
 
+def test_a_draft_started_before_its_verify_service_serves_the_targets_name_once_known():
+    """The draft knew no target at start-up: the id is the draft's until the verify service
+    answers, then the target's (README's examples name the target), the draft's still accepted."""
+    stub = Stub(word_tokenizer(16))
+    stub.target = None
+    c = TestClient(FrontDoor(stub, args(), model="").app)
+    assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["stub"]
+    assert c.post("/v1/completions", json={"model": "late-target", "prompt": "w3"}).status_code == 404
+    stub.target = pb.ModelInfo(model_name="late-target")  # what DraftServicer.set_target keeps when it first answers
+    assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["late-target"]
+    for name in ("late-target", "stub"):
+        r = c.post("/v1/completions", json={"model": name, "prompt": "w3"})
+        assert r.status_code == 200 and r.json()["model"] == "late-target"
+
+
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "w7"}], "max_tokens": 2}
 
 
