@@ -231,7 +231,6 @@ class DecodeLoop:
                 stats.rounds += 1
                 stats.tree_rounds += prop.parents is not None
                 stats.target_only_rounds += not prop.tokens
-                metrics.PROPOSALS_PER_ROUND.observe(len(prop.tokens))
                 await self._timed(call.write(pb.VerifyRequest(round=prop.to_round(stats.rounds))))
                 tree = prop.parents is not None
                 assumed = len(prop.assumed()) + 1
@@ -245,6 +244,7 @@ class DecodeLoop:
                 if v is grpc.aio.EOF:
                     raise RequestError(Refusal.UNAVAILABLE, "verify service ended the session without a verdict")
                 t3 = time.perf_counter()
+                metrics.PROPOSALS_PER_ROUND.observe(len(prop.tokens))  # once verified: a round a full replica refused is not one
                 stats.draft_s += t2 - t1
                 stats.verify_s += t3 - t2
                 stats.verify_forward_s += v.forward_s

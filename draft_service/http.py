@@ -67,6 +67,11 @@ async def unless_disconnected(request: Request, aw):
     raise ClientGone
 
 
+# an HTTP error as the gRPC status it stands for, in specdec_request_errors_total (a client that left, 499, is none)
+ERROR_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 429: "RESOURCE_EXHAUSTED",
+               503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
 class _Observe:
     """ASGI middleware: one `request done` log line per HTTP request (like the gRPC observer's,
     specdec/observe.py) and the request metrics: specdec_http_requests_total by path and status,
@@ -101,6 +106,9 @@ class _Observe:
             log.log(logging.WARNING if status in (401, 403) else logging.INFO, "request done", extra={"fields": fields})
             metrics.HTTP_REQUESTS.labels(path, str(status)).inc()
             metrics.REQUEST_LATENCY.labels("draft", path).observe(duration)
+            code = ERROR_CODES.get(status, "INTERNAL" if status >= 500 else None)
+            if code is not None:  # as the gRPC observer counts its calls' errors: the error alert sees both doors
+                metrics.REQUEST_ERRORS.labels("draft", path, code).inc()
             if call["tokens"]:
                 metrics.GENERATED_TOKENS.labels("draft").inc(call["tokens"])
 

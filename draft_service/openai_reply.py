@@ -122,13 +122,18 @@ class Reply:
         self.created = int(time.time())
 
     def _extras(self, st: pb.Stats) -> s.Metrics | None:
-        self.call["tokens"] = st.generated_tokens
         return spec_metrics(st) if self.r.return_metrics else None
+
+    def _got(self, c: pb.GenerateResponse) -> None:
+        """Counts a chunk's tokens for the request's log line and specdec_generated_tokens_total as it
+        comes, so a stream that fails or whose client leaves counts what it generated."""
+        self.call["tokens"] = self.call.get("tokens", 0) + len(c.token_ids)
 
     async def collect(self, chunks) -> str:
         text, ids = [], []
         async with contextlib.aclosing(chunks):
             async for c in chunks:
+                self._got(c)
                 text.append(c.text)
                 ids += c.token_ids
                 if c.finish_reason:
@@ -163,6 +168,7 @@ class Reply:
                 if self.chat:
                     yield self.event(text="", role=True, ids=[] if with_ids else None)
                 async for c in _chain(first, chunks):
+                    self._got(c)
                     if c.text or (with_ids and c.token_ids):
                         yield self.event(text=c.text, ids=list(c.token_ids) if with_ids else None)
                     if c.finish_reason:

@@ -9,7 +9,8 @@ _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 
 # both services
 REQUEST_LATENCY = Histogram("specdec_request_latency_seconds", "Request latency (first byte in to last token out)", ["service", "method"], buckets=_LAT)
-REQUEST_ERRORS = Counter("specdec_request_errors_total", "Requests that ended with a gRPC error", ["service", "method", "code"])
+REQUEST_ERRORS = Counter("specdec_request_errors_total", "Requests that ended with an error, by gRPC status code (the HTTP front "
+                         "door's errors as the status they stand for)", ["service", "method", "code"])
 GENERATED_TOKENS = Counter("specdec_generated_tokens_total", "Tokens returned to callers", ["service"])
 HTTP_REQUESTS = Counter("specdec_http_requests_total", "HTTP requests to the draft's OpenAI-compatible API by path and status "
                         "(499: the client went away)", ["path", "status"])

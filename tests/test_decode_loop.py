@@ -450,6 +450,31 @@ def test_a_cancel_during_the_drafts_prefill_stops_it_after_its_chunk(drafters, m
     assert not reported
 
 
+def test_a_round_the_verifier_refuses_is_not_counted(drafters):
+    """A full replica refuses the session after reading its first round (the draft then places it
+    on another): that round was never verified, so specdec_draft_proposals_per_round has no
+    observation of it."""
+    from prometheus_client import REGISTRY
+
+    d = drafters("long-draft")
+
+    class Refusing(GreedyVerifier):
+        async def write(self, req):
+            pass  # takes the start and the first round
+
+        async def read(self):
+            raise RequestError(Refusal.RESOURCE_EXHAUSTED, "verify service is at its limit")
+
+    def rounds_seen():
+        return REGISTRY.get_sample_value("specdec_draft_proposals_per_round_count") or 0.0
+
+    before = rounds_seen()
+    g = request(d, prompt_ids=[3, 4, 5], max_new_tokens=8, num_draft_tokens=4)
+    with pytest.raises(RequestError):
+        asyncio.run(run(DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context), Refusing(None, d.lm.max_context)))
+    assert rounds_seen() == before
+
+
 def test_a_cancel_that_lands_as_a_verdict_arrives_ends_the_loop(drafters, model_dir):
     """The client goes away just as a verdict comes in (the task is cancelled in the same loop
     iteration as its read completes). The cancel ends the loop: Python 3.11's asyncio.wait_for

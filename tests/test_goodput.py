@@ -259,3 +259,31 @@ def test_the_draft_counts_its_paces_comparisons_by_load(services):
             made += 1
     assert counted("won") + counted("lost") >= 1, f"after {made} requests"
     assert counted("won", load="2-3") == counted("lost", load="2-3") == 0  # no other load was seen
+
+
+def test_a_pass_of_prompt_chunks_alone_counts_as_busy(model_dir):
+    """A verifier that only prefills (a burst of long prompts, no rounds yet) is busy: its passes
+    go into the forward histogram (the KEDA trigger's pass utilisation) and the cost model, whose
+    utilisation gauge then reads above 0 (before the fix, such passes were not observed at all)."""
+    from prometheus_client import REGISTRY
+
+    import verify_service.scheduler as scheduler
+
+    torch.set_num_threads(1)
+    lm = LM.load(model_dir("long-target"), "cpu", "float32")
+    eng = scheduler.Scheduler(lm, max_sessions=2)
+    count = lambda: REGISTRY.get_sample_value("specdec_verify_forward_seconds_count") or 0.0  # noqa: E731
+    before = count()
+    assert eng.cost.utilisation_at(1e9) == 0.0
+
+    async def run():
+        s = eng.open([3 + i % 10 for i in range(3 * 256 + 1)], 4, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)
+        await eng.prefill(s)  # three chunks, three passes, no round
+        eng.close(s)
+
+    try:
+        asyncio.run(run())
+        assert count() - before == 3
+        assert REGISTRY.get_sample_value("specdec_verify_pass_utilisation") > 0
+    finally:
+        eng.shutdown()

@@ -157,6 +157,25 @@ def test_an_error_after_the_first_chunk_is_an_error_event_then_done():
     assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "unavailable"
 
 
+def test_http_errors_and_partly_streamed_tokens_are_counted_as_over_grpc():
+    """specdec_request_errors_total counts the HTTP door's server-side errors (as the gRPC status
+    they stand for, so the error alert sees them), and a stream that fails after a chunk counts
+    that chunk's tokens in specdec_generated_tokens_total (it counted none)."""
+    from prometheus_client import REGISTRY
+
+    def value(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    errors = dict(service="draft", method="/v1/completions", code="UNAVAILABLE")
+    before, tokens = value("specdec_request_errors_total", **errors), value("specdec_generated_tokens_total", service="draft")
+    r = client(Stub(word_tokenizer(16), fail=Refusal.UNAVAILABLE)).post("/v1/completions", json={"model": "stub", "prompt": "w3"})
+    assert r.status_code == 503 and value("specdec_request_errors_total", **errors) == before + 1
+    r = client(Stub(word_tokenizer(16), fail=Refusal.UNAVAILABLE, fail_after_first=True)).post(
+        "/v1/completions", json={"model": "stub", "prompt": "w3", "stream": True})
+    assert r.status_code == 200 and '"error"' in r.text
+    assert value("specdec_generated_tokens_total", service="draft") == tokens + 1
+
+
 def test_a_body_over_max_message_bytes_is_a_413():
     stub = Stub(word_tokenizer(16))
     r = client(stub).post("/v1/completions", json={"model": "stub", "prompt": "w3 " * 2000})

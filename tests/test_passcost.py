@@ -67,3 +67,18 @@ def test_the_solve_is_least_squares_and_minimum_norm_where_singular():
     x = _solve(a, b)
     assert 1 * x[0] + 5 * x[1] + 1 * x[2] == pytest.approx(0.01)  # fits the passes it saw
     assert x == pytest.approx([v * 0.01 / 27 for v in (1, 5, 1)])  # the minimum-norm one: along (1, 5, 1)
+
+
+def test_the_busy_share_falls_while_the_verifier_is_idle():
+    """utilisation_at (the gauges' value) counts the time since the last pass: right after a run
+    of back-to-back passes it reads busy, and it falls as idle time passes, where `utilisation`
+    (which moves only when a pass begins) would keep its last value."""
+    pc = PassCost()
+    assert pc.utilisation_at(0.0) == 0.0 and pc.price_at(0.0) == 0.0
+    run(pc, [(20, 4)] * 50)
+    s = BASE + ROW * 20 + SESSION * 4
+    end = 100.0 + 50 * s
+    assert pc.utilisation_at(end) == pytest.approx(1.0, rel=1e-6)
+    later = [pc.utilisation_at(end + idle) for idle in (0.1, 1.0, 10.0)]
+    assert later[0] > later[1] > later[2] and later[2] < 0.05
+    assert pc.utilisation == pytest.approx(1.0) and pc.price_at(end + 10.0) < 0.05 * pc.price

@@ -57,6 +57,19 @@ class PassCost:
         """The share of recent wall time the verifier spent in passes."""
         return min(1.0, self._busy / self._span) if self._span else 0.0
 
+    def utilisation_at(self, now: float) -> float:
+        """The busy share as of `now` (perf_counter): the time since the last pass began counts as
+        it will once the next one does, so a verifier gone idle reads ever less busy (the gauge's
+        value; `utilisation` only moves when a pass begins)."""
+        if self._last is None:
+            return 0.0
+        last_start, last_s = self._last
+        return min(1.0, (self._busy * DECAY + last_s) / (self._span * DECAY + max(now - last_start, last_s, 1e-9)))
+
+    def price_at(self, now: float) -> float:
+        """`price` with the busy share as of `now` (utilisation_at)."""
+        return self.per_row_s * self.tokens_per_s * self.utilisation_at(now)
+
     @property
     def tokens_per_s(self) -> float:
         """Tokens committed per second of pass time, recently."""

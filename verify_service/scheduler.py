@@ -84,6 +84,9 @@ class Scheduler:
         self._passing = False  # a pass is in flight (the scheduler thread sets it under _lock; `close` reads it)
         self._queue: queue.Queue = queue.Queue()
         self.cost = PassCost(probe(self._timed_pass, lm.vocab_size))  # before the scheduler thread owns the model
+        cost = self.cost  # the gauges read it when scraped: an idle verifier's utilisation and price fall, not freeze
+        metrics.PASS_UTILISATION.set_function(lambda: cost.utilisation_at(time.perf_counter()))
+        metrics.ROW_PRICE.set_function(lambda: cost.price_at(time.perf_counter()))
         self._thread_context = thread_context or contextlib.nullcontext
         self._worker = threading.Thread(target=self._thread, name="verify-scheduler", daemon=True)
         self._worker.start()
@@ -341,6 +344,10 @@ class Scheduler:
             metrics.BATCH_SIZE.observe(len(jobs))
             metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
             self._verdicts(jobs, logits, proposals, t0, (sum(len(x) for x in inputs), len(inputs)))
+        elif filling:  # prompt chunks alone: busy time too (pass utilisation, the cost fit, the forward histogram)
+            if self.lm.device.type == "cuda":  # its time once the device is done (no verdicts to wait for)
+                torch.cuda.current_stream(self.lm.device).synchronize()
+            self._observed((sum(len(x) for x in inputs), len(inputs)), 0, t0)
         for p in prefills:
             if unfilled(p.session):
                 continue
@@ -369,12 +376,8 @@ class Scheduler:
         done = self._decide(jobs, logits, proposals) if jobs else []
         if not done:
             return
-        forward_s = time.perf_counter() - t0
-        metrics.FORWARD_TIME.observe(forward_s)
-        self.cost.observe(*layout, sum(n + 1 for _, n, _, _ in done), forward_s, t0)
+        forward_s = self._observed(layout, sum(n + 1 for _, n, _, _ in done), t0)
         row_cost_s, price = self.cost.per_row_s, self.cost.price  # the same for every verdict of the pass
-        metrics.PASS_UTILISATION.set(self.cost.utilisation)
-        metrics.ROW_PRICE.set(price)
         moves: tuple[list[int], list[int]] = ([], [])
         for j, n, _, path in done:
             if path:  # a tree's accepted nodes go where the path's tokens belong, after the pending token
@@ -400,6 +403,14 @@ class Scheduler:
                 j.resolve(True, v)
             except Exception as e:  # noqa: BLE001
                 j.resolve(False, e)
+
+    def _observed(self, layout: tuple[int, int], tokens: int, t0: float) -> float:
+        """A finished pass that began at t0, with its layout (rows, inputs) and the tokens it
+        committed, into the forward histogram and the cost model; returns its seconds."""
+        forward_s = time.perf_counter() - t0
+        metrics.FORWARD_TIME.observe(forward_s)
+        self.cost.observe(*layout, tokens, forward_s, t0)
+        return forward_s
 
     def _decide(self, jobs: list[Job], logits: torch.Tensor, proposals: torch.Tensor) -> list[tuple[Job, int, int, list[int] | None]]:
         """[(job, n, next, a tree's accepted path or None)] from one batched acceptance (chains and
