@@ -7,6 +7,10 @@ interface. So an architecture is served exactly when
     the packed attention lacks (it handles causal masks, sliding windows, GQA and logit
     soft-capping; attention sinks are refused),
   * every layer is attention (no recurrent or linear-attention state to crop on a rejection),
+  * nothing the short probe below cannot see changes its numbers: `refusal` reads the config for
+    what acts past the probe's length or through the attention mask only (LongRoPE, chunked
+    attention, temperature tuning, a window its layers do not pass on) or is not a per-layer
+    key/value cache (latent attention, shared or cross-attention layers),
   * and its logits through the engine match its own forward pass: `reference` (before the engine
     is prepared) and `probe` (after) run a short sequence both ways at start-up, the engine's way split across a prefill, a batched
     round beside another session and single steps, and refuses the model if they differ.
@@ -15,6 +19,8 @@ generate() through both services, prompts past the sliding window, runs to the c
 isolation, and sampled distributions where logits are transformed after the head).
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -37,20 +43,82 @@ def context_limit(config) -> int:
     return 2048
 
 
+def refusal(model, cfg) -> str | None:
+    """Why the engine cannot serve this model exactly, read from its config and its modules before
+    any pass (features the short start-up probe could not see: they act past its length, or in the
+    attention mask, which the engine does not read), or None."""
+    if getattr(cfg, "is_encoder_decoder", False):
+        return "encoder-decoder models are not served"
+    layer_types = [str(t) for t in getattr(cfg, "layer_types", None) or []]
+    odd = sorted({t for t in layer_types if any(k in t for k in NON_ATTENTION_LAYERS)})
+    if odd:
+        return f"layers of type {', '.join(odd)} keep a recurrent state that cannot be cropped on a rejection"
+    states = [k for k in STATE_FIELDS if getattr(cfg, k, None)]
+    if states:
+        return f"state-space layers ({states[0]}) keep a recurrent state that cannot be cropped on a rejection"
+    if not getattr(model, "_supports_attention_backend", False):
+        return ("its attention does not go through transformers' attention interface, so the engine "
+                "cannot give each session its own keys (batch-mates would see each other's padding)")
+    if getattr(cfg, "kv_lora_rank", None):
+        return "multi-head latent attention (kv_lora_rank) caches compressed latents, not the keys and values the engine pools"
+    if getattr(cfg, "num_kv_shared_layers", 0):
+        return "layers that reuse another layer's keys and values (num_kv_shared_layers) are not served"
+    if getattr(cfg, "cross_attention_layers", None):
+        return "cross-attention layers are not served"
+    if "chunked_attention" in layer_types:
+        return "chunked attention (attention_chunk_size) is applied by the attention mask, which the packed pass does not use"
+    if getattr(cfg, "attn_temperature_tuning", False):
+        return "attention temperature tuning scales queries by positions read from the cache's length, which the packed pass does not keep"
+    if "longrope" in rope_types(cfg):
+        return ("LongRoPE (rope_type longrope) picks its rotary factors from the longest position in a call, so sessions packed "
+                "into one pass, and a prompt's chunks, would change each other's encodings")
+    window = getattr(cfg, "sliding_window", None)
+    if isinstance(window, int) and 0 < window < context_limit(cfg) and not _passes_window(model):
+        return (f"its sliding window ({window}) is applied by the attention mask only (its attention layers do not pass it "
+                "on), which the packed pass does not use")
+    return None
+
+
+STATE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state")  # config fields of state-space (Mamba-like) layers
+
+
+def rope_types(cfg) -> set[str]:
+    """Every rotary embedding type a config names (rope_scaling, rope_parameters, per layer type too)."""
+    out: set[str] = set()
+
+    def walk(d) -> None:
+        if isinstance(d, dict):
+            t = d.get("rope_type") or d.get("type")
+            if isinstance(t, str):
+                out.add(t)
+            for v in d.values():
+                walk(v)
+    for name in ("rope_scaling", "rope_parameters"):
+        walk(getattr(cfg, name, None))
+    return out
+
+
+def _passes_window(model) -> bool:
+    """Whether the model's attention layers hand a sliding window to the attention function (their
+    forward's code names it), where the engine applies it; True where the code cannot be read."""
+    kinds = {type(m) for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")}
+    for kind in kinds:
+        try:
+            if "sliding_window" in inspect.getsource(kind.forward):
+                return True
+        except (OSError, TypeError):
+            return True
+    return not kinds
+
+
 def reference(lm) -> tuple[list[int], list[int], torch.Tensor]:
     """Refuses (Unsupported) a model whose kind the engine cannot serve; else the probe's inputs and
     the model's own logits for them: (ids, another session's ids, logits [len(ids), V])."""
     model, cfg = lm.model, lm.model.config
     arch = f"{type(model).__name__} ({cfg.model_type})"
-    if not getattr(model, "_supports_attention_backend", False):
-        raise Unsupported(f"{arch}: its attention does not go through transformers' attention interface, so the engine "
-                          "cannot give each session its own keys (batch-mates would see each other's padding)")
-    layer_types = getattr(cfg, "layer_types", None) or []
-    odd = sorted({t for t in layer_types if any(k in str(t) for k in NON_ATTENTION_LAYERS)})
-    if odd:
-        raise Unsupported(f"{arch}: layers of type {', '.join(odd)} keep a recurrent state that cannot be cropped on a rejection")
-    if getattr(cfg, "is_encoder_decoder", False):
-        raise Unsupported(f"{arch}: encoder-decoder models are not served")
+    why = refusal(model, cfg)
+    if why:
+        raise Unsupported(f"{arch}: {why}")
     n = max(8, min(40, lm.max_context - 2))
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, lm.vocab_size, (n,), generator=g).tolist()

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 from bench.launch import ENV, ROOT, start_pair
 from client import AsyncClient, Client
 from helpers import archmodels, metric
+from specdec import architectures
 from helpers.archmodels import CTX, EOS, SPECS, TRANSFORMED, V, WINDOW
 from helpers.reference import chi_square_p
 
@@ -240,6 +241,46 @@ def test_unservable_architecture_is_refused_at_start_up(tmp_path, build, names, 
     assert p.returncode == 2, p.stderr
     assert len(lines) == 1, p.stderr
     assert all(n in lines[0] for n in names), lines[0]
+
+
+SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=CTX, pad_token_id=1, eos_token_id=EOS, bos_token_id=None)
+SEEN_TOO_LATE = [  # (config, model, its settings past SMALL, what the refusal names): each passed the start-up probe and served wrong
+    ("Phi3Config", "Phi3ForCausalLM", dict(original_max_position_embeddings=64, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=64, short_factor=[1.0] * 4, long_factor=[4.0] * 4)),
+     "LongRoPE"),
+    ("Llama4TextConfig", "Llama4ForCausalLM", dict(head_dim=8, intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1,
+                                                   attention_chunk_size=64, attn_temperature_tuning=False), "chunked attention"),
+    ("Llama4TextConfig", "Llama4ForCausalLM", dict(head_dim=8, intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1,
+                                                   attention_chunk_size=None, attn_temperature_tuning=True), "temperature tuning"),
+    ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                                                   shared_expert_intermediate_size=32, use_sliding_window=True, sliding_window=48,
+                                                   max_window_layers=2), "sliding window (48)"),
+    ("PhimoeConfig", "PhimoeForCausalLM", dict(num_local_experts=2, num_experts_per_tok=1, sliding_window=48), "sliding window (48)"),
+    ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                       qk_nope_head_dim=16, v_head_dim=16, head_dim=8, n_routed_experts=2,
+                                                       num_experts_per_tok=1, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                                                       topk_group=1), "latent attention"),
+    ("MllamaTextConfig", "MllamaForCausalLM", dict(num_hidden_layers=3, cross_attention_layers=[1], bos_token_id=2), "cross-attention"),
+    ("MambaConfig", "MambaForCausalLM", dict(state_size=8), "recurrent state"),  # not "attention interface": it has none
+]
+
+
+@pytest.mark.parametrize("config,model,kw,words", SEEN_TOO_LATE, ids=[f"{c[0]}-{c[3]}" for c in SEEN_TOO_LATE])
+def test_what_the_probe_cannot_see_is_refused_from_the_config(config, model, kw, words):
+    """Features that act past the start-up probe's 40 positions, or through the attention mask
+    (which the packed pass does not read), or that are no per-layer key/value cache: refused by
+    name before any pass (review of 2026-11-28: each of these started and then served wrong, or
+    failed its probe with an engine error for a reason)."""
+    import transformers
+
+    if not hasattr(transformers, config):
+        pytest.skip(f"transformers has no {config}")
+    fields = dict(SMALL, **kw) if config != "MambaConfig" else dict(vocab_size=V, hidden_size=32, num_hidden_layers=1, **kw)
+    torch.manual_seed(0)
+    m = getattr(transformers, model)(getattr(transformers, config)(**fields))
+    why = architectures.refusal(m, m.config)
+    assert why and words in why, why
 
 
 @pytest.mark.parametrize("arch", ["llama"], indirect=True)
