@@ -43,6 +43,7 @@ import grpc
 
 from draft_service.adaptive import PACE, RUN_TOKENS_PER_VERDICT, DraftJudge, ModelRecord, Pace, TauController, load_label
 from draft_service.drafter import Drafter, PredraftControl, Proposal
+from draft_service.lookup import lookup
 from draft_service.tree import CALIBRATIONS, Calibration
 from specdec.costmodel import Costs
 from specdec import metrics
@@ -235,7 +236,8 @@ class DecodeLoop:
                 tree = prop.parents is not None
                 assumed = len(prop.assumed()) + 1
                 next_cap = min(self.params.tau if tree else tau, self.cap(assumed))
-                if ahead_ok and not prop.lookup and next_cap > 0 and not self.fallen_back:
+                judging = self.judge is not None and not self.judge.accepted  # its rounds are capped at 1 (above) until one is accepted
+                if ahead_ok and not prop.lookup and next_cap > 0 and not self.fallen_back and not judging:
                     ahead_ctl = PredraftControl()
                     # a tree's pre-draft: a tree after its likeliest path (a greedy tree's: after each end of that path)
                     more = (self.tree_room(budget, assumed), self.floor(), self.tree_cost(), self.calibration) if tree else ()
@@ -271,6 +273,12 @@ class DecodeLoop:
                         if ctl.follows and on_guess and n < len(sent.alts) and v.HasField("next_token"):
                             ctl.observe_second(v.next_token in sent.alts[n])
                 st.ids.extend(new)
+                if prop is not None and self._lookup_left() and lookup(st.ids, 1, min_ngram=HYBRID_MIN_NGRAM):
+                    # prompt lookup proposes here, as a round drafted now would: the pre-draft gives way, so the
+                    # round is the same with pre-drafting on or off (a seeded request's tokens with it)
+                    prop = None
+                    stats.predraft_hits -= 1
+                    stats.predraft_misses += 1
                 if tree and self.calibration and sent.ranks:
                     self.calibration.observe(sent, path)
                 if ctl:  # its estimate is a chain's per-token acceptance: a tree's is its likeliest path's

@@ -542,6 +542,41 @@ def test_loop_over_a_real_verify_service_equals_the_draft_service(services, draf
                     assert ids == hf_greedy(target, prompt, case["max_new_tokens"])
 
 
+def test_pre_drafting_leaves_a_seeded_requests_tokens_alone_at_fixed_tau(services, drafters):
+    """DESIGN.md §3: with fixed tau, pre-drafting on and off give the same tokens. Two rounds used
+    to differ (review of 2026-11-28): a pre-draft used where hybrid prompt lookup would have
+    proposed (the lookup now wins, as without pre-drafting), and the judge's one-token first
+    rounds, whose pre-draft of one token outlived that cap (no pre-draft while judging)."""
+    d = drafters("draft")
+    judged = Costs(0.0001, 0.05, 0.0001)  # the draft always pays: judged, never fallen back
+
+    async def tokens(case, predraft, fallback=None, target="target"):
+        v, _ = services(target, "draft")
+        g = request(d, **case)
+        loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, predraft=predraft, fallback=fallback)
+        async with grpc.aio.insecure_channel(v.address) as ch:
+            call = pb_grpc.VerifyStub(ch).Session(timeout=60)
+            try:
+                return (await run(loop, call))[0], loop.stats.predraft_hits + loop.stats.predraft_misses
+            finally:
+                call.cancel()
+
+    hits = 0
+    for seed in [111, *range(7)]:
+        case = dict(prompt_ids=[3, 4, 5, 6, 3, 4, 8], max_new_tokens=40, num_draft_tokens=4, proposer=pb.PROPOSER_HYBRID,
+                    sampling=pb.SamplingParams(temperature=1.0, seed=seed))
+        (off, _), (on, used) = asyncio.run(tokens(case, False)), asyncio.run(tokens(case, True))
+        assert on == off, ("hybrid", seed)
+        hits += used
+    for i in range(16):  # against the draft model itself: its first proposals are accepted, and pre-drafts used
+        case = dict(prompt_ids=[3 + i % 10, 4, 5], max_new_tokens=30, num_draft_tokens=4, proposer=pb.PROPOSER_DRAFT,
+                    sampling=pb.SamplingParams(temperature=0.5, seed=700 + i))
+        (off, _), (on, used) = asyncio.run(tokens(case, False, judged, "draft")), asyncio.run(tokens(case, True, judged, "draft"))
+        assert on == off, ("judged", i)
+        hits += used
+    assert hits > 0  # pre-drafts were made and judged against the verdicts
+
+
 def test_a_lookup_proposal_takes_the_request_cap_not_the_draft_models_tau(drafters):
     """Prompt lookup costs no draft steps, so a hybrid round that finds a match proposes up to
     num_draft_tokens, whatever tau adaptive tau chose for the draft model; without a match the
