@@ -105,7 +105,12 @@ def test_every_proposer_follows_the_price_down_to_target_only_rounds_and_back(mo
     taus, stats, _ = rounds_under(prices, model_dir, proposer=proposer, predraft=predraft, tree_budget=tree_budget, prompt=(3, 4, 5, 3, 4, 5))
     assert all(t > 0 for t in taus[:5]) and taus[5:9] == [0, 0, 0, 0] and all(t > 0 for t in taus[9:]), taus
     assert stats.target_only_rounds == 4
-    assert stats.predraft_hits > 0 if predraft else stats.predraft_hits == 0
+    if not predraft:
+        assert stats.predraft_hits == stats.predraft_misses == 0
+    elif proposer == pb.PROPOSER_HYBRID:  # on this repeating text lookup proposes after every verdict: the pre-drafts give way
+        assert stats.predraft_misses > 0  # (made and dropped; a round is what it would be without pre-drafting, DESIGN §3)
+    else:
+        assert stats.predraft_hits > 0
     assert (stats.lookup_rounds > 0) == (proposer != pb.PROPOSER_DRAFT) and (stats.tree_rounds > 0) == bool(tree_budget)
 
 
@@ -139,7 +144,8 @@ def test_seeded_sampled_requests_ignore_the_price(model_dir):
 
 def test_verdicts_carry_the_price_and_the_verifier_exports_its_load(services):
     """Through real services: the verifier measures its passes and says so, in every verdict
-    (row_cost_s, row_price: the same price its gauge shows after that pass) and in its metrics."""
+    (row_cost_s, row_price) and in its metrics (the gauges as of the scrape: they fall while the
+    verifier is idle, tests/test_passcost.py)."""
     from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
     v, d = services()
@@ -157,7 +163,7 @@ def test_verdicts_carry_the_price_and_the_verifier_exports_its_load(services):
     assert verdict.round == 1 and verdict.row_cost_s >= 0 and verdict.forward_s > 0
     text = v.metrics()
     assert 0 < metric(text, "specdec_verify_pass_utilisation") <= 1
-    assert verdict.row_price == pytest.approx(metric(text, "specdec_verify_row_price"), rel=1e-6, abs=1e-12)
+    assert verdict.row_price >= 0 and metric(text, "specdec_verify_row_price") >= 0
 
 
 def test_a_pass_takes_rounds_in_arrival_order_within_its_row_bound(model_dir, monkeypatch):
