@@ -236,7 +236,11 @@ class DecodeLoop:
                 tree = prop.parents is not None
                 assumed = len(prop.assumed()) + 1
                 next_cap = min(self.params.tau if tree else tau, self.cap(assumed))
-                judging = self.judge is not None and not self.judge.accepted  # its rounds are capped at 1 (above) until one is accepted
+                # a seeded sampled request replays with pre-drafting on or off (DESIGN §3): no pre-draft while the judge
+                # caps its rounds at 1 (above), and none used where prompt lookup proposes (below); greedy output is the
+                # same either way, and unseeded requests promise no replay, so those keep their pre-drafts
+                replay = self.params.seeded and not self.params.sampling.greedy
+                judging = replay and self.judge is not None and not self.judge.accepted
                 if ahead_ok and not prop.lookup and next_cap > 0 and not self.fallen_back and not judging:
                     ahead_ctl = PredraftControl()
                     # a tree's pre-draft: a tree after its likeliest path (a greedy tree's: after each end of that path)
@@ -273,9 +277,9 @@ class DecodeLoop:
                         if ctl.follows and on_guess and n < len(sent.alts) and v.HasField("next_token"):
                             ctl.observe_second(v.next_token in sent.alts[n])
                 st.ids.extend(new)
-                if prop is not None and self._lookup_left() and lookup(st.ids, 1, min_ngram=HYBRID_MIN_NGRAM):
+                if replay and prop is not None and self._lookup_left() and lookup(st.ids, 1, min_ngram=HYBRID_MIN_NGRAM):
                     # prompt lookup proposes here, as a round drafted now would: the pre-draft gives way, so the
-                    # round is the same with pre-drafting on or off (a seeded request's tokens with it)
+                    # round is the same with pre-drafting on or off, and the seeded request's tokens with it
                     prop = None
                     stats.predraft_hits -= 1
                     stats.predraft_misses += 1
