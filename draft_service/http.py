@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from draft_service import openai_schemas as s
-from draft_service.openai_reply import CLIENT_GONE, ClientGone, Context, HttpError, Reply, http_names
+from draft_service.openai_reply import CLIENT_GONE, STATUS, ClientGone, Context, HttpError, Reply, http_names
 from specdec import metrics, serving, validation
 from specdec.errors import Refusal, RequestError
 from specdec.v1 import specdec_pb2 as pb
@@ -67,9 +67,9 @@ async def unless_disconnected(request: Request, aw):
     raise ClientGone
 
 
-# an HTTP error as the gRPC status it stands for, in specdec_request_errors_total (a client that left, 499, is none)
-ERROR_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 429: "RESOURCE_EXHAUSTED",
-               503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+# an HTTP error as the gRPC status it stands for, in specdec_request_errors_total (a client that left, 499, is none):
+# the inverse of the statuses the front door answers gRPC errors with, the first code of a status naming it
+ERROR_CODES = {status: code.name for code, status in reversed(STATUS.items())}
 
 
 class _Observe:

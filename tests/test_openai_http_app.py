@@ -174,6 +174,11 @@ def test_http_errors_and_partly_streamed_tokens_are_counted_as_over_grpc():
         "/v1/completions", json={"model": "stub", "prompt": "w3", "stream": True})
     assert r.status_code == 200 and '"error"' in r.text
     assert value("specdec_generated_tokens_total", service="draft") == tokens + 1
+    # a client's mistake is counted as the code the error alert leaves out (deploy/k8s/components/monitoring/alerts.yaml)
+    missing = dict(service="draft", method="/v1/completions", code="NOT_FOUND")
+    before = value("specdec_request_errors_total", **missing)
+    r = client(Stub(word_tokenizer(16))).post("/v1/completions", json={"model": "no-such-model", "prompt": "w3"})
+    assert r.status_code == 404 and value("specdec_request_errors_total", **missing) == before + 1
 
 
 def test_a_body_over_max_message_bytes_is_a_413():
