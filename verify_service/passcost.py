@@ -37,10 +37,8 @@ class PassCost:
     def observe(self, rows: int, sessions: int, tokens: int, seconds: float, start: float) -> None:
         """A pass that began at `start` (perf_counter) and committed `tokens` tokens."""
         _add(self._a, self._b, rows, sessions, seconds, 1.0, DECAY)
-        if self._last is not None:  # the last pass's share of the time from its start to this one's
-            last_start, last_s = self._last
-            self._span = self._span * DECAY + max(start - last_start, last_s)
-            self._busy = self._busy * DECAY + last_s
+        if self._last is not None:
+            self._busy, self._span = self._folded(start)
         self._last = (start, seconds)
         self._pass_s = self._pass_s * DECAY + seconds
         self._tokens = self._tokens * DECAY + tokens
@@ -63,8 +61,13 @@ class PassCost:
         value; `utilisation` only moves when a pass begins)."""
         if self._last is None:
             return 0.0
+        busy, span = self._folded(now)
+        return min(1.0, busy / max(span, 1e-9))
+
+    def _folded(self, now: float) -> tuple[float, float]:
+        """(busy, span) with the last pass's share of the time from its start to `now` added."""
         last_start, last_s = self._last
-        return min(1.0, (self._busy * DECAY + last_s) / (self._span * DECAY + max(now - last_start, last_s, 1e-9)))
+        return self._busy * DECAY + last_s, self._span * DECAY + max(now - last_start, last_s)
 
     def price_at(self, now: float) -> float:
         """`price` with the busy share as of `now` (utilisation_at)."""
