@@ -177,17 +177,18 @@ class DecodeLoop:
     async def rounds(self, call: VerifyStream) -> AsyncIterator[tuple[list[int], int]]:
         """Yields (committed ids, verifier finish reason) per round; the last has a reason set."""
         st, stats, ctl = self.state, self.stats, self.tau
-        pending = None  # a pre-draft in flight: (task, its PredraftControl)
-        busy = None  # a prefill or a proposal in its thread (its task): the thread holds the draft's cache until it returns
+        # the draft's thread in flight, which holds its cache until it returns: (its task, the PredraftControl of a
+        # pre-draft; None for a prefill or a proposal)
+        thread = None
         gone = threading.Event()  # set when the loop ends: a prefill still in its thread stops after its current chunk
         serving = self.drafter.serving()
         serving.__enter__()
 
         async def in_thread(fn, *args):
-            nonlocal busy
-            busy = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-            out = await asyncio.shield(busy)  # a cancel here leaves the task to its thread: `finally` counts the session until it ends
-            busy = None
+            nonlocal thread
+            thread = (asyncio.ensure_future(asyncio.to_thread(fn, *args)), None)
+            out = await asyncio.shield(thread[0])  # a cancel here leaves the task to its thread: `finally` counts the session until it ends
+            thread = None
             return out
 
         try:
@@ -245,7 +246,7 @@ class DecodeLoop:
                     ahead_ctl = PredraftControl()
                     # a tree's pre-draft: a tree after its likeliest path (a greedy tree's: after each end of that path)
                     more = (self.tree_room(budget, assumed), self.floor(), self.tree_cost(), self.calibration) if tree else ()
-                    pending = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl, *more)), ahead_ctl)
+                    thread = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl, *more)), ahead_ctl)
                 v = await self._timed(call.read(), self._first_read_scale() if stats.rounds == 1 else 1)
                 if v is grpc.aio.EOF:
                     raise RequestError(Refusal.UNAVAILABLE, "verify service ended the session without a verdict")
@@ -259,13 +260,13 @@ class DecodeLoop:
                 path = list(v.accepted_path) if tree else list(range(n))
                 new = [prop.tokens[i] for i in path] + ([v.next_token] if v.HasField("next_token") else [])
                 sent, prop = prop, None
-                if pending is not None:  # keep a pre-draft only if the context it assumed came true
-                    task, ahead_ctl = pending
+                if thread is not None:  # a pre-draft: kept only if the context it assumed came true
+                    task, ahead_ctl = thread
                     on_guess = not tree or path == sent.guess[: len(path)]  # a tree's outcomes end on its likeliest path
                     ahead_ctl.verdict((n, v.next_token) if v.HasField("next_token") and on_guess else None)
                     ahead = await asyncio.shield(task)  # the thread owns the draft cache until it returns (a cancel here
                     # leaves the task to its thread: `finally` counts the session until it ends)
-                    pending = None
+                    thread = None
                     got = ahead.get(ahead_ctl.outcome())
                     if got is not None and got.tokens:
                         prop = got
@@ -318,9 +319,9 @@ class DecodeLoop:
                     return
         finally:
             gone.set()
-            if pending is not None:  # a failure or a close with a pre-draft in flight: its thread stops after its current step
-                pending[1].verdict(None)
-            task = pending[0] if pending is not None else busy
+            task, ahead_ctl = thread if thread is not None else (None, None)
+            if ahead_ctl is not None:  # a failure or a close with a pre-draft in flight: its thread stops after its current step
+                ahead_ctl.verdict(None)
 
             def ended(task: asyncio.Task | None) -> None:  # the session is served until its thread returns; its error is nobody's
                 if task is not None and not task.cancelled():
