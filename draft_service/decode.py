@@ -220,6 +220,8 @@ class DecodeLoop:
                 ahead_ok = self.predraft and not (self.pace and self.drafter.shared())
                 if ctl:
                     ctl.predraft = ahead_ok  # the costs tau is chosen by: draft steps hidden or not
+                if self.judge:
+                    self.judge.predraft = ahead_ok  # and those the model is judged by
                 tau = ctl.choose() if ctl else self.params.tau
                 if self.judge and not self.judge.accepted:
                     tau = min(tau, 1)  # no proposal of the model accepted yet: gather the judge's evidence cheaply
@@ -281,9 +283,7 @@ class DecodeLoop:
                 if replay and prop is not None and self._lookup_left() and lookup(st.ids, 1, min_ngram=HYBRID_MIN_NGRAM):
                     # prompt lookup proposes here, as a round drafted now would: the pre-draft gives way, so the
                     # round is the same with pre-drafting on or off, and the seeded request's tokens with it
-                    prop = None
-                    stats.predraft_hits -= 1
-                    stats.predraft_misses += 1
+                    prop = self._unused()
                 if tree and self.calibration and sent.ranks:
                     self.calibration.observe(sent, path)
                 if ctl:  # its estimate is a chain's per-token acceptance: a tree's is its likeliest path's
@@ -309,7 +309,10 @@ class DecodeLoop:
                 caught_up = caught_up or (bool(sent.tokens) and not sent.lookup)
                 t_mark = t3
                 if self.judge and not sent.lookup:
+                    drafting = not self.fallen_back
                     self._judge(max(len(sent.guess), n) if tree else len(sent.tokens), n)  # a tree: judged as the chain of its levels
+                    if drafting and self.fallen_back and prop is not None:  # the model stopped: its pre-draft is not sent,
+                        prop = self._unused()  # and the next message may be a run
                 if self.lookup_judge and sent.lookup and not self.lookup_off:
                     self.lookup_judge.observe(len(sent.tokens), n)
                     self.lookup_off = not self.lookup_judge.pays()
@@ -342,10 +345,13 @@ class DecodeLoop:
         if keep < len(prop.tokens) and (keep == 0 or prop.parents is None):
             log.debug("pre-draft of %d proposals cut to %d by the verifier's price %.3f", len(prop.tokens), keep, self.tau.price)
         if keep == 0:
-            self.stats.predraft_hits -= 1
-            self.stats.predraft_misses += 1
-            return None
+            return self._unused()
         return prop.prefix(keep) if prop.parents is None else prop
+
+    def _unused(self) -> None:
+        """Drops a pre-draft counted as a hit: it is counted a miss (Stats.predraft_hits counts the rounds sent from one)."""
+        self.stats.predraft_hits -= 1
+        self.stats.predraft_misses += 1
 
     def _lookup_left(self) -> bool:
         """Whether hybrid prompt lookup still proposes for the session."""

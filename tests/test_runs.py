@@ -9,6 +9,7 @@ import json
 import time
 
 import grpc
+import torch
 
 from client import Client
 from draft_service.adaptive import (EXPLORE_EVERY, HOLD_S, IDLE_S, LOAD_S, PROBE_ROUNDS, PROBE_S, RECORD_STREAK, RUN_TOKENS_PER_VERDICT, Hold,
@@ -378,3 +379,104 @@ def test_a_run_right_after_the_start_takes_the_queued_prefill_over(model_dir, mo
     model = AutoModelForCausalLM.from_pretrained(model_dir("long-target"), dtype=torch.float32).eval()
     assert got == hf_greedy(model, PROMPT, 10)
     assert len(passes) == 10  # the prompt's pass carried the first step: a pass per token, none for the prefill alone
+
+
+class ScriptedVerifier:
+    """A Verify.Session stand-in whose verdicts follow a script per round: `accept(k, tokens)` gives
+    the number of proposals accepted in round k; the next token is then the draft's own argmax after
+    them (so a greedy pre-draft's guess comes true) where `bonus_is_draft(k)`, else a token that is
+    neither of the draft's two likeliest. Runs (Round.target_only_steps) are served as one verdict."""
+
+    def __init__(self, draft_dir: str, max_new: int, accept, bonus_is_draft=lambda k: False):
+        self.model = AutoModelForCausalLM.from_pretrained(draft_dir).eval()
+        self.max_new, self.accept, self.bonus_is_draft = max_new, accept, bonus_is_draft
+        self.sent: list[tuple[str, int]] = []  # ("round", proposals) or ("run", steps), in order
+        self.queue: list = []
+
+    def top2(self, ids):
+        with torch.no_grad():
+            return torch.topk(self.model(torch.tensor([ids])).logits[0, -1].float(), 2).indices.tolist()
+
+    async def write(self, req):
+        if req.HasField("start"):
+            self.ids, self.prompt = list(req.start.prompt_ids), len(req.start.prompt_ids)
+            return
+        r, k = req.round, len(self.sent) + 1
+        left = self.max_new - (len(self.ids) - self.prompt)
+        if r.target_only_steps:
+            self.sent.append(("run", r.target_only_steps))
+            n = min(r.target_only_steps, left)
+            self.ids += [5] * n
+            self.queue.append(pb.VerifyResponse(round=r.round, run_tokens=[5] * (n - 1), next_token=5, steps_left=0,
+                                                finish_reason=pb.FINISH_REASON_LENGTH if n == left else 0))
+            return
+        tokens = list(r.tokens)
+        self.sent.append(("round", len(tokens)))
+        n = min(self.accept(k, tokens), len(tokens))
+        if self.bonus_is_draft(k):
+            nxt = self.top2(self.ids + tokens[:n])[0]
+        else:
+            nxt = next(t for t in range(16) if t not in self.top2(self.ids + tokens[:n]) and t not in tokens[n:n + 1])
+        self.ids += tokens[:n] + [nxt]
+        finish = pb.FINISH_REASON_LENGTH if len(self.ids) - self.prompt >= self.max_new else 0
+        self.queue.append(pb.VerifyResponse(round=r.round, num_accepted=n, next_token=nxt, finish_reason=finish))
+
+    async def read(self):
+        return self.queue.pop(0) if self.queue else grpc.aio.EOF
+
+
+def _loop_run(loop, verifier):
+    async def go():
+        async for _ in loop.rounds(verifier):
+            pass
+    asyncio.run(go())
+
+
+def test_a_fallback_decided_in_a_round_whose_predraft_came_true_drops_the_predraft(model_dir):
+    """The judge stops the draft model in a round whose pre-draft came true: that pre-draft is
+    not sent and counts as a miss, and the rest of the session is one run (DESIGN §7). It was
+    sent, and the rest went as one empty round per token."""
+    from draft_service import decode
+
+    lm = LM.load(model_dir("draft"), "cpu", "float32")
+    costs = Costs(draft_step=0.004, verify_base=0.010, verify_per_token=0.0)
+    for predraft in (False, True):
+        decode.RECORDS.clear()
+        g = dataclasses.replace(params(60), tau=8, predraft=predraft)
+        loop = DecodeLoop(Drafter(lm), g, lm.fingerprint, lm.max_context, costs=costs, fallback=costs, predraft=predraft,
+                          pace=Pace(clock=Clock()))
+        # rounds 1-3 rejected; round 4 accepted whole with the draft's own next token (its pre-draft's guess); then runs
+        v = ScriptedVerifier(model_dir("draft"), 60, accept=lambda k, tokens: len(tokens) if k == 4 else 0, bonus_is_draft=lambda k: k == 4)
+        _loop_run(loop, v)
+        s = loop.summary()
+        assert loop.fallen_back and v.sent[:4] == [("round", 1)] * 4, (predraft, v.sent)
+        assert v.sent[4:] == [("run", 60 - 5)], (predraft, v.sent)  # a token from each of rounds 1-3, two from round 4; one run
+        assert s.predraft_hits == 0 and s.predraft_misses == (3 if predraft else 0) + predraft, s
+    decode.RECORDS.clear()
+
+
+def test_the_fallback_judge_counts_no_predraft_overlap_for_a_session_that_cannot_predraft(model_dir):
+    """A session that follows the load does not pre-draft while the draft model serves other
+    sessions too; the judge then weighs the model's costs without pre-drafting's overlap (it counted
+    the overlap the session did not get, and kept a model slower than target-only rounds)."""
+    from draft_service import decode
+
+    decode.RECORDS.clear()
+    lm = LM.load(model_dir("draft"), "cpu", "float32")
+    costs = Costs(draft_step=0.006, verify_base=0.010, verify_per_token=0.0)
+    drafter = Drafter(lm)
+    g = dataclasses.replace(params(200), tau=8, predraft=True)
+    other = drafter.serving()  # another session is being drafted for
+    other.__enter__()
+    try:
+        loop = DecodeLoop(drafter, g, lm.fingerprint, lm.max_context, costs=costs, fallback=costs, predraft=True, pace=Pace(clock=Clock()))
+        loop.record = None
+        # one proposal accepted in 11 rounds of 20: with pre-drafting's overlap the model would pay, without it it does not
+        accepted = {1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19}
+        v = ScriptedVerifier(model_dir("draft"), 60, accept=lambda k, tokens: int(k % 20 in accepted))
+        _loop_run(loop, v)
+    finally:
+        other.__exit__(None, None, None)
+        decode.RECORDS.clear()
+    assert loop.judge.predraft is False and loop.fallen_back
+    assert loop.summary().predraft_hits == loop.summary().predraft_misses == 0  # no pre-draft was made
