@@ -45,7 +45,8 @@ class DraftServicer(pb_grpc.DraftServicer):
     def __init__(self, lm: LM, replicas: Replicas, target: pb.ModelInfo | None = None,
                  adaptive: bool = False, predraft: bool = False, costs: Costs | None = None,
                  proposer: int = pb.PROPOSER_DRAFT, draft_fallback: bool = False, goodput: bool = True,
-                 round_timeout_s: float | None = None, run_tokens: int = RUN_TOKENS_PER_VERDICT):
+                 round_timeout_s: float | None = None, run_tokens: int = RUN_TOKENS_PER_VERDICT,
+                 calibration_retry_s: float = CALIBRATION_RETRY_S):
         self.lm = lm
         self.drafter = Drafter(lm)
         self.replicas = replicas
@@ -61,6 +62,8 @@ class DraftServicer(pb_grpc.DraftServicer):
         self._costs, self._calibrating = costs, asyncio.Lock()
         self._pinned = self._measured = costs is not None  # --costs-ms; or calibrated (not the fallback)
         self._retry_at = 0.0  # after a failed calibration: when to try again
+        self.calibration_retry_s = calibration_retry_s
+        self._retry: asyncio.Task | None = None  # a calibration tried again in the background
         self._paired = target is not None  # checked at start-up; else at the first request
 
     def set_target(self, target: pb.ModelInfo | None) -> None:
@@ -73,26 +76,35 @@ class DraftServicer(pb_grpc.DraftServicer):
         """The costs adaptive tau plans with: pinned (--costs-ms), else calibrated once, at the
         first call (the draft's step, and probe rounds with the verify service). If the rounds
         cannot be timed: conservative default costs and one warning (calibrate.fallback_costs),
-        and another try a minute later."""
+        and another try a minute later, in the background: requests meanwhile plan with the
+        default costs rather than wait for a verify service that may be slow to answer."""
+        if self._costs is None:
+            await self._calibrate()
+        elif not self._measured and time.monotonic() >= self._retry_at and not self._calibrating.locked():
+            self._retry_at = time.monotonic() + self.calibration_retry_s
+            self._retry = asyncio.create_task(self._calibrate(again=True))
+        return self._costs
+
+    async def _calibrate(self, again: bool = False) -> None:
         async with self._calibrating:
-            if self._costs is None or (not self._measured and time.monotonic() >= self._retry_at):
-                step = await asyncio.to_thread(calibrate.draft_step_seconds, self.drafter)
-                try:
-                    base, per_token = await calibrate.verify_round_seconds(self._stub(), self.lm.fingerprint, self.lm.vocab_size,
-                                                                           self.max_context, self.lm.eos)
-                    costs, msg = Costs(step, base, per_token), "calibrated"
-                except (grpc.aio.AioRpcError, RuntimeError) as e:
-                    costs, msg = calibrate.fallback_costs(step), "calibration failed; using conservative default costs (pin them with --costs-ms)"
-                    err = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                self._costs, self._measured = costs, msg == "calibrated"
-                self._retry_at = time.monotonic() + CALIBRATION_RETRY_S
-                fields = {"draft_step_ms": round(costs.draft_step * 1e3, 3), "verify_base_ms": round(costs.verify_base * 1e3, 3),
-                          "verify_per_token_ms": round(costs.verify_per_token * 1e3, 3)}
-                if msg == "calibrated":
-                    log.info(msg, extra={"fields": fields})
-                else:
-                    log.warning(msg, extra={"fields": {**fields, "error": err}})
-            return self._costs
+            if self._costs is not None and not again:
+                return  # another request's call calibrated meanwhile
+            step = await asyncio.to_thread(calibrate.draft_step_seconds, self.drafter)
+            try:
+                base, per_token = await calibrate.verify_round_seconds(self._stub(), self.lm.fingerprint, self.lm.vocab_size,
+                                                                       self.max_context, self.lm.eos)
+                costs, msg = Costs(step, base, per_token), "calibrated"
+            except (grpc.aio.AioRpcError, RuntimeError, RequestError) as e:  # RequestError: no replica known yet
+                costs, msg = calibrate.fallback_costs(step), "calibration failed; using conservative default costs (pin them with --costs-ms)"
+                err = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            self._costs, self._measured = costs, msg == "calibrated"
+            self._retry_at = time.monotonic() + self.calibration_retry_s
+            fields = {"draft_step_ms": round(costs.draft_step * 1e3, 3), "verify_base_ms": round(costs.verify_base * 1e3, 3),
+                      "verify_per_token_ms": round(costs.verify_per_token * 1e3, 3)}
+            if msg == "calibrated":
+                log.info(msg, extra={"fields": fields})
+            else:
+                log.warning(msg, extra={"fields": {**fields, "error": err}})
 
     async def check_pairing(self) -> None:
         """When the verify service was not reachable at start-up: compare fingerprints at the first

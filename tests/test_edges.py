@@ -212,6 +212,47 @@ def test_calibration_does_not_depend_on_what_the_target_writes(eos_verify, model
     assert not any("Task was destroyed" in line or "never retrieved" in line for line in d.stderr), "".join(d.stderr)[-3000:]
 
 
+def test_a_failed_calibration_is_tried_again_in_the_background(model_dir, monkeypatch):
+    """After a failed calibration, the next try (a minute on) runs beside the requests, which plan
+    with the default costs meanwhile; one try at a time (each request waited for the whole try,
+    up to the probe's 30 s deadline against a slow verify service)."""
+    from draft_service.server import DraftServicer
+    from specdec.lm import LM
+
+    calls, release = [], asyncio.Event()
+
+    async def rounds(stub, *args, **kwargs):  # the probe rounds: the first fails, the second answers once released
+        calls.append(stub)
+        if len(calls) == 1:
+            raise RuntimeError("the verify service did not answer")
+        await release.wait()
+        return 0.02, 0.001
+
+    monkeypatch.setattr(calibrate, "verify_round_seconds", rounds)
+    replicas = types.SimpleNamespace(best=lambda: types.SimpleNamespace(stub="verify"), target="verify:50052")
+
+    async def go():
+        s = DraftServicer(LM.load(model_dir("draft")), replicas, calibration_retry_s=0.0)
+        first = await s.costs()
+        assert len(calls) == 1 and first.verify_base == calibrate.fallback_costs(first.draft_step).verify_base
+        for _ in range(500):  # the retry is due: it starts once, and no request waits for it
+            assert await asyncio.wait_for(s.costs(), 5) == first
+            if len(calls) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(calls) == 2 and await asyncio.wait_for(s.costs(), 5) == first
+        release.set()
+        for _ in range(500):
+            if (await s.costs()).verify_base == 0.02:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            pytest.fail("the retried calibration never took effect")
+        assert len(calls) == 2  # measured now: no further tries
+
+    asyncio.run(go())
+
+
 @contextlib.contextmanager
 def held_session(v):
     """Holds the verify service's one session (a stream that sends its start, then waits) while
