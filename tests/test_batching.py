@@ -123,6 +123,40 @@ def test_capacity_limits_answer_resource_exhausted_and_recover(model_dir):
         v.stop()
 
 
+def test_sessions_are_admitted_by_the_pages_their_caches_hold(model_dir):
+    """The cache budget is memory: a session that needs 17 tokens holds two pages (32 slots), and
+    the budget counts those, so the sessions admitted never hold more slots than it (it counted
+    tokens, and admitted 94 such sessions holding 3008 slots into a budget of 1600). A budget of the
+    whole context still admits a session of the whole context."""
+    from specdec.engine import PAGE
+    from specdec.errors import Refusal, RequestError
+    from specdec.sampling import Sampling
+    from verify_service.scheduler import Scheduler
+
+    lm = LM.load(model_dir("target"), "cpu", "float32")
+    greedy = dict(sampling=Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)
+    eng = Scheduler(lm, max_sessions=1000, max_cached_tokens=100 * PAGE)
+    opened = []
+    try:
+        with pytest.raises(RequestError) as e:
+            for _ in range(1000):
+                opened.append(eng.open([3, 4], PAGE - 1, **greedy))  # 17 tokens: two pages
+        assert e.value.kind == Refusal.RESOURCE_EXHAUSTED and "cache is full" in str(e.value)
+        held = sum(len(s.cache.pages) for s in opened) * PAGE
+        assert len(opened) == 50 and held == eng.capacity.reserved == 100 * PAGE
+    finally:
+        for s in opened:
+            eng.close(s)
+        eng.shutdown()
+    assert eng.capacity.reserved == 0
+    odd = lm.max_context - 1  # a budget that is not whole pages
+    eng = Scheduler(lm, max_sessions=2, max_cached_tokens=odd)
+    try:
+        eng.close(eng.open([3, 4], odd - 2, **greedy))
+    finally:
+        eng.shutdown()
+
+
 def test_a_closed_sessions_room_comes_back_with_its_pages(model_dir):
     """A session closed while a pass is in flight (held here) gives its pages, and only then its
     room, back after that pass: admission never hands out pages the pool has not got back, so

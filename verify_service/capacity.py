@@ -2,9 +2,9 @@
 (RESOURCE_EXHAUSTED, with a retry hint from the server) when it is full.
 
 Every session reserves room for its whole run at admission, and for one tree round past it:
-min(prompt + max_new_tokens + tree_budget, context). Its cache takes that many slots of the
-engine's pool (specdec/engine/cache.py, rounded up to whole pages), so the token budget is the
-memory budget: tokens x kv_bytes_per_token in the pool's dtype (the engine plan's kv_dtype).
+min(prompt + max_new_tokens + tree_budget, context), rounded up to whole pages: the slots its
+cache takes from the engine's pool (specdec/engine/cache.py). So the token budget is the memory
+budget: tokens x kv_bytes_per_token in the pool's dtype (the engine plan's kv_dtype).
 """
 from __future__ import annotations
 
@@ -36,30 +36,37 @@ def default_cache_budget(lm, max_sessions: int, memory_fraction: float | None = 
 
 
 class Capacity:
-    def __init__(self, max_sessions: int, max_cached_tokens: int):
+    def __init__(self, max_sessions: int, max_cached_tokens: int, page: int = 1):
+        """page: the cache's slots per page; sessions are admitted in whole pages, within the
+        budget's own pages (so a budget of the context admits a session of the whole context)."""
         self.max_sessions = max_sessions
         self.max_cached_tokens = max_cached_tokens
+        self.page = page
+        self._limit = -(-max_cached_tokens // page) * page
         self.sessions = 0
         self.reserved = 0
         self._lock = threading.Lock()
 
-    def admit(self, need: int) -> None:
-        """Reserves `need` cache tokens for a new session, or raises RESOURCE_EXHAUSTED."""
+    def admit(self, need: int) -> int:
+        """Reserves room for `need` cache tokens, in whole pages, for a new session, or raises
+        RESOURCE_EXHAUSTED. Returns the tokens reserved (for `release`)."""
+        need = -(-need // self.page) * self.page
         with self._lock:
-            if need > self.max_cached_tokens:  # no wait makes room for it here (another replica may be larger)
+            if need > self._limit:  # no wait makes room for it here (another replica may be larger)
                 metrics.CAPACITY_REJECTIONS.labels("cached_tokens").inc()
                 raise RequestError(Refusal.RESOURCE_EXHAUSTED, f"the request needs {need} cache tokens (its prompt, max_new_tokens "
-                                   f"and tree room, within the context), more than this verify service's whole cache "
+                                   f"and tree room, within the context, in whole pages of {self.page}), more than this verify service's whole cache "
                                    f"({self.max_cached_tokens} tokens, --max-cached-tokens); ask for fewer", retry=False)
             if self.sessions >= self.max_sessions:
                 metrics.CAPACITY_REJECTIONS.labels("sessions").inc()
                 raise RequestError(Refusal.RESOURCE_EXHAUSTED, f"verify service is at its limit of {self.max_sessions} sessions; retry later")
-            if self.reserved + need > self.max_cached_tokens:
+            if self.reserved + need > self._limit:
                 metrics.CAPACITY_REJECTIONS.labels("cached_tokens").inc()
                 raise RequestError(Refusal.RESOURCE_EXHAUSTED, f"verify service cache is full ({self.reserved}/{self.max_cached_tokens} tokens reserved, {need} asked); retry later")
             self.sessions += 1
             self.reserved += need
             self._report()
+        return need
 
     def free(self) -> dict[str, int]:
         """What is left to admit (the fields of the Info response's Capacity)."""

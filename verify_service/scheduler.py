@@ -32,7 +32,7 @@ import torch
 
 from specdec import metrics
 from specdec.errors import Refusal, RequestError
-from specdec.engine import PREFILL_CHUNK, KVCache, Tree
+from specdec.engine import PAGE, PREFILL_CHUNK, KVCache, Tree
 from specdec.lm import LM
 from specdec.sampling import Sampling, to_host
 from verify_service.capacity import Capacity, default_cache_budget
@@ -77,7 +77,7 @@ class Scheduler:
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.max_pass_rows = max_pass_rows
         self.max_prefill_rows = max_prefill_rows or (max_pass_rows if lm.device.type == "cpu" else max(max_pass_rows, GPU_PREFILL_ROWS))
-        self.capacity = Capacity(max_sessions, max_cached_tokens or default_cache_budget(lm, max_sessions))
+        self.capacity = Capacity(max_sessions, max_cached_tokens or default_cache_budget(lm, max_sessions), PAGE)
         self.sessions: dict[int, Session] = {}
         self._next_sid = 1
         self._lock = threading.Lock()
@@ -107,12 +107,12 @@ class Scheduler:
         run, and room for a tree of `tree_budget` nodes past its last token (so its last rounds'
         trees keep their width), up to the context limit."""
         need = min(len(prompt_ids) + max_new_tokens + tree_budget, self.lm.max_context)
-        self.capacity.admit(need)
+        held = self.capacity.admit(need)  # in whole pages: the slots its cache holds
         with self._lock:
             sid, self._next_sid = self._next_sid, self._next_sid + 1
             s = Session(sid=sid, request_id=request_id, ids=list(prompt_ids), prompt_len=len(prompt_ids),
                         max_new_tokens=max_new_tokens, sampling=sampling, mode=mode, seed=seed,
-                        cache=self.lm.engine.cache(need), reserved=need)
+                        cache=self.lm.engine.cache(need), reserved=held)
             self.sessions[sid] = s
         return s
 
