@@ -1,5 +1,6 @@
 """Batched verification: correctness, isolation between sessions, capacity and idle limits."""
 import asyncio
+import contextlib
 import random
 import threading
 
@@ -155,6 +156,53 @@ def test_sessions_are_admitted_by_the_pages_their_caches_hold(model_dir):
         eng.close(eng.open([3, 4], odd - 2, **greedy))
     finally:
         eng.shutdown()
+
+
+def test_a_streams_first_step_counts_against_the_passs_prefill_rows(model_dir, monkeypatch):
+    """A target-only stream takes its first step in the pass of its prompt's last chunk: that row
+    counts against --max-prefill-rows with the chunk (it did not, so a burst of short target-only
+    prompts ran passes of twice the bound)."""
+    from specdec.sampling import Sampling
+    from verify_service.scheduler import Scheduler
+
+    lm = LM.load(model_dir("target"), "cpu", "float32")
+    go = threading.Event()
+
+    @contextlib.contextmanager
+    def held():  # the scheduler thread starts once every stream is queued
+        go.wait(60)
+        yield
+
+    eng = Scheduler(lm, max_sessions=200, max_prefill_rows=PREFILL_CHUNK, thread_context=held)  # the least it takes
+    rows, forward = [], lm.engine.forward
+
+    def counted(inputs, *args, **kwargs):
+        rows.append(sum(len(x) for x in inputs))
+        return forward(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(lm.engine, "forward", counted)
+
+    async def burst():
+        sessions = [eng.open([3, 4], 1, Sampling(), 1, pb.PROPOSAL_MODE_GREEDY) for _ in range(200)]
+
+        async def one(s):
+            return [v.next_token async for v in eng.steps(s)]
+
+        tasks = [asyncio.ensure_future(one(s)) for s in sessions]
+        await asyncio.sleep(0.2)
+        go.set()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        finally:
+            for s in sessions:
+                eng.close(s)
+
+    try:
+        got = asyncio.run(burst())
+    finally:
+        eng.shutdown()
+    assert all(len(tokens) == 1 for tokens in got) and len(got) == 200
+    assert rows and max(rows) <= PREFILL_CHUNK, rows  # each stream: its one-token chunk and its first step
 
 
 def test_a_closed_sessions_room_comes_back_with_its_pages(model_dir):

@@ -271,7 +271,9 @@ class Scheduler:
                 batch.append(rounds.pop(0))
             filling, budget = [], max(PREFILL_CHUNK, self.max_prefill_rows - used)  # at least one chunk a pass; more where rows are left
             for j in prefills:
-                n = min(PREFILL_CHUNK, len(j.session.ids) - 1 - j.session.cache.length)
+                left = len(j.session.ids) - 1 - j.session.cache.length
+                n = min(PREFILL_CHUNK, left)
+                n += isinstance(j, Stream) and n == left  # a stream's first step joins its prompt's last chunk (_run)
                 if filling and n > budget:
                     break
                 filling.append(j)
