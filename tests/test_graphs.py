@@ -192,6 +192,69 @@ def test_a_grown_pool_drops_its_graphs_and_passes_stay_right(model_dir):
         h.release()
 
 
+def first_round_on_fresh_pages(eng: Engine, reference) -> None:
+    """A session whose first pass is a round (a one-token prompt: no prefill) on pages past the
+    pool's tensors, beside sessions whose shape has a graph: that pass must grow the pool."""
+    seqs = sessions(11, 3)
+    caches = [KVCache(len(s) + 8) for s in seqs]
+    eng.forward([s[:-1] for s in seqs], caches, logits=False)
+    for _ in range(3):  # the shape's first pass runs eagerly, the second captures, the third replays
+        eng.forward([[s[-1]] for s in seqs], caches, padded=True)
+        for c, s in zip(caches, seqs):
+            c.crop(len(s) - 1)
+    slots = eng.pool.k[0].shape[0]
+    fresh = KVCache(2 * slots)
+    eng.forward([[seqs[0][-1]], [seqs[1][-1]], [3]], [caches[0], caches[1], fresh], padded=True)  # it grows the pool
+    assert eng.pool.k[0].shape[0] >= eng.pool.slots > slots
+    out = eng.forward([[seqs[0][-1]], [seqs[1][-1]], [4]], [caches[0], caches[1], fresh], padded=True)[:, :1]
+    with torch.no_grad():
+        want = reference(torch.tensor([[3, 4]], device=out.device)).logits[0, -1].float()
+    torch.testing.assert_close(out[2, 0], want, atol=2e-5, rtol=1e-4)
+    for c in [*caches, fresh]:
+        c.release()
+
+
+def test_a_graph_is_not_replayed_while_the_pool_must_grow(model_dir, monkeypatch):
+    """A replay runs no Python, so it cannot grow the pool: a pass whose sessions hold pages past
+    the pool's tensors runs eagerly (it replayed, and read and wrote slots past the tensors'
+    end: a device-side assert on CUDA). Here a replay is emulated on the CPU: the captured pass
+    with the pool's tensors as they were at capture."""
+    from specdec.engine import graphs
+    from specdec.engine.cache import Pool
+
+    eng, reference = engine_on(model_dir, "cpu", graphs=None)
+    eng.uniform.graphs = True
+    replays = []
+
+    class Replay:
+        def __init__(self, sh):
+            self.sh = sh
+
+        def replay(self):
+            replays.append(eng.pool.slots)
+            grow = Pool.layer
+            monkeypatch.setattr(Pool, "layer", lambda pool, i, like: (pool.k[i], pool.v[i]))  # as captured: no growing
+            try:
+                self.sh.out = uniform_pass(eng, self.sh.head, self.sh.table)
+            finally:
+                monkeypatch.setattr(Pool, "layer", grow)
+
+    def capture(self, sh):
+        sh.graph = Replay(sh)
+        self.captures += 1
+
+    monkeypatch.setattr(graphs.Uniform, "_capture", capture)
+    first_round_on_fresh_pages(eng, reference)
+    assert eng.uniform.captures >= 1 and replays
+
+
+@CUDA
+def test_a_round_on_fresh_pages_grows_the_pool_before_any_replay(model_dir):
+    eng, reference = engine_on(model_dir, "cuda", graphs=True)
+    first_round_on_fresh_pages(eng, reference)
+    assert eng.uniform.captures >= 1
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="makes a capture fail by asking for one without CUDA")
 def test_a_failed_capture_leaves_the_passes_eager_and_right(model_dir, caplog):
     """A shape's second pass tries a capture; where it fails (here: no CUDA at all) the engine logs

@@ -151,7 +151,7 @@ class Uniform:
                 log.warning("CUDA graph capture failed (%s: %s); passes run eagerly from now on", type(e).__name__, str(e)[:300])
                 self.graphs = False
                 self._drop()
-        if sh.graph is not None:
+        if graphed and sh.graph is not None:  # not while the pool must grow: a replay runs no Python to grow it
             sh.graph.replay()
             out = sh.out
         else:
