@@ -184,6 +184,33 @@ def test_batch_invariance_holds_at_real_widths(dtype, prefill, matmuls, tmp_path
         assert same_cache(alone_kv, kv, len(s))
 
 
+@pytest.mark.parametrize("dtype,matmuls", MATMULS)
+def test_the_heads_rows_are_not_taken_for_the_passs_own(wide_dir, dtype, matmuls):
+    """A pass's first prefill chunk has a matmul product of its own (cpu/rows.py tells the pass's
+    rows by their count); the output layer's rows, picked from the pass's, are not the pass's own
+    even where they are as many: a round of 16 rows and k one-token steps after a chunk of 15 k
+    tokens. Their logits stay bitwise those of the same rounds alone (the head's first rows went
+    through the chunk's product, and differed in the last bits with per-row products)."""
+    torch.set_num_threads(1)
+    lm = load_packed(wide_dir, dtype, matmuls)
+    eng, V, R = lm.engine, lm.vocab_size, 16
+    k = -(-(eng.plan.top + 1) // (R - 1))  # the chunk is longer than the plan's top: it goes first, in its own product
+    r = random.Random(8)
+    ctx = [[r.randrange(3, V) for _ in range(40)] for _ in range(k + 1)]
+
+    def fresh():
+        caches = [eng.cache(64) for _ in ctx]
+        eng.forward([c[:20] for c in ctx], caches, False)
+        return caches
+
+    chunk = [r.randrange(3, V) for _ in range(k * (R - 1))]
+    rounds = [ctx[0][20:20 + R]] + [c[20:21] for c in ctx[1:]]
+    out = eng.forward([chunk, *rounds], [eng.cache(len(chunk)), *fresh()], [False] + [True] * len(rounds), padded=True)
+    alone = eng.forward(rounds, fresh(), padded=True)
+    assert out.shape[0] * out.shape[1] == len(chunk) + R + k  # the head's rows are as many as the pass's
+    assert torch.equal(out, alone), float((out - alone).abs().max())
+
+
 @pytest.mark.parametrize("gain,expect", [(2.0, torch.float32), (1.0, torch.bfloat16)], ids=["float32-attention", "bf16-attention"])
 def test_a_half_precision_model_attends_in_the_dtype_chosen_at_load(wide_dir, gain, expect):
     """On the CPU a bf16 model keeps its cache and attends in float32 where that is ATTN_FLOAT32_GAIN

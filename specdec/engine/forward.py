@@ -107,8 +107,11 @@ class Engine:
         with running(p):
             cache = PassCache(p)
             if keep:
-                # >= pad_to rows for the head too; every row (0): no index to copy to the device
-                rows = 0 if keep == list(range(T)) else torch.tensor(keep + [keep[-1]] * (plan.pad_to - len(keep)), device=device)
+                # >= pad_to rows for the head too; every row (0): no index to copy to the device. cpu/rows.py tells the
+                # pass's own rows (a lead chunk's product first) by their count: picked rows as many as those take one more
+                picked = keep + [keep[-1]] * (plan.pad_to - len(keep))
+                picked += [keep[-1]] * (bool(lead) and len(picked) == T)
+                rows = 0 if keep == list(range(T)) else torch.tensor(picked, device=device)
                 out = model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=rows, **cache_kwargs(model, cache)).logits[0]
             else:
                 model.base_model(input_ids=ids, position_ids=position_ids, use_cache=True, **cache_kwargs(model.base_model, cache))
