@@ -361,8 +361,11 @@ def test_a_target_only_stream_takes_its_first_step_in_its_prompts_last_pass(pack
     async def stepped():  # the Session path: the prefill awaited, then one round per token
         s = eng.open(prompt, 12, Sampling(temperature=temperature), seed=9, mode=pb.PROPOSAL_MODE_GREEDY)
         await eng.prefill(s)
-        while not s.finish:
+        for _ in range(12):  # a token a round: at most 12 rounds
+            if s.finish:
+                break
             await eng.step(s, [], None)
+        assert s.finish
         eng.close(s)
         return s.ids
 
@@ -421,10 +424,13 @@ def test_a_long_target_only_stream_beside_rounds_gives_its_solo_tokens(model_dir
         s = eng.open(short_prompt, 40, Sampling(temperature=0.0), seed=2, mode=pb.PROPOSAL_MODE_GREEDY)
         try:
             await eng.prefill(s)
-            while not s.finish:
+            for _ in range(40):  # at least a token a round: at most 40 rounds
+                if s.finish:
+                    break
                 if started is not None:
                     started.set()  # the stream's prompt goes in while this session runs rounds
                 await eng.step(s, [s.ids[-1]] * 3, None)
+            assert s.finish
             return s.ids[len(short_prompt):]
         finally:
             eng.close(s)

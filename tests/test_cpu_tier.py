@@ -217,15 +217,19 @@ def test_prepacked_matmuls_keep_the_models_numbers_and_its_weights(tied_dir, mon
     assert not prepare(small, prepack=True).plan.prepacked
 
 
+@pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU: nothing is prepacked, so nothing is undone")
 def test_prepacking_is_undone_where_no_row_counts_agree(tied_dir, monkeypatch):
     """If the prepacked GEMMs calibrate to no row counts, the modules go back to their plain
     forwards, so per-row products can be tried."""
-    real = choose.calibrate_rows
+    real, packed = choose.calibrate_rows, choose.prepack_weights
     monkeypatch.setattr(choose, "calibrate_rows", lambda model, seeds=2, **kw: real(model, seeds, **kw) if kw else None)
+    made = []
+    monkeypatch.setattr(choose, "prepack_weights", lambda *args, **kw: made.append(packed(*args, **kw)) or made[-1])
     torch.set_num_threads(1)
     model = LM.load(tied_dir, "cpu", "bfloat16", check=False, prepare_engine=False).model
     plan = prepare(model, prepack=True).plan
-    assert not plan.prepacked
+    assert made and made[0] is not None  # the weights were prepacked ...
+    assert not plan.prepacked  # ... and that was undone
     assert all(p.device.type == "cpu" for p in model.parameters())
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if plan.rows is None:  # per-row products did not calibrate either: the plain modules serve

@@ -129,6 +129,15 @@ def request(drafter: Drafter, max_context: int | None = None, **fields):
     return parse_generate(pb.GenerateRequest(**fields), lm.tokenizer, lm.vocab_size, max_context or lm.max_context)
 
 
+async def until(condition, what: str, timeout_s: float = 30.0) -> None:
+    """Polls `condition` on the event loop until it holds; fails the test after timeout_s."""
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"no {what} within {timeout_s:g} s")
+
+
 async def run(loop: DecodeLoop, call) -> tuple[list[int], int]:
     ids, finish = [], pb.FINISH_REASON_UNSPECIFIED
     async with contextlib.aclosing(loop.rounds(call)) as rounds:
@@ -383,20 +392,15 @@ def test_a_cancelled_round_stops_its_predraft(drafters, model_dir, monkeypatch, 
         g = request(d, prompt_ids=[3, 4, 5], max_new_tokens=40, num_draft_tokens=4)
         loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, predraft=True)
         task = asyncio.create_task(run(loop, Hanging(long_target, d.lm.max_context)))
-        while not controls:
-            await asyncio.sleep(0.01)
+        await until(lambda: controls, "the pre-draft")
         assert not controls[0].is_set()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert d.serving_now == 1 and not ended  # the loop is gone, its pre-draft still steps the model
         release.set()
-        for _ in range(500):
-            if ended and not d.serving_now:
-                break
-            await asyncio.sleep(0.01)
-        assert ended and d.serving_now == 0
-        await asyncio.sleep(0.05)  # the task's own completion, after its thread's
+        await until(lambda: ended and not d.serving_now, "the pre-draft's end")  # its task's done callback (which
+        # takes its error) ends the serving: the task is done here
 
     reported = []
     with asyncio.Runner() as runner:
@@ -427,19 +431,13 @@ def test_a_cancel_during_the_drafts_prefill_stops_it_after_its_chunk(drafters, m
         g = request(d, prompt_ids=[3 + i % 12 for i in range(4 * PREFILL_CHUNK + 1)], max_new_tokens=8)
         loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context)
         task = asyncio.create_task(run(loop, GreedyVerifier(None, d.lm.max_context)))
-        while not chunks:
-            await asyncio.sleep(0.01)
+        await until(lambda: chunks, "the prefill's first chunk")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert d.serving_now == 1  # the loop is gone, its prefill still holds the model
         release.set()
-        for _ in range(500):
-            if not d.serving_now:
-                break
-            await asyncio.sleep(0.01)
-        assert d.serving_now == 0
-        await asyncio.sleep(0.05)
+        await until(lambda: not d.serving_now, "the prefill's end")
 
     reported = []
     with asyncio.Runner() as runner:
@@ -495,8 +493,7 @@ def test_a_cancel_that_lands_as_a_verdict_arrives_ends_the_loop(drafters, model_
         loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, round_timeout_s=30.0)
         verifier = Racing(long_target, d.lm.max_context)
         task = asyncio.create_task(run(loop, verifier))
-        while verifier.held is None:
-            await asyncio.sleep(0.01)
+        await until(lambda: verifier.held is not None, "the first read")
         verifier.held[0].set_result(verifier.held[1])
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -2,7 +2,6 @@
 import json
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -142,14 +141,16 @@ def test_cancelled_stream_frees_the_verify_session_at_once(services):
 
 
 def test_sigterm_drains_running_streams(model_dir):
-    v, d = start_pair(("--model", model_dir("long-target"), "--drain-s", "60"), ("--model", model_dir("long-draft"), "--drain-s", "60"))
+    v, d = start_pair(("--model", model_dir("long-target"), "--drain-s", "60", "--log-level", "INFO"),
+                      ("--model", model_dir("long-draft"), "--drain-s", "60", "--log-level", "INFO"))
     try:
         with Client(d.address, timeout=120) as c:
             it = c.stream(prompt_ids=[3, 4], max_new_tokens=400, num_draft_tokens=1)
             first = next(it)
             d.proc.send_signal(15)
             v.proc.send_signal(15)
-            time.sleep(0.5)
+            draining = lambda svc: any('"msg": "draining"' in line for line in svc.stderr)  # noqa: E731
+            assert wait_for(lambda: draining(d) and draining(v), 30), (d.stderr[-3:], v.stderr[-3:])
             assert d.proc.poll() is None and v.proc.poll() is None  # still draining
             with pytest.raises(grpc.RpcError):  # new requests are refused while draining
                 Client(d.address, timeout=5).generate(prompt_ids=[3], max_new_tokens=2)

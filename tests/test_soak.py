@@ -152,8 +152,9 @@ def test_soak(model_dir):
                   f"threads start {start[name]['threads']} peak {peak[name]['threads']} end {end[name]['threads']}")
 
         assert not res["unexpected"], res["unexpected"][:10]
-        for kind in ("ok", "cancel", "bad"):
+        for kind in ("ok", "cancel", "bad", "target"):
             assert any(k.startswith(kind + ":") for k in res["counts"]), res["counts"]
+        assert res["counts"].get("deadline:DEADLINE_EXCEEDED", 0) >= 1, res["counts"]  # a deadline that cut a request short
         assert res["counts"].get("ok:OK", 0) >= 10
         for name in ("verify", "draft"):
             assert end[name]["threads"] <= start[name]["threads"] + THREAD_SLACK, (name, start[name], end[name])
