@@ -148,9 +148,11 @@ class DraftServicer(pb_grpc.DraftServicer):
                               + (" (it has no tree speculation: send tree_budget 0)" if not self.target.max_tree_budget else ""))
             adaptive = g.adaptive
             costs = await self.costs() if adaptive or (self.draft_fallback and g.proposer != pb.PROPOSER_LOOKUP) else None
-            replicas = self.replicas.ranked()
+            replicas = self.replicas.ranked(self.lm.fingerprint, g.tree_budget)
             if not replicas:
-                raise RequestError(Refusal.UNAVAILABLE, f"no verify replica is known at {self.replicas.target}")
+                raise RequestError(Refusal.UNAVAILABLE, f"no verify replica is known at {self.replicas.target}" + (
+                    f" that serves this draft's vocabulary{' and tree_budget ' + str(g.tree_budget) if g.tree_budget else ''}"
+                    if self.replicas.replicas else ""))
             skip = None  # whether the model's record skips it: decided once per request, not per placement
             retryable = False  # whether a replica refused for now only (full, gone), not for good (too small for it)
             for i, replica in enumerate(replicas):

@@ -242,3 +242,28 @@ def test_a_replica_that_leaves_twice_has_both_channels_closed_once_drained(monke
         await r.close()
 
     asyncio.run(run())
+
+
+def test_a_session_goes_only_to_replicas_whose_info_says_they_serve_it():
+    """During a rolling change of replicas, a session is placed only where the replica's last
+    Info says it serves it: the draft's vocabulary, and a tree of the request's tree_budget (a
+    verifier older than trees would read a tree's nodes as one chain). A replica that has not
+    answered yet stays a candidate."""
+    from draft_service.replicas import Replica, Replicas
+
+    async def run():
+        r = Replicas("a:1,b:1,c:1,d:1", lambda address, authority: grpc.aio.insecure_channel(f"127.0.0.1:{free_port()}"))
+        infos = {"a:1": pb.ModelInfo(vocab_fingerprint="fp", max_tree_budget=64), "b:1": pb.ModelInfo(vocab_fingerprint="fp"),
+                 "c:1": pb.ModelInfo(vocab_fingerprint="other", max_tree_budget=64), "d:1": None}
+        for address, info in infos.items():
+            r.replicas[address] = Replica(address, r.make_channel(address, None), info=info, reachable=info is not None)
+        try:
+            names = lambda *needs: sorted(x.address for x in r.ranked(*needs))  # noqa: E731
+            assert names() == ["a:1", "b:1", "c:1", "d:1"]
+            assert names("fp") == names("fp", 0) == ["a:1", "b:1", "d:1"]
+            assert names("fp", 8) == ["a:1", "d:1"]
+            assert names("fp", 65) == ["d:1"]
+        finally:
+            await r.close()
+
+    asyncio.run(run())
