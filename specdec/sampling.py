@@ -90,12 +90,17 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return x.to(device, non_blocking=True)
 
 
+def wait(device: torch.device) -> None:
+    """Waits for the device's work so far (a no-op on the CPU), with the GIL released: a stream's
+    synchronize releases it, where a bare .tolist() may wait holding it, and the event loop that
+    shares the process would stall for the whole pass."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def to_host(x: torch.Tensor) -> list:
-    """A small device result as Python lists: on CUDA it first waits for the stream with the GIL
-    released (a stream's synchronize does; a bare .tolist() may wait holding it, and the event loop
-    that shares the process would stall for the whole pass)."""
-    if x.is_cuda:
-        torch.cuda.current_stream(x.device).synchronize()
+    """A small device result as Python lists, once the device is done (`wait`)."""
+    wait(x.device)
     return x.tolist()
 
 

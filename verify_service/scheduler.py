@@ -34,7 +34,7 @@ from specdec import metrics
 from specdec.errors import Refusal, RequestError
 from specdec.engine import PAGE, PREFILL_CHUNK, KVCache, Tree
 from specdec.lm import LM
-from specdec.sampling import Sampling, to_host
+from specdec.sampling import Sampling, to_host, wait
 from verify_service.capacity import Capacity, default_cache_budget
 from verify_service.jobs import Job, Prefill, Round, Stream, check, decide, holding, unfilled
 from verify_service.passcost import PassCost, probe
@@ -347,8 +347,7 @@ class Scheduler:
             metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
             self._verdicts(jobs, logits, proposals, t0, (sum(len(x) for x in inputs), len(inputs)))
         elif filling:  # prompt chunks alone: busy time too (pass utilisation, the cost fit, the forward histogram)
-            if self.lm.device.type == "cuda":  # its time once the device is done (no verdicts to wait for)
-                torch.cuda.current_stream(self.lm.device).synchronize()
+            wait(self.lm.device)  # its time once the device is done (no verdicts to wait for)
             self._observed((sum(len(x) for x in inputs), len(inputs)), 0, t0)
         for p in prefills:
             if unfilled(p.session):
