@@ -19,6 +19,8 @@ LIVE_SESSIONS = Gauge("specdec_live_sessions", "Live generation sessions", ["ser
 # verify side
 CACHED_TOKENS = Gauge("specdec_cached_tokens", "Tokens held in target KV caches")
 RESERVED_TOKENS = Gauge("specdec_reserved_tokens", "Cache tokens reserved by admitted sessions")
+CACHE_BUDGET = Gauge("specdec_cache_budget_tokens", "Cache tokens the verify service admits sessions into (--max-cached-tokens, "
+                     "or its share of the memory free at start-up)")
 BATCH_SIZE = Histogram("specdec_verify_batch_size", "Sessions per target forward pass", buckets=(1, 2, 4, 8, 16, 32, 64))
 BATCH_TOKENS = Histogram("specdec_verify_batch_tokens", "Tokens per target forward pass", buckets=(1, 4, 16, 64, 256, 1024, 4096))
 QUEUE_WAIT = Histogram("specdec_verify_queue_wait_seconds", "Time a job waited for the target", buckets=_FAST)

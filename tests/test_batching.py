@@ -110,6 +110,7 @@ def test_capacity_limits_answer_resource_exhausted_and_recover(model_dir):
         text = v.metrics()
         assert metric(text, "specdec_capacity_rejections_total", reason="sessions") == 1
         assert metric(text, "specdec_capacity_rejections_total", reason="cached_tokens") == 2  # not 1 + 5
+        assert metric(text, "specdec_cache_budget_tokens") == 40  # what the KEDA trigger divides by
         d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--metrics-port", "0")
         try:  # through the draft service: it passes the verifier's "no retry" on
             with Client(d.address, retries=4, timeout=60) as c, pytest.raises(grpc.RpcError) as e:

@@ -43,6 +43,7 @@ class Capacity:
         self.max_cached_tokens = max_cached_tokens
         self.page = page
         self._limit = -(-max_cached_tokens // page) * page
+        metrics.CACHE_BUDGET.set(max_cached_tokens)
         self.sessions = 0
         self.reserved = 0
         self._lock = threading.Lock()
