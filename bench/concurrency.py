@@ -40,7 +40,7 @@ async def run_level(drafts: list[str], prompts: list[str], max_new: int, togethe
     clients = [AsyncClient(a, timeout=1800) for a in drafts]
     try:
         async def one(i: int, p: str):
-            r = await clients[i % len(clients)].generate(prompt=p, max_new_tokens=max_new, num_draft_tokens=4)
+            r = await clients[i % len(clients)].generate(prompt=p, max_new_tokens=max_new, num_draft_tokens=4, adaptive=False, predraft=False)
             return len(r.token_ids), r.stats["accepted"]
 
         t0 = time.perf_counter()

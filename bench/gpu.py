@@ -9,7 +9,7 @@ Measures
   * per-round overhead: wall time of a round minus the target's pass;
   * verify batch throughput at 1, 8, 32 and 64 concurrent sessions (tau=4, acceptance alpha=0.8);
   * speculative speed with a synthetic proposer whose acceptance is set exactly (it proposes the
-    engine's own target-only greedy token with probability alpha, else another token), alpha in 0.5/0.7/0.9,
+    engine's own target-only greedy token with probability alpha, else another token), alpha in 0.5/0.8/0.9,
     draft cost zero: the verify side's share of the speed-up;
   * last, after every other stage (`--compiled-baseline`, on by default on cuda only): generate() with a
     static KV cache and torch.compile mode "reduce-overhead" (CUDA graphs), what a user chasing GPU

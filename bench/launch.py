@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -33,6 +34,8 @@ class Service:
         self.http_address: str | None = None  # the draft's OpenAI-compatible API, with --http-port
         self.timeout = timeout
         threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self._stdout: queue.Queue = queue.Queue()  # its stdout's lines, then None at its end: read with a deadline
+        threading.Thread(target=self._drain_stdout, daemon=True).start()
         self.address: str | None = None
         if wait:
             self.wait()
@@ -46,19 +49,26 @@ class Service:
         for line in self.proc.stderr:
             self.stderr.append(line)
 
+    def _drain_stdout(self):
+        for line in self.proc.stdout:
+            self._stdout.put(line)
+        self._stdout.put(None)
+
     def _wait_listening(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
+        while True:
+            try:  # a process that lives on without printing is waited for until the deadline, not forever
+                line = self._stdout.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:  # it ended
+                break
             if line.startswith("metrics on "):
                 self.metrics_address = line.split()[-1]
             if line.startswith("http on "):
                 self.http_address = line.split()[-1]
             if line.startswith("listening on "):
-                threading.Thread(target=self.proc.stdout.read, daemon=True).start()
                 return line.split()[-1]
-            if not line and self.proc.poll() is not None:
-                break
         self.stop()
         raise RuntimeError(f"{self.cmd} did not start: {''.join(self.stderr)[-3000:]}")
 

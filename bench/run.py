@@ -40,22 +40,25 @@ from bench.launch import ENV, ROOT, Service
 
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=1.0, seed=1234)
+# a row named by its tau drafts that tau every round, without pre-drafting, unless its name says otherwise
+# (a request that leaves these unset gets the service's defaults: adaptive tau up to it, pre-drafting on)
+FIXED = dict(adaptive=False, predraft=False)
 
 
 def spec_configs(quick: bool) -> list[tuple[str, dict]]:
     taus = [1, 2, 4] if quick else list(range(1, 9))
     out = [("target-only", dict(target_only=True, **GREEDY))]
-    out += [(f"spec tau={t}", dict(num_draft_tokens=t, **GREEDY)) for t in taus]
+    out += [(f"spec tau={t}", dict(num_draft_tokens=t, **FIXED, **GREEDY)) for t in taus]
     out += [
-        ("spec adaptive (tau<=8)", dict(num_draft_tokens=8, adaptive=True, **GREEDY)),
-        ("spec tau=4 predraft", dict(num_draft_tokens=4, predraft=True, **GREEDY)),
+        ("spec adaptive (tau<=8)", dict(num_draft_tokens=8, adaptive=True, predraft=False, **GREEDY)),
+        ("spec tau=4 predraft", dict(num_draft_tokens=4, adaptive=False, predraft=True, **GREEDY)),
         ("spec adaptive predraft", dict(num_draft_tokens=8, adaptive=True, predraft=True, **GREEDY)),
-        ("prompt lookup tau=8", dict(num_draft_tokens=8, proposer="lookup", **GREEDY)),
-        ("hybrid lookup+draft tau=4", dict(num_draft_tokens=4, proposer="hybrid", **GREEDY)),
+        ("prompt lookup tau=8", dict(num_draft_tokens=8, proposer="lookup", **FIXED, **GREEDY)),
+        ("hybrid lookup+draft tau=4", dict(num_draft_tokens=4, proposer="hybrid", **FIXED, **GREEDY)),
         ("T=1 target-only", dict(target_only=True, **SAMPLED)),
-        ("T=1 sparse tau=4", dict(num_draft_tokens=4, proposal_mode="sparse", **SAMPLED)),
-        ("T=1 dense tau=4", dict(num_draft_tokens=4, proposal_mode="dense", **SAMPLED)),
-        ("T=1 ids-only tau=4", dict(num_draft_tokens=4, proposal_mode="greedy", **SAMPLED)),
+        ("T=1 sparse tau=4", dict(num_draft_tokens=4, proposal_mode="sparse", **FIXED, **SAMPLED)),
+        ("T=1 dense tau=4", dict(num_draft_tokens=4, proposal_mode="dense", **FIXED, **SAMPLED)),
+        ("T=1 ids-only tau=4", dict(num_draft_tokens=4, proposal_mode="greedy", **FIXED, **SAMPLED)),
     ]
     return out
 
@@ -65,7 +68,7 @@ def measure(draft_addr: str, verify_addr: str, prompts: list[str], max_new: int,
     params = dict(params)
     target_only = params.pop("target_only", False)
     tot = dict(tokens=0, wall_s=0.0, rounds=0, drafted=0, accepted=0, draft_s=0.0, verify_s=0.0, verify_forward_s=0.0,
-               predraft_hits=0, lookup_rounds=0, rounds_fully_accepted=0, ids=[])
+               predraft_hits=0, lookup_rounds=0, target_only_rounds=0, rounds_fully_accepted=0, ids=[])
     with Client(verify_addr if target_only else draft_addr, target_only=target_only, timeout=900) as c:
         c.generate(prompt=prompts[0], max_new_tokens=4, **params)  # warm-up
         for p in prompts:
@@ -74,7 +77,8 @@ def measure(draft_addr: str, verify_addr: str, prompts: list[str], max_new: int,
             tot["tokens"] += len(r.token_ids)
             tot["wall_s"] += s["wall_s"]
             tot["ids"].append(r.token_ids)
-            for k in ("rounds", "drafted", "accepted", "draft_s", "verify_s", "verify_forward_s", "predraft_hits", "lookup_rounds"):
+            for k in ("rounds", "drafted", "accepted", "draft_s", "verify_s", "verify_forward_s", "predraft_hits", "lookup_rounds",
+                      "target_only_rounds"):
                 tot[k] += s.get(k, 0)
             app = s.get("accepted_per_position") or [0]
             tot["rounds_fully_accepted"] += app[min(len(app), params.get("num_draft_tokens", 1)) - 1] if s.get("drafted") else 0
@@ -99,9 +103,10 @@ def hf_anchor(target, draft, tok, prompts: list[str], max_new: int, kind: str) -
 
 
 def alpha_from(rows: list[dict]) -> float:
-    """Per-position acceptance: accepted / (accepted + rounds with a rejection), pooled."""
+    """Per-position acceptance: accepted / (accepted + rounds with a rejection), pooled; rounds
+    without proposals (a fallback, the last token) are neither."""
     acc = sum(r["accepted"] for r in rows)
-    rej = sum(r["rounds"] - r["rounds_fully_accepted"] for r in rows)
+    rej = sum(r["rounds"] - r.get("target_only_rounds", 0) - r["rounds_fully_accepted"] for r in rows)
     return acc / (acc + rej) if acc + rej else 0.0
 
 
@@ -127,7 +132,7 @@ def rtt_section(a, prompts, max_new: int, t_target: float, bar) -> list[dict]:
             upstream = proxy.stdout.readline().split()[-1]
             draft = Service("draft_service", "--model", a.draft, "--verify", upstream, "--threads", "1", env=env, prefix=in_d)
             for predraft in (False, True):
-                cfg = dict(num_draft_tokens=4, predraft=predraft, **GREEDY)
+                cfg = dict(num_draft_tokens=4, adaptive=False, predraft=predraft, **GREEDY)
                 # the client runs on the draft host: `python -m bench.run measure` inside its namespace
                 out = subprocess.run([*in_d, sys.executable, "-m", "bench.run", "measure", "--server", draft.address,
                                       "--max-new-tokens", str(max_new), "--params", json.dumps(cfg), "--prompts-json", json.dumps(prompts)],
