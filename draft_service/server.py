@@ -161,7 +161,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                                   predraft=g.predraft, goodput=self.goodput,
                                   round_timeout_s=self.round_timeout_s, skip=skip, run_tokens=self.run_tokens)
                 skip = loop.skipped
-                out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
+                out = Chunks(self.lm.tokenizer, g.stop, g.request_id, g.prompt_ids)
                 started = False
                 replica.open += 1
                 try:

@@ -1,6 +1,8 @@
 """Turns generated token ids into streamed text: incremental detokenization that never emits
-half a multi-byte character, and stop strings (the stop string itself is not emitted); and into
-the GenerateResponse chunks both services stream."""
+half a multi-byte character (each character as soon as its last byte is in, even where a token
+ends inside the next one), after the prompt's last ids (so a first token keeps its leading
+space), and stop strings (the stop string itself is not emitted); and into the GenerateResponse
+chunks both services stream."""
 from __future__ import annotations
 
 import time
@@ -8,26 +10,39 @@ import time
 from specdec.v1 import specdec_pb2 as pb
 
 
+CONTEXT = 4  # prompt ids a stream decodes its first tokens after: a SentencePiece (Metaspace) decode drops a first token's space
+
+
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, context: list[int] | None = None):
+        """context: the prompt's ids; its last CONTEXT are decoded before the first generated ids (not emitted)."""
         self.tok = tokenizer
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars that may start a stop
-        self.ids: list[int] = []
-        self.text = ""  # decoded text of self.ids (complete characters only)
+        self.ids: list[int] = list((context or [])[-CONTEXT:])  # the context, then the generated ids
+        if self.ids and self._decode(self.ids).endswith("\ufffd"):
+            self.ids = []  # a prompt that ends inside a character is no context
+        self.base = ""  # decoded text of the generated ids up to `read`
+        self.text = ""  # base, and the complete characters after it: what a stop is looked for in
         self.sent = 0  # chars of self.text already emitted
         self.prefix = 0  # ids[prefix:read] were decoded last time: the context for the next delta
-        self.read = 0
+        self.read = len(self.ids)
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def _advance(self) -> None:
+    def _delta(self) -> str:
+        """The decoded text of ids[read:], in the context of ids[prefix:read]."""
         before = self._decode(self.ids[self.prefix : self.read])
-        after = self._decode(self.ids[self.prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before) :]
+        return self._decode(self.ids[self.prefix :])[len(before) :]
+
+    def _advance(self) -> None:
+        delta = self._delta()
+        if delta.endswith("\ufffd"):  # the last id ends inside a character: the complete ones before it count already
+            self.text = self.base + delta.rstrip("\ufffd")
+        elif delta:
+            self.base = self.text = self.base + delta
             self.prefix, self.read = self.read, len(self.ids)
 
     def push(self, ids: list[int]) -> tuple[list[int], str]:
@@ -51,7 +66,10 @@ class TextStream:
         return kept, self._take(limit)
 
     def finish(self) -> str:
-        """Everything not yet emitted (call once the sequence has ended)."""
+        """Everything not yet emitted (call once the sequence has ended): the text is then the ids'
+        whole decode, a character the ids end inside of included (as U+FFFD, as decode gives it)."""
+        if not self.stopped:
+            self.text = self.base + self._delta()
         return self._take(len(self.text))
 
     def _take(self, limit: int) -> str:
@@ -65,8 +83,8 @@ class Chunks:
     """The GenerateResponse stream of one request: `push()` the tokens each step commits with the
     model's finish reason; it answers the chunk to send (or None) and the final finish reason."""
 
-    def __init__(self, tokenizer, stop: list[str], request_id: str):
-        self.text = TextStream(tokenizer, stop)
+    def __init__(self, tokenizer, stop: list[str], request_id: str, context: list[int] | None = None):
+        self.text = TextStream(tokenizer, stop, context)
         self.request_id = request_id
         self.generated = 0
         self._first = True

@@ -55,3 +55,55 @@ def test_special_tokens_are_not_in_the_text(tok):
     s = TextStream(tok)
     _, text = s.push(tok("ok")["input_ids"] + [tok.eos_token_id])
     assert text + s.finish() == "ok"
+
+
+def test_a_stream_that_ends_inside_a_character_loses_nothing(tok):
+    """Byte-level tokens may end inside a character, even over several tokens in a row. Each
+    complete character counts as soon as its last byte is in, and a stream that ends at any id
+    gives the ids' whole decode (a character cut off at the end as U+FFFD, as decode gives it):
+    the complete characters after the last token that ended on a character boundary were lost."""
+    ids = tok(TEXT)["input_ids"]
+    cut = 0
+    for k in range(1, len(ids) + 1):
+        s = TextStream(tok)
+        text = "".join(s.push([t])[1] for t in ids[:k]) + s.finish()
+        assert text == tok.decode(ids[:k]), k
+        cut += tok.decode(ids[:k]).endswith("\ufffd")
+    assert cut  # the text has tokens that end inside a character
+
+
+def test_a_stop_string_is_found_as_soon_as_its_last_character_is_in(tok):
+    """The ids kept end at the one that completes the stop string: none lies wholly after it, and
+    a stream that ends right there has stopped (where a token ended inside the next character,
+    the stop was found late, or at the end not at all)."""
+    ids = tok(TEXT)["input_ids"]
+    for i in range(len(TEXT) - 1):
+        stop = TEXT[i : i + 2]
+        if stop.strip() != stop or TEXT.find(stop) != i:
+            continue
+        s = TextStream(tok, stop=[stop])
+        kept = []
+        for t in ids:
+            kept += s.push([t])[0]
+            if s.stopped:
+                break
+        assert s.stopped, stop
+        assert stop in tok.decode(kept) and stop not in tok.decode(kept[:-1]).rstrip("\ufffd"), (stop, kept)
+
+
+def test_the_first_token_keeps_its_leading_space_after_the_prompt():
+    """A SentencePiece-style (Metaspace) decode drops a first token's leading space: the stream
+    decodes its first ids after the prompt's last ones, so the completion joins the prompt as the
+    whole decode does ("is Paris.", not "isParis.")."""
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    t.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    t.train_from_iterator(["The capital of France is Paris. The capital of Japan is Tokyo."] * 5,
+                          trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<eos>"]))
+    sp = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", unk_token="<unk>")
+    prompt = sp("The capital of France is")["input_ids"]
+    full = sp("The capital of France is Paris.")["input_ids"]
+    assert full[: len(prompt)] == prompt
+    s = TextStream(sp, context=prompt)
+    text = s.push(full[len(prompt):])[1] + s.finish()
+    assert text == " Paris." and sp.decode(prompt) + text == sp.decode(full)

@@ -152,7 +152,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             g = await validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
             s = self.engine.open(g.prompt_ids, g.max_new_tokens, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY, g.request_id)
             stats = pb.Stats(prompt_tokens=len(g.prompt_ids))
-            out = Chunks(self.lm.tokenizer, g.stop, g.request_id)
+            out = Chunks(self.lm.tokenizer, g.stop, g.request_id, g.prompt_ids)
             t1 = time.perf_counter()
             async for v in self.engine.steps(s):  # the prefill, then no proposals: the next token only
                 stats.verify_s += time.perf_counter() - t1
