@@ -220,8 +220,9 @@ class DecodeLoop:
                 ahead_ok = self.predraft and not (self.pace and self.drafter.shared())
                 if ctl:
                     ctl.predraft = ahead_ok  # the costs tau is chosen by: draft steps hidden or not
-                if self.judge:
-                    self.judge.predraft = ahead_ok  # and those the model is judged by
+                if self.judge:  # and those the model is judged by; at fixed tau a seeded sampled request's judge
+                    # weighs no overlap, so its decisions, and its tokens, are the same with pre-drafting on and off (§3)
+                    self.judge.predraft = ahead_ok and not (ctl is None and self.params.seeded and not self.params.sampling.greedy)
                 tau = ctl.choose() if ctl else self.params.tau
                 if self.judge and not self.judge.accepted:
                     tau = min(tau, 1)  # no proposal of the model accepted yet: gather the judge's evidence cheaply

@@ -41,7 +41,7 @@ def _sampled_rows(p: torch.Tensor, tokens: torch.Tensor, tau: torch.Tensor, q: t
     live = torch.arange(T, device=tokens.device) < tau[:, None]  # [B, T]
     px = p[:, :T].gather(2, tokens[:, :, None]).squeeze(2).double()  # [B, T]
     qx = q.gather(2, tokens[:, :, None]).squeeze(2).double()  # [B, T]
-    ok = live & (qx > 0) & (u[:, :T] * qx <= px)  # [B, T]: u <= p/q without dividing
+    ok = live & (qx > 0) & (u[:, :T] * qx < px)  # [B, T]: u < p/q without dividing (a token the target gives no mass: never)
     n = ok.long().cumprod(1).sum(1)  # [B] accepted prefix
     rows = torch.arange(p.shape[0], device=p.device)  # [B]
     pn = p[rows, n].double()  # [B, V]
@@ -172,7 +172,7 @@ def accept_tree(logits: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor
             x = tok_row[b, c]  # [M]
             pr, qc = p[b, r], qrow[b, c].double()  # [M, V]
             px, qx = pr.gather(1, x[:, None]).squeeze(1), qc.gather(1, x[:, None]).squeeze(1)
-            take = try_ & (qx > 0) & (u[b, c - 1] * qx <= px)
+            take = try_ & (qx > 0) & (u[b, c - 1] * qx < px)  # as the chain rule
             chosen[b, r] = torch.where(take, c, chosen[b, r])
             rest = (pr - qc).clamp_(min=0)
             total = rest.sum(-1, keepdim=True)

@@ -166,4 +166,6 @@ def decode_round(r: pb.Round, *, expected: int, room: int, vocab_size: int, mode
         raise invalid(f"round.q_probs: each position must sum to 1 (got {sums.tolist()})")
     if tau and not (q[torch.arange(tau), tokens] > 0).all():
         raise invalid("round.q_probs: a proposed token has no probability in its q (it cannot have been sampled from it)")
+    if not greedy and tau:  # the rule is exact for the q a token was drawn from: a draw from a row divides by its sum
+        q = q / sums[:, None]
     return tokens.to(device), None if greedy else q.to(device)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+FLOAT_MAX = torch.finfo(torch.float32).max
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -36,7 +38,7 @@ def probs_from_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     if s.greedy:
         # first index on ties, as torch.argmax
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / s.temperature
+    logits = (logits / s.temperature).clamp(max=FLOAT_MAX)  # an overflowed (+inf) logit: all the mass, not a NaN row
     if 0 < s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -65,7 +67,7 @@ def probs_from_logits_rows(logits: torch.Tensor, temperature: torch.Tensor, top_
     use_k = (top_k > 0) & (top_k < V)  # [N]
     use_p = top_p < 1.0  # [N]
     t = to_device(torch.where(greedy, 1.0, temperature).float(), dev)  # [N]
-    x = logits / t[:, None]  # [N, V]
+    x = (logits / t[:, None]).clamp(max=FLOAT_MAX)  # [N, V]; as probs_from_logits
     if use_k.any():
         k = torch.where(use_k, top_k, 1)  # [N]
         kth = torch.topk(x, int(k.max()), dim=-1).values.gather(1, to_device(k - 1, dev)[:, None])  # [N, 1] the k-th largest
@@ -163,5 +165,8 @@ def sample_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, seed: int, position: int, purpose: int) -> int:
     """One draw from probs [V] with the keyed uniform at (seed, position, purpose, 0) (a host
-    sync: draft side)."""
-    return int(sample_with(probs, keyed_uniforms(seed, position, purpose, 0, device=probs.device)))
+    sync: draft side). Raises ValueError where probs has no mass to draw from (NaN logits)."""
+    t = int(sample_with(probs, keyed_uniforms(seed, position, purpose, 0, device=probs.device)))
+    if t >= probs.shape[-1]:
+        raise ValueError("the model's probabilities have no mass to draw from (its logits are not finite)")
+    return t

@@ -231,3 +231,14 @@ def test_the_same_session_gets_the_same_verdict_in_any_batch():
     alone = [_batch_verdicts([x])[0] for x in sessions]
     assert _batch_verdicts(sessions) == alone
     assert _batch_verdicts(sessions[::-1]) == alone[::-1]
+
+
+def test_a_token_the_target_gives_no_mass_is_never_accepted():
+    """The rule accepts x when u < p(x)/q(x); at u = 0 (a keyed uniform's 53 bits all zero, once
+    in 2^53 draws) `u q <= p` accepted a token the target's top-k or top-p had filtered out."""
+    from specdec.acceptance import accept
+
+    p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25] * 4])
+    q = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    n, nxt = accept(p, torch.tensor([0]), q, torch.tensor([0.0, 0.5], dtype=torch.float64))
+    assert int(n) == 0 and int(nxt) in (1, 2)  # (the tree rule's sibling steps compare the same way)

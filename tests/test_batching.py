@@ -500,3 +500,39 @@ def test_a_pass_hands_its_verdicts_to_the_event_loop_in_one_call(packed, monkeyp
     assert all(len(v) == 3 for v in verdicts) and tokens == ids[3:] and tokens
     assert all(wakes) and len(wakes) == len(passes)  # one hand-off a pass, from the scheduler thread
     assert len(passes) < 6 * 3 + len(tokens)  # sessions shared passes: fewer hand-offs than verdicts
+
+
+def test_a_target_whose_logits_are_not_finite_fails_the_session_not_the_service(model_dir, monkeypatch):
+    """NaN logits leave a sampled session's draw nothing to draw from: it came out as token V, one
+    past the vocabulary, was committed, and the next pass indexed the embeddings with it (on CUDA a
+    device-side assert, for every session). The session fails with INTERNAL, its sequence as it was."""
+    from specdec.errors import Refusal, RequestError
+    from specdec.sampling import Sampling
+    from verify_service.scheduler import Scheduler
+
+    lm = LM.load(model_dir("target"), "cpu", "float32")
+    eng = Scheduler(lm, max_sessions=2)
+    forward = lm.engine.forward
+    def broken(*args, **kwargs):  # the model's pass, its logits NaN (as an overflow in half precision leaves them)
+        out = forward(*args, **kwargs)
+        return torch.full_like(out, float("nan")) if torch.is_tensor(out) else [None if x is None else torch.full_like(x, float("nan"))
+                                                                               for x in out]
+
+    monkeypatch.setattr(lm.engine, "forward", broken)
+
+    async def run():
+        s = eng.open([3, 4, 5], 8, Sampling(temperature=1.0), seed=3, mode=pb.PROPOSAL_MODE_SPARSE)
+        try:
+            await eng.prefill(s)
+            ids = list(s.ids)
+            with pytest.raises(RequestError) as e:
+                await eng.step(s, [], None)
+            return e.value, ids, list(s.ids)
+        finally:
+            eng.close(s)
+
+    try:
+        err, before, after = asyncio.run(run())
+    finally:
+        eng.shutdown()
+    assert err.kind == Refusal.INTERNAL and "not finite" in str(err) and after == before

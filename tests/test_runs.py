@@ -480,3 +480,25 @@ def test_the_fallback_judge_counts_no_predraft_overlap_for_a_session_that_cannot
         decode.RECORDS.clear()
     assert loop.judge.predraft is False and loop.fallen_back
     assert loop.summary().predraft_hits == loop.summary().predraft_misses == 0  # no pre-draft was made
+
+
+def test_a_seeded_sampled_request_at_fixed_tau_is_judged_alike_with_pre_drafting_on_and_off(model_dir):
+    """DESIGN §3: at fixed tau a seeded sampled request gives the same tokens with pre-drafting on
+    and off. The fallback judge (costs pinned: it judges seeded requests then) weighed the overlap
+    a pre-draft gives, so with the same verdicts it kept the model two rounds longer with
+    pre-drafting on, and a round with proposals and a target-only step are different draws."""
+    from draft_service import decode
+
+    lm = LM.load(model_dir("draft"), "cpu", "float32")
+    script = [1, 0, 2, 0, 0, 1] + [0] * 60  # proposals accepted in round k (at most what it sent)
+    sent = {}
+    for predraft in (False, True):
+        decode.RECORDS.clear()
+        g = dataclasses.replace(params(40, temperature=1.0, seeded=True), mode=pb.PROPOSAL_MODE_SPARSE, predraft=predraft)
+        loop = DecodeLoop(Drafter(lm), g, lm.fingerprint, lm.max_context, fallback=Costs(0.002, 0.005, 0.0005), predraft=predraft)
+        v = ScriptedVerifier(model_dir("draft"), 40, accept=lambda k, tokens: script[k - 1])
+        _loop_run(loop, v)
+        sent[predraft] = v.sent
+    decode.RECORDS.clear()
+    assert sent[False] == sent[True], sent
+    assert sent[False] == [("round", 1)] + [("round", 4)] * 4 + [("run", 40 - 8)]  # it drafted 8 tokens, then fell back

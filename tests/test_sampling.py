@@ -125,3 +125,21 @@ def test_keyed_uniform_does_not_depend_on_its_batch():
     grid = keyed_uniforms(seeds[:, None], positions[:, None], VERIFY, torch.arange(9))  # [64, 9]: a round's uniforms
     assert torch.equal(grid.gather(1, index[:, None]).squeeze(1), batch)
     assert float(keyed_uniforms(2**64 - 5, 1, DRAFT, 0)) == float(keyed_uniforms(torch.tensor([int64(2**64 - 5)]), 1, DRAFT, 0)[0])
+
+
+def test_an_overflowed_logit_takes_the_mass_and_no_draw_falls_outside_the_vocabulary():
+    """A +inf logit (an overflow in half precision) made the whole row NaN, and a draw from it
+    token V, one past the vocabulary. It now takes all the mass (shared with any other +inf),
+    in both transforms alike; a row with no mass at all (NaN logits) is an error on the draft's
+    side, where a draw used to come out as V."""
+    from specdec.sampling import sample
+
+    logits = torch.tensor([[1.0, float("inf"), 0.5, -1.0, float("-inf"), 0.0], [float("inf"), 2.0, float("inf"), 0, 0, 0]])
+    for s in (Sampling(1.0), Sampling(0.7, 3, 0.9)):
+        rows = probs_from_logits_rows(logits, torch.full((2,), s.temperature), torch.full((2,), s.top_k), torch.full((2,), s.top_p))
+        assert torch.equal(rows, probs_from_logits(logits, s))
+        assert torch.equal(rows[0], torch.tensor([0, 1.0, 0, 0, 0, 0])) and torch.equal(rows[1], torch.tensor([0.5, 0, 0.5, 0, 0, 0]))
+        assert sample(rows[0], 7, 3, DRAFT) == 1
+    nan = probs_from_logits(torch.tensor([1.0, float("nan"), 0.0]), Sampling(1.0))
+    with pytest.raises(ValueError, match="not finite"):
+        sample(nan, 7, 3, DRAFT)

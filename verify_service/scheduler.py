@@ -395,6 +395,8 @@ class Scheduler:
         for j, n, nxt, path in done:
             s = j.session
             try:
+                if not 0 <= nxt < self.lm.vocab_size:  # a NaN row's draw: never into the sequence (the next pass would index with it)
+                    raise RequestError(Refusal.INTERNAL, "the target's logits at this position are not finite: no token can be drawn")
                 accepted = [j.tokens[i] for i in path] if path is not None else j.tokens[:n]
                 v = commit(s, accepted + [nxt], n, self.lm.eos, self.lm.max_context)
                 v.path = None if path is None else path[: v.num_accepted]  # cut where the sequence ended (EOS, a limit)
