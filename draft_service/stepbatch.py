@@ -83,7 +83,8 @@ class StepBatcher:
         try:
             # a tree's nodes through the tree mask: the draft's numbers need no chain equality (any q it sends is exact)
             outs = self.engine.forward([s.tokens for s in steps], [s.cache for s in steps], [s.logits for s in steps],
-                                       trees=[s.tree for s in steps], tree_paths=False)
+                                       trees=[s.tree for s in steps], tree_paths=False,
+                                       last=[s.tree is None for s in steps])  # a chain's step needs its last row's logits only
             for s, o in zip(steps, outs):
                 s.result = None if o is None else o if s.tree is not None else o[-1]
         except BaseException as e:  # noqa: BLE001 - handed to the waiting sessions, so none waits for ever

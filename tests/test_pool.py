@@ -265,3 +265,26 @@ def test_a_cache_takes_consecutive_pages_where_the_pool_has_them():
     assert d.pages == [3, 10, 11]
     held = [p for x in (b, d, e, f) for p in x.pages]
     assert len(held) == len(set(held))
+
+
+@pytest.mark.parametrize("dtype,matmuls", MATMULS[:1] + MATMULS[2:3])
+def test_an_input_asking_for_its_last_rows_logits_gets_them_bitwise_and_alone(wide_dir, dtype, matmuls):
+    """The draft's feeds need the logits after their last token only: `last` runs the output
+    layer over that row (it ran over every fed row, a catch-up of 200 tokens included), with the
+    numbers the whole input's logits give it."""
+    torch.set_num_threads(1)
+    lm = load_packed(wide_dir, dtype, matmuls)
+    eng, V = lm.engine, lm.vocab_size
+    r = random.Random(3)
+    seqs = [[r.randrange(3, V) for _ in range(n)] for n in (60, 7, 1)]
+    head_rows = []
+    hook = lm.model.get_output_embeddings().register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[-2]))
+    try:
+        whole = eng.forward(seqs, [eng.cache(64) for _ in seqs])
+        head_rows.clear()
+        lasts = eng.forward(seqs, [eng.cache(64) for _ in seqs], last=[True, False, True])
+    finally:
+        hook.remove()
+    assert head_rows[0] < sum(map(len, seqs)) and head_rows[0] >= 1 + 7 + 1
+    assert lasts[0].shape == (1, V) and lasts[1].shape == (7, V) and lasts[2].shape == (1, V)
+    assert torch.equal(lasts[0][0], whole[0][-1]) and torch.equal(lasts[1], whole[1]) and torch.equal(lasts[2][0], whole[2][-1])

@@ -52,7 +52,7 @@ class Engine:
     @torch.inference_mode()
     def forward(self, inputs: list[list[int]], caches: list[KVCache], logits: bool | list[bool] = True,
                 padded: bool = False, trees: list[Tree | None] | None = None,
-                tree_paths: bool = True) -> list[torch.Tensor | None] | torch.Tensor:
+                tree_paths: bool = True, last: list[bool] | None = None) -> list[torch.Tensor | None] | torch.Tensor:
         """Runs inputs[i] after caches[i] for every i in one pass, writing the new keys and values in
         place. Returns, per input, its logits [n_i, V] (float32, on the model's device) where
         logits (or logits[i]) is true, else None; with `padded`, one tensor [K, R, V] for the K inputs
@@ -62,14 +62,17 @@ class Engine:
         input i the last len(inputs[i]) nodes of that tree: each attends its ancestors only, at its
         branch's positions (such a pass never runs in the uniform shapes); on the CPU each node's logits
         are bitwise its branch's chain pass's unless tree_paths is False (the tree mask instead: the
-        same numbers alone or batched, cheaper, to float rounding of the chain's; the draft's choice)."""
+        same numbers alone or batched, cheaper, to float rounding of the chain's; the draft's choice).
+        last[i] (not with `padded`): input i's logits are its last row's only, [1, V] (the output
+        layer over one row, not n_i: the draft's feeds)."""
         model, device, plan = self.model, self.device, self.plan
         want = [logits] * len(inputs) if isinstance(logits, bool) else list(logits)
+        last = list(last) if last is not None and not padded else [False] * len(inputs)
         # A prefill chunk longer than the plan's top (its keys and values only) goes first, in one
         # matmul product of its own: its numbers then depend on the chunk alone (cpu/rows.py).
         own = {i for i, x in enumerate(inputs) if plan.top is not None and not want[i] and len(x) > plan.top}
         order = sorted(range(len(inputs)), key=lambda i: i not in own)
-        inputs, caches, want = [inputs[i] for i in order], [caches[i] for i in order], [want[i] for i in order]
+        inputs, caches, want, last = [inputs[i] for i in order], [caches[i] for i in order], [want[i] for i in order], [last[i] for i in order]
         trees = [trees[i] for i in order] if trees and any(t is not None for t in trees) else None
         counts = [len(x) for x in inputs]
         starts, ends = [], {}  # a cache may take two inputs (a prompt's last chunk, then a step): the second starts after the first
@@ -102,7 +105,9 @@ class Engine:
         at = {i: k for k, i in enumerate(order)}  # caller's index -> the pass's
         callers = [i for i in range(len(order)) if want[at[i]]]  # the inputs with logits, in the callers' order
         R = max((counts[at[i]] for i in callers), default=0) if padded else 0
-        keep = [offsets[at[i]] + min(j, counts[at[i]] - 1) for i in callers for j in range(R or counts[at[i]])]  # the head's rows
+        rows_of = [R or (1 if last[at[i]] else counts[at[i]]) for i in callers]  # each caller's rows of logits
+        keep = [offsets[at[i]] + (counts[at[i]] - 1 if last[at[i]] and not R else min(j, counts[at[i]] - 1))
+                for i, k in zip(callers, rows_of) for j in range(k)]  # the head's rows
         p = layout(self.pool, caches, counts, starts, offsets, T, lead, plan.per_query, trees, tree_paths)
         with running(p):
             cache = PassCache(p)
@@ -121,8 +126,7 @@ class Engine:
             return out[: len(keep)].view(len(callers), R, -1).float() if keep else torch.empty(0, 0, 0, device=device)
         res: list[torch.Tensor | None] = [None] * len(inputs)
         row = 0
-        for i in callers:  # back to the callers' order
-            n = counts[at[i]]
+        for i, n in zip(callers, rows_of):  # back to the callers' order
             res[i] = out[row : row + n].float()
             row += n
         return res
