@@ -112,11 +112,21 @@ class _Call:
     def received(self, msg) -> None:
         if isinstance(msg, pb.GenerateRequest):
             if not self.request_id:
-                self.request_id = msg.request_id or uuid.uuid4().hex
-                msg.request_id = self.request_id  # the handler and the next hop use the same id
+                self.request_id = self._adopt(msg.request_id) or uuid.uuid4().hex
+                if not msg.request_id:
+                    msg.request_id = self.request_id  # the handler and the next hop use the same id
         elif isinstance(msg, pb.VerifyRequest) and msg.WhichOneof("kind") == "start":
-            self.request_id = self.request_id or msg.start.request_id
+            self.request_id = self.request_id or self._adopt(msg.start.request_id)
             self.fields["prompt_tokens"] = len(msg.start.prompt_ids)
+
+    def _adopt(self, rid: str) -> str:
+        """A request id from a message, if valid. A bad one (validation refuses the request) is
+        never logged, as a bad header is not: it may be huge or unprintable, and come before the
+        caller's token is checked; its length is."""
+        if rid and not valid_request_id(rid):
+            self.fields["bad_request_id_chars"] = len(rid)
+            return ""
+        return rid
 
     def sent(self, msg) -> None:
         if isinstance(msg, pb.GenerateResponse):

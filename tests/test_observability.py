@@ -7,6 +7,8 @@ import pytest
 from bench.launch import Service, service_pair, start_pair
 from client import Client, make_request
 from helpers import json_log_lines, metric, wait_for
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +173,26 @@ def test_the_serving_line_says_how_long_the_start_up_took(model_dir):
         assert 0 < line["startup_s"] <= waited + 0.5, (line, waited)  # the process's age: less than it took to start it
     finally:
         v.stop()
+
+
+def test_a_bad_request_id_field_is_refused_and_never_logged(pair):
+    """A GenerateRequest.request_id (or SessionStart.request_id) that is not a valid id is refused
+    by validation, and the request's log line carries a fresh id and the bad one's length, never
+    the value itself (it was logged whole, before the caller's token was checked: 100 KB of it,
+    newlines included)."""
+    v, d = pair
+    rid = "EVIL\n" + "x" * 20_000
+    bad = '"bad_request_id_chars": 20005'
+    for svc, stub in ((d, pb_grpc.DraftStub), (v, pb_grpc.VerifyStub)):
+        with grpc.insecure_channel(svc.address) as ch, pytest.raises(grpc.RpcError) as e:
+            list(stub(ch).Generate(pb.GenerateRequest(prompt_ids=[3, 4], max_new_tokens=4, request_id=rid), timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+        assert wait_for(lambda: any(bad in line and "request done" in line for line in svc.stderr), 10), svc.stderr[-3:]
+    with grpc.insecure_channel(v.address) as ch:
+        fp = pb_grpc.VerifyStub(ch).Info(pb.InfoRequest(), timeout=60).vocab_fingerprint
+        start = pb.SessionStart(prompt_ids=[3, 4], max_new_tokens=4, vocab_fingerprint=fp, request_id=rid)
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.VerifyStub(ch).Session(iter([pb.VerifyRequest(start=start)]), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert wait_for(lambda: sum(bad in line for line in v.stderr) >= 2, 10), v.stderr[-3:]
+    assert not any("x" * 1000 in line for line in d.stderr + v.stderr)
