@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -103,6 +104,8 @@ class _Observe:
                       "code": status, "tokens": call["tokens"], "duration_s": round(duration, 6)}
             if "error" in call:
                 fields["error"] = call["error"]
+            if status in (401, 403) and scope.get("client"):  # as the gRPC observer logs a refused caller
+                fields["peer"] = "%s:%s" % tuple(scope["client"])
             log.log(logging.WARNING if status in (401, 403) else logging.INFO, "request done", extra={"fields": fields})
             metrics.HTTP_REQUESTS.labels(path, str(status)).inc()
             metrics.REQUEST_LATENCY.labels("draft", path).observe(duration)
@@ -219,8 +222,25 @@ class FrontDoor:
         rid = call["request_id"] = self._request_id(request)
         if self.draining:
             raise HttpError(503, "the service is shutting down", retry_after=1)
+        data = await self._body(request)
+        read = functools.partial(self._read, data, chat, rid)
+        # a large body's parsing and chat template run in a thread: seconds of it would stall every call on the event loop
+        r, req = await asyncio.to_thread(read) if len(data) > validation.LARGE_REQUEST else read()
+        reply = Reply(chat, r, rid, self.model, call)
+        chunks = self.servicer.Generate(req, Context(rid, http_names(chat, r)))
+        headers = {"X-Request-Id": rid}
+        if not r.stream:
+            return Response(await unless_disconnected(request, reply.collect(chunks)), media_type="application/json", headers=headers)
+        try:  # the first chunk before the status line: errors before any output get their own status
+            first = await unless_disconnected(request, anext(chunks))
+        except StopAsyncIteration:
+            raise HttpError(500, "internal error: the generation ended without output") from None
+        return StreamingResponse(reply.sse(first, chunks), media_type="text/event-stream", headers=dict(headers, **{"Cache-Control": "no-cache"}))
+
+    def _read(self, data: bytes, chat: bool, rid: str) -> tuple[s._Request, pb.GenerateRequest]:
+        """The request a body holds, and the GenerateRequest it makes (a chat's messages rendered)."""
         try:
-            body = json.loads(await self._body(request))
+            body = json.loads(data)
             json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate ("\\ud800") is valid JSON, not a string gRPC or a reply can carry
             r = s.parse(s.ChatRequest if chat else s.CompletionRequest, body)
         except s.Refused as e:
@@ -231,16 +251,7 @@ class FrontDoor:
             raise HttpError(400, "the body is not valid JSON") from None
         if r.model not in self.accepted:
             raise HttpError(404, f"the model {r.model!r} does not exist; this server serves {self.model!r}", "model", "model_not_found")
-        reply = Reply(chat, r, rid, self.model, call)
-        chunks = self.servicer.Generate(self._grpc_request(r, rid, chat), Context(rid, http_names(chat, r)))
-        headers = {"X-Request-Id": rid}
-        if not r.stream:
-            return Response(await unless_disconnected(request, reply.collect(chunks)), media_type="application/json", headers=headers)
-        try:  # the first chunk before the status line: errors before any output get their own status
-            first = await unless_disconnected(request, anext(chunks))
-        except StopAsyncIteration:
-            raise HttpError(500, "internal error: the generation ended without output") from None
-        return StreamingResponse(reply.sse(first, chunks), media_type="text/event-stream", headers=dict(headers, **{"Cache-Control": "no-cache"}))
+        return r, self._grpc_request(r, rid, chat)
 
     async def _body(self, request: Request) -> bytes:
         """The body, up to --max-message-bytes (gRPC's limit on a request), else 413."""

@@ -83,6 +83,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         for k, v in metadata or ():
             if k == "authorization":
                 got = v.encode() if isinstance(v, str) else v
+        if got[:7].lower() == b"bearer ":  # the scheme's name is case-insensitive (RFC 7235)
+            got = b"Bearer " + got[7:]
         if not got:
             return Refusal.UNAUTHENTICATED, "missing bearer token"
         allowed, matched = None, False

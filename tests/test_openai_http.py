@@ -313,7 +313,7 @@ def test_client_disconnect_frees_both_sessions(pair, stream):
                 got += sock.recv(4096)
                 if got.count(b"data: ") >= 2:
                     break
-            assert b'"text":"w' in got
+            assert b'"text":" w' in got  # after the prompt's last word: its space first
         assert wait_for(lambda: live(d, "draft") == 1 and live(v, "verify") == 1, timeout=20)
     finally:
         sock.close()

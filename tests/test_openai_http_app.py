@@ -220,3 +220,20 @@ def test_http_port_is_off_by_default_and_read_from_the_environment(monkeypatch):
     assert parsed().http_port is None  # off: __main__ starts no front door
     monkeypatch.setenv("SPECDEC_HTTP_PORT", "8000")
     assert parsed().http_port == 8000
+
+
+def test_a_large_body_is_read_as_a_small_one():
+    """Bodies past validation.LARGE_REQUEST are parsed (and a chat's template rendered) in a worker
+    thread, not on the event loop that serves every other call: the same request, the same
+    answers, the same errors."""
+    from specdec.validation import LARGE_REQUEST
+
+    stub = Stub(word_tokenizer(16))
+    big = SimpleNamespace(**{**vars(args()), "max_message_bytes": 16 << 20})
+    c = TestClient(FrontDoor(stub, big, model="the-target").app)
+    prompt = "w3 " * (LARGE_REQUEST // 3 + 10)
+    r = c.post("/v1/completions", json={"model": "stub", "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 200 and stub.requests[-1].prompt == prompt and stub.requests[-1].max_new_tokens == 2
+    assert c.post("/v1/completions", json={"model": "other", "prompt": prompt}).status_code == 404
+    bad = c.post("/v1/completions", content=b'{"model": "stub", "prompt": "' + b"w3 " * LARGE_REQUEST, headers={"Content-Type": "application/json"})
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]

@@ -18,7 +18,7 @@ import pytest
 
 from bench.launch import ENV, ROOT, Service
 from client import Client
-from helpers import assert_health_and_reflection, metric
+from helpers import assert_health_and_reflection, metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -136,6 +136,9 @@ def test_wrong_scheme_is_refused(secure_pair, pki):
     with channel(pki, d.address) as ch, pytest.raises(grpc.RpcError) as e:
         pb_grpc.DraftStub(ch).Info(pb.InfoRequest(), timeout=10, metadata=[("authorization", f"Basic {TOKEN}")])
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with channel(pki, d.address) as ch:  # the scheme's name is case-insensitive (RFC 7235): `bearer` is Bearer
+        assert pb_grpc.DraftStub(ch).Info(pb.InfoRequest(), timeout=10, metadata=[("authorization", f"bearer {TOKEN}")]).model_name
+    assert https(pki, d, scheme="BEARER").status == 200
 
 
 def test_health_and_reflection_need_no_token(secure_pair, pki):
@@ -155,13 +158,13 @@ def test_cli_with_tls_and_token(secure_pair, pki):
     assert bad.returncode == 1 and "error: UNAUTHENTICATED: missing bearer token" in bad.stderr
 
 
-def https(pki, d, cert="client", token=TOKEN):
+def https(pki, d, cert="client", token=TOKEN, scheme="Bearer"):
     ctx = ssl.create_default_context(cafile=pki("ca.pem"))
     if cert:
         ctx.load_cert_chain(pki(f"{cert}.pem"), pki(f"{cert}.key"))
     conn = http.client.HTTPSConnection(*d.http_address.split(":"), context=ctx, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({"model": "target", "prompt": "w3 w4", "max_tokens": 3, "temperature": 0}),
-                 {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})})
+                 {"Content-Type": "application/json", **({"Authorization": f"{scheme} {token}"} if token else {})})
     return conn.getresponse()
 
 
@@ -170,6 +173,8 @@ def test_http_front_door_follows_the_tls_flags_and_the_token(secure_pair, pki):
     ok = https(pki, d)
     assert ok.status == 200 and json.loads(ok.read())["usage"]["completion_tokens"] >= 1
     assert https(pki, d, token=None).status == 401
+    # logged with the caller's address, as the gRPC door's refusals are
+    assert wait_for(lambda: any('"code": 401' in line and '"peer": "127.0.0.1:' in line for line in d.stderr), 10), d.stderr[-3:]
     for cert in (None, "rogue"):  # mTLS: no certificate, or one from another CA
         with pytest.raises((ssl.SSLError, ConnectionError)):
             https(pki, d, cert=cert).read()
