@@ -8,6 +8,7 @@ history only; `--costs-ms` pins them instead (the same taus across restarts too)
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 
@@ -30,8 +31,8 @@ def parse_costs(text: str) -> Costs:
         d, vb, vt = (float(x) / 1e3 for x in text.split(","))
     except ValueError:
         raise ValueError(f"--costs-ms: expected three numbers 'draft_step,verify_base,verify_per_token' in ms, got {text!r}") from None
-    if min(d, vb, vt) < 0 or d == 0 or vb == 0:
-        raise ValueError(f"--costs-ms: draft_step and verify_base must be > 0 and none negative, got {text!r}")
+    if not all(map(math.isfinite, (d, vb, vt))) or min(d, vb, vt) < 0 or d == 0 or vb == 0:
+        raise ValueError(f"--costs-ms: draft_step and verify_base must be finite, > 0 and none negative, got {text!r}")
     return Costs(d, vb, vt)
 
 

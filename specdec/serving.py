@@ -82,7 +82,11 @@ def server_credentials(args) -> grpc.ServerCredentials | None:
 
 
 def channel_credentials(ca: str | None, cert: str | None = None, key: str | None = None, flag: str = "--tls") -> grpc.ChannelCredentials | None:
-    if not ca:
+    """TLS where a CA or a client certificate is given (a certificate without a CA: against the
+    system's roots, as the client library does); the certificate and key go together."""
+    if bool(cert) != bool(key):
+        raise StartupError(f"{flag}-cert and {flag}-key go together")
+    if not (ca or cert):
         return None
     return grpc.ssl_channel_credentials(root_certificates=_read(ca, f"{flag}-ca"), private_key=_read(key, f"{flag}-key"),
                                         certificate_chain=_read(cert, f"{flag}-cert"))

@@ -25,6 +25,27 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse prints its usage block first: one line instead
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, and what it leaves unchecked: a choice whose default came from the environment
+        (SPECDEC_*), one port for two listeners, and TLS files that only work in pairs."""
+        ns = super().parse_args(args, namespace)
+        for a in self._actions:
+            v = getattr(ns, a.dest, None)
+            if a.choices is not None and v is not None and v not in a.choices:
+                self.error(f"{a.option_strings[-1]} {v!r} (from the environment): choose from {', '.join(map(str, a.choices))}")
+        ports = [(f"--{k.replace('_', '-')}", getattr(ns, k)) for k in ("port", "metrics_port", "http_port") if getattr(ns, k, None)]
+        for i, (flag, port) in enumerate(ports):
+            other = next((f for f, q in ports[:i] if q == port), None)
+            if other:
+                self.error(f"{flag} {port}: the same port as {other}")
+        if getattr(ns, "tls_key", None) and not getattr(ns, "tls_cert", None):
+            self.error("--tls-key needs --tls-cert")
+        for pre in ("tls", "verify_tls"):
+            cert, key = getattr(ns, f"{pre}_cert", None), getattr(ns, f"{pre}_key", None)
+            if bool(cert) != bool(key):
+                self.error(f"--{pre.replace('_', '-')}-cert and --{pre.replace('_', '-')}-key go together")
+        return ns
+
 
 def number(kind=int, low: float | None = None, above: float | None = None, high: float | None = None):
     """An argparse type: `kind` (int or float), finite, >= low / > above / <= high."""
@@ -138,8 +159,8 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=PORT, default=default_port, help="0 picks a free port; a port in use is an error")
     p.add_argument("--metrics-port", type=PORT, default=None, help="serve Prometheus /metrics on this port (0 = any)")
-    p.add_argument("--max-message-bytes", type=number(int, low=1024), default=16 << 20)
-    p.add_argument("--max-connection-age-s", type=number(float, above=0), default=None,
+    p.add_argument("--max-message-bytes", type=number(int, low=1024, high=2**31 - 1), default=16 << 20)  # gRPC's options are C ints
+    p.add_argument("--max-connection-age-s", type=number(float, above=0, high=(2**31 - 1) // 1000), default=None,  # ... in ms
                    help="close connections after this age so clients re-resolve")
     p.add_argument("--drain-s", type=number(float, low=0), default=30.0, help="grace period for running streams on SIGTERM")
     p.add_argument("--tls-cert", default=env("SPECDEC_TLS_CERT"), help="server certificate (PEM); enables TLS [env SPECDEC_TLS_CERT]")

@@ -263,6 +263,7 @@ SEEN_TOO_LATE = [  # (config, model, its settings past SMALL, what the refusal n
                                                        topk_group=1), "latent attention"),
     ("MllamaTextConfig", "MllamaForCausalLM", dict(num_hidden_layers=3, cross_attention_layers=[1], bos_token_id=2), "cross-attention"),
     ("MambaConfig", "MambaForCausalLM", dict(state_size=8), "recurrent state"),  # not "attention interface": it has none
+    ("BertConfig", "BertLMHeadModel", dict(is_decoder=False), "not a decoder"),  # bidirectional: passed the probe's tolerance
 ]
 
 

@@ -76,6 +76,18 @@ def assert_one_line_exit_2(name: str, r: subprocess.CompletedProcess, *words: st
     assert all(w in lines[0] for w in words), (name, lines[0], words)
 
 
+@pytest.mark.parametrize("module,var,value,flag", [("verify_service", "SPECDEC_DTYPE", "float8", "--dtype"),
+                                                     ("draft_service", "SPECDEC_PROPOSER", "bogus", "--proposer"),
+                                                     ("verify_service", "SPECDEC_TRACE", "0", "--trace")])
+def test_a_bad_choice_from_the_environment_exits_2_with_one_line(model_dir, module, var, value, flag):
+    """argparse checks a choice given on the command line, not a default taken from SPECDEC_*: a
+    bad one was a traceback after the model load, or (SPECDEC_TRACE=0) tracing switched on."""
+    extra = ["--verify", "127.0.0.1:1", "--verify-wait-s", "0"] if module == "draft_service" else []
+    r = subprocess.run([sys.executable, "-m", module, "--model", model_dir("target"), "--port", "0", *extra], cwd=ROOT,
+                       env=dict(ENV, **{var: value}), capture_output=True, text=True, timeout=120)
+    assert_one_line_exit_2(var, r, flag, repr(value), "from the environment")
+
+
 def model_variant(model_dir, tmp, name: str, edit) -> str:
     path = str(tmp / name)
     shutil.copytree(model_dir("target"), path)
@@ -124,6 +136,13 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
         "draft missing model dir": ([*d, "--model", str(tmp_path / "nope")], "--model", "no such directory"),
         "port in use": ([*v, "--model", target, "--port", str(busy.getsockname()[1])], "--port", "in use"),
         "metrics port in use": ([*v, "--model", target, "--metrics-port", str(busy_metrics.getsockname()[1])], "--metrics-port"),
+        # caught by the parser now (each was a traceback, a gRPC abort or a service in plaintext; review of 2026-11-28)
+        "one port twice": ([*d, "--model", target, "--port", "50999", "--http-port", "50999"], "--http-port 50999", "same port as --port"),
+        "client cert without key": ([*d, "--model", target, "--verify-tls-ca", str(tmp_path / "ca.pem"), "--verify-tls-cert",
+                                     str(tmp_path / "c.pem")], "--verify-tls-cert and --verify-tls-key go together"),
+        "key without cert": ([*v, "--model", target, "--tls-key", str(tmp_path / "k.pem")], "--tls-key needs --tls-cert"),
+        "message bytes past a C int": ([*v, "--model", target, "--max-message-bytes", "99999999999"], "--max-message-bytes"),
+        "costs not finite": ([*d, "--model", target, "--costs-ms", "nan,1,1"], "--costs-ms", "finite"),
         **{name: ([*v, "--model", path], "--model", path, word) for name, (path, word) in models.items()},
     }
     cases["draft no tokenizer"] = ([*d, "--model", models["no tokenizer"][0]], "--model", "tokenizer")
