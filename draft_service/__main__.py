@@ -79,6 +79,18 @@ def add_http_args(p) -> None:
                    help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's own) [env SPECDEC_CHAT_TEMPLATE]")
 
 
+def verify_arg(text: str) -> str:
+    """--verify: HOST:PORT, a comma-separated list of them, or dns:///NAME:PORT (replicas.parse_target)."""
+    from draft_service.replicas import parse_target  # noqa: PLC0415
+
+    name, fixed = parse_target(text)
+    for a in [name] if name is not None else fixed or [""]:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise argparse.ArgumentTypeError(f"{a!r} is not HOST:PORT (a port in 1..65535)")
+    return text
+
+
 def costs_arg(text: str):
     from draft_service import calibrate  # noqa: PLC0415
 
@@ -93,7 +105,7 @@ def main(argv=None) -> None:
     p = startup.Parser(prog="python -m draft_service", description="specdec draft service (client-facing)")
     startup.add_server_args(p, default_port=50052)
     startup.add_model_args(p)
-    p.add_argument("--verify", required=True, help="verify service address, e.g. HOST:PORT or dns:///name:port")
+    p.add_argument("--verify", required=True, type=verify_arg, help="verify service address, e.g. HOST:PORT or dns:///name:port")
     p.add_argument("--verify-wait-s", type=number(float, low=0), default=10.0,
                    help="how long to wait for the verify service at start-up (then NOT_SERVING until it answers)")
     p.add_argument("--verify-round-timeout-s", type=number(float, above=0), default=20.0,

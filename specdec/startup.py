@@ -73,11 +73,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 
 def check_files(args, *names: str) -> None:
-    """Each file flag that is set (args.<name>, e.g. tls_cert) names a readable file."""
+    """Each file flag that is set (args.<name>, e.g. tls_cert: PEM certificates and keys) names a
+    readable PEM file (an empty or other file failed later, inside gRPC, blaming --port or not at all)."""
     for name in names:
         path = getattr(args, name, None)
-        if path:
-            read_file(path, "--" + name.replace("_", "-"))
+        if path and b"-----BEGIN " not in read_file(path, "--" + name.replace("_", "-")):
+            raise StartupError(f"--{name.replace('_', '-')} {path}: not a PEM file (no -----BEGIN line)")
 
 
 def check_model_dir(path: str) -> None:

@@ -100,6 +100,7 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
     before `listening on`."""
     tok_dir = tmp_path / "a-directory"
     tok_dir.mkdir()
+    (tok_dir / "empty.pem").write_bytes(b"")
 
     def rm(*names):
         return lambda p: [os.remove(os.path.join(p, n)) for n in names]
@@ -143,6 +144,9 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
         "key without cert": ([*v, "--model", target, "--tls-key", str(tmp_path / "k.pem")], "--tls-key needs --tls-cert"),
         "message bytes past a C int": ([*v, "--model", target, "--max-message-bytes", "99999999999"], "--max-message-bytes"),
         "costs not finite": ([*d, "--model", target, "--costs-ms", "nan,1,1"], "--costs-ms", "finite"),
+        "verify without a port": ([*d, "--model", target, "--verify", "dns:///localhost"], "--verify", "not HOST:PORT"),
+        "an empty certificate": ([*v, "--model", target, "--tls-cert", str(tok_dir / "empty.pem"), "--tls-key", str(tok_dir / "empty.pem")],
+                                 "--tls-cert", "not a PEM file"),
         **{name: ([*v, "--model", path], "--model", path, word) for name, (path, word) in models.items()},
     }
     cases["draft no tokenizer"] = ([*d, "--model", models["no tokenizer"][0]], "--model", "tokenizer")
