@@ -118,7 +118,9 @@ def main(argv=None) -> None:
     p.add_argument("--verify-tls-ca", default=env("SPECDEC_VERIFY_TLS_CA"),
                    help="CA bundle to check the verify service's certificate (enables TLS) [env SPECDEC_VERIFY_TLS_CA]")
     p.add_argument("--verify-tls-cert", default=env("SPECDEC_VERIFY_TLS_CERT"),
-                   help="client certificate for mTLS to the verify service [env SPECDEC_VERIFY_TLS_CERT]")
+                   help="client certificate for mTLS to the verify service (with its key; enables TLS: without "
+                        "--verify-tls-ca the verify service's certificate is checked against the system's roots) "
+                        "[env SPECDEC_VERIFY_TLS_CERT]")
     p.add_argument("--verify-tls-key", default=env("SPECDEC_VERIFY_TLS_KEY"),
                    help="client key for mTLS to the verify service [env SPECDEC_VERIFY_TLS_KEY]")
     p.add_argument("--verify-auth-token-file", default=env("SPECDEC_VERIFY_AUTH_TOKEN_FILE"),
