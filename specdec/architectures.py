@@ -49,7 +49,9 @@ def refusal(model, cfg) -> str | None:
     attention mask, which the engine does not read), or None."""
     if getattr(cfg, "is_encoder_decoder", False):
         return "encoder-decoder models are not served"
-    if getattr(cfg, "is_decoder", True) is False:  # BERT-like: a causal-LM head over bidirectional attention
+    if getattr(cfg, "is_decoder", True) is False and hasattr(cfg, "add_cross_attention"):
+        # the BERT family: an encoder (bidirectional attention) unless is_decoder is set; GPT-NeoX's
+        # config carries is_decoder false too, but it has no encoder form (no add_cross_attention)
         return "not a decoder (is_decoder is false): its attention sees later tokens"
     layer_types = [str(t) for t in getattr(cfg, "layer_types", None) or []]
     odd = sorted({t for t in layer_types if any(k in t for k in NON_ATTENTION_LAYERS)})

@@ -37,7 +37,7 @@ def test_info_reports_free_capacity(model_dir):
             it = holder.stream(**dict(LONG, max_new_tokens=1000))
             next(it)
             info = pb_grpc.VerifyStub(ch).Info(pb.InfoRequest(), timeout=10)
-            assert info.capacity.free_sessions == 1 and info.capacity.free_cached_tokens == 5000 - 1002  # prompt + max_new_tokens
+            assert info.capacity.free_sessions == 1 and info.capacity.free_cached_tokens == 5000 - 1008  # prompt + max_new_tokens, in pages of 16
             it.close()
     finally:
         v.stop()
@@ -45,7 +45,7 @@ def test_info_reports_free_capacity(model_dir):
 
 class Held:
     """n open sessions on a verify service, each with a one-token prompt and no round sent: each
-    holds a session slot (and 11 cache tokens) until released."""
+    holds a session slot (and 16 cache tokens: a page) until released."""
 
     def __init__(self, address: str, n: int):
         self.channel = grpc.insecure_channel(address)
