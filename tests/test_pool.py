@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers.engine import cached, load_packed, same_cache, steps_and_rounds
-from specdec.engine import KVCache
+from specdec.engine import PAGE, KVCache
 from specdec.engine.cpu.rows import clock
 from specdec.lm import LM
 
@@ -125,7 +125,20 @@ def test_cache_budget_is_sized_from_the_model_and_memory(packed):
     assert dt in (packed.dtype, torch.float32)
     assert kv.layer(0)[0].dtype == dt and kv_bytes_per_token(packed.model.config, dt) == kv.nbytes() / (len(kv.pages) * PAGE)
     budget = default_cache_budget(packed, max_sessions=8)
-    assert packed.max_context <= budget <= 8 * packed.max_context
+    full = -(-packed.max_context // PAGE) * PAGE  # a whole-context session's reservation, in whole pages
+    assert packed.max_context <= budget <= 8 * full
+
+
+def test_default_budget_admits_every_session_at_full_context(packed, monkeypatch):
+    """Admission counts whole pages, so the default budget must too: max_sessions sessions of the
+    whole context fit (a bench of 32 sessions at a 684-token context was refused at the 32nd)."""
+    from verify_service.capacity import Capacity, default_cache_budget
+
+    monkeypatch.setattr(packed, "max_context", 684)  # not a whole number of pages
+    budget = default_cache_budget(packed, max_sessions=8, memory_fraction=1.0)
+    cap = Capacity(8, budget, PAGE)
+    held = [cap.admit(packed.max_context) for _ in range(8)]
+    assert cap.sessions == 8 and sum(held) == cap.reserved
 
 
 MATMULS = [("float32", "calibrated"), ("bfloat16", "prepacked"), ("float32", "per-row"), ("bfloat16", "unpacked"),

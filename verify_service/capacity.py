@@ -14,7 +14,7 @@ import torch
 
 from specdec import metrics
 from specdec.errors import Refusal, RequestError
-from specdec.engine import available_memory_bytes
+from specdec.engine import PAGE, available_memory_bytes
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
@@ -25,9 +25,10 @@ def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
 
 
 def default_cache_budget(lm, max_sessions: int, memory_fraction: float | None = None) -> int:
-    """Tokens all sessions may reserve: room for every session at full context, capped by a share
-    of the memory free at start-up (after the model is loaded): 90% on a GPU, 50% of the host's."""
-    full = max_sessions * lm.max_context
+    """Tokens all sessions may reserve: room for every session at full context, in whole pages as
+    `Capacity.admit` counts them, capped by a share of the memory free at start-up (after the
+    model is loaded): 90% on a GPU, 50% of the host's."""
+    full = max_sessions * -(-lm.max_context // PAGE) * PAGE
     mem = available_memory_bytes(lm.device)
     if mem is None:
         return full
