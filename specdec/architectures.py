@@ -60,6 +60,8 @@ def refusal(model, cfg) -> str | None:
     states = [k for k in STATE_FIELDS if getattr(cfg, k, None)]
     if states:
         return f"state-space layers ({states[0]}) keep a recurrent state that cannot be cropped on a rejection"
+    if getattr(cfg, "model_type", None) in RECURRENT_TYPES:
+        return f"a recurrent model ({cfg.model_type}): its state cannot be cropped on a rejection"
     if not getattr(model, "_supports_attention_backend", False):
         return ("its attention does not go through transformers' attention interface, so the engine "
                 "cannot give each session its own keys (batch-mates would see each other's padding)")
@@ -84,6 +86,7 @@ def refusal(model, cfg) -> str | None:
 
 
 STATE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state")  # config fields of state-space (Mamba-like) layers
+RECURRENT_TYPES = {"rwkv", "xlstm"}  # recurrent models whose configs name no state field above (they have no attention either)
 
 
 def rope_types(cfg) -> set[str]:

@@ -5,8 +5,10 @@ engine, and check that the engine serves it exactly (specdec/architectures.py), 
 start-up what it cannot."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -20,6 +22,31 @@ from specdec.engine import Engine, prepare
 from specdec.startup import TOKENIZER_FILES, StartupError, add_model_args, check_model_dir  # noqa: F401 - add_model_args: the services' flags
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@contextlib.contextmanager
+def held_logs():
+    """Holds back what transformers logs inside the block, and logs it after the block only if the
+    block succeeds: a load that ends in a refusal prints its one line, not a warning before it."""
+    logger = hf_logging.get_logger()  # the library's root logger ("transformers"); it does not propagate
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    handlers, hold = logger.handlers[:], Hold()
+    for h in handlers:
+        logger.removeHandler(h)
+    logger.addHandler(hold)
+    try:
+        yield
+    finally:
+        logger.removeHandler(hold)
+        for h in handlers:
+            logger.addHandler(h)
+    for record in held:  # only after a success
+        logger.handle(record)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -119,6 +146,11 @@ class LM:
         check_model_dir(path)  # StartupError (one line at start-up) for everything that cannot be loaded
         dev = resolve_device(device)
         hf_logging.disable_progress_bar()  # no "Loading weights" bars on stderr: a refusal is one line there
+        with held_logs():  # nor transformers' warnings ahead of a refusal
+            return cls._load(path, dev, dtype, check, choices, prepare_engine, timer, graphs, compiled)
+
+    @classmethod
+    def _load(cls, path, dev, dtype, check, choices, prepare_engine, timer, graphs, compiled) -> "LM":
         try:
             tok = AutoTokenizer.from_pretrained(path)
         except Exception as e:  # noqa: BLE001 - whatever the loader raises, one line at start-up

@@ -213,6 +213,18 @@ def _lfm2(path: str) -> str:
     return path
 
 
+def _bert(path: str) -> str:
+    from transformers import BertConfig, BertLMHeadModel
+
+    from bench.tinymodels import word_tokenizer
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, is_decoder=False)
+    BertLMHeadModel(cfg).save_pretrained(path)  # its constructor logs a warning: not on stderr before the refusal
+    word_tokenizer(V).save_pretrained(path)
+    return path
+
+
 def _t5(path: str) -> str:
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -230,6 +242,7 @@ def _t5(path: str) -> str:
     (_bloom, ("BloomForCausalLM", "bloom", "attention interface")),  # attends through its own alibi code
     (_lfm2, ("Lfm2ForCausalLM", "lfm2", "conv", "recurrent state")),  # short-convolution layers keep a state
     (_t5, ("t5", "decoder-only")),  # encoder-decoder: transformers has no causal-LM class for it
+    (_bert, ("BertLMHeadModel", "not a decoder")),  # a warning transformers logs while loading it came first
 ])
 @pytest.mark.parametrize("module", ["verify_service", "draft_service"])
 def test_unservable_architecture_is_refused_at_start_up(tmp_path, build, names, module):
@@ -264,7 +277,12 @@ SEEN_TOO_LATE = [  # (config, model, its settings past SMALL, what the refusal n
     ("MllamaTextConfig", "MllamaForCausalLM", dict(num_hidden_layers=3, cross_attention_layers=[1], bos_token_id=2), "cross-attention"),
     ("MambaConfig", "MambaForCausalLM", dict(state_size=8), "recurrent state"),  # not "attention interface": it has none
     ("BertConfig", "BertLMHeadModel", dict(is_decoder=False), "not a decoder"),  # bidirectional: passed the probe's tolerance
+    ("RwkvConfig", "RwkvForCausalLM", dict(attention_hidden_size=32), "recurrent model"),  # was refused as "attention interface"
 ]
+OWN_FIELDS = {  # configs that take few of SMALL's fields
+    "MambaConfig": dict(vocab_size=V, hidden_size=32, num_hidden_layers=1),
+    "RwkvConfig": dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, intermediate_size=64, context_length=CTX),
+}
 
 
 @pytest.mark.parametrize("config,model,kw,words", SEEN_TOO_LATE, ids=[f"{c[0]}-{c[3]}" for c in SEEN_TOO_LATE])
@@ -277,7 +295,7 @@ def test_what_the_probe_cannot_see_is_refused_from_the_config(config, model, kw,
 
     if not hasattr(transformers, config):
         pytest.skip(f"transformers has no {config}")
-    fields = dict(SMALL, **kw) if config != "MambaConfig" else dict(vocab_size=V, hidden_size=32, num_hidden_layers=1, **kw)
+    fields = dict(OWN_FIELDS.get(config, SMALL), **kw)
     torch.manual_seed(0)
     m = getattr(transformers, model)(getattr(transformers, config)(**fields))
     why = architectures.refusal(m, m.config)
