@@ -3,11 +3,14 @@
   python -m client generate --server HOST:PORT --prompt TEXT [--json] ...
   python -m client info --server HOST:PORT
 
-On a gRPC error it prints `error: CODE_NAME: message` to stderr and exits with status 1."""
+On a gRPC error it prints `error: CODE_NAME: message` to stderr and exits with status 1; a bad
+flag or file exits 2; Ctrl-C exits 130 and a closed stdout (`| head`) 141, without a traceback."""
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 
 import grpc
@@ -25,11 +28,21 @@ def _ids(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
+def _seconds(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not v > 0:  # NaN too; inf is allowed: no deadline
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {s!r}")
+    return v
+
+
 def _connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, help="HOST:PORT of a draft service (or a verify service with --target-only)")
     p.add_argument("--target-only", action="store_true", help="--server is a verify service: generate with the target alone")
     p.add_argument("--fallback", help="verify service HOST:PORT to use when the draft service is unavailable")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--timeout", type=_seconds, default=None, help="deadline in seconds (> 0; inf: none, the default)")
     p.add_argument("--retries", type=int, default=0, help="retries (at most 4, gRPC's retry policy) on UNAVAILABLE or RESOURCE_EXHAUSTED before the first token, "
                    "after the server's pushback")
     add_credential_args(p)
@@ -80,6 +93,16 @@ def _out_of_range(a) -> str | None:
 
 def main(argv=None) -> int:
     a = parse(argv)
+    try:
+        return _run(a)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # the reader went away (| head): nothing more to write, and nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the interpreter's last flush does not fail too
+        return 141
+
+
+def _run(a) -> int:
     try:
         client = Client(a.server, target_only=a.target_only, fallback=a.fallback, timeout=a.timeout, retries=a.retries,
                         **credential_kwargs(a))

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from specdec.files import read_file, read_token
+from specdec.files import read_pem, read_token
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -31,6 +32,40 @@ MODES = {"greedy": pb.PROPOSAL_MODE_GREEDY, "sparse": pb.PROPOSAL_MODE_SPARSE, "
 PROPOSERS = {"draft": pb.PROPOSER_DRAFT, "lookup": pb.PROPOSER_LOOKUP, "hybrid": pb.PROPOSER_HYBRID}
 FALLBACK_ON = (grpc.StatusCode.UNAVAILABLE,)
 MAX_ATTEMPTS = 5  # gRPC's own cap on a retry policy's attempts
+MAX_TIMEOUT_S = 1e9  # gRPC's deadline arithmetic overflows past about 1e10 s (an instant DEADLINE_EXCEEDED); beyond this, no deadline
+
+
+class StreamError(grpc.RpcError):
+    """A Generate stream that ended without its final chunk (the one with a finish_reason): the
+    server ended the call with OK too early. INTERNAL, like the errors the services send."""
+
+    def __init__(self, details: str):
+        super().__init__(details)
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.INTERNAL
+
+    def details(self) -> str:
+        return self._details
+
+
+NO_RESPONSE = "the stream ended with no response"
+NO_FINISH = "the stream ended before its final chunk (no finish_reason)"
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """The request timeout in seconds: > 0; inf, or more than MAX_TIMEOUT_S, is none (None).
+    ValueError otherwise (0, negative or NaN failed at once as DEADLINE_EXCEEDED)."""
+    if timeout is None:
+        return None
+    if not timeout > 0:  # NaN too
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    return None if timeout > MAX_TIMEOUT_S or math.isinf(timeout) else float(timeout)
+
+
+def _finished(chunk) -> bool:
+    return chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
 
 
 def retry_service_config(retries: int) -> str:
@@ -104,7 +139,7 @@ def _credentials(tls_ca, tls_cert, tls_key):
         return None
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("--tls-cert and --tls-key (tls_cert, tls_key) go together: the client's certificate and its key")
-    read = lambda p, flag: read_file(p, flag) if p else None  # noqa: E731
+    read = lambda p, flag: read_pem(p, flag) if p else None  # noqa: E731
     return grpc.ssl_channel_credentials(read(tls_ca, "--tls-ca"), read(tls_key, "--tls-key"), read(tls_cert, "--tls-cert"))
 
 
@@ -144,7 +179,7 @@ class _Base:
         """token: bearer token for `server`. fallback_token: for the `fallback` verify service
         (default: the same token, for a verify service that accepts the clients' token)."""
         self.server, self.target_only, self.fallback = server, target_only, fallback
-        self.timeout, self.retries = timeout, retries
+        self.timeout, self.retries = check_timeout(timeout), retries
         self._creds = _credentials(tls_ca, tls_cert, tls_key)
         self._opts = [("grpc.max_receive_message_length", max_message_bytes)]
         if retries > 0:
@@ -223,11 +258,17 @@ class Client(_Base):
             except grpc.RpcError as e:
                 attempts.failed(e)
                 continue
+            except StopIteration:
+                raise StreamError(NO_RESPONSE) from None
 
             def chunks(first=first, it=it):
                 try:
-                    yield first
-                    yield from it
+                    chunk = first
+                    yield chunk
+                    for chunk in it:
+                        yield chunk
+                    if not _finished(chunk):
+                        raise StreamError(NO_FINISH)
                 finally:
                     it.cancel()  # a caller that stops early cancels the RPC (no-op once done)
             return target.label, chunks()
@@ -242,11 +283,20 @@ class Client(_Base):
 
 
 class AsyncClient(_Base):
-    """asyncio client. `stream()` is an async iterator of chunks; `generate()` returns a Result."""
+    """asyncio client. `stream()` is an async iterator of chunks; `generate()` returns a Result.
+    Its channels open on first use, in the event loop that uses them (a grpc.aio channel belongs to
+    the loop it was made in), so a client may be made outside that loop."""
 
     def __init__(self, server: str, **kw):
         super().__init__(server, **kw)
-        self._targets = self._stubs(grpc.aio)
+        self._channels: list = []
+        self._made: list[_Target] | None = None
+
+    @property
+    def _targets(self) -> list[_Target]:
+        if self._made is None:
+            self._made = self._stubs(grpc.aio)
+        return self._made
 
     async def close(self) -> None:
         for c in self._channels:
@@ -275,12 +325,18 @@ class AsyncClient(_Base):
             except grpc.aio.AioRpcError as e:
                 attempts.failed(e)
                 continue
+            if first is grpc.aio.EOF:
+                raise StreamError(NO_RESPONSE)
 
             async def chunks(chunk=first, call=call):
                 try:
-                    while chunk is not grpc.aio.EOF:
+                    while True:
                         yield chunk
-                        chunk = await call.read()
+                        last, chunk = chunk, await call.read()
+                        if chunk is grpc.aio.EOF:
+                            if not _finished(last):
+                                raise StreamError(NO_FINISH)
+                            return
                 finally:
                     call.cancel()
             return target.label, chunks()

@@ -19,6 +19,15 @@ def read_file(path: str, flag: str, mode: str = "rb"):
         raise StartupError(f"{flag} {path}: not UTF-8 text") from None
 
 
+def read_pem(path: str, flag: str) -> bytes:
+    """A PEM file's bytes (certificate, key or CA bundle), or StartupError naming the flag: an empty
+    or other file failed later, inside gRPC, with a message that named no flag."""
+    data = read_file(path, flag)
+    if b"-----BEGIN " not in data:
+        raise StartupError(f"{flag} {path}: not a PEM file (no -----BEGIN line)")
+    return data
+
+
 def read_token(path: str, flag: str = "token file") -> str:
     """The token in a file (surrounding whitespace stripped); StartupError naming the flag and the
     file when it cannot be read (missing, a directory, not text) or is empty."""

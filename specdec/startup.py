@@ -18,7 +18,7 @@ import os
 import socket
 import sys
 
-from specdec.files import StartupError, read_file  # noqa: F401 - the services import them from here
+from specdec.files import StartupError, read_file, read_pem  # noqa: F401 - the services import them from here
 
 
 class Parser(argparse.ArgumentParser):
@@ -77,8 +77,8 @@ def check_files(args, *names: str) -> None:
     readable PEM file (an empty or other file failed later, inside gRPC, blaming --port or not at all)."""
     for name in names:
         path = getattr(args, name, None)
-        if path and b"-----BEGIN " not in read_file(path, "--" + name.replace("_", "-")):
-            raise StartupError(f"--{name.replace('_', '-')} {path}: not a PEM file (no -----BEGIN line)")
+        if path:
+            read_pem(path, "--" + name.replace("_", "-"))
 
 
 def check_model_dir(path: str) -> None:

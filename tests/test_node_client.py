@@ -40,7 +40,8 @@ def test_node_client_streams_chains_and_trees_from_the_proto(services):
     assert rc == 0, err
     tree = json.loads(out)
     assert tree["token_ids"] == want and tree["stats"]["tree_rounds"] > 0
-    rc, out, err = node("--server", v.address, "--target-only", "--prompt-ids", "3,4,5", "--max-new-tokens", "12")
+    rc, out, err = node("--server", v.address, "--target-only", "--prompt-ids", "3,4,5", "--max-new-tokens", "12",
+                        "--timeout", "1e300")  # no deadline (it was an invalid Date: DEADLINE_EXCEEDED at once)
     assert rc == 0, err
     assert json.loads(out)["token_ids"] == want
 
@@ -62,6 +63,8 @@ def test_node_client_sampled_seed_round_trips_as_uint64(services):
 @pytest.mark.parametrize("args,says", [
     (["--seed", "-1"], "--seed"), (["--seed", "18446744073709551616"], "--seed"), (["--proposer", "drafts"], "--proposer"),
     (["--max-new-tokens", "4294967296"], "--max-new-tokens"), (["--temperature", "x"], "--temperature"), (["--tau"], "--tau"),
+    (["--prompt-ids", "2147483648"], "--prompt-ids"),  # int32 on the wire: 3000000000 was sent as -1294967296
+    (["--timeout", "0"], "--timeout"), (["--timeout", "-1"], "--timeout"), (["--timeout", "nan"], "--timeout"),
 ])
 def test_node_client_refuses_bad_flags_before_calling(args, says):
     """What the wire would silently wrap or zero (a uint64 or uint32 out of range, an unknown enum

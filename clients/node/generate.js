@@ -4,7 +4,7 @@
 //
 //   node clients/node/generate.js --server HOST:PORT (--prompt TEXT | --prompt-ids 3,4,5)
 //        [--max-new-tokens N] [--tau T] [--tree-budget B] [--proposer draft|lookup|hybrid]
-//        [--temperature X] [--seed S] [--timeout SECONDS] [--target-only]
+//        [--temperature X] [--seed S] [--timeout SECONDS (default 120; inf: none)] [--target-only]
 //
 // Draft.Generate (speculative) unless --target-only (Verify.Generate on a verify service). Prints
 // one JSON object: token_ids, text, finish_reason, seed (a uint64, as a decimal string), stats.
@@ -38,7 +38,7 @@ function parse(argv) {
 
 const PROPOSERS = ["draft", "lookup", "hybrid"];
 
-function uint(text, flag, bits = 32) {  // a uint32 (or uint64, returned as its decimal string)
+function uint(text, flag, bits = 32) {  // a uint32 (a token id: 31 bits, an int32's range; or a uint64, returned as its decimal string)
   if (!/^\d+$/.test(text) || BigInt(text) >= 2n ** BigInt(bits)) {
     throw new Error(`${flag} must be a whole number in [0, 2^${bits}), got ${JSON.stringify(text)}`);
   }
@@ -51,10 +51,18 @@ function real(text, flag) {
   return x;
 }
 
+const MAX_TIMEOUT_S = 1e9;  // beyond this (or inf): no deadline (a Date past its range is invalid: an instant DEADLINE_EXCEEDED)
+
+function deadlineOf(text) {
+  const x = Number(text);
+  if (text.trim() === "" || !(x > 0)) throw new Error(`--timeout must be seconds > 0 (inf: none), got ${JSON.stringify(text)}`);
+  return x > MAX_TIMEOUT_S ? Infinity : new Date(Date.now() + 1000 * x);
+}
+
 function request(a) {
   const req = { max_new_tokens: uint(a.maxNewTokens, "--max-new-tokens") };
   if (a.prompt !== undefined) req.prompt = a.prompt;
-  else req.prompt_ids = a.promptIds.split(",").map((x) => uint(x.trim(), "--prompt-ids"));
+  else req.prompt_ids = a.promptIds.split(",").map((x) => uint(x.trim(), "--prompt-ids", 31));  // int32 on the wire
   if (a.tau !== undefined) req.num_draft_tokens = uint(a.tau, "--tau");
   if (a.treeBudget !== undefined) req.tree_budget = uint(a.treeBudget, "--tree-budget");
   if (a.proposer !== undefined) {
@@ -71,7 +79,7 @@ function request(a) {
 function main() {
   const a = parse(process.argv.slice(2));
   const req = request(a);  // a bad flag throws here, before anything connects
-  const deadline = new Date(Date.now() + 1000 * real(a.timeout, "--timeout"));
+  const deadline = deadlineOf(a.timeout);
   const def = protoLoader.loadSync(PROTO, { keepCase: true, longs: String, enums: String, defaults: true });
   const v1 = grpc.loadPackageDefinition(def).specdec.v1;
   const Service = a.targetOnly ? v1.Verify : v1.Draft;

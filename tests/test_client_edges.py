@@ -1,0 +1,151 @@
+"""The client library and CLI at their edges (client/core.py, client/__main__.py): a server that
+ends a stream too early, bad timeouts and TLS files, an asyncio client made outside its loop, and
+the CLI's exits on Ctrl-C and on a closed stdout. The server is a real gRPC server on loopback
+whose Draft.Generate misbehaves on purpose, chosen by the prompt."""
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from client import AsyncClient, Client
+from client import StreamError
+from client.core import NO_FINISH, NO_RESPONSE, check_timeout
+from specdec.files import StartupError
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+
+
+class Odd(pb_grpc.DraftServicer):
+    def Generate(self, request, context):
+        if request.prompt == "empty":  # OK with no message
+            return
+        yield pb.GenerateResponse(token_ids=[3], text="w3")
+        if request.prompt == "nofinish":  # OK before the final chunk
+            return
+        if request.prompt == "slow":  # a chunk every 50 ms, for at most 30 s
+            for _ in range(600):
+                if not context.is_active():
+                    return
+                time.sleep(0.05)
+                yield pb.GenerateResponse(token_ids=[4], text=" w4")
+        yield pb.GenerateResponse(token_ids=[5], text=" w5", finish_reason=pb.FINISH_REASON_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def odd():
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    pb_grpc.add_DraftServicer_to_server(Odd(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "client", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=60, **kw)
+
+
+@pytest.mark.parametrize("prompt,why", [("empty", NO_RESPONSE), ("nofinish", NO_FINISH)])
+def test_a_stream_that_ends_early_is_an_internal_error(odd, prompt, why):
+    """Before: no message was a bare StopIteration (sync) or an AttributeError (asyncio); a stream
+    without its final chunk was a success with finish_reason 'unspecified' and exit 0."""
+    with Client(odd, timeout=10) as c:
+        for call in (lambda: c.generate(prompt=prompt), lambda: list(c.stream(prompt=prompt))):
+            with pytest.raises(StreamError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.INTERNAL and e.value.details() == why
+
+    async def run():
+        async with AsyncClient(odd, timeout=10) as c:
+            with pytest.raises(StreamError, match=re.escape(why)):
+                await c.generate(prompt=prompt)
+            with pytest.raises(StreamError, match=re.escape(why)):
+                [x async for x in c.stream(prompt=prompt)]
+    asyncio.run(run())
+    for extra in ([], ["--json"]):
+        p = cli("generate", "--server", odd, "--prompt", prompt, "--timeout", "10", *extra)
+        assert p.returncode == 1 and p.stderr.strip().splitlines() == [f"error: INTERNAL: {why}"], p.stderr
+
+
+def test_a_whole_stream_still_succeeds(odd):
+    with Client(odd, timeout=10) as c:
+        r = c.generate(prompt="ok")
+    assert (r.token_ids, r.text, r.finish_reason) == ([3, 5], "w3 w5", "length")
+
+
+def test_timeouts():
+    """0, negative and NaN are refused (each failed at once as DEADLINE_EXCEEDED); inf and values
+    past gRPC's deadline arithmetic (1e10 s failed at once too) mean no deadline."""
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be > 0"):
+            check_timeout(bad)
+    assert check_timeout(float("inf")) is None and check_timeout(1e10) is None and check_timeout(2.5) == 2.5
+    for bad in ("0", "-1", "nan", "x"):
+        p = cli("generate", "--server", "127.0.0.1:1", "--prompt", "x", "--timeout", bad)
+        assert p.returncode == 2 and "--timeout" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_inf_and_huge_timeouts_reach_the_server(odd):
+    for t in (float("inf"), 1e10):
+        with Client(odd, timeout=t) as c:
+            assert c.generate(prompt="ok").finish_reason == "length"
+    p = cli("generate", "--server", odd, "--prompt", "ok", "--timeout", "inf", "--json")
+    assert p.returncode == 0, p.stderr
+
+
+def test_a_tls_file_that_is_not_pem_names_its_flag(tmp_path, odd):
+    """Before: accepted, then UNAVAILABLE at connect time with gRPC's own log lines."""
+    bad = tmp_path / "garbage.pem"
+    bad.write_text("garbage\n")
+    with pytest.raises(StartupError, match=f"--tls-ca {bad}: not a PEM file"):
+        Client(odd, tls_ca=str(bad))
+    p = cli("generate", "--server", odd, "--prompt", "ok", "--tls-ca", str(bad))
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [f"error: --tls-ca {bad}: not a PEM file (no -----BEGIN line)"], p.stderr
+
+
+def test_an_async_client_made_outside_its_loop_works(odd):
+    """grpc.aio channels belong to the loop they are made in: a client made at import time failed
+    in asyncio.run with 'attached to a different loop'."""
+    c = AsyncClient(odd, timeout=10)
+
+    async def run():
+        try:
+            return await c.generate(prompt="ok")
+        finally:
+            await c.close()
+    assert asyncio.run(run()).token_ids == [3, 5]
+
+
+def test_the_cli_exits_quietly_on_ctrl_c_and_on_a_closed_stdout(odd):
+    """Each gave a traceback on stderr: KeyboardInterrupt (exit 130 with 25 lines), BrokenPipeError (`| head -c 5`)."""
+    args = [sys.executable, "-m", "client", "generate", "--server", odd, "--prompt", "slow", "--timeout", "60"]
+    p = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.read(5) == b"w3 w4"  # it is streaming
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and err == b"", err
+    p = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.read(5) == b"w3 w4"
+        p.stdout.close()  # the reader goes away: the next write fails
+        err = p.stderr.read()
+        p.wait(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 141 and err == b"", err
