@@ -193,6 +193,13 @@ def test_monitoring_and_autoscaling_use_exported_metrics():
         names = set(re.findall(r"\bspecdec[_:][a-z0-9_:]+", q))
         assert names or "up{" in q, q  # every query reads the services' metrics (or the scrape's own `up`)
         assert names <= known | recorded, (q, names - known - recorded)
+    # every process exports the verify tier's unlabelled series (specdec/metrics.py), a draft pod at 0:
+    # a per-pod view or average of them must select the verify pods (the saturation alert averaged
+    # 2 busy verify pods with 2 idle drafts, and could not reach its 0.9)
+    verify_only = re.compile(r"\bspecdec_(verify_[a-z_]+|reserved_tokens|cache_budget_tokens)\b")
+    for q in queries:
+        if verify_only.search(q) and re.search(r"by \([^)]*\bpod\b", q):
+            assert 'app="specdec-verify"' in q, q
     assert ("HorizontalPodAutoscaler", "specdec-draft") not in by  # no CPU-based scaling of the draft
     assert "replicas" not in by["Deployment", "specdec-verify"]["spec"]  # KEDA's HPA owns it
     monitor = by["PodMonitor", "specdec"]["spec"]
