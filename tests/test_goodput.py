@@ -344,3 +344,41 @@ def test_a_pass_of_prompt_chunks_alone_counts_as_busy(model_dir):
         assert REGISTRY.get_sample_value("specdec_verify_pass_utilisation") > 0
     finally:
         eng.shutdown()
+
+
+def test_the_cost_model_counts_the_tokens_a_pass_commits(model_dir):
+    """A round cut by max_new_tokens commits fewer tokens than its accepted proposals plus one:
+    the cost model's tokens (its tokens_per_s) count what was committed (it counted n + 1)."""
+    import verify_service.scheduler as scheduler
+    from specdec.errors import Finish
+
+    class Recorder:  # the cost model's inputs, as the scheduler reports them
+        per_row_s = price = 0.0
+
+        def __init__(self):
+            self.tokens = []
+
+        def observe(self, rows, sessions, tokens, seconds, start) -> None:
+            self.tokens.append(tokens)
+
+    torch.set_num_threads(1)
+    lm = LM.load(model_dir("target"), "cpu", "float32")
+    eng = scheduler.Scheduler(lm, max_sessions=2, forced_acceptance=lambda s, tau: tau)  # every proposal accepted
+    eng.cost = Recorder()
+
+    async def run():
+        s = eng.open([3, 4, 5], 7, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)
+        await eng.prefill(s)
+        try:
+            first = await eng.step(s, [6, 7, 8, 9], None)  # 4 accepted + the target's token: 5 of 7
+            last = await eng.step(s, [6, 7, 8, 9], None)  # 2 left: cut at max_new_tokens
+            return first, last
+        finally:
+            eng.close(s)
+
+    try:
+        first, last = asyncio.run(run())
+    finally:
+        eng.shutdown()
+    assert first.num_accepted == 4 and last.finish == Finish.LENGTH and last.num_accepted + (last.next_token is not None) == 2
+    assert eng.cost.tokens[-2:] == [5, 2], eng.cost.tokens

@@ -38,7 +38,7 @@ from specdec.sampling import Sampling, to_host, wait
 from verify_service.capacity import Capacity, default_cache_budget
 from verify_service.jobs import Job, Prefill, Round, Stream, check, decide, holding, unfilled
 from verify_service.passcost import PassCost, probe
-from verify_service.session import Session, Verdict, commit
+from verify_service.session import Session, Verdict, commit, kept
 
 log = logging.getLogger("specdec.verify")
 
@@ -377,7 +377,9 @@ class Scheduler:
         done = self._decide(jobs, logits, proposals) if jobs else []
         if not done:
             return
-        forward_s = self._observed(layout, sum(n + 1 for _, n, _, _ in done), t0)
+        done = [(j, n, ([j.tokens[i] for i in path] if path is not None else j.tokens[:n]) + [nxt], path) for j, n, nxt, path in done]
+        eos, limit = self.lm.eos, self.lm.max_context  # the tokens the pass commits: its rounds' cut at EOS and the limits
+        forward_s = self._observed(layout, sum(kept(j.session, new, eos, limit)[0] for j, _, new, _ in done), t0)
         row_cost_s, price = self.cost.per_row_s, self.cost.price  # the same for every verdict of the pass
         moves: tuple[list[int], list[int]] = ([], [])
         for j, n, _, path in done:
@@ -392,13 +394,12 @@ class Scheduler:
                 if path is not None:
                     j.resolve(False, e)
             done = [d for d in done if d[3] is None]
-        for j, n, nxt, path in done:
+        for j, n, new, path in done:
             s = j.session
             try:
-                if not 0 <= nxt < self.lm.vocab_size:  # a NaN row's draw: never into the sequence (the next pass would index with it)
+                if not 0 <= new[-1] < self.lm.vocab_size:  # a NaN row's draw: never into the sequence (the next pass would index with it)
                     raise RequestError(Refusal.INTERNAL, "the target's logits at this position are not finite: no token can be drawn")
-                accepted = [j.tokens[i] for i in path] if path is not None else j.tokens[:n]
-                v = commit(s, accepted + [nxt], n, self.lm.eos, self.lm.max_context)
+                v = commit(s, new, n, eos, limit)
                 v.path = None if path is None else path[: v.num_accepted]  # cut where the sequence ended (EOS, a limit)
                 v.forward_s, v.queue_s, v.pass_rounds = forward_s, t0 - j.enqueued, len(jobs)
                 v.row_cost_s, v.row_price = row_cost_s, price

@@ -51,21 +51,24 @@ class Verdict:
     path: list[int] | None = None  # a tree round's accepted nodes, root first
 
 
+def kept(s: Session, new: list[int], eos: frozenset[int], max_context: int) -> tuple[int, Finish]:
+    """How many of `new` commit keeps (up to the first end condition: EOS, max_new_tokens, the
+    context limit), and that condition."""
+    for i, t in enumerate(new, 1):
+        if t in eos:
+            return i, Finish.EOS
+        if s.generated + i >= s.max_new_tokens:
+            return i, Finish.LENGTH
+        if len(s.ids) + i >= max_context:
+            return i, Finish.CONTEXT
+    return len(new), Finish.NONE
+
+
 def commit(s: Session, new: list[int], n: int, eos: frozenset[int], max_context: int) -> Verdict:
     """Appends new = accepted + [next] up to the first end condition (EOS, max_new_tokens, the
     context limit: tokens past it are never emitted); crops the cache to len(ids) - 1."""
-    out: list[int] = []
-    finish = Finish.NONE
-    for t in new:
-        out.append(t)
-        if t in eos:
-            finish = Finish.EOS
-        elif s.generated + len(out) >= s.max_new_tokens:
-            finish = Finish.LENGTH
-        elif len(s.ids) + len(out) >= max_context:
-            finish = Finish.CONTEXT
-        if finish:
-            break
+    k, finish = kept(s, new, eos, max_context)
+    out = new[:k]
     s.ids.extend(out)
     s.finish = finish
     s.cache.crop(len(s.ids) - 1)
