@@ -1,5 +1,5 @@
 """The draft service's OpenAI-compatible HTTP front door (--http-port): POST /v1/completions,
-POST /v1/chat/completions, GET /v1/models and GET /health, on Starlette, served by uvicorn in
+POST /v1/chat/completions, GET /v1/models (and /v1/models/ID) and GET /health, on Starlette, served by uvicorn in
 the gRPC server's own event loop (specdec/serving.py starts and drains both).
 
 An HTTP request becomes the GenerateRequest a gRPC client would send, and runs through the
@@ -150,7 +150,8 @@ class FrontDoor:
         errors = {HttpError: _error_response, HTTPException: _error_response, ClientGone: _error_response, Exception: _error_response}
         self.app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"]),
                                      Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                                     Route("/v1/models", self.models), Route("/health", self.health)],
+                                     Route("/v1/models", self.models), Route("/v1/models/{model:path}", self.model_info),
+                                     Route("/health", self.health)],
                              exception_handlers=errors, middleware=[Middleware(_Observe)])
 
     def _target(self) -> str:
@@ -208,7 +209,18 @@ class FrontDoor:
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created, "owned_by": "specdec"}]})
+        return JSONResponse({"object": "list", "data": [self._card(self.model)]})
+
+    async def model_info(self, request: Request) -> Response:
+        """GET /v1/models/{id} (the SDK's models.retrieve): the served model, under any id a request may name."""
+        self._authorize(request)
+        name = request.path_params["model"]
+        if name not in self.accepted:
+            raise HttpError(404, f"the model {name!r} does not exist; this server serves {self.model!r}", "model", "model_not_found")
+        return JSONResponse(self._card(name))
+
+    def _card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "specdec"}
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)

@@ -33,6 +33,7 @@ class Refused(Exception):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool = False  # accepted (newer SDKs send it), unused: no obfuscation padding is sent
 
 
 class _Request(BaseModel):
@@ -83,6 +84,8 @@ class CompletionRequest(_Request):
             v = v[0]
         if not v:
             raise ValueError("empty")
+        if isinstance(v, list) and not all(0 <= t < 1 << 31 for t in v):  # int32 on the wire (a larger id was a 500)
+            raise ValueError(f"token ids are in [0, {(1 << 31) - 1}]")
         return v
 
 

@@ -98,7 +98,8 @@ def test_greedy_completion_equals_grpc_token_for_token(oai, rpc, prompt):
 def test_streamed_completion_equals_the_whole_one_with_usage_last(oai):
     whole = oai.completions.create(model=MODEL, prompt="w3 w4 w5", max_tokens=30, temperature=0)
     chunks = list(oai.completions.create(model=MODEL, prompt="w3 w4 w5", max_tokens=30, temperature=0, stream=True,
-                                         stream_options={"include_usage": True}, extra_body={"return_metrics": True}))
+                                         stream_options={"include_usage": True, "include_obfuscation": False},  # newer SDKs' field
+                                         extra_body={"return_metrics": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     *body, finish, last = chunks
     assert all(c.choices[0].finish_reason is None and c.usage is None for c in body) and len(body) >= 2
@@ -202,6 +203,10 @@ def test_sse_framing_byte_for_byte(pair, rpc):
 def test_models_health_and_request_ids(pair, oai):
     v, d = pair
     assert [m.id for m in oai.models.list().data] == [MODEL]
+    assert oai.models.retrieve(MODEL).id == MODEL  # GET /v1/models/ID
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.models.retrieve("gpt-4")
+    assert e.value.code == "model_not_found"
     h = raw(pair, "GET", "/health")
     assert h.status == 200 and json.loads(h.read()) == {"status": "ok"}
     r = oai.completions.create(model=MODEL, prompt="w3", max_tokens=3, temperature=0, extra_headers={"X-Request-Id": "rid-http-42"})
@@ -251,6 +256,7 @@ BAD = [  # (endpoint, arguments, the field the 400 names)
     ("completions", dict(top_p=1.5), "top_p"),
     ("completions", dict(prompt=["w3", "w4"]), "prompt"),
     ("completions", dict(prompt=[3, 999]), "prompt"),  # outside the vocabulary (gRPC validation's message)
+    ("completions", dict(prompt=[3, 1 << 31]), "prompt"),  # past int32, the wire's type: was a 500 with two tracebacks
     ("completions", dict(extra_body={"num_draft_tokens": 99}), "num_draft_tokens"),
     ("completions", dict(extra_body={"proposer": "oracle"}), "proposer"),
     ("completions", dict(extra_body={"tree_budget": 65}), "tree_budget"),  # past the verifier's 64 nodes
