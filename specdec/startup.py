@@ -108,8 +108,9 @@ def check_model_dir(path: str) -> None:
 def check_port(host: str, port: int | None, flag: str) -> None:
     """StartupError if `port` cannot be bound on `host` now (in use: by anyone, SO_REUSEPORT or
     not). Checked before the model loads; the servers bind for real later (gRPC with
-    SO_REUSEPORT off), and fail the same way if the port was taken in between."""
-    if not port:
+    SO_REUSEPORT off), and fail the same way if the port was taken in between. Port 0 (any free
+    port) checks the host: one that is not this machine's was found only after the model loaded."""
+    if port is None:
         return
     try:
         addrs = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)

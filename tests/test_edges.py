@@ -137,6 +137,7 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
         "draft missing model dir": ([*d, "--model", str(tmp_path / "nope")], "--model", "no such directory"),
         "port in use": ([*v, "--model", target, "--port", str(busy.getsockname()[1])], "--port", "in use"),
         "metrics port in use": ([*v, "--model", target, "--metrics-port", str(busy_metrics.getsockname()[1])], "--metrics-port"),
+        "a host not of this machine": ([*v, "--model", target, "--host", "192.0.2.1"], "--port 0", "cannot listen on 192.0.2.1"),
         # caught by the parser now (each was a traceback, a gRPC abort or a service in plaintext; review of 2026-11-28)
         "one port twice": ([*d, "--model", target, "--port", "50999", "--http-port", "50999"], "--http-port 50999", "same port as --port"),
         "client cert without key": ([*d, "--model", target, "--verify-tls-ca", str(tmp_path / "ca.pem"), "--verify-tls-cert",

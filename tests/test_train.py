@@ -390,3 +390,81 @@ def test_progress_total_follows_the_time_budget_and_a_rerun_gets_its_own(tmp_pat
     second = loop.run(model, lambda step: torch.randint(0, 32, (2, 9)), loss_fn, cfg)
     assert second["resumed_from_step"] == n and second["steps_this_run"] > 0 and second["steps"] == n + second["steps_this_run"]
     assert second["final_loss"] is not None and second["tokens"] == second["steps"] * 16
+
+
+def test_a_non_finite_loss_keeps_the_last_good_weights(tmp_path):
+    """The check came after the optimizer's step, and the run's last save then wrote the NaN
+    weights over the last good checkpoint, which a resume loaded."""
+    from train import checkpoint, loop
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32))
+
+    def loss_fn(m, batch):
+        loss = torch.nn.functional.cross_entropy(m(batch[:, :-1]).reshape(-1, 32), batch[:, 1:].reshape(-1))
+        return (loss * float("nan") if loss_fn.calls == 3 else loss), {}
+
+    def batch(step):
+        loss_fn.calls = step
+        return torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(step))
+
+    cfg = loop.LoopConfig(run_dir=tmp_path, max_steps=10, bf16=False, warmup_steps=1)
+    with pytest.raises(FloatingPointError, match="step 4"):
+        loop.run(model, batch, loss_fn, cfg)
+    saved = checkpoint.load(tmp_path)
+    assert saved["step"] == 3 and all(torch.isfinite(v).all() for v in saved["model"].values())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_final_metrics_of_a_run_are_in_its_summary(tmp_path):
+    """The model card reads a run's final cross-entropy (final_mle) beside its mixed loss: it was
+    written by hand into the records, as no run returned it."""
+    from train import loop
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32))
+
+    def loss_fn(m, batch):
+        ce = torch.nn.functional.cross_entropy(m(batch[:, :-1]).reshape(-1, 32), batch[:, 1:].reshape(-1))
+        return 2 * ce, {"mle": ce.detach()}
+
+    out = loop.run(model, lambda step: torch.randint(0, 32, (2, 9)), loss_fn, loop.LoopConfig(run_dir=tmp_path, max_steps=3, bf16=False))
+    assert out["final_mle"] == pytest.approx(out["final_loss"] / 2)
+
+
+def test_a_token_cache_is_reused_only_for_the_same_tokenizer_and_tests(tmp_path):
+    """The cache was keyed by specs and split only: another tokenizer (or --no-tests) got the old ids."""
+    from train.data import corpus_tokens
+
+    d = tmp_path / "src"
+    d.mkdir()
+    for j, text in enumerate(SNIPPETS * 3):
+        (d / f"m{j}.py").write_text(text)
+    cache = str(tmp_path / "tokens.pt")
+    a = _tiny_tokenizer()
+    b = train_tokenizer(SNIPPETS[:2] * 20, vocab_size=270, model_max_length=128)
+    first, _ = corpus_tokens(a, [str(d)], "all", cache=cache)
+    other, _ = corpus_tokens(b, [str(d)], "all", cache=cache)
+    own, _ = corpus_tokens(b, [str(d)], "all", workers=1)
+    assert torch.equal(other, own) and not torch.equal(first, own)
+    assert torch.equal(corpus_tokens(b, [str(d)], "all", cache=cache)[0], own)  # now cached for b
+
+
+def test_copies_of_a_trained_file_are_not_held_out_or_out_of_domain(tmp_path):
+    """The split is by path: a file copied into two packages could be held out in one and trained
+    on in the other, and pip's vendored rich put the out-of-domain set in training."""
+    vendored = "from pip._vendor.rich.text import Text\nfrom pip._vendor.rich import box\n\n" + SNIPPETS[3]
+    own = "from rich.text import Text\nfrom rich import box\n\n" + SNIPPETS[3]
+    trained = [corpus.Document("pip/_vendor/rich/x.py", vendored), corpus.Document("a/y.py", SNIPPETS[0])]
+    docs = [corpus.Document("rich/x.py", own), corpus.Document("b/y.py", SNIPPETS[0] + "\n"), corpus.Document("c/z.py", SNIPPETS[1])]
+    assert [d.name for d in corpus.unseen(docs, trained)] == ["c/z.py"]
+
+
+def test_a_tiny_user_corpus_is_all_trained_and_nothing_held_out(tmp_path):
+    """A corpus whose every file hashes to the held-out split is trained on whole; the held-out
+    split is then empty, not the training text under the name of held-out files."""
+    f = tmp_path / "m34.py"  # a name that hashes into the held-out split
+    f.write_text(SNIPPETS[0])
+    assert corpus.is_heldout("m34.py")
+    assert [d.name for d in corpus.user_documents([str(f)], "train")] == ["0:m34.py"]
+    assert corpus.user_documents([str(f)], "heldout") == []

@@ -125,8 +125,19 @@ def user_documents(paths: Sequence[str], split: str = "train") -> List[Document]
     """A user-given corpus: files and/or directories (every text file found under them).
 
     Documents are named ``<argument index>:<relative path>`` and sorted, so the order and the
-    held-out split do not depend on the file system's listing order.
+    held-out split do not depend on the file system's listing order. A tiny corpus may hash every
+    file into the held-out split: it is then all trained on, and nothing of it is held out.
     """
+    docs = _user_split(paths, split)
+    if split == "all":
+        return docs
+    trained = docs if split == "train" else _user_split(paths, "train")
+    if not trained:
+        return _user_split(paths, "all") if split == "train" else []
+    return docs
+
+
+def _user_split(paths: Sequence[str], split: str) -> List[Document]:
     docs: List[Document] = []
     for i, p in enumerate(paths):
         path = Path(p)
@@ -139,9 +150,6 @@ def user_documents(paths: Sequence[str], split: str = "train") -> List[Document]
             raise FileNotFoundError(f"corpus path not found: {p}")
         for d in select_documents(root, names, split):
             docs.append(Document(f"{i}:{d.name}", d.text))
-    if not docs and split == "train":
-        # A tiny corpus may hash every file into the held-out split; train on all of it then.
-        return user_documents(paths, "all")
     return docs
 
 
@@ -246,12 +254,33 @@ def expand(specs: Sequence[str], exclude: Sequence[str] = ()) -> List[str]:
     return out
 
 
-def documents(specs: Sequence[str], split: str = "train", include_tests: bool = True) -> List[Document]:
+# A vendored copy's imports name its vendoring package (``from pip._vendor.rich import x``); a
+# copy that differs only there is the same text to a model.
+_VENDORED = re.compile(r"\b(?:[A-Za-z_]\w*\.)*_vendor\.")
+
+
+def content_key(text: str) -> str:
+    """A digest of a file's text with vendoring prefixes removed: equal for copies of one file."""
+    return hashlib.sha256(_VENDORED.sub("", text).strip().encode("utf-8")).hexdigest()
+
+
+def unseen(docs: Sequence[Document], seen: Sequence[Document]) -> List[Document]:
+    """The docs whose text (``content_key``) is not among `seen`'s: the split is by path, so a file
+    copied into several packages (a vendored library, setuptools' copy of distutils) can be held
+    out in one place and trained on in another; and an out-of-domain package can be vendored by a
+    trained one (pip's copy of rich)."""
+    keys = {content_key(d.text) for d in seen}
+    return [d for d in docs if content_key(d.text) not in keys]
+
+
+def documents(specs: Sequence[str], split: str = "train", include_tests: bool = True,
+              exclude: Sequence[str] = ()) -> List[Document]:
     """A corpus from specs: ``stdlib`` (the standard library), ``package:NAME`` (an installed
-    package's Python source), ``site:permissive`` (see ``expand``), or any file or directory path."""
+    package's Python source), ``site:permissive`` (see ``expand``; `exclude` as there), or any
+    file or directory path."""
     docs: List[Document] = []
     paths = []
-    for spec in expand(specs):
+    for spec in expand(specs, exclude):
         if spec == "stdlib":
             docs += stdlib_documents(split, include_tests)
         elif spec.startswith("package:"):

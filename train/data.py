@@ -7,6 +7,8 @@ the batches an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing
 import os
 from pathlib import Path
@@ -50,9 +52,10 @@ def corpus_tokens(tokenizer, specs: Sequence[str], split: str = "train", include
     processes (default: one per CPU), then joined in order.  With ``cache``, a stream saved there
     by an earlier call with the same specs and split is loaded instead of tokenizing again."""
     global _WORKER_TOKENIZER
+    key = {"specs": list(specs), "split": split, "include_tests": include_tests, "tokenizer": _fingerprint(tokenizer)}
     if cache and Path(cache).exists():
         saved = torch.load(cache, weights_only=False)
-        if saved["specs"] == list(specs) and saved["split"] == split:
+        if all(saved.get(k) == v for k, v in key.items()):  # another tokenizer (or --no-tests) tokenizes anew
             return saved["tokens"], saved["rows"]
     _WORKER_TOKENIZER = tokenizer
     jobs = [(spec, split, include_tests) for spec in specs]
@@ -68,8 +71,15 @@ def corpus_tokens(tokenizer, specs: Sequence[str], split: str = "train", include
         else torch.zeros(0, dtype=torch.long)
     if cache:
         Path(cache).parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"specs": list(specs), "split": split, "tokens": tokens, "rows": rows}, cache)
+        torch.save({**key, "tokens": tokens, "rows": rows}, cache)
     return tokens, rows
+
+
+def _fingerprint(tokenizer) -> str:
+    """A digest of the tokenizer's vocabulary and special tokens: what the cached ids depend on."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
+    return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()
 
 
 class WindowSampler:

@@ -170,7 +170,8 @@ def main(argv=None) -> dict:
     summary.update(target_parameters=n_t, draft_parameters=n_d, ratio=n_d / n_t,
                    corpus_tokens=int(tokens.numel()), corpus_files=n_files, device=str(args.device),
                    seq_len=sampler.seq_len, batch_size=args.batch_size, max_steps=args.steps, lr=args.lr,
-                   warmup=args.warmup, max_minutes=args.max_minutes, corpus=args.corpus, init_from=args.init_from)
+                   warmup=args.warmup, max_minutes=args.max_minutes, corpus=args.corpus, init_from=args.init_from,
+                   ce_weight=args.ce_weight, temperature=args.temperature)
     if not (out_dir / "config.json").is_file():
         _write(run_dir, summary)
         raise SystemExit(f"distill: nothing trained (--steps {args.steps}, --max-minutes {args.max_minutes}) and no draft "

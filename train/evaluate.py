@@ -215,7 +215,11 @@ def main(argv=None) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target, draft = load(args.target), load(args.draft)
-    docs = corpus.documents(args.corpus, "heldout")
+    ood_names = [x.split(":", 1)[1] for x in args.ood_corpus if x.startswith("package:")]
+    trained = corpus.documents(args.corpus, "train", exclude=ood_names)  # as train.gpu.sh trains: --exclude the OOD packages
+    held = corpus.documents(args.corpus, "heldout", exclude=ood_names)
+    docs = corpus.unseen(held, trained)  # a held-out file with a trained copy elsewhere is not held out
+    print(f"held-out: {len(held) - len(docs)} files left out, copies of trained ones", flush=True)
     tokens = tokenize_documents(tokenizer, docs)
     print(f"held-out: {len(docs)} files, {tokens.numel():,} tokens", flush=True)
     res: dict = {
@@ -223,7 +227,7 @@ def main(argv=None) -> dict:
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "draft_parameters": sum(p.numel() for p in draft.parameters()),
         "vocab_size": target.config.vocab_size, "prompts": args.prompts,
-        "heldout_files": len(docs), "heldout_tokens": int(tokens.numel()),
+        "heldout_files": len(docs), "heldout_tokens": int(tokens.numel()), "heldout_files_left_out_as_trained": len(held) - len(docs),
         "machine": {"processor": platform.processor() or platform.machine(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
     }
@@ -241,8 +245,11 @@ def main(argv=None) -> dict:
     res["code_prompts"] = code_prompts_quality(target, draft, tokenizer, CODE_PROMPTS, args.code_tokens)
     print("code prompts", {k: v for k, v in res["code_prompts"].items() if k != "prompts"}, flush=True)
     if args.ood_corpus:
-        ood = tokenize_documents(tokenizer, corpus.documents(args.ood_corpus, "all"))
-        res["out_of_domain"] = {"corpus": args.ood_corpus, "tokens": int(ood.numel()),
+        ood_docs = corpus.documents(args.ood_corpus, "all")
+        kept = corpus.unseen(ood_docs, trained)  # pip vendors rich: its trained copy is not out of domain
+        ood = tokenize_documents(tokenizer, kept)
+        res["out_of_domain"] = {"corpus": args.ood_corpus, "tokens": int(ood.numel()), "files": len(kept),
+                                "files_left_out_as_trained": len(ood_docs) - len(kept),
                                 **greedy_acceptance(target, draft, prompts_from(ood, args.prompts, args.prompt_len),
                                                     args.continuation, args.batch)}
         print("out of domain", res["out_of_domain"]["alpha"], flush=True)

@@ -119,6 +119,8 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
             metrics = {k: float(v) for k, v in metrics.items()}
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if not (torch.isfinite(loss.detach()) and torch.isfinite(gnorm)):  # before the step: the weights stay the last good ones
+                raise FloatingPointError(f"non-finite loss or gradient at step {step + 1}; the last checkpoint keeps step {step}")
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
@@ -126,8 +128,6 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
             elapsed = elapsed0 + run_s
             last = {"step": step, "loss": float(loss.detach()), "lr": lr, "grad_norm": float(gnorm),
                     "elapsed_s": round(elapsed, 2), "tokens": step * tokens_per_step, **metrics}
-            if not torch.isfinite(loss.detach()):
-                raise FloatingPointError(f"non-finite loss at step {step}")
             if step % cfg.log_every == 0 or step == 1:
                 log.write(json.dumps(last) + "\n")
                 log.flush()
@@ -146,7 +146,8 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
         log.close()
     model.eval()
     run_steps = step - first_step
-    return {"steps": step, "elapsed_s": elapsed, "tokens": last.get("tokens", 0), "final_loss": last.get("loss"),
+    finals = {f"final_{k}": v for k, v in last.items() if k not in ("step", "loss", "lr", "grad_norm", "elapsed_s", "tokens")}
+    return {"steps": step, "elapsed_s": elapsed, "tokens": last.get("tokens", 0), "final_loss": last.get("loss"), **finals,
             "resumed_from_step": first_step, "steps_this_run": run_steps, "minutes_this_run": round(run_s / 60, 3),
             "tokens_this_run": run_steps * (tokens_per_step or 0),
             "stopped_by": "steps" if step >= cfg.max_steps else "max-minutes"}

@@ -103,6 +103,12 @@ def _mb(d: Path) -> float:
     return sum(f.stat().st_size for f in d.iterdir() if f.is_file()) / 1e6
 
 
+def _temperature(ds: dict) -> str:
+    """The distillation temperature where a run recorded one other than 1 (runs before it was recorded used 1, the default)."""
+    t = ds.get("temperature", 1.0)
+    return "" if t == 1.0 else f" at temperature {t:g}"
+
+
 def _arch(d: Path) -> str:
     c = AutoConfig.from_pretrained(d)
     tie = "tied" if c.tie_word_embeddings else "untied"
@@ -186,7 +192,7 @@ docstrings, plausible calls). Likelihood training alone left it copying itself u
 again and again: a mean distinct-3-gram ratio of 0.42 on the code prompts). The last target run fine-tuned it with
 sequence-level unlikelihood against repeated 4-grams in its own greedy output (`train/unlikelihood.py`): its continuations of
 the code prompts now score **{cp['mean_distinct_3']:.2f}** (real code scores about 0.8; the first pair scored 0.18), and
-{sum(r['tokens'] < cp['max_new_tokens'] for r in cp['prompts'])} of the {len(cp['prompts'])} stop on their own (end of text) before {cp['max_new_tokens']} tokens. The price is held-out likelihood: 2.143 nats/token before that stage, {lo['target']:.3f} after.
+{sum(r['tokens'] < cp['max_new_tokens'] for r in cp['prompts'])} of the {len(cp['prompts'])} stop on their own (end of text) before {cp['max_new_tokens']} tokens. The price is held-out likelihood: {lo['target']:.3f} nats/token after it (the loss before it was not kept in these records).
 The completions are below.
 
 | | target `models/stdlib-code-target/` | draft `models/stdlib-code-draft/` |
@@ -194,7 +200,7 @@ The completions are below.
 | architecture | {_arch(target_dir)} | {_arch(draft_dir)} |
 | parameters | {ev['target_parameters']:,} | {ev['draft_parameters']:,} ({ev['draft_parameters'] / ev['target_parameters']:.3f} of the target) |
 | size on disk | {_mb(target_dir):.1f} MB | {_mb(draft_dir):.1f} MB |
-| training | next-token cross-entropy; last run: + sequence-level unlikelihood of repeated 4-grams (weight {(ts.get('unlikelihood') or {}).get('weight', 0)}) | distillation: 0.9·KL(p_target ‖ q_draft) + 0.1·CE |
+| training | next-token cross-entropy; last run: + sequence-level unlikelihood of repeated 4-grams (weight {(ts.get('unlikelihood') or {}).get('weight', 0)}) | distillation: {1 - ds.get('ce_weight', 0.1):.1f}·KL(p_target ‖ q_draft) + {ds.get('ce_weight', 0.1):.1f}·CE{_temperature(ds)} |
 | training tokens | {ts['tokens']:,} ({ts['steps']} steps × {ts['batch_size']} × {ts['seq_len']}) | {ds['tokens']:,} ({ds['steps']} steps × {ds['batch_size']} × {ds['seq_len']}) |
 | training time ({hw}, bf16 autocast) | {ts['elapsed_s'] / 60:.1f} min | {ds['elapsed_s'] / 60:.1f} min |
 | final training loss | {ts.get('final_mle', ts['final_loss']):.3f} (cross-entropy) | {ds['final_loss']:.3f} (mixed KL/CE) |
