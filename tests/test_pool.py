@@ -91,6 +91,35 @@ def test_a_growing_pool_keeps_what_its_sessions_hold(packed):
     assert torch.equal(eng.forward([[7, 8]], [a])[0], eng.forward([[7, 8]], [ref])[0])
 
 
+def test_a_growth_that_runs_out_of_memory_leaves_the_pool_whole(monkeypatch):
+    """The growth replaced K, then V: where V's allocation failed (CUDA out of memory), K had grown
+    and V had not, K's size then said no growth was needed, and every later pass that wrote past
+    V's end failed with an IndexError, until a restart."""
+    from specdec.engine import Pool
+
+    pool = Pool(torch.float32, torch.device("cpu"))
+    like = torch.zeros(1, 2, 1, 4)
+    pool.layer(0, like)
+    before = [t.shape[0] for t in (pool.k[0], pool.v[0])]
+    held = pool.cache(16 * 20)  # more pages than the tensors hold
+    zeros, calls = torch.zeros, []
+
+    def second_fails(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return zeros(*a, **kw)
+
+    monkeypatch.setattr(torch, "zeros", second_fails)
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.layer(0, like)
+    assert [t.shape[0] for t in (pool.k[0], pool.v[0])] == before  # as it was
+    monkeypatch.setattr(torch, "zeros", zeros)
+    k, v = pool.layer(0, like)  # the next pass grows both
+    assert k.shape == v.shape and k.shape[0] >= pool.slots
+    assert held.pages
+
+
 def test_dropped_caches_give_their_pages_back():
     """A cache that is garbage-collected without release() returns its pages to the pool."""
     import gc

@@ -75,15 +75,20 @@ class Pool:
         """Layer i's (K, V) [slots, H_kv, D], made or grown to hold every page handed out so far;
         like [1, H_kv, T, D] gives the shape of a layer's keys. Called on the passes' thread only."""
         need = self.slots
+        # K and V are both made before either is kept: an allocation that fails (out of memory)
+        # leaves the layer as it was, not a K that has grown beside a V that has not
         if len(self.k) == i:
             shape = (max(need, 8 * PAGE), like.shape[1], like.shape[3])
-            self.k.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
-            self.v.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            k, v = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+            self.k.append(k)
+            self.v.append(v)
         elif self.k[i].shape[0] < need:
-            for t in (self.k, self.v):
-                old = t[i]
-                t[i] = torch.zeros((max(need, 2 * old.shape[0]), *old.shape[1:]), dtype=old.dtype, device=old.device)
-                t[i][: old.shape[0]] = old
+            old_k, old_v = self.k[i], self.v[i]
+            k, v = (torch.zeros((max(need, 2 * old.shape[0]), *old.shape[1:]), dtype=old.dtype, device=old.device)
+                    for old in (old_k, old_v))
+            k[: old_k.shape[0]] = old_k
+            v[: old_v.shape[0]] = old_v
+            self.k[i], self.v[i] = k, v
         return self.k[i], self.v[i]
 
     def nbytes(self) -> int:
