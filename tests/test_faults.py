@@ -153,3 +153,23 @@ def test_a_full_verify_service_is_resource_exhausted_through_the_draft(model_dir
     finally:
         d.stop()
         v.stop()
+
+
+def test_a_target_only_reader_that_stops_reading_holds_no_session(pair):
+    """Verify.Generate's steps run ahead of its reader; a client that stops reading (a small flow
+    window, its connection open) held its session, reservation and KV pages until it read again,
+    as long as it liked: 64 such clients shut the verifier out. The session is closed once it
+    finishes; what the client has not read yet waits in the stream, and all of it still arrives."""
+    from specdec.v1 import specdec_pb2 as pb
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+    v, _ = pair
+    n = 2000
+    with grpc.insecure_channel(v.address, options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]) as ch:
+        it = pb_grpc.VerifyStub(ch).Generate(pb.GenerateRequest(prompt_ids=[3, 4], max_new_tokens=n), timeout=300)
+        got = list(next(it).token_ids)
+        assert wait_for(lambda: verify_is_empty(v), timeout=120)  # finished and freed while nothing was read
+        for chunk in it:
+            got += chunk.token_ids
+            last = chunk
+    assert len(got) == n and last.finish_reason == pb.FINISH_REASON_LENGTH

@@ -288,6 +288,9 @@ class Scheduler:
                     with self._lock:
                         self._passing = False
             self._pass_s = time.perf_counter() - t0
+            for j in batch + filling:  # a Generate stream's session that finished gives its pages and room back now: its
+                if isinstance(j, Stream) and j.left is None and j.session.finish:  # handler may wait long on a slow reader
+                    self.close(j.session)
             self._back = {j.session.sid for j in batch if isinstance(j, Round) and not j.session.finish and not j.session.closed}
             rounds += [j for j in batch if not j.finished]  # streams whose sessions go on
             for j in filling:
