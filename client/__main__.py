@@ -49,7 +49,8 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m client", description="specdec client")
+    installed = not sys.argv[0].endswith("__main__.py")  # the specdec-client script, not python -m client
+    p = argparse.ArgumentParser(prog=os.path.basename(sys.argv[0]) if installed else "python -m client", description="specdec client")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate a completion")
     _connection_args(g)

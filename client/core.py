@@ -64,6 +64,13 @@ def check_timeout(timeout: float | None) -> float | None:
     return None if timeout > MAX_TIMEOUT_S or math.isinf(timeout) else float(timeout)
 
 
+def _request(request: pb.GenerateRequest | None, params: dict) -> pb.GenerateRequest:
+    """The request to send: `request`, or one made from `params` (make_request); not both."""
+    if request is not None and params:
+        raise TypeError(f"give a request or its parameters, not both (got {', '.join(sorted(params))} beside a request)")
+    return request if request is not None else make_request(**params)
+
+
 def _finished(chunk) -> bool:
     return chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
 
@@ -99,14 +106,17 @@ def make_request(prompt: str | None = None, prompt_ids: list[int] | None = None,
                  add_special_tokens: bool | None = None, tree_budget: int = 0) -> pb.GenerateRequest:
     """add_special_tokens: None = the server's default (the tokenizer's own: BOS where it adds one).
     tree_budget: tree speculation's nodes per round (0: chains; num_draft_tokens is then the depth cap)."""
+    for name, value, names in (("proposal_mode", proposal_mode, MODES), ("proposer", proposer, PROPOSERS)):
+        if value is not None and value not in names:
+            raise ValueError(f"{name} must be one of {', '.join(sorted(names))}, got {value!r}")
     sampling = pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if seed is not None:
         sampling.seed = seed
     return pb.GenerateRequest(
         prompt=prompt or "", prompt_ids=prompt_ids or [], max_new_tokens=max_new_tokens, sampling=sampling,
         stop=stop or [], num_draft_tokens=num_draft_tokens, sparse_k=sparse_k, request_id=request_id,
-        proposal_mode=MODES[proposal_mode] if proposal_mode else pb.PROPOSAL_MODE_UNSPECIFIED,
-        proposer=PROPOSERS[proposer] if proposer else pb.PROPOSER_UNSPECIFIED,
+        proposal_mode=MODES[proposal_mode] if proposal_mode is not None else pb.PROPOSAL_MODE_UNSPECIFIED,
+        proposer=PROPOSERS[proposer] if proposer is not None else pb.PROPOSER_UNSPECIFIED,
         adaptive=adaptive, predraft=predraft, early_stop_p=early_stop_p, add_special_tokens=add_special_tokens,
         tree_budget=tree_budget)
 
@@ -247,7 +257,7 @@ class Client(_Base):
         return self._targets[0].stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
 
     def stream(self, request: pb.GenerateRequest | None = None, **params):
-        yield from self._stream(request or make_request(**params))[1]
+        yield from self._stream(_request(request, params))[1]
 
     def _stream(self, request):
         attempts = _Attempts(self._targets, self.timeout)
@@ -276,7 +286,7 @@ class Client(_Base):
 
     def generate(self, request: pb.GenerateRequest | None = None, **params) -> Result:
         col = _Collector()
-        label, chunks = self._stream(request or make_request(**params))
+        label, chunks = self._stream(_request(request, params))
         for chunk in chunks:
             col.add(chunk)
         return col.result(label)
@@ -312,7 +322,7 @@ class AsyncClient(_Base):
         return await self._targets[0].stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
 
     async def stream(self, request: pb.GenerateRequest | None = None, **params):
-        _, chunks = await self._stream(request or make_request(**params))
+        _, chunks = await self._stream(_request(request, params))
         async for c in chunks:
             yield c
 
@@ -344,7 +354,7 @@ class AsyncClient(_Base):
 
     async def generate(self, request: pb.GenerateRequest | None = None, **params) -> Result:
         col = _Collector()
-        label, chunks = await self._stream(request or make_request(**params))
+        label, chunks = await self._stream(_request(request, params))
         async for chunk in chunks:
             col.add(chunk)
         return col.result(label)

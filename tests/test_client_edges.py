@@ -149,3 +149,16 @@ def test_the_cli_exits_quietly_on_ctrl_c_and_on_a_closed_stdout(odd):
     finally:
         p.kill()
     assert p.returncode == 141 and err == b"", err
+
+
+def test_a_request_and_its_parameters_are_not_both_taken(odd):
+    """generate(request, max_new_tokens=8) sent the request and dropped the parameters silently;
+    make_request(proposal_mode="Greedy") was a bare KeyError."""
+    from client import make_request
+
+    with Client(odd, timeout=10) as c, pytest.raises(TypeError, match="max_new_tokens"):
+        c.generate(make_request(prompt="ok"), max_new_tokens=8)
+    with pytest.raises(ValueError, match="proposal_mode must be one of dense, greedy, sparse"):
+        make_request(prompt="ok", proposal_mode="Greedy")
+    with pytest.raises(ValueError, match="proposer must be one of"):
+        make_request(prompt="ok", proposer="oracle")

@@ -67,11 +67,13 @@ ENV DEBIAN_FRONTEND=noninteractive \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 
-# Same interpreter as the build stage (the venv links to /usr/bin/python3.11); no venv
-# module or compilers needed at run time.
+# Same interpreter as the build stage (the venv links to /usr/bin/python3.11). A C compiler
+# and Python's headers too: on CUDA, --compile-layers (on by default) runs torch.compile, whose
+# Triton kernels build a small C launcher at run time; without them every layer falls back to
+# eager, with one warning.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.11 \
+ && apt-get install -y --no-install-recommends python3.11 python3.11-dev gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 specdec \
  && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --shell /usr/sbin/nologin specdec
