@@ -1,5 +1,7 @@
 """Prompt sets for the benchmarks and the load tester, all cut from code the shipped models never
-trained on: the held-out split of the CPython standard library (train/corpus.py).
+trained on: the held-out split of the CPython standard library (train/corpus.py), less the
+prompts whose text is also in a trained copy of a stdlib module inside an installed package
+(`VENDORS`: setuptools' copy of distutils, for one).
 
 * `heldout_prompts`: code-completion prompts, the text up to and including a `def` line and its
   first body line, one per held-out file, in a fixed order (bench.run, bench.concurrency);
@@ -11,12 +13,14 @@ trained on: the held-out split of the CPython standard library (train/corpus.py)
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import random
 import re
 
 from train.code_prompts import CODE_PROMPTS  # noqa: F401 - one prompt set for the benchmarks and the model card
-from train.corpus import stdlib_documents
+from train.corpus import package_documents, stdlib_documents
 
 BUILTIN_PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -36,6 +40,29 @@ BUILTIN_PROMPTS = [
 _DEF = re.compile(r"^(\s*)def \w+\(.*\):\s*$", re.M)
 
 
+# Installed packages of the shipped models' training corpus (models/training.json) that carry
+# copies of standard-library modules (setuptools' distutils and importlib_metadata, pip's
+# vendored ones): the stdlib split is by path, so a held-out module can have a trained copy there.
+VENDORS = ("setuptools", "pip", "pkg_resources", "wheel")
+SEEN_CHARS = 300  # a prompt whose last this many characters are in such a trained copy is left out
+
+
+@functools.cache
+def _trained_copies() -> str:
+    """The training-split text of the installed VENDORS, one string (read once per process)."""
+    docs = []
+    for name in VENDORS:
+        try:
+            docs += package_documents(name, "train")
+        except FileNotFoundError:  # not installed here
+            continue
+    return "\n".join(d.text for d in docs)
+
+
+def _unseen(prompt: str) -> bool:
+    return prompt[-SEEN_CHARS:] not in _trained_copies()
+
+
 def heldout_documents() -> list[tuple[str, str]]:
     """(name, text) of the held-out stdlib files (train/corpus.py), sorted by name."""
     return sorted(((d.name, d.text) for d in stdlib_documents("heldout", include_tests=False)), key=lambda d: d[0])
@@ -50,7 +77,9 @@ def heldout_prompts(n: int, max_chars: int = 800, min_chars: int = 200) -> list[
         if m is None:
             continue
         end = text.find("\n", m.end() + 1)  # keep the first body line (often a docstring), not its newline
-        out.append(text[: end if end > 0 else m.end()][-max_chars:])
+        prompt = text[: end if end > 0 else m.end()][-max_chars:]
+        if _unseen(prompt):  # two of the first 20 were in setuptools' trained copies (distutils, importlib_metadata)
+            out.append(prompt)
         if len(out) == n:
             break
     return out
@@ -77,7 +106,7 @@ def stdlib_snippets(n: int, max_chars: int, seed: int) -> list[str]:
     """n snippets from the held-out files, shuffled by `seed` ([] if there are none)."""
     pool = [s for _, text in heldout_documents() for s in _snippets(text, max_chars)]
     random.Random(seed).shuffle(pool)
-    return pool[:n]
+    return list(itertools.islice(filter(_unseen, pool), n))
 
 
 def load_prompts(source: str, n: int = 256, max_chars: int = 400, seed: int = 0) -> list[str]:

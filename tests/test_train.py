@@ -468,3 +468,20 @@ def test_a_tiny_user_corpus_is_all_trained_and_nothing_held_out(tmp_path):
     assert corpus.is_heldout("m34.py")
     assert [d.name for d in corpus.user_documents([str(f)], "train")] == ["0:m34.py"]
     assert corpus.user_documents([str(f)], "heldout") == []
+
+
+def test_benchmark_prompts_are_not_in_a_trained_copy_of_their_module():
+    """The stdlib split is by path, and setuptools (trained on) carries copies of stdlib modules:
+    two of the first twenty held-out prompts (distutils.fancy_getopt, importlib.metadata._adapters)
+    ended in text the target had trained on."""
+    from bench import prompts
+
+    trained = prompts._trained_copies()
+    if not trained:
+        pytest.skip("none of the vendoring packages is installed")
+    kept = prompts.heldout_prompts(24)
+    assert kept and not any(p[-prompts.SEEN_CHARS:] in trained for p in kept)
+    fancy = next((t for n, t in prompts.heldout_documents() if n == "distutils/fancy_getopt.py"), None)
+    if fancy is not None and "fancy_getopt" in trained:  # the case found: its prompt is left out
+        assert not any(p in fancy for p in kept)
+    assert all(s[-prompts.SEEN_CHARS:] not in trained for s in prompts.stdlib_snippets(40, 400, 0))
