@@ -103,6 +103,18 @@ def _mb(d: Path) -> float:
     return sum(f.stat().st_size for f in d.iterdir() if f.is_file()) / 1e6
 
 
+def _ood(ood: dict) -> str:
+    """The out-of-domain α on the files no trained file copies (`unseen`: a later measurement where
+    the evaluation took every file; evaluate.py now leaves the copies out itself)."""
+    u = ood.get("unseen")
+    if u is None:
+        left = ood.get("files_left_out_as_trained")
+        return f"**{ood.get('alpha', float('nan')):.3f}**" + (f" ({left} files that are copies of trained ones left out)" if left else "")
+    return (f"**{u['alpha']:.3f}** on the {u['files']} files no trained file copies; {ood['alpha']:.3f} over all "
+            f"{u['files'] + u['files_left_out_as_trained']}, as first published, of which {u['files_left_out_as_trained']} are "
+            "in pip's vendored copy of rich, which training included")
+
+
 def _temperature(ds: dict) -> str:
     """The distillation temperature where a run recorded one other than 1 (runs before it was recorded used 1, the default)."""
     t = ds.get("temperature", 1.0)
@@ -216,7 +228,7 @@ indentation, so prompts should end at the end of a line, not after its newline.
 
 * mean distinct-3-gram ratio of the target's greedy 128-token continuations: **{cp['mean_distinct_3']:.2f}** (the bar is 0.6: {'reached' if cp['mean_distinct_3'] >= 0.6 else 'not reached'});
 * greedy α (the draft's argmax equals the target's, teacher-forced along those continuations): **{cp['alpha']:.3f}** ({cp['positions']} positions; the bar is 0.7: {'reached' if cp['alpha'] >= 0.7 else 'not reached'});
-* greedy α on out-of-domain code ({', '.join(x.split(':', 1)[1] for x in ood.get('corpus', []))}: packages left out of training): **{ood.get('alpha', float('nan')):.3f}**;
+* greedy α on out-of-domain code ({', '.join(x.split(':', 1)[1] for x in ood.get('corpus', []))}: packages left out of training): {_ood(ood)};
 * greedy α on held-out files of the training sources: **{g['alpha']:.3f}**.
 
 {_completions(ev)}
