@@ -131,14 +131,18 @@ class Replicas:
         ranked = self.ranked()
         return ranked[0] if ranked else None
 
-    def ranked(self, fingerprint: str | None = None, tree_budget: int = 0) -> list[Replica]:
+    def ranked(self, fingerprint: str | None = None, tree_budget: int = 0, text_rules: str = "", context: int = 0) -> list[Replica]:
         """Reachable replicas first, most free sessions first, ties in turn; then the others (an
         Info poll can miss a replica that is up: a session may still find it). With a session's
-        needs: only replicas whose last Info says they serve it (the vocabulary `fingerprint`,
-        trees of `tree_budget` nodes), so during a rolling change of replicas a session never goes
-        to one that would refuse it, or (a verifier older than trees) read its tree as a chain."""
+        needs: only replicas whose last Info says they serve it (the vocabulary `fingerprint` and
+        the tokenizer's `text_rules`, where both sides report them; trees of `tree_budget` nodes; a
+        context of at least `context`, the limit requests were checked against),
+        so during a rolling change of replicas a session never goes to one that would refuse it,
+        serve it another tokenizer's way, or (a verifier older than trees) read its tree as a chain."""
         rs = [r for r in self.replicas.values() if r.info is None or fingerprint is None or
-              (r.info.vocab_fingerprint == fingerprint and r.info.max_tree_budget >= tree_budget)]
+              (r.info.vocab_fingerprint == fingerprint and r.info.max_tree_budget >= tree_budget
+               and (not text_rules or not r.info.tokenizer.text_rules or r.info.tokenizer.text_rules == text_rules)
+               and r.info.max_context >= context)]
         if not rs:
             return []
         k = next(self._turn) % len(rs)

@@ -22,7 +22,7 @@ from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
 from draft_service.replicas import Replicas
 from draft_service.upstream import pairing_error
-from specdec import edge, metrics, serving, validation
+from specdec import edge, metrics, serving, validation, vocabdiff
 from specdec.architectures import TESTED
 from specdec.errors import Refusal, RequestError, invalid
 from specdec.costmodel import Costs
@@ -148,10 +148,10 @@ class DraftServicer(pb_grpc.DraftServicer):
                               + (" (it has no tree speculation: send tree_budget 0)" if not self.target.max_tree_budget else ""))
             adaptive = g.adaptive
             costs = await self.costs() if adaptive or (self.draft_fallback and g.proposer != pb.PROPOSER_LOOKUP) else None
-            replicas = self.replicas.ranked(self.lm.fingerprint, g.tree_budget)
+            replicas = self.replicas.ranked(self.lm.fingerprint, g.tree_budget, vocabdiff.text_rules(self.lm.tokenizer), self.max_context)
             if not replicas:
                 raise RequestError(Refusal.UNAVAILABLE, f"no verify replica is known at {self.replicas.target}" + (
-                    f" that serves this draft's vocabulary{' and tree_budget ' + str(g.tree_budget) if g.tree_budget else ''}"
+                    f" that serves this draft's vocabulary, tokenizer and context{' and tree_budget ' + str(g.tree_budget) if g.tree_budget else ''}"
                     if self.replicas.replicas else ""))
             skip = None  # whether the model's record skips it: decided once per request, not per placement
             retryable = False  # whether a replica refused for now only (full, gone), not for good (too small for it)

@@ -44,16 +44,32 @@ def replicas(args) -> Replicas:
 
 
 async def pairing_error(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) -> str | None:
-    """None if the target's vocabulary fingerprint is the draft's; else one line saying what
-    differs (asking the verify service for its whole vocabulary to compare)."""
+    """None if the target's vocabulary fingerprint is the draft's and its tokenizer's text rules
+    too (where the verify service reports them); else one line saying what differs (asking the
+    verify service for its whole vocabulary to compare)."""
     if target.vocab_fingerprint == lm.fingerprint:
-        return None
+        own = vocabdiff.tokenizer_info(lm.tokenizer)
+        if same_text_rules(target, own.text_rules):
+            return None
+        what = (f"the target's adds special tokens (such as BOS) to a prompt {'and' if target.tokenizer.adds_special_tokens else 'but'} "
+                f"the draft's {'does' if own.adds_special_tokens else 'does not'}"
+                if target.tokenizer.adds_special_tokens != own.adds_special_tokens else
+                "their normalizers, pre-tokenizers, merges, post-processors, decoders or added tokens differ")
+        return (f"the same vocabulary, but a tokenizer that turns text into ids differently ({what}): the draft tokenizes text "
+                "prompts and decodes the output, so they would not be the target's; give the draft the target's tokenizer files")
     try:
         target = await verify.Info(pb.InfoRequest(include_vocab=True), timeout=30)
     except grpc.aio.AioRpcError:
         pass  # explain from what the first answer said
     return (f"vocabulary fingerprint {target.vocab_fingerprint[:12]}, this draft has {lm.fingerprint[:12]}: the models do not "
             f"share a tokenizer ({vocabdiff.explain(target, serving.model_info(lm, include_vocab=True))})")
+
+
+def same_text_rules(target: pb.ModelInfo, own: str) -> bool:
+    """Whether the target's tokenizer turns text into ids as the draft's does (`own`: its
+    TokenizerInfo.text_rules); true where either side cannot tell (an older verify service)."""
+    theirs = target.tokenizer.text_rules if target.HasField("tokenizer") else ""
+    return not theirs or not own or theirs == own
 
 
 class VerifyCheck:

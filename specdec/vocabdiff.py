@@ -4,8 +4,15 @@ Each service describes its tokenizer in ModelInfo.tokenizer (TokenizerInfo): the
 AutoTokenizer resolved, how many tokens it knows, its special tokens, and on request
 (InfoRequest.include_vocab) every token by id. `explain` turns two descriptions into one line
 naming what differs: the vocabulary sizes, the first differing ids, the special tokens, the
-classes. It explains a refusal; it never decides one (the fingerprints do)."""
+classes. It explains a refusal; the fingerprints decide one, and so does `text_rules`, a
+digest of how a tokenizer turns text into ids and back: one vocabulary can be split or marked
+differently (a lowercasing normalizer, no BOS), and the draft tokenizes text prompts and decodes
+the output."""
 from __future__ import annotations
+
+import hashlib
+import json
+import weakref
 
 from specdec.v1 import specdec_pb2 as pb
 
@@ -28,6 +35,28 @@ def id_ordered(tokenizer) -> list[str]:
     return out
 
 
+_RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> text_rules (Info is polled every 2 s)
+
+
+def text_rules(tokenizer) -> str:
+    """TokenizerInfo.text_rules: a digest of the `tokenizers` backend's whole definition but its
+    truncation and padding settings, and of whether it adds special tokens; "" without a backend."""
+    if tokenizer not in _RULES:
+        _RULES[tokenizer] = _text_rules(tokenizer)
+    return _RULES[tokenizer]
+
+
+def _text_rules(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return ""
+    spec = json.loads(backend.to_str())
+    spec.pop("truncation", None)
+    spec.pop("padding", None)
+    spec["adds_special_tokens"] = adds_special_tokens(tokenizer)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
 def tokenizer_info(tokenizer, include_vocab: bool = False) -> pb.TokenizerInfo:
     special = {}
     for role in ROLES:
@@ -35,7 +64,7 @@ def tokenizer_info(tokenizer, include_vocab: bool = False) -> pb.TokenizerInfo:
         if tid is not None:
             special[role] = f"{getattr(tokenizer, f'{role}_token')}={tid}"
     info = pb.TokenizerInfo(tokenizer_class=type(tokenizer).__name__, num_tokens=len(tokenizer), special_tokens=special,
-                            adds_special_tokens=adds_special_tokens(tokenizer))
+                            adds_special_tokens=adds_special_tokens(tokenizer), text_rules=text_rules(tokenizer))
     if include_vocab:
         info.tokens.extend(id_ordered(tokenizer))
     return info

@@ -119,6 +119,29 @@ def test_fingerprint_mismatch_says_what_differs(qwen_pair, tmp_path):
     assert "tokenizer classes: target Qwen2Tokenizer, draft TokenizersBackend" in line
 
 
+@pytest.mark.parametrize("change,says", [
+    (dict(normalizer={"type": "Lowercase"}), "normalizers, pre-tokenizers, merges"),
+    (dict(post_processor=None), "adds special tokens (such as BOS) to a prompt and the draft's does not"),
+])
+def test_a_draft_whose_tokenizer_reads_text_otherwise_is_refused(tmp_path, change, says):
+    """Same vocabulary and special ids (so the same fingerprint), but a tokenizer that lowercases,
+    or adds no BOS: the draft tokenizes text prompts and decodes the output, so the pair served
+    another tokenization than the target's (a prompt with "W5" gave other tokens), and was taken."""
+    target = tinymodels.build(str(tmp_path / "t"), vocab_size=16, seed=1, bos=True)
+    draft = tinymodels.build(str(tmp_path / "d"), vocab_size=16, seed=2, bos=True)
+    spec = json.loads((tmp_path / "d" / "tokenizer.json").read_text())
+    (tmp_path / "d" / "tokenizer.json").write_text(json.dumps(dict(spec, **change)))
+    v = Service("verify_service", "--model", target)
+    try:
+        r = subprocess.run([sys.executable, "-m", "draft_service", "--model", draft, "--verify", v.address, "--port", "0", "--log-level", "WARNING"],
+                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    finally:
+        v.stop()
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "turns text into ids differently" in lines[0] and says in lines[0], lines[0]
+
+
 def _fallback_run(v, draft_dir, prompt, n):
     d = Service("draft_service", "--model", draft_dir, "--verify", v.address, "--metrics-port", "0", *COSTS, env=FALLBACK_ENV)
     try:

@@ -263,6 +263,15 @@ def test_a_session_goes_only_to_replicas_whose_info_says_they_serve_it():
             assert names("fp") == names("fp", 0) == ["a:1", "b:1", "d:1"]
             assert names("fp", 8) == ["a:1", "d:1"]
             assert names("fp", 65) == ["d:1"]
+            # another tokenizer's text rules (where both report them), or a smaller context than the requests were checked against
+            for address, info in (("a:1", pb.ModelInfo(vocab_fingerprint="fp", max_tree_budget=64, max_context=64,
+                                                       tokenizer=pb.TokenizerInfo(text_rules="rules"))),
+                                  ("b:1", pb.ModelInfo(vocab_fingerprint="fp", max_context=64, tokenizer=pb.TokenizerInfo(text_rules="other"))),
+                                  ("c:1", pb.ModelInfo(vocab_fingerprint="fp", max_context=32))):
+                r.replicas[address].info = info
+            assert names("fp", 0, "rules", 64) == ["a:1", "d:1"]
+            assert names("fp", 0, "rules", 32) == ["a:1", "c:1", "d:1"]  # c reports no rules (an older verifier)
+            assert names("fp", 0, "", 32) == ["a:1", "b:1", "c:1", "d:1"]
         finally:
             await r.close()
 
