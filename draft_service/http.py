@@ -3,7 +3,7 @@ POST /v1/chat/completions, GET /v1/models (and /v1/models/ID) and GET /health, o
 the gRPC server's own event loop (specdec/serving.py starts and drains both).
 
 An HTTP request becomes the GenerateRequest a gRPC client would send, and runs through the
-servicer's own Generate (draft_service/server.py) with a stand-in for the gRPC context: the same
+servicer's own stream, as Draft.Generate's (draft_service/server.py) with a stand-in for the gRPC context: the same
 validation, decode loop, stop strings and stats, so HTTP output is the gRPC output by
 construction. gRPC statuses map to HTTP ones (INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED 429 and
 UNAVAILABLE 503 with Retry-After, ...) in OpenAI's error shape. The client token (--auth-token-file)
@@ -239,7 +239,7 @@ class FrontDoor:
         # a large body's parsing and chat template run in a thread: seconds of it would stall every call on the event loop
         r, req = await asyncio.to_thread(read) if len(data) > validation.LARGE_REQUEST else read()
         reply = Reply(chat, r, rid, self.model, call)
-        chunks = self.servicer.Generate(req, Context(rid, http_names(chat, r)))
+        chunks = self.servicer.stream(req, Context(rid, http_names(chat, r)))
         headers = {"X-Request-Id": rid}
         if not r.stream:
             return Response(await unless_disconnected(request, reply.collect(chunks)), media_type="application/json", headers=headers)

@@ -41,13 +41,17 @@ ADAPTIVE_MAX_TAU = 8  # the cap adaptive tau was measured with (bench/results/PO
 ENDED_WAIT_S = 1.0  # after a session's last verdict, how long the verify stream's own end is awaited before it is cancelled
 
 
+CLIENT_WRITE_TIMEOUT_S = 60.0  # --client-write-timeout-s
+
+
 class DraftServicer(pb_grpc.DraftServicer):
     def __init__(self, lm: LM, replicas: Replicas, target: pb.ModelInfo | None = None,
                  adaptive: bool = False, predraft: bool = False, costs: Costs | None = None,
                  proposer: int = pb.PROPOSER_DRAFT, draft_fallback: bool = False, goodput: bool = True,
                  round_timeout_s: float | None = None, run_tokens: int = RUN_TOKENS_PER_VERDICT,
-                 calibration_retry_s: float = CALIBRATION_RETRY_S):
+                 calibration_retry_s: float = CALIBRATION_RETRY_S, client_write_timeout_s: float = CLIENT_WRITE_TIMEOUT_S):
         self.lm = lm
+        self.client_write_timeout_s = client_write_timeout_s
         self.drafter = Drafter(lm)
         self.replicas = replicas
         self.target = None
@@ -135,6 +139,20 @@ class DraftServicer(pb_grpc.DraftServicer):
         return serving.model_info(self.lm, request.include_vocab, TESTED)
 
     async def Generate(self, request, context):
+        """Draft.Generate: `stream`'s chunks, each written to the client within
+        client_write_timeout_s: a client that takes none for that long (it stopped reading, its
+        connection open) is ended with DEADLINE_EXCEEDED, and its session's state with it."""
+        async with contextlib.aclosing(self.stream(request, context)) as chunks:
+            async for chunk in chunks:
+                try:
+                    async with asyncio.timeout(self.client_write_timeout_s):
+                        await context.write(chunk)
+                except TimeoutError:
+                    await serving.fail(context, SERVICE, "Generate", RequestError(Refusal.DEADLINE_EXCEEDED, (
+                        f"the client read nothing for {self.client_write_timeout_s:g} s (--client-write-timeout-s); request ended")))
+
+    async def stream(self, request, context):
+        """The chunks of one request (Generate writes them; the HTTP front door streams them too)."""
         t0 = time.perf_counter()
         call = None
         metrics.LIVE_SESSIONS.labels(SERVICE).inc()

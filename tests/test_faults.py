@@ -173,3 +173,30 @@ def test_a_target_only_reader_that_stops_reading_holds_no_session(pair):
             got += chunk.token_ids
             last = chunk
     assert len(got) == n and last.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_a_draft_client_that_stops_reading_is_ended_and_frees_its_session(model_dir):
+    """A Draft.Generate client that stops reading (a small flow window, its connection open) held
+    its session on the draft for as long as it liked (its verify session timed out, the draft's
+    did not), and then got a misleading 'upstream: session idle'. Past --client-write-timeout-s
+    without a chunk taken, the request ends DEADLINE_EXCEEDED and both sides are free."""
+    from specdec.v1 import specdec_pb2 as pb
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+    v, d = start_pair(("--model", model_dir("long-target"), "--metrics-port", "0", "--threads", "1"),
+                      ("--model", model_dir("long-draft"), "--metrics-port", "0", "--client-write-timeout-s", "2"))
+    try:
+        with grpc.insecure_channel(d.address, options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]) as ch:
+            it = pb_grpc.DraftStub(ch).Generate(pb.GenerateRequest(prompt_ids=[3, 4], max_new_tokens=3000, num_draft_tokens=2),
+                                                timeout=300)
+            next(it)
+            assert wait_for(lambda: live(d, "draft") == 0 and verify_is_empty(v), timeout=60)  # while nothing is read
+            with pytest.raises(grpc.RpcError) as e:
+                for _ in it:
+                    pass
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "read nothing for 2 s" in e.value.details()
+        with Client(d.address, timeout=60) as c:  # and it serves the next one
+            assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=8).token_ids) == 8
+    finally:
+        d.stop()
+        v.stop()
