@@ -62,6 +62,12 @@ def refusal(model, cfg) -> str | None:
         return f"state-space layers ({states[0]}) keep a recurrent state that cannot be cropped on a rejection"
     if getattr(cfg, "model_type", None) in RECURRENT_TYPES:
         return f"a recurrent model ({cfg.model_type}): its state cannot be cropped on a rejection"
+    if getattr(cfg, "model_type", None) in MASK_BIAS_TYPES:  # small learned biases passed the probe's tolerance, then served wrong
+        return "its attention adds a learned bias to the keys through the attention mask, which the packed pass does not use"
+    compressed = sorted({t for t in layer_types if "compress" in t})
+    if compressed or getattr(cfg, "compress_rates", None):
+        return (f"layers of type {', '.join(compressed) or 'compressed attention'} cache compressed keys, not one key and value per "
+                "token as the engine pools them")
     if not getattr(model, "_supports_attention_backend", False):
         return ("its attention does not go through transformers' attention interface, so the engine "
                 "cannot give each session its own keys (batch-mates would see each other's padding)")
@@ -86,6 +92,7 @@ def refusal(model, cfg) -> str | None:
 
 
 STATE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state")  # config fields of state-space (Mamba-like) layers
+MASK_BIAS_TYPES = {"doge"}  # attention that builds its own additive mask (Doge's dynamic mask: a learned per-key bias)
 RECURRENT_TYPES = {"rwkv", "xlstm"}  # recurrent models whose configs name no state field above (they have no attention either)
 
 

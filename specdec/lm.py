@@ -194,7 +194,10 @@ class LM:
         )
         reference = architectures.reference(lm) if check else None  # refuses what the engine cannot serve, before switching
         if prepare_engine:
-            lm.engine = prepare(model, **(choices or {}), timer=timer, graphs=graphs, compiled=compiled)
+            try:
+                lm.engine = prepare(model, **(choices or {}), timer=timer, graphs=graphs, compiled=compiled)
+            except (RuntimeError, ValueError, IndexError, TypeError) as e:  # a module the engine's preparation cannot run
+                raise Unsupported(f"{type(model).__name__} ({cfg.model_type}): the engine cannot prepare it ({_brief(e)})") from None
         if reference is not None and lm.engine is not None:
             architectures.probe(lm, reference)  # raises Unsupported
         return lm

@@ -278,6 +278,7 @@ SEEN_TOO_LATE = [  # (config, model, its settings past SMALL, what the refusal n
     ("MambaConfig", "MambaForCausalLM", dict(state_size=8), "recurrent state"),  # not "attention interface": it has none
     ("BertConfig", "BertLMHeadModel", dict(is_decoder=False), "not a decoder"),  # bidirectional: passed the probe's tolerance
     ("RwkvConfig", "RwkvForCausalLM", dict(attention_hidden_size=32), "recurrent model"),  # was refused as "attention interface"
+    ("DogeConfig", "DogeForCausalLM", dict(), "learned bias"),  # a small learned key bias passed the probe, then served wrong
 ]
 OWN_FIELDS = {  # configs that take few of SMALL's fields
     "MambaConfig": dict(vocab_size=V, hidden_size=32, num_hidden_layers=1),
@@ -317,3 +318,26 @@ def test_minimum_temperature_and_top_p_limits_as_float32(arch):
                 with pytest.raises(grpc.RpcError) as e:
                     c.generate(prompt_ids=prompt, max_new_tokens=3, seed=7, **kw)
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kw
+
+
+def test_compressed_kv_layers_are_refused_by_name():
+    """DeepSeek-V4's compressed attention layers were not named, and its engine preparation then
+    failed in the CPU tier's calibration: a traceback and exit 1, not a refusal."""
+    import transformers
+
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip("transformers has no DeepseekV4Config")
+    why = architectures.refusal(torch.nn.Module(), transformers.DeepseekV4Config())
+    assert why and "compressed_sparse_attention" in why and "cache compressed keys" in why
+
+
+def test_an_engine_that_cannot_prepare_a_model_refuses_it_in_one_line(model_dir, monkeypatch):
+    """Whatever the engine's preparation raises on a module it cannot run is a refusal naming the model."""
+    import specdec.lm as lm_module
+
+    def fails(model, **kw):
+        raise RuntimeError("shape '[-1, 8, 4]' is invalid for input of size 32")
+
+    monkeypatch.setattr(lm_module, "prepare", fails)
+    with pytest.raises(architectures.Unsupported, match=r"LlamaForCausalLM \(llama\): the engine cannot prepare it \(RuntimeError: shape"):
+        lm_module.LM.load(model_dir("target"), "cpu", "float32")
