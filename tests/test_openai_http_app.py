@@ -31,7 +31,7 @@ class Stub:
         self.fail, self.fail_after_first, self.retry = fail, fail_after_first, retry
         self.requests: list[pb.GenerateRequest] = []
 
-    async def Generate(self, request, context):
+    async def stream(self, request, context):  # what the front door streams (DraftServicer.stream)
         self.requests.append(request)
         try:
             if self.fail_after_first:
@@ -41,7 +41,7 @@ class Stub:
             yield pb.GenerateResponse(token_ids=[3], text="w3")
             yield pb.GenerateResponse(token_ids=[4], text=" w4", finish_reason=pb.FINISH_REASON_LENGTH,
                                       stats=pb.Stats(prompt_tokens=2, generated_tokens=2, rounds=1))
-        except Exception as e:  # noqa: BLE001 - as DraftServicer.Generate does
+        except Exception as e:  # noqa: BLE001 - as DraftServicer.stream does
             await serving.fail(context, "draft", "Generate", e)
 
 
