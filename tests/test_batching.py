@@ -393,11 +393,13 @@ def test_a_long_target_only_stream_beside_rounds_gives_its_solo_tokens(model_dir
     (so in a product of its own, merged with its first step), shares passes with another session's
     rounds: both get bitwise the tokens they get alone."""
     import verify_service.scheduler as scheduler
+    from specdec.engine.cpu import rows
     from specdec.sampling import Sampling
 
     passes = []  # per pass: the number of inputs and of distinct caches
 
     torch.set_num_threads(1)
+    monkeypatch.setattr(rows, "ROW_LADDER", ())  # calibrated blocks end at ROW_PROBE: shorter than a prefill chunk
     lm = LM.load(model_dir("long-target"), "cpu", dtype)
     real = lm.engine.forward
 

@@ -9,20 +9,24 @@ from specdec.engine.cpu import choose
 from specdec.engine.cpu import prepack as prepack_mod
 from specdec.engine.plan import parse_choices
 from specdec.engine.cpu.prepack import prepacked
-from specdec.engine.cpu.rows import class_top, per_row
+from specdec.engine.cpu.rows import ROW_LADDER, ROW_PROBE, class_top, per_row
 from specdec.lm import LM
 
 
 def test_row_calibration_finds_where_a_kernel_changes():
-    """calibrate_rows' search, on a matmul whose results change at 1 row and from 10 rows on."""
-    def fwd(x):  # [1, k, 16], row by row (no real GEMM, whose kernels vary too): nudged at 1 row and from 10 rows on
-        k = x.shape[1]
-        return x[..., :8] * 3.0 + (1e-3 if k >= 10 or k == 1 else 0.0)
+    """calibrate_rows' search, on a matmul whose results change at 1 row and from 10 rows on: every
+    count up to ROW_PROBE, then the rungs of ROW_LADDER."""
+    def nudged(at):  # [1, k, 16], row by row (no real GEMM, whose kernels vary too): nudged at 1 row and from `at` rows on
+        return lambda x: x[..., :8] * 3.0 + (1e-3 if x.shape[1] >= at or x.shape[1] == 1 else 0.0)
 
-    x = torch.randn(65, 16)
-    assert class_top(fwd, x, 1) == 1
-    assert class_top(fwd, x, 2) == 9
-    assert class_top(lambda x: x[..., :8] * 3.0, x, 2) == 64
+    assert ROW_PROBE == 64 and ROW_LADDER == (128, 256)
+    x = torch.randn(257, 16)
+    assert class_top(nudged(10), x, 1) == 1
+    assert class_top(nudged(10), x, 2) == 9
+    assert class_top(nudged(65), x, 2) == 64
+    assert class_top(nudged(100), x, 2) == 64  # between the probe's end and the first rung
+    assert class_top(nudged(200), x, 2) == 128
+    assert class_top(lambda x: x[..., :8] * 3.0, x, 2) == 256
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -67,12 +67,12 @@ class Group:
             else:
                 m = self._tree_mask(k, window)
             B = m.shape[0]
+            if additive:  # made additive before it is spread over heads and GQA's query heads: fewer elements
+                m = torch.zeros(m.shape, dtype=additive, device=m.device).masked_fill_(~m, float("-inf"))
             if heads:
                 m = m[:, None, :, None, :].expand(B, heads, self.n, rep, self.Lb).reshape(B, heads * self.n * rep, 1, self.Lb)
             else:
                 m = m[:, None, :, None, :].expand(B, 1, self.n, rep, self.Lb).reshape(B, 1, self.n * rep, self.Lb)
-            if additive:
-                m = torch.zeros(m.shape, dtype=additive, device=m.device).masked_fill_(~m, float("-inf"))
             self._masks[key] = m
         return self._masks[key]
 
@@ -181,11 +181,11 @@ def _viewed(cache: KVCache, keys: int, pool: Pool) -> bool:
     pages are consecutive and a layer's keys take at least VIEW_BYTES, so that copying them costs
     more than one more attention call."""
     pages = -(-keys // PAGE)
-    own = cache.pages[:pages]
-    if len(own) < pages or own != list(range(own[0], own[0] + pages)) or not pool.k:
+    k = pool.k[0] if pool.k else None
+    if k is None or pages * PAGE * k.shape[1] * k.shape[2] * k.element_size() < VIEW_BYTES:  # the cheap test first
         return False
-    k = pool.k[0]
-    return pages * PAGE * k.shape[1] * k.shape[2] * k.element_size() >= VIEW_BYTES
+    own = cache.pages[:pages]
+    return len(own) == pages and own == list(range(own[0], own[0] + pages))
 
 
 def _branch_groups(inputs: list[int], caches: list[KVCache], counts: list[int], offsets: list[int], trees: list[Tree],

@@ -4,7 +4,8 @@ A CPU GEMM gives a row the same numbers only among row counts that take the same
 counts those are depends on the CPU, the dtype and the weight's shape (the shipped target in
 float32: 1 row, 2-15 rows and 16 or more rows are three classes on one x86 machine). So at load
 the model's matmul modules are probed: `calibrate_rows` finds row counts lo..hi that all give
-every row the same numbers, wherever it sits. A pass is padded to lo rows, and each matmul module
+every row the same numbers, wherever it sits (every count up to 64, then 128 and 256). A pass is
+padded to lo rows, and each matmul module
 cuts a longer input into blocks of lo..hi rows (`blocked`); lo is 1 only if a thousand one-row
 products also match two-row ones. Where lo > 1, per-row products (`per_row`: a batched matmul,
 one row per batch entry) may replace the GEMMs, so nothing is padded; they are kept where a
@@ -24,7 +25,11 @@ from specdec.engine.attention import current
 
 log = logging.getLogger("specdec.engine")
 
-ROW_PROBE = 64  # row counts the calibration tries; longer inputs are always cut into blocks
+ROW_PROBE = 64  # row counts the calibration tries one by one
+# ... then these, each against the last that passed (a pass of 32 sessions' rounds of 5 is 160 rows: blocks of
+# at most 64 cost it three small products a module, which MKL runs slower per row than one of 160); longer inputs
+# are always cut into blocks
+ROW_LADDER = (128, 256)
 # One-row products compared with two-row ones before a pass may have a single row: a one-row bf16
 # kernel that sums in another order differs from the others only where the bf16 rounding of the
 # sum flips (measured once on a real model: a greedy token), so it takes many outputs to see.
@@ -44,8 +49,10 @@ def row_modules(model) -> list[torch.nn.Module]:
 
 
 def class_top(fwd, x: torch.Tensor, lo: int) -> int:
-    """The largest h <= ROW_PROBE such that fwd gives every row the same numbers in any row count
-    from lo to h, also one position further on."""
+    """The largest h such that fwd gives every row the same numbers in any row count from lo to h,
+    also one position further on: every count up to ROW_PROBE, then the rungs of ROW_LADDER
+    (each against the last count that passed; a kernel that changed and changed back between two
+    rungs would go unseen). x has a row more than the last rung."""
     outs: dict = {}
 
     def out(k: int, at: int = 0) -> torch.Tensor:
@@ -56,6 +63,10 @@ def class_top(fwd, x: torch.Tensor, lo: int) -> int:
     h = lo
     while h < ROW_PROBE and torch.equal(out(h), out(h + 1)[:h]) and torch.equal(out(h, 1), out(h + 1)[1:]):
         h += 1
+    for rung in ROW_LADDER if h == ROW_PROBE else ():
+        if not (torch.equal(out(h), out(rung)[:h]) and torch.equal(out(rung - 1, 1), out(rung)[1:])):
+            break
+        h = rung
     return h
 
 
@@ -85,7 +96,7 @@ def calibrate_rows(model, seeds: int = 2, forward_of=lambda m: m.forward) -> tup
     lo = 1 only if one-row products also pass `one_row_agrees`. None if there is none."""
     fwds = [(forward_of(ms[0]), width(ms[0])) for ms in kinds(model).values()]  # one module of each kind
     g = torch.Generator().manual_seed(0)
-    probes = [(fwd, [torch.randn(ROW_PROBE + 1, w, generator=g).to(model.dtype) for _ in range(seeds)]) for fwd, w in fwds]
+    probes = [(fwd, [torch.randn(max((ROW_PROBE, *ROW_LADDER)) + 1, w, generator=g).to(model.dtype) for _ in range(seeds)]) for fwd, w in fwds]
     for lo in range(1, 9):
         hi = min(class_top(fwd, x, lo) for fwd, xs in probes for x in xs)
         if hi >= 2 * lo and (lo > 1 or all(one_row_agrees(fwd, torch.randn(ONE_ROW_PROBE + 1, w, generator=g).to(model.dtype))
