@@ -3,7 +3,7 @@ tensors that place every row's keys and queries.
 
 * **Short inputs** (steps, rounds, short prefill chunks: up to ROW_BY_ROW tokens) go into groups
   by size (up to 8, 16, 32, 64 tokens: one group in a steady decode). A group's keys are read
-  from the pool with one gather, [B, H_kv, Lb, D], Lb the group's longest session padded to a
+  from the pool with one gather of their pages, [B, H_kv, Lb, D], Lb the group's longest session padded to a
   multiple of PAGE, and on the CPU each QUERY is its own attention problem: the queries of a
   session are laid out along the head axis ([B, H_kv * n * rep, 1, D], GQA's kv head h // (n * rep)
   is still the query's own), each with its own causal (and sliding-window) mask row. So a query is
@@ -38,17 +38,24 @@ class Group:
     n: int  # query rows per input (the longest input's)
     Lb: int  # key positions per input, a multiple of PAGE
     gather: torch.Tensor | None  # [B * Lb] pool slots of each input's key positions (trash beyond its pages); None: a view
+    # (or, with `paged`, [B * Lb / PAGE] the pool pages that hold them: whole pages are fewer, longer copies)
     rows: torch.Tensor  # [B * n] packed row of each (input, query j) (padding: the input's last row)
     qpos: torch.Tensor  # [B, n] absolute position of each query (padding: the input's last)
     first_slot: int | None = None  # one input whose key pages are consecutive: its keys are a view of the pool from here
     tree: tuple | None = None  # where a member is a tree (tree.py): (base [B, 1, 1], visible [B, n, M], query depth [B, n],
     # key depth [B, M]) over each input's M nodes from its base; a chain member as the chain tree. None: all chains
+    paged: bool = False  # gather holds pages, not slots
     _masks: dict = field(default_factory=dict)
 
     def keys(self, t: torch.Tensor) -> torch.Tensor:
         """The group's keys (or values) from a pool tensor [slots, H_kv, D]: [B, H_kv, Lb, D]."""
         B, Lb = self.qpos.shape[0], self.Lb
-        x = t.narrow(0, self.first_slot, Lb) if self.first_slot is not None else t.index_select(0, self.gather)
+        if self.first_slot is not None:
+            x = t.narrow(0, self.first_slot, Lb)
+        elif self.paged:  # the pool's slots are whole pages (cache.Pool)
+            x = t.view(-1, PAGE, *t.shape[1:]).index_select(0, self.gather)
+        else:
+            x = t.index_select(0, self.gather)
         return x.view(B, Lb, t.shape[1], t.shape[2]).transpose(1, 2)
 
     def mask(self, window: int | None, heads: int, rep: int, additive: torch.dtype | None = None) -> torch.Tensor:
@@ -154,7 +161,6 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
     back = torch.cat([oat[inp] + j, pad * 0 + at])  # [T] padding rows: the zero row after every group's output
     if branch is not None:  # a tree's rows: where their paths put them
         back = back.index_put((branch[1],), branch[2] + branch_at)
-    within = torch.arange(PAGE, device=dev)
     groups, k = [], 0
     for members, n in plan:
         B = len(members)
@@ -164,10 +170,10 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
         pages = -(-max(starts[i] + counts[i] for i in members) // PAGE)
         own = caches[members[0]].pages[:pages]
         first = own[0] * PAGE if B == 1 and own == list(range(own[0], own[0] + pages)) else None  # a view, no gather
-        gather = None if first is not None else (tab[m, :pages, None] * PAGE + within).view(-1)  # [B * Lb] slots of its key positions
+        gather = None if first is not None else tab[m, :pages].reshape(-1)  # [B * pages] the pages of its key positions
         tree = _tree_tensors([trees[i] for i in members], [counts[i] for i in members], [starts[i] for i in members], n, dev) \
             if trees and any(trees[i] is not None for i in members) else None
-        groups.append(Group(members, n, pages * PAGE, gather, (off[m, None] + jc).view(-1), st[m, None] + jc, first, tree))
+        groups.append(Group(members, n, pages * PAGE, gather, (off[m, None] + jc).view(-1), st[m, None] + jc, first, tree, paged=True))
     if branch is not None:
         groups += branch[0]
     ordered = len(plan) == 1 and rows == real and all(c == plan[0][1] for c in counts) and not branched  # one group, in packed order, no padding
