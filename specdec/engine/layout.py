@@ -128,11 +128,12 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
     branched = [i for i in range(N) if trees[i] is not None] if per_query and paths and trees else []
     branch = _branch_groups(branched, caches, counts, offsets, [trees[i] for i in branched], dev) if branched else None
     plan, lo = [], 0  # (inputs, n) per group: the short ones by size, then each long one alone
+    view_keys = _view_pages(pool) * PAGE - PAGE  # an input with no more keys than this is never a view (`_viewed`)
     for top in GROUPS:
         members = [i for i, n in enumerate(counts) if lo < n <= top and i not in branched]
         lo = top
         if per_query:  # the CPU: an input whose keys are a view attends in a group of its own, ungathered
-            alone = [i for i in members if _viewed(caches[i], starts[i] + counts[i], pool)]
+            alone = [i for i in members if starts[i] + counts[i] > view_keys and _viewed(caches[i], starts[i] + counts[i], pool)]
             plan += [([i], counts[i]) for i in alone]
             members = [i for i in members if i not in alone]
         if members:
@@ -187,11 +188,18 @@ def _viewed(cache: KVCache, keys: int, pool: Pool) -> bool:
     pages are consecutive and a layer's keys take at least VIEW_BYTES, so that copying them costs
     more than one more attention call."""
     pages = -(-keys // PAGE)
-    k = pool.k[0] if pool.k else None
-    if k is None or pages * PAGE * k.shape[1] * k.shape[2] * k.element_size() < VIEW_BYTES:  # the cheap test first
+    if pages < _view_pages(pool):
         return False
     own = cache.pages[:pages]
     return len(own) == pages and own == list(range(own[0], own[0] + pages))
+
+
+def _view_pages(pool: Pool) -> int:
+    """The fewest pages whose keys take VIEW_BYTES of a layer (huge before the pool has layers)."""
+    if not pool.k:
+        return 1 << 40
+    k = pool.k[0]
+    return -(-VIEW_BYTES // (PAGE * k.shape[1] * k.shape[2] * k.element_size()))
 
 
 def _branch_groups(inputs: list[int], caches: list[KVCache], counts: list[int], offsets: list[int], trees: list[Tree],
