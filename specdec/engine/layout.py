@@ -128,12 +128,12 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
     branched = [i for i in range(N) if trees[i] is not None] if per_query and paths and trees else []
     branch = _branch_groups(branched, caches, counts, offsets, [trees[i] for i in branched], dev) if branched else None
     plan, lo = [], 0  # (inputs, n) per group: the short ones by size, then each long one alone
-    view_keys = _view_pages(pool) * PAGE - PAGE  # an input with no more keys than this is never a view (`_viewed`)
+    view_pages = _view_pages(pool)
     for top in GROUPS:
         members = [i for i, n in enumerate(counts) if lo < n <= top and i not in branched]
         lo = top
         if per_query:  # the CPU: an input whose keys are a view attends in a group of its own, ungathered
-            alone = [i for i in members if starts[i] + counts[i] > view_keys and _viewed(caches[i], starts[i] + counts[i], pool)]
+            alone = [i for i in members if _viewed(caches[i], starts[i] + counts[i], view_pages)]
             plan += [([i], counts[i]) for i in alone]
             members = [i for i in members if i not in alone]
         if members:
@@ -182,13 +182,13 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
     return Pass(pool, rows, lead, slots, short_groups, groups[short:len(plan)], None if ordered else back, per_query)
 
 
-def _viewed(cache: KVCache, keys: int, pool: Pool) -> bool:
+def _viewed(cache: KVCache, keys: int, view_pages: int) -> bool:
     """Whether an input's keys (up to `keys` positions) are read as a view of the pool, in a group
     of their own, rather than gathered with other inputs' (per-query layout, the CPU): where its
     pages are consecutive and a layer's keys take at least VIEW_BYTES, so that copying them costs
-    more than one more attention call."""
+    more than one more attention call (view_pages: `_view_pages`, once a pass)."""
     pages = -(-keys // PAGE)
-    if pages < _view_pages(pool):
+    if pages < view_pages:  # the cheap test first
         return False
     own = cache.pages[:pages]
     return len(own) == pages and own == list(range(own[0], own[0] + pages))

@@ -5,9 +5,8 @@ counts those are depends on the CPU, the dtype and the weight's shape (the shipp
 float32: 1 row, 2-15 rows and 16 or more rows are three classes on one x86 machine). So at load
 the model's matmul modules are probed: `calibrate_rows` finds row counts lo..hi that all give
 every row the same numbers, wherever it sits (every count up to 64, then 128 and 256). A pass is
-padded to lo rows, and each matmul module
-cuts a longer input into blocks of lo..hi rows (`blocked`); lo is 1 only if a thousand one-row
-products also match two-row ones. Where lo > 1, per-row products (`per_row`: a batched matmul,
+padded to lo rows, and each matmul module cuts a longer input into blocks of lo..hi rows
+(`blocked`); lo is 1 only if a thousand one-row products also match two-row ones. Where lo > 1, per-row products (`per_row`: a batched matmul,
 one row per batch entry) may replace the GEMMs, so nothing is padded; they are kept where a
 one-token step's matmuls get much faster and a round's at most twice as slow (`per_row_pays`).
 A prefill chunk of more than hi tokens (PER_ROW_LEAD with per-row products) goes first in its pass
