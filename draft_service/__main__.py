@@ -53,10 +53,16 @@ async def run(args, token_auth=None) -> None:
     if target is not None and (args.adaptive or args.draft_fallback):
         await servicer.costs()  # calibrate now, not at the first request
     front = http.FrontDoor(servicer, args, token_auth, model=target.model_name if target is not None else "") if args.http_port is not None else None
+    if front is not None:
+        front.upstream = target is not None
     tasks = set()
 
     def on_start(set_health):
-        tasks.add(asyncio.get_running_loop().create_task(check.watch(servicer, set_health, target is not None)))
+        async def set_both(status) -> None:  # the HTTP /health follows the gRPC health
+            if front is not None:
+                front.upstream = status == health_pb2.HealthCheckResponse.SERVING
+            await set_health(status)
+        tasks.add(asyncio.get_running_loop().create_task(check.watch(servicer, set_both, target is not None)))
 
     ready = health_pb2.HealthCheckResponse.SERVING if target is not None else health_pb2.HealthCheckResponse.NOT_SERVING
     try:

@@ -147,6 +147,7 @@ class FrontDoor:
         self.created = int(time.time())
         self.template = open(args.chat_template).read() if args.chat_template else None  # noqa: SIM115 - read at start-up
         self.draining, self.server, self.task = False, None, None
+        self.upstream = True  # whether a verify replica answers and takes this draft (the gRPC health's; set by the service)
         errors = {HttpError: _error_response, HTTPException: _error_response, ClientGone: _error_response, Exception: _error_response}
         self.app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"]),
                                      Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -205,7 +206,13 @@ class FrontDoor:
     # ---- endpoints ----
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "draining" if self.draining else "ok"}, 503 if self.draining else 200)
+        """Readiness, as the gRPC health of specdec.v1.Draft: 503 while draining or while no verify
+        replica answers (requests would fail with 503 then), else 200."""
+        if self.draining:
+            return JSONResponse({"status": "draining"}, 503)
+        if not self.upstream:
+            return JSONResponse({"status": "unavailable", "reason": "no verify service answers"}, 503)
+        return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)

@@ -3,9 +3,9 @@
 The engine (specdec/engine) runs the model's own modules and its own CausalLM head; it
 replaces only the cache and the attention function, through transformers' attention
 interface. So an architecture is served exactly when
-  * its attention layers call that interface (`_supports_attention_backend`), with no feature
-    the packed attention lacks (it handles causal masks, sliding windows, GQA and logit
-    soft-capping; attention sinks are refused),
+  * its attention layers call that interface (`_supports_attention_backend`, or their code looks
+    the function up there), with no feature the packed attention lacks (it handles causal masks,
+    sliding windows, GQA and logit soft-capping; attention sinks and cross-attention are refused),
   * every layer is attention (no recurrent or linear-attention state to crop on a rejection),
   * nothing the short probe below cannot see changes its numbers: `refusal` reads the config for
     what acts past the probe's length or through the attention mask only (LongRoPE, chunked
@@ -31,7 +31,8 @@ from specdec.startup import StartupError
 class Unsupported(StartupError):
     """The model cannot be served as asked (no such device, an architecture the engine refuses)."""
 
-TESTED = ("llama", "qwen2", "qwen3", "mistral", "starcoder2", "gemma2", "gemma3_text", "phi3", "granite", "gpt2", "gpt_neox", "cohere")
+TESTED = ("llama", "qwen2", "qwen3", "mistral", "starcoder2", "gemma2", "gemma3_text", "phi3", "granite", "gpt2", "gpt_neox", "cohere", "stablelm",
+          "biogpt")
 NON_ATTENTION_LAYERS = ("linear_attention", "mamba", "conv", "recurrent", "mlp_only")
 
 
@@ -68,9 +69,12 @@ def refusal(model, cfg) -> str | None:
     if compressed or getattr(cfg, "compress_rates", None):
         return (f"layers of type {', '.join(compressed) or 'compressed attention'} cache compressed keys, not one key and value per "
                 "token as the engine pools them")
-    if not getattr(model, "_supports_attention_backend", False):
+    if not _calls_interface(model):
         return ("its attention does not go through transformers' attention interface, so the engine "
                 "cannot give each session its own keys (batch-mates would see each other's padding)")
+    crossed = sorted({type(m).__name__ for m in model.modules() if "CrossAttention" in type(m).__name__})
+    if crossed:
+        return f"cross-attention layers ({crossed[0]}) are not served"
     if getattr(cfg, "kv_lora_rank", None):
         return "multi-head latent attention (kv_lora_rank) caches compressed latents, not the keys and values the engine pools"
     if getattr(cfg, "num_kv_shared_layers", 0):
@@ -112,10 +116,28 @@ def rope_types(cfg) -> set[str]:
     return out
 
 
+def _attention_kinds(model) -> set[type]:
+    """The classes of the model's attention layers (modules named *Attention that know their layer)."""
+    return {type(m) for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")}
+
+
+def _calls_interface(model) -> bool:
+    """Whether the model's attention goes through transformers' attention interface: its class says
+    so (`_supports_attention_backend`), or every attention layer's forward looks its function up
+    there (StableLM and BioGPT do, without the flag). The start-up probe then checks the numbers."""
+    if getattr(model, "_supports_attention_backend", False):
+        return True
+    kinds = _attention_kinds(model)
+    try:
+        return bool(kinds) and all("ALL_ATTENTION_FUNCTIONS" in inspect.getsource(k.forward) for k in kinds)
+    except (OSError, TypeError):  # no source to read: refuse, as the flag says
+        return False
+
+
 def _passes_window(model) -> bool:
     """Whether the model's attention layers hand a sliding window to the attention function (their
     forward's code names it), where the engine applies it; True where the code cannot be read."""
-    kinds = {type(m) for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")}
+    kinds = _attention_kinds(model)
     for kind in kinds:
         try:
             if "sliding_window" in inspect.getsource(kind.forward):

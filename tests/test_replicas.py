@@ -2,6 +2,8 @@
 processes on loopback: sessions go where there is room, a refusal before the first verdict is
 placed again on another replica, and the draft's readiness follows its replicas."""
 import asyncio
+import http.client
+import json
 import queue
 import time
 
@@ -156,20 +158,31 @@ def test_a_burst_between_two_polls_is_spread(two):
 
 def test_readiness_follows_the_replicas_and_recovers(model_dir):
     """The draft is SERVING while a replica answers, NOT_SERVING once none does, and SERVING again
-    (with a log line saying so) when one comes back on the same address."""
+    (with a log line saying so) when one comes back on the same address; its HTTP /health says the
+    same (200, then 503 "unavailable", then 200)."""
     v = Service("verify_service", "--model", model_dir("target"), "--threads", "1")
-    d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--threads", "1", "--log-level", "INFO")
+    d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--threads", "1", "--log-level", "INFO",
+                "--http-port", "0")
     host, port = v.address.rsplit(":", 1)
+
+    def http_health() -> tuple[int, str]:
+        conn = http.client.HTTPConnection(*d.http_address.split(":"), timeout=30)
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())["status"]
     try:
         assert health(d.address) == health_pb2.HealthCheckResponse.SERVING
+        assert http_health() == (200, "ok")
         v.stop()
         assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.NOT_SERVING, 20)
+        assert http_health() == (503, "unavailable")
         with Client(d.address, timeout=30) as c, pytest.raises(grpc.RpcError) as e:
             c.generate(prompt_ids=[3], max_new_tokens=2)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         v = Service("verify_service", "--model", model_dir("target"), "--threads", "1", "--port", port)
         assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 20)
         assert wait_for(lambda: any("verify service answers" in line for line in d.stderr), 5), d.stderr[-5:]
+        assert http_health() == (200, "ok")
         assert any("verify service lost" in line for line in d.stderr)
         with Client(d.address, timeout=30) as c:
             assert len(c.generate(prompt_ids=[3], max_new_tokens=3).token_ids) == 3

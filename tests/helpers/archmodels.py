@@ -53,6 +53,13 @@ SPECS = {
                  "partial rotary, parallel residual"),
     "cohere": (tf.CohereConfig, tf.CohereForCausalLM, _llama_like(logit_scale=0.5, tie_word_embeddings=True),
                "logit_scale after the head, parallel attention/MLP"),
+    "stablelm": (tf.StableLmConfig, tf.StableLmForCausalLM,
+                 _llama_like(partial_rotary_factor=0.5, qk_layernorm=True, use_parallel_residual=True, use_qkv_bias=True),
+                 "attention through the interface without the class flag; partial rotary, per-head q/k norms"),
+    "biogpt": (tf.BioGptConfig, tf.BioGptForCausalLM,
+               dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    max_position_embeddings=CTX, eos_token_id=EOS, bos_token_id=EOS, pad_token_id=1),
+               "attention through the interface without the class flag; learned positions offset by 2, scaled embeddings"),
 }
 TRANSFORMED = ("gemma2", "granite", "cohere")  # logits transformed after lm_head: tested by sampling too
 
