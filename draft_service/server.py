@@ -55,7 +55,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         self.drafter = Drafter(lm)
         self.replicas = replicas
         self.target = None
-        self.max_context = lm.max_context
+        self.max_context, self.context_whose = lm.max_context, ""
         self.set_target(target)
         # what a request that leaves a field unset gets: the flags (validation applies them)
         self.defaults = validation.Defaults(proposer=proposer, adaptive=adaptive, predraft=predraft, adaptive_tau=ADAPTIVE_MAX_TAU)
@@ -75,6 +75,8 @@ class DraftServicer(pb_grpc.DraftServicer):
         if target is not None and self.target is None:
             self.target = target
             self.max_context = min(self.lm.max_context, target.max_context)
+            if self.lm.max_context < target.max_context:  # refusals name the draft's limit, not "the context limit"
+                self.context_whose = f" (the draft model's; the target's is {target.max_context})"
 
     async def costs(self) -> Costs:
         """The costs adaptive tau plans with: pinned (--costs-ms), else calibrated once, at the
@@ -157,7 +159,8 @@ class DraftServicer(pb_grpc.DraftServicer):
         call = None
         metrics.LIVE_SESSIONS.labels(SERVICE).inc()
         try:
-            g = await validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context, self.defaults)
+            g = await validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context, self.defaults,
+                                                      self.context_whose)
             g.request_id = serving.request_id(context, g.request_id)
             if not self._paired:
                 await self.check_pairing()

@@ -91,21 +91,23 @@ LARGE_REQUEST = 1 << 16  # prompt characters or ids: above this, parse_generate_
 
 
 async def parse_generate_async(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_context: int,
-                               defaults: Defaults = Defaults()) -> GenParams:
+                               defaults: Defaults = Defaults(), whose: str = "") -> GenParams:
     """parse_generate, in a worker thread when the prompt is large (tokenizing megabytes of text
     takes seconds, which would stall every other call on the event loop)."""
     if len(req.prompt) + len(req.prompt_ids) > LARGE_REQUEST:
-        return await asyncio.to_thread(parse_generate, req, tokenizer, vocab_size, max_context, defaults)
-    return parse_generate(req, tokenizer, vocab_size, max_context, defaults)
+        return await asyncio.to_thread(parse_generate, req, tokenizer, vocab_size, max_context, defaults, whose)
+    return parse_generate(req, tokenizer, vocab_size, max_context, defaults, whose)
 
 
-def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_context: int, defaults: Defaults = Defaults()) -> GenParams:
-    """The checked request, with `defaults` (the service's) for what it leaves unset."""
+def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_context: int, defaults: Defaults = Defaults(),
+                   whose: str = "") -> GenParams:
+    """The checked request, with `defaults` (the service's) for what it leaves unset; `whose`
+    names the context limit in refusals where it is not plainly the model's (" (the draft's ...)")."""
     if req.prompt and req.prompt_ids:
         raise invalid("set exactly one of prompt and prompt_ids, not both")
     if req.prompt_ids:
         if len(req.prompt_ids) >= max_context:  # the cheap check first: a message can carry millions of ids
-            raise invalid(f"prompt_ids: {len(req.prompt_ids)} tokens leave no room in the context limit of {max_context}")
+            raise invalid(f"prompt_ids: {len(req.prompt_ids)} tokens leave no room in the context limit of {max_context}{whose}")
         ids = check_ids(req.prompt_ids, vocab_size, "prompt_ids")
     elif req.prompt:
         # as the target's own tokenizer does by default (BOS where it adds one); a request may opt out
@@ -116,9 +118,9 @@ def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_cont
     else:
         raise invalid("prompt: empty (set prompt or prompt_ids)")
     if len(ids) >= max_context:
-        raise invalid(f"prompt: {len(ids)} tokens leave no room in the context limit of {max_context}")
+        raise invalid(f"prompt: {len(ids)} tokens leave no room in the context limit of {max_context}{whose}")
     if not 1 <= req.max_new_tokens <= max_context:
-        raise invalid(f"max_new_tokens must be in [1, {max_context}], got {req.max_new_tokens}")
+        raise invalid(f"max_new_tokens must be in [1, {max_context}]{whose}, got {req.max_new_tokens}")
     if len(req.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in req.stop):
         raise invalid(f"stop: at most {MAX_STOP_STRINGS} non-empty strings of <= {MAX_STOP_CHARS} chars")
     if req.num_draft_tokens > MAX_TAU:

@@ -511,3 +511,32 @@ def test_a_hung_verify_service_fails_requests_within_the_round_timeout(late_pair
     assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 30)
     with Client(d.address, timeout=TIMEOUT) as c:
         assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=5).token_ids) == 5
+
+
+def test_a_draft_with_a_smaller_context_names_whose_limit_refuses(model_dir):
+    """A pair's context is the smaller of the two models'; where the draft's is the smaller one, a
+    prompt past it is refused naming the draft's limit and the target's, not "the context limit"."""
+    from draft_service.server import DraftServicer
+    from specdec.lm import LM
+
+    lm = LM.load(model_dir("draft"))  # max_context 64
+    target = pb.ModelInfo(vocab_fingerprint=lm.fingerprint, max_context=4096, model_name="big")
+    aborted = []
+
+    class Context:
+        def cancelled(self):
+            return False
+
+        async def abort(self, code, details):
+            aborted.append((code, details))
+            raise grpc.aio.AbortError()
+
+    async def go():
+        s = DraftServicer(lm, types.SimpleNamespace(target="verify:50052"), target)
+        with pytest.raises(grpc.aio.AbortError):
+            async for _ in s.stream(pb.GenerateRequest(prompt_ids=[3] * 70, max_new_tokens=4), Context()):
+                pass
+
+    asyncio.run(go())
+    assert aborted == [(grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids: 70 tokens leave no room in the context limit of 64 "
+                                                          "(the draft model's; the target's is 4096)")]
