@@ -138,7 +138,14 @@ class DraftServicer(pb_grpc.DraftServicer):
         return best.stub
 
     async def Info(self, request, context):
-        return serving.model_info(self.lm, request.include_vocab, TESTED)
+        """The draft model's Info, but with what a request through the pair meets: the pair's
+        context limit (the smaller one) and the ids that end generation (the target's, once known)."""
+        info = serving.model_info(self.lm, request.include_vocab, TESTED)
+        info.max_context = self.max_context
+        if self.target is not None:
+            info.eos_token_id = self.target.eos_token_id
+            info.eos_token_ids[:] = self.target.eos_token_ids
+        return info
 
     async def Generate(self, request, context):
         """Draft.Generate: `stream`'s chunks, each written to the client within

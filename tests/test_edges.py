@@ -515,12 +515,13 @@ def test_a_hung_verify_service_fails_requests_within_the_round_timeout(late_pair
 
 def test_a_draft_with_a_smaller_context_names_whose_limit_refuses(model_dir):
     """A pair's context is the smaller of the two models'; where the draft's is the smaller one, a
-    prompt past it is refused naming the draft's limit and the target's, not "the context limit"."""
+    prompt past it is refused naming the draft's limit and the target's, not "the context limit".
+    The draft's Info reports that limit, and the target's EOS ids."""
     from draft_service.server import DraftServicer
     from specdec.lm import LM
 
     lm = LM.load(model_dir("draft"))  # max_context 64
-    target = pb.ModelInfo(vocab_fingerprint=lm.fingerprint, max_context=4096, model_name="big")
+    target = pb.ModelInfo(vocab_fingerprint=lm.fingerprint, max_context=4096, model_name="big", eos_token_id=0, eos_token_ids=[0, 7])
     aborted = []
 
     class Context:
@@ -533,6 +534,8 @@ def test_a_draft_with_a_smaller_context_names_whose_limit_refuses(model_dir):
 
     async def go():
         s = DraftServicer(lm, types.SimpleNamespace(target="verify:50052"), target)
+        info = await s.Info(pb.InfoRequest(), None)  # the limits a request meets: the pair's context, the target's EOS ids
+        assert (info.max_context, list(info.eos_token_ids), info.model_name) == (64, [0, 7], lm.name)
         with pytest.raises(grpc.aio.AbortError):
             async for _ in s.stream(pb.GenerateRequest(prompt_ids=[3] * 70, max_new_tokens=4), Context()):
                 pass
