@@ -302,7 +302,9 @@ class FrontDoor:
             max_tokens = r.max_completion_tokens or r.max_tokens or self.servicer.max_context
         else:
             max_tokens = r.max_tokens or COMPLETION_MAX_TOKENS
-        sampling = pb.SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed)
+        greedy = r.top_p == 0  # the nucleus of p -> 0 is the one most probable token (gRPC's 0 means unset)
+        sampling = pb.SamplingParams(temperature=0.0 if greedy else r.temperature, top_k=r.top_k, top_p=1.0 if greedy else r.top_p,
+                                     seed=None if r.seed is None else r.seed % (1 << 64))
         req = pb.GenerateRequest(max_new_tokens=max_tokens, sampling=sampling, stop=r.stops, num_draft_tokens=r.num_draft_tokens,
                                  request_id=rid, proposer=PROPOSERS.get(r.proposer, pb.PROPOSER_UNSPECIFIED), adaptive=r.adaptive,
                                  predraft=r.predraft, tree_budget=r.tree_budget)

@@ -41,8 +41,8 @@ class _Request(BaseModel):
     model: str
     max_tokens: int | None = Field(None, ge=1, lt=MAX_TOKENS)
     temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=1 << 64)
+    top_p: float = Field(1.0, ge=0, le=1)  # 0 keeps only the most probable token: greedy
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # int64 or uint64; a negative one is its uint64 bits
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -121,7 +121,7 @@ def parse(model: type[_Request], body) -> _Request:
     if unknown:
         raise Refused(f"unsupported field(s): {', '.join(unknown)} (this server does not implement them)", unknown[0])
     try:
-        return model.model_validate(body)
+        return model.model_validate(body, strict=True)  # JSON types as sent: no "0.5" for a number, no 1 for a bool
     except ValidationError as e:
         err = e.errors()[0]
         msg = err["msg"].removeprefix("Value error, ")

@@ -237,3 +237,22 @@ def test_a_large_body_is_read_as_a_small_one():
     assert c.post("/v1/completions", json={"model": "other", "prompt": prompt}).status_code == 404
     bad = c.post("/v1/completions", content=b'{"model": "stub", "prompt": "' + b"w3 " * LARGE_REQUEST, headers={"Content-Type": "application/json"})
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+
+
+def test_top_p_zero_is_greedy_a_negative_seed_is_its_64_bits_and_types_are_strict():
+    """OpenAI's API takes top_p in [0, 1] and a signed seed: top_p 0 (only the most probable token)
+    becomes a greedy request (gRPC's top_p 0 would mean unset), and seed -1 the uint64 of its bits;
+    out-of-range values and values of the wrong JSON type are 400s that name the field."""
+    stub = Stub(word_tokenizer(16))
+    c = client(stub)
+    assert c.post("/v1/completions", json={"model": "stub", "prompt": "w3", "top_p": 0, "temperature": 0.7, "seed": -1}).status_code == 200
+    s = stub.requests[-1].sampling
+    assert (s.temperature, s.top_p, s.seed) == (0.0, 1.0, (1 << 64) - 1)
+    assert c.post("/v1/completions", json={"model": "stub", "prompt": "w3", "top_p": 0.5, "seed": 5}).status_code == 200
+    s = stub.requests[-1].sampling
+    assert (s.temperature, s.top_p, s.seed) == (1.0, 0.5, 5)
+    # out of range, or of another JSON type (strings and bools were coerced to numbers before)
+    for field, value in (("top_p", -0.1), ("top_p", 1.5), ("seed", -(1 << 63) - 1), ("seed", 1 << 64), ("temperature", "0.5"),
+                         ("max_tokens", "8"), ("max_tokens", 2.0), ("stream", 1), ("seed", True)):
+        r = c.post("/v1/completions", json={"model": "stub", "prompt": "w3", field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.json()
