@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +25,20 @@ from specdec.startup import TOKENIZER_FILES, StartupError, add_model_args, check
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+_HELD = threading.Lock()  # one holder at a time: two would each take the other's handler for the library's own
+
+
 @contextlib.contextmanager
 def held_logs():
     """Holds back what transformers logs inside the block, and logs it after the block only if the
-    block succeeds: a load that ends in a refusal prints its one line, not a warning before it."""
+    block succeeds: a load that ends in a refusal prints its one line, not a warning before it.
+    Blocks in other threads wait for this one (loads run one at a time)."""
+    with _HELD, _holding():
+        yield
+
+
+@contextlib.contextmanager
+def _holding():
     logger = hf_logging.get_logger()  # the library's root logger ("transformers"); it does not propagate
     held: list[logging.LogRecord] = []
 

@@ -341,3 +341,28 @@ def test_an_engine_that_cannot_prepare_a_model_refuses_it_in_one_line(model_dir,
     monkeypatch.setattr(lm_module, "prepare", fails)
     with pytest.raises(architectures.Unsupported, match=r"LlamaForCausalLM \(llama\): the engine cannot prepare it \(RuntimeError: shape"):
         lm_module.LM.load(model_dir("target"), "cpu", "float32")
+
+
+def test_held_logs_in_two_threads_take_turns_and_restore_the_librarys_handlers():
+    """held_logs swaps the transformers logger's handlers for the block: a second thread's block
+    waits for the first's end (each would otherwise save the other's holding handler as the
+    library's own and leave it installed), and both restore the handlers there were."""
+    import threading
+
+    from transformers.utils import logging as hf_logging
+
+    from specdec.lm import held_logs
+
+    logger = hf_logging.get_logger()
+    before, entered = logger.handlers[:], threading.Event()
+
+    def second():
+        with held_logs():
+            entered.set()
+
+    with held_logs():
+        t = threading.Thread(target=second)
+        t.start()
+        assert not entered.wait(0.5)  # waits for this block
+    t.join(30)
+    assert entered.is_set() and logger.handlers == before
