@@ -13,6 +13,38 @@ from specdec.engine.cpu.rows import clock
 from specdec.lm import LM
 
 
+@pytest.fixture(scope="module")
+def loaded():
+    """load_packed(path, dtype, matmuls), once per argument set in this module: each load
+    calibrates the CPU tier (up to half a minute at these widths), and the tests only read the
+    model (their caches give their pages back when dropped)."""
+    held = {}
+
+    def get(path: str, dtype: str, matmuls: str) -> LM:
+        torch.set_num_threads(1)  # the services' setting, before the load's calibration
+        if (path, dtype, matmuls) not in held:
+            held[path, dtype, matmuls] = load_packed(path, dtype, matmuls)
+        return held[path, dtype, matmuls]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def real_width_dir(tmp_path_factory):
+    """A random Llama of the shipped target's widths (hidden 512, MLP 1408, 8192 tokens)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.tinymodels import word_tokenizer
+
+    path = tmp_path_factory.mktemp("real-width")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    word_tokenizer(8192).save_pretrained(path)
+    return str(path)
+
+
 @pytest.mark.parametrize("viewed", [False, True], ids=["gathered", "viewed"])
 def test_batched_pass_is_bitwise_equal_to_each_session_alone(packed, model_dir, monkeypatch, viewed):
     """Gathered: the tiny model's sessions read their keys through one gather per group. Viewed:
@@ -175,18 +207,17 @@ MATMULS = [("float32", "calibrated"), ("bfloat16", "prepacked"), ("float32", "pe
 
 
 @pytest.mark.parametrize("dtype,matmuls", MATMULS)
-def test_one_token_steps_and_rounds_give_bitwise_equal_logits(wide_dir, dtype, matmuls):
+def test_one_token_steps_and_rounds_give_bitwise_equal_logits(wide_dir, loaded, dtype, matmuls):
     """A position's logits are the same computed in a one-token step or inside a round of tau+1
     tokens, so greedy speculative output is the service's own target-only output bitwise."""
-    torch.set_num_threads(1)
-    lm = load_packed(wide_dir, dtype, matmuls)
+    lm = loaded(wide_dir, dtype, matmuls)
     steps, rounds, _ = steps_and_rounds(lm.engine, torch.randint(3, 512, (80,), generator=torch.Generator().manual_seed(0)).tolist())
     assert torch.equal(steps, rounds), float((steps - rounds).abs().max())
 
 
 @pytest.mark.parametrize("dtype,matmuls", MATMULS)
 @pytest.mark.parametrize("prefill", [False, True], ids=["chunk-with-logits", "prefill-chunk"])
-def test_batch_invariance_holds_at_real_widths(dtype, prefill, matmuls, tmp_path):
+def test_batch_invariance_holds_at_real_widths(real_width_dir, loaded, dtype, prefill, matmuls):
     """At the shipped target's widths, CPU GEMM kernels change with the row count (float32 here:
     1, 2-15 and 16+ rows are three classes), so a pass is padded to the calibrated lo rows and each
     matmul cuts longer inputs into blocks of lo..hi rows: a session's numbers stay its own in a
@@ -194,17 +225,7 @@ def test_batch_invariance_holds_at_real_widths(dtype, prefill, matmuls, tmp_path
     that chunk goes first, in one product of its own: its keys and values are those of the chunk
     prefilled alone, and its batch-mates' numbers are unchanged by it. With per-row products
     nothing is padded, and the prefill chunk still has a GEMM of its own."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from bench.tinymodels import word_tokenizer
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    word_tokenizer(8192).save_pretrained(tmp_path)
-    lm = load_packed(str(tmp_path), dtype, matmuls)
+    lm = loaded(real_width_dir, dtype, matmuls)
     lo, hi = lm.engine.plan.rows
     assert 1 <= lo <= 8 and hi >= 2 * lo
     eng = lm.engine
@@ -227,14 +248,13 @@ def test_batch_invariance_holds_at_real_widths(dtype, prefill, matmuls, tmp_path
 
 
 @pytest.mark.parametrize("dtype,matmuls", MATMULS)
-def test_the_heads_rows_are_not_taken_for_the_passs_own(wide_dir, dtype, matmuls):
+def test_the_heads_rows_are_not_taken_for_the_passs_own(wide_dir, loaded, dtype, matmuls):
     """A pass's first prefill chunk has a matmul product of its own (cpu/rows.py tells the pass's
     rows by their count); the output layer's rows, picked from the pass's, are not the pass's own
     even where they are as many: a round of 16 rows and k one-token steps after a chunk of 15 k
     tokens. Their logits stay bitwise those of the same rounds alone (the head's first rows went
     through the chunk's product, and differed in the last bits with per-row products)."""
-    torch.set_num_threads(1)
-    lm = load_packed(wide_dir, dtype, matmuls)
+    lm = loaded(wide_dir, dtype, matmuls)
     eng, V, R = lm.engine, lm.vocab_size, 16
     k = -(-(eng.plan.top + 1) // (R - 1))  # the chunk is longer than the plan's top: it goes first, in its own product
     r = random.Random(8)
@@ -310,12 +330,11 @@ def test_a_cache_takes_consecutive_pages_where_the_pool_has_them():
 
 
 @pytest.mark.parametrize("dtype,matmuls", MATMULS[:1] + MATMULS[2:3])
-def test_an_input_asking_for_its_last_rows_logits_gets_them_bitwise_and_alone(wide_dir, dtype, matmuls):
+def test_an_input_asking_for_its_last_rows_logits_gets_them_bitwise_and_alone(wide_dir, loaded, dtype, matmuls):
     """The draft's feeds need the logits after their last token only: `last` runs the output
     layer over that row (it ran over every fed row, a catch-up of 200 tokens included), with the
     numbers the whole input's logits give it."""
-    torch.set_num_threads(1)
-    lm = load_packed(wide_dir, dtype, matmuls)
+    lm = loaded(wide_dir, dtype, matmuls)
     eng, V = lm.engine, lm.vocab_size
     r = random.Random(3)
     seqs = [[r.randrange(3, V) for _ in range(n)] for n in (60, 7, 1)]
