@@ -148,7 +148,7 @@ class LM:
              prepare_engine: bool = True, timer=None, graphs: bool | None = None,
              compiled: bool | None = None) -> "LM":
         """Loads the model and prepares its engine (choices: the engine's pinned load-time choices,
-        engine.plan.parse_choices, else they are timed, by timer where given:
+        specdec.choices.parse_choices, else they are timed, by timer where given:
         engine.cpu.rows.clock; graphs: CUDA graphs for passes of rounds, default on CUDA; compiled:
         the decoder layers compiled, on a GPU, default on CUDA: engine/compiled.py);
         with check, first refuses

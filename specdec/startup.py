@@ -192,7 +192,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def _choices_arg(text: str) -> dict:
     if not text.strip():
         return {}
-    from specdec.engine.plan import parse_choices  # noqa: PLC0415 - torch: only when there is something to parse
+    from specdec.choices import parse_choices  # noqa: PLC0415
 
     try:
         return parse_choices(text)

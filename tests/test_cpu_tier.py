@@ -7,7 +7,7 @@ from helpers.engine import BF16_ONEDNN, logits_of_a_session
 from specdec.engine import prepare
 from specdec.engine.cpu import choose
 from specdec.engine.cpu import prepack as prepack_mod
-from specdec.engine.plan import parse_choices
+from specdec.choices import parse_choices
 from specdec.engine.cpu.prepack import prepacked
 from specdec.engine.cpu.rows import ROW_LADDER, ROW_PROBE, class_top, per_row
 from specdec.lm import LM

@@ -113,7 +113,7 @@ def test_manifests_place_each_model_and_pin_its_engine(overlay, verify_device):
         choices = cfg[env["SPECDEC_ENGINE_CHOICES"]]
         assert (choices == "") == (device == "cuda"), (name, choices)
         if choices:
-            from specdec.engine.plan import parse_choices  # the services' own parser: the pin must start
+            from specdec.choices import parse_choices  # the services' own parser: the pin must start
             assert set(parse_choices(choices)) == {"attention", "prepack", "per_row"}
 
 

@@ -1,15 +1,11 @@
 """What the engine decided at load for one model on one device (held by `Engine`, never set on
-the Hugging Face model), and the pins of the CPU's timed choices in --engine-choices' words
-(`parse_choices`, the inverse of `Plan.choices`: parsed here, so that a service reads the flag
-without importing the CPU tier)."""
+the Hugging Face model). Its CPU choices are spelled as --engine-choices spells them
+(`Plan.choices`; specdec/choices.py parses them back)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
-
-# --engine-choices: each CPU choice's values (cpu/choose.py makes the choices; Plan.made spells them so)
-PINS = {"attention": ("float32", "model"), "prepack": ("on", "off"), "fp32-prepack": ("on", "off"), "per-row": ("on", "off")}
 
 
 @dataclass
@@ -29,24 +25,3 @@ class Plan:
         """The choices in --engine-choices' format ('' on a GPU): given back at the next start they are
         made again without timing (the checks still run), so the engine computes the same numbers."""
         return ",".join(f"{k}={v}" for k, v in self.made.items())
-
-
-def parse_choices(text: str | None) -> dict[str, bool | str]:
-    """--engine-choices ('attention=float32,prepack=on,per-row=off', any of them; '' for none) ->
-    `choose`'s keyword arguments. ValueError names what is wrong."""
-    out: dict[str, bool | str] = {}
-    for part in filter(None, (x.strip() for x in (text or "").split(","))):
-        name, _, value = part.partition("=")
-        name, value = name.strip(), value.strip()
-        if name not in PINS or value not in PINS[name]:
-            raise ValueError(f"--engine-choices: {part!r} is not one of " +
-                             ", ".join(f"{n}={'|'.join(v)}" for n, v in PINS.items()))
-        key = name.replace("-", "_")
-        if key in out:
-            raise ValueError(f"--engine-choices: {name} given twice")
-        out[key] = value if name == "attention" else value == "on"
-    for packed in ("prepack", "fp32_prepack"):
-        if out.get(packed) and out.get("per_row"):
-            raise ValueError(f"--engine-choices: {packed.replace('_', '-')}=on and per-row=on exclude each other "
-                             "(per-row products read the plain weights)")
-    return out
