@@ -238,13 +238,12 @@ def _t5(path: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("build,names", [
-    (_bloom, ("BloomForCausalLM", "bloom", "attention interface")),  # attends through its own alibi code
-    (_lfm2, ("Lfm2ForCausalLM", "lfm2", "conv", "recurrent state")),  # short-convolution layers keep a state
-    (_t5, ("t5", "decoder-only")),  # encoder-decoder: transformers has no causal-LM class for it
-    (_bert, ("BertLMHeadModel", "not a decoder")),  # a warning transformers logs while loading it came first
+@pytest.mark.parametrize("build,names,module", [  # each service twice (the refusal is LM.load's, shared by both)
+    (_bloom, ("BloomForCausalLM", "bloom", "attention interface"), "verify_service"),  # attends through its own alibi code
+    (_lfm2, ("Lfm2ForCausalLM", "lfm2", "conv", "recurrent state"), "draft_service"),  # short-convolution layers keep a state
+    (_t5, ("t5", "decoder-only"), "verify_service"),  # encoder-decoder: transformers has no causal-LM class for it
+    (_bert, ("BertLMHeadModel", "not a decoder"), "draft_service"),  # a warning transformers logs while loading it came first
 ])
-@pytest.mark.parametrize("module", ["verify_service", "draft_service"])
 def test_unservable_architecture_is_refused_at_start_up(tmp_path, build, names, module):
     path = build(str(tmp_path / "m"))
     extra = ["--verify", "127.0.0.1:1"] if module == "draft_service" else []
