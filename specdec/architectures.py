@@ -31,8 +31,8 @@ from specdec.startup import StartupError
 class Unsupported(StartupError):
     """The model cannot be served as asked (no such device, an architecture the engine refuses)."""
 
-TESTED = ("llama", "qwen2", "qwen3", "mistral", "starcoder2", "gemma2", "gemma3_text", "phi3", "granite", "gpt2", "gpt_neox", "cohere", "stablelm",
-          "biogpt")
+TESTED = ("llama", "qwen2", "qwen3", "mistral", "starcoder2", "gemma2", "gemma3_text", "phi3", "granite", "gpt2", "gpt_neox", "cohere",
+          "stablelm", "biogpt")
 NON_ATTENTION_LAYERS = ("linear_attention", "mamba", "conv", "recurrent", "mlp_only")
 
 

@@ -513,7 +513,7 @@ def test_a_hung_verify_service_fails_requests_within_the_round_timeout(late_pair
         assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=5).token_ids) == 5
 
 
-def test_a_draft_with_a_smaller_context_names_whose_limit_refuses(model_dir):
+def test_a_draft_with_the_smaller_context_names_its_limit_and_reports_it(model_dir):
     """A pair's context is the smaller of the two models'; where the draft's is the smaller one, a
     prompt past it is refused naming the draft's limit and the target's, not "the context limit".
     The draft's Info reports that limit, and the target's EOS ids."""
