@@ -211,7 +211,7 @@ class FrontDoor:
         if self.draining:
             return JSONResponse({"status": "draining"}, 503)
         if not self.upstream:
-            return JSONResponse({"status": "unavailable", "reason": "no verify service answers"}, 503)
+            return JSONResponse({"status": "unavailable", "reason": "no verify service answers and takes this draft"}, 503)
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
@@ -302,7 +302,8 @@ class FrontDoor:
             max_tokens = r.max_completion_tokens or r.max_tokens or self.servicer.max_context
         else:
             max_tokens = r.max_tokens or COMPLETION_MAX_TOKENS
-        greedy = r.top_p == 0  # the nucleus of p -> 0 is the one most probable token (gRPC's 0 means unset)
+        # the nucleus of p -> 0 is the one most probable token (gRPC's 0 means unset: so is any p that rounds to 0 in float32)
+        greedy = r.top_p <= 2.0 ** -150
         sampling = pb.SamplingParams(temperature=0.0 if greedy else r.temperature, top_k=r.top_k, top_p=1.0 if greedy else r.top_p,
                                      seed=None if r.seed is None else r.seed % (1 << 64))
         req = pb.GenerateRequest(max_new_tokens=max_tokens, sampling=sampling, stop=r.stops, num_draft_tokens=r.num_draft_tokens,

@@ -72,9 +72,10 @@ def refusal(model, cfg) -> str | None:
     if not _calls_interface(model):
         return ("its attention does not go through transformers' attention interface, so the engine "
                 "cannot give each session its own keys (batch-mates would see each other's padding)")
-    crossed = sorted({type(m).__name__ for m in model.modules() if "CrossAttention" in type(m).__name__})
-    if crossed:
-        return f"cross-attention layers ({crossed[0]}) are not served"
+    crossed = sorted({name.rsplit(".", 1)[-1] if name.rsplit(".", 1)[-1] in CROSS_NAMES else type(m).__name__
+                      for name, m in model.named_modules() if "CrossAttention" in type(m).__name__ or name.rsplit(".", 1)[-1] in CROSS_NAMES})
+    if crossed:  # (BART's family: its causal-LM class is the seq2seq decoder, which transformers marks not encoder-decoder)
+        return f"cross-attention layers ({crossed[0]}) attend to an encoder's output, which is not served"
     if getattr(cfg, "kv_lora_rank", None):
         return "multi-head latent attention (kv_lora_rank) caches compressed latents, not the keys and values the engine pools"
     if getattr(cfg, "num_kv_shared_layers", 0):
@@ -95,6 +96,7 @@ def refusal(model, cfg) -> str | None:
     return None
 
 
+CROSS_NAMES = ("encoder_attn", "crossattention", "cross_attn", "cross_attention")  # attention modules over an encoder's output
 STATE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state")  # config fields of state-space (Mamba-like) layers
 MASK_BIAS_TYPES = {"doge"}  # attention that builds its own additive mask (Doge's dynamic mask: a learned per-key bias)
 RECURRENT_TYPES = {"rwkv", "xlstm"}  # recurrent models whose configs name no state field above (they have no attention either)

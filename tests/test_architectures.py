@@ -278,10 +278,13 @@ SEEN_TOO_LATE = [  # (config, model, its settings past SMALL, what the refusal n
     ("BertConfig", "BertLMHeadModel", dict(is_decoder=False), "not a decoder"),  # bidirectional: passed the probe's tolerance
     ("RwkvConfig", "RwkvForCausalLM", dict(attention_hidden_size=32), "recurrent model"),  # was refused as "attention interface"
     ("DogeConfig", "DogeForCausalLM", dict(), "learned bias"),  # a small learned key bias passed the probe, then served wrong
+    ("BartConfig", "BartForCausalLM", dict(), "cross-attention layers (encoder_attn)"),  # a seq2seq decoder, marked not encoder-decoder
 ]
 OWN_FIELDS = {  # configs that take few of SMALL's fields
     "MambaConfig": dict(vocab_size=V, hidden_size=32, num_hidden_layers=1),
     "RwkvConfig": dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, intermediate_size=64, context_length=CTX),
+    "BartConfig": dict(vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+                       encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=CTX),
 }
 
 

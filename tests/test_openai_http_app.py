@@ -248,6 +248,8 @@ def test_top_p_zero_is_greedy_a_negative_seed_is_its_64_bits_and_types_are_stric
     assert c.post("/v1/completions", json={"model": "stub", "prompt": "w3", "top_p": 0, "temperature": 0.7, "seed": -1}).status_code == 200
     s = stub.requests[-1].sampling
     assert (s.temperature, s.top_p, s.seed) == (0.0, 1.0, (1 << 64) - 1)
+    assert c.post("/v1/completions", json={"model": "stub", "prompt": "w3", "top_p": 1e-50}).status_code == 200  # 0 in float32
+    assert stub.requests[-1].sampling.temperature == 0.0
     assert c.post("/v1/completions", json={"model": "stub", "prompt": "w3", "top_p": 0.5, "seed": 5}).status_code == 200
     s = stub.requests[-1].sampling
     assert (s.temperature, s.top_p, s.seed) == (1.0, 0.5, 5)
