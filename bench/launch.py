@@ -2,12 +2,16 @@
 the `listening on HOST:PORT` line they print (and the `metrics on` and `http on` lines before it).
 
 Used by the demo, the benchmarks and the tests (tests may import bench; bench never imports
-tests). It needs a checkout of the repository: services start with `python -m` from its root."""
+tests). It needs a checkout of the repository: services start with `python -m` from its root.
+Where SPECDEC_FORKSERVER names a fork server's socket (bench.forkserver; the tests start one),
+a service is forked from it instead, the same command line without the imports."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
+import select
 import signal
 import socket
 import subprocess
@@ -28,7 +32,9 @@ class Service:
     def __init__(self, module: str, *args: str, timeout: float = 120.0, host: str = "127.0.0.1", env: dict | None = None,
                  prefix: tuple[str, ...] = (), port: int = 0, wait: bool = True):
         self.cmd = [*prefix, sys.executable, "-m", module, "--host", host, "--port", str(port), "--log-level", "WARNING", *args]
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env = env or ENV
+        self.proc = (not prefix and _forked(env.get("SPECDEC_FORKSERVER"), self.cmd, env)
+                     or subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         self.stderr: list[str] = []
         self.metrics_address: str | None = None
         self.http_address: str | None = None  # the draft's OpenAI-compatible API, with --http-port
@@ -94,6 +100,85 @@ class Service:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+class Forked:
+    """A child of the fork server (bench.forkserver), with the parts of subprocess.Popen that
+    Service and its users call: pid, stdout, stderr (text), poll, wait, send_signal, kill,
+    terminate and returncode."""
+
+    def __init__(self, conn: socket.socket, cmd: list[str], stdout: int, stderr: int):
+        self._conn, self.args, self._buf = conn, cmd, b""
+        self.returncode: int | None = None
+        self.pid = int(self._line(30.0))
+        self.stdout, self.stderr = open(stdout, errors="replace"), open(stderr, errors="replace")
+
+    def _line(self, timeout: float | None) -> str:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._conn], [], [], left)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            chunk = self._conn.recv(64)
+            if not chunk:
+                raise RuntimeError(f"the fork server ended before it reported on {self.args}")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.decode()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = int(self._line(timeout))
+            self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _forked(server: str | None, cmd: list[str], env: dict) -> Forked | None:
+    """`cmd` (`python -m MODULE ARGS...`) started by the fork server listening on the Unix socket
+    `server`; None without one, or where it refuses (an environment it cannot fork for)."""
+    if not server:
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(server)
+    except OSError:
+        conn.close()
+        return None
+    request = json.dumps({"module": cmd[2], "args": cmd[3:], "env": env, "cwd": ROOT}).encode()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        socket.send_fds(conn, [f"{len(request):08d}".encode()], [null, out_w, err_w])
+        conn.sendall(request)
+    finally:
+        for fd in (null, out_w, err_w):
+            os.close(fd)
+    try:
+        return Forked(conn, cmd, out_r, err_r)
+    except BaseException as e:
+        for fd in (out_r, err_r):
+            os.close(fd)
+        conn.close()
+        if isinstance(e, ValueError):  # `refused`: not a pid
+            return None
+        raise
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -72,8 +72,7 @@ def refusal(model, cfg) -> str | None:
     if not _calls_interface(model):
         return ("its attention does not go through transformers' attention interface, so the engine "
                 "cannot give each session its own keys (batch-mates would see each other's padding)")
-    crossed = sorted({name.rsplit(".", 1)[-1] if name.rsplit(".", 1)[-1] in CROSS_NAMES else type(m).__name__
-                      for name, m in model.named_modules() if "CrossAttention" in type(m).__name__ or name.rsplit(".", 1)[-1] in CROSS_NAMES})
+    crossed = sorted(_cross_attention(model))
     if crossed:  # (BART's family: its causal-LM class is the seq2seq decoder, which transformers marks not encoder-decoder)
         return f"cross-attention layers ({crossed[0]}) attend to an encoder's output, which is not served"
     if getattr(cfg, "kv_lora_rank", None):
@@ -97,6 +96,19 @@ def refusal(model, cfg) -> str | None:
 
 
 CROSS_NAMES = ("encoder_attn", "crossattention", "cross_attn", "cross_attention")  # attention modules over an encoder's output
+
+
+def _cross_attention(model) -> set[str]:
+    """The model's cross-attention modules, each by its attribute name where that says so
+    (CROSS_NAMES), else by its class name (*CrossAttention*)."""
+    found = set()
+    for name, m in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in CROSS_NAMES:
+            found.add(leaf)
+        elif "CrossAttention" in type(m).__name__:
+            found.add(type(m).__name__)
+    return found
 STATE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state")  # config fields of state-space (Mamba-like) layers
 MASK_BIAS_TYPES = {"doge"}  # attention that builds its own additive mask (Doge's dynamic mask: a learned per-key bias)
 RECURRENT_TYPES = {"rwkv", "xlstm"}  # recurrent models whose configs name no state field above (they have no attention either)

@@ -17,7 +17,32 @@ os.environ.setdefault("SPECDEC_PROPOSER", "draft")
 os.environ.setdefault("SPECDEC_DRAFT_FALLBACK", "0")
 
 from bench import tinymodels  # noqa: E402
-from bench.launch import Service, start_pair  # noqa: E402
+from bench.launch import ENV, ROOT, Service, start_pair  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forkserver(tmp_path_factory):
+    """Services started through bench.launch are forked from one process that has imported torch,
+    transformers and grpc (bench.forkserver), which saves each about 5 s of imports. Start-up
+    itself is tested through the real command lines (subprocess), which this does not touch.
+    SPECDEC_FORKSERVER=0 turns it off."""
+    if os.environ.get("SPECDEC_FORKSERVER") == "0":
+        ENV.pop("SPECDEC_FORKSERVER", None)
+        yield None
+        return
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    path = str(tmp_path_factory.mktemp("fork") / "server.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "bench.forkserver", path], cwd=ROOT, env=ENV,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready", "the fork server did not start"
+    ENV["SPECDEC_FORKSERVER"] = os.environ["SPECDEC_FORKSERVER"] = path
+    yield path
+    ENV.pop("SPECDEC_FORKSERVER", None)
+    os.environ.pop("SPECDEC_FORKSERVER", None)
+    proc.terminate()
+    proc.wait(30)
 
 
 @pytest.fixture(scope="session")

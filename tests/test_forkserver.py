@@ -1,0 +1,65 @@
+"""The tests' fork server (bench/forkserver.py): a forked child runs its module as `python -m`
+would, in the caller's directory, environment and streams; its exit status comes back as
+subprocess reports it; an environment the preloaded libraries would have read differently is
+refused, and the launcher then starts the process the usual way."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from bench.launch import ENV, ROOT, Forked, Service, _forked
+
+
+def _cmd(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def test_a_forked_child_reports_its_output_and_exit_status(forkserver):
+    if forkserver is None:
+        pytest.skip("SPECDEC_FORKSERVER=0")
+    p = _forked(forkserver, _cmd("bench.forkserver"), dict(ENV, SPECDEC_PROBE="seen"))  # no socket argument: a usage error
+    assert isinstance(p, Forked) and p.pid != os.getpid()
+    assert p.wait(60) == 1
+    assert "usage: python -m bench.forkserver SOCKET" in p.stderr.read()
+
+
+def test_a_signal_is_reported_as_subprocess_reports_it(forkserver):
+    if forkserver is None:
+        pytest.skip("SPECDEC_FORKSERVER=0")
+    p = _forked(forkserver, _cmd("http.server", "0", "--bind", "127.0.0.1"), ENV)
+    assert p.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(0.2)
+    p.kill()
+    assert p.wait(30) == -signal.SIGKILL and p.poll() == -signal.SIGKILL
+    p.kill()  # after the end: nothing to signal, no error
+
+
+def test_an_environment_read_at_import_is_refused_and_started_the_usual_way(forkserver, model_dir):
+    if forkserver is None:
+        pytest.skip("SPECDEC_FORKSERVER=0")
+    assert _forked(forkserver, _cmd("http.server"), dict(ENV, OMP_NUM_THREADS="2")) is None
+    v = Service("verify_service", "--model", model_dir("target"), env=dict(ENV, OMP_NUM_THREADS="2"))
+    try:
+        assert isinstance(v.proc, subprocess.Popen)
+    finally:
+        assert v.stop() in (0, -signal.SIGTERM)
+    f = Service("verify_service", "--model", model_dir("target"), env=dict(ENV, SPECDEC_PROBE="any"))
+    try:
+        assert isinstance(f.proc, Forked) and f.address
+    finally:
+        assert f.stop() in (0, -signal.SIGTERM)
+
+
+def test_the_child_runs_in_the_callers_environment_and_directory(forkserver):
+    if forkserver is None:
+        pytest.skip("SPECDEC_FORKSERVER=0")
+    check = f"import os; assert os.environ.get('SPECDEC_PROBE') == 'seen' and os.getcwd() == {ROOT!r}, 'not the caller'"
+    seen = _forked(forkserver, _cmd("timeit", "-n", "1", "-r", "1", check), dict(ENV, SPECDEC_PROBE="seen"))
+    assert seen.wait(60) == 0, seen.stderr.read()
+    unseen = _forked(forkserver, _cmd("timeit", "-n", "1", "-r", "1", check), ENV)
+    assert unseen.wait(60) == 1 and "not the caller" in unseen.stderr.read()
