@@ -17,6 +17,7 @@ when the environment is not `forkable`), and later its exit status (as
 subprocess reports it: negative for a signal) on a second line."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -64,25 +65,24 @@ def _serve(path: str):
                 if pid == 0:
                     break
                 conn = children.pop(pid)
-                try:
+                with contextlib.suppress(OSError):
                     conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-                except OSError:
-                    pass
                 conn.close()
             if not readable:
                 continue
             conn, _ = srv.accept()
             conn.settimeout(10)
+            fds: list[int] = []
             try:
                 head, fds, _, _ = socket.recv_fds(conn, 8, 3)
-                request = json.loads(_read_exactly(conn, int(head.decode())) if len(head) == 8 else b"")
-            except (OSError, ValueError):
-                conn.close()
-                continue
-            if len(fds) != 3 or not forkable(request.get("env", {}), own_env):
+                request = json.loads(_read_exactly(conn, int(head.decode())))
+                if len(fds) != 3 or not forkable(request["env"], own_env):
+                    raise ValueError("not forkable")
+            except (OSError, ValueError, KeyError, TypeError):
                 for fd in fds:
                     os.close(fd)
-                conn.sendall(b"refused\n")  # the caller starts it the usual way
+                with contextlib.suppress(OSError):
+                    conn.sendall(b"refused\n")  # the caller starts it the usual way
                 conn.close()
                 continue
             pid = os.fork()
@@ -95,14 +95,13 @@ def _serve(path: str):
                 return request, fds
             for fd in fds:
                 os.close(fd)
-            conn.sendall(f"{pid}\n".encode())
             children[pid] = conn
+            with contextlib.suppress(OSError):  # a caller gone: its child is reaped all the same
+                conn.sendall(f"{pid}\n".encode())
     finally:
         for pid in children:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
     return None
 
 
@@ -112,7 +111,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    for target, fd in enumerate(fds):
+    for target, fd in enumerate(fds):  # (0, 1, 2 are open in the server, so no fd received is one of them)
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])

@@ -52,20 +52,25 @@ def class_top(fwd, x: torch.Tensor, lo: int) -> int:
     also one position further on: every count up to ROW_PROBE, then the rungs of ROW_LADDER
     (each against the last count that passed; a kernel that changed and changed back between two
     rungs would go unseen). x has a row more than the last rung."""
-    outs: dict = {}
+    outs: dict = {}  # only the outputs still to be compared: a 128k-token head's would take gigabytes
 
     def out(k: int, at: int = 0) -> torch.Tensor:
         if (k, at) not in outs:
             outs[k, at] = fwd(x[None, at : at + k])[0]
         return outs[k, at]
 
+    def passed(k: int) -> int:
+        for key in [key for key in outs if key[0] < k]:
+            del outs[key]
+        return k
+
     h = lo
     while h < ROW_PROBE and torch.equal(out(h), out(h + 1)[:h]) and torch.equal(out(h, 1), out(h + 1)[1:]):
-        h += 1
+        h = passed(h + 1)
     for rung in ROW_LADDER if h == ROW_PROBE else ():
         if not (torch.equal(out(h), out(rung)[:h]) and torch.equal(out(rung - 1, 1), out(rung)[1:])):
             break
-        h = rung
+        h = passed(rung)
     return h
 
 
