@@ -5,16 +5,20 @@ service's start-up on a small CPU), then forks a child for each request it takes
 socket SOCKET and runs the requested module there as `python -m` would, with the caller's
 arguments, environment, working directory and standard streams. The children are real,
 separate service processes; they only skip the imports. The tests use it (tests/conftest.py);
-bench.launch sends a service here when the variable SPECDEC_FORKSERVER names the socket and the
-service's environment differs from the server's only in variables read after start-up.
+bench.launch sends a service here when the variable SPECDEC_FORKSERVER names the socket.
 
-The server is one thread (so forking it is safe) and ends when its parent does, or on SIGTERM.
+A child's environment may differ from the server's in SPECDEC_* variables only (the product's
+own, read after start-up); anything else may have been read by a library at import, so such a
+request is refused and the caller starts the process the usual way. Children share the server's
+string-hash seed, and what the libraries printed at import is not printed again.
+
+The server is one thread (so forking it is safe), ignores SIGINT (the caller stops it), and ends
+on SIGTERM or when the process that started it ends, stopping the children it still has.
 
 Protocol, one connection a child: the caller sends 8 bytes (the length of a JSON request, with
 the child's stdin, stdout and stderr as three file descriptors), then the request {module, args,
-env, cwd}. The server answers the child's pid on a line (or `refused`,
-when the environment is not `forkable`), and later its exit status (as
-subprocess reports it: negative for a signal) on a second line."""
+env, cwd}. The server answers the child's pid on a line, or `refused`, and later the child's exit
+status (as subprocess reports it: negative for a signal) on a second line."""
 from __future__ import annotations
 
 import contextlib
@@ -25,15 +29,12 @@ import signal
 import socket
 import sys
 
-# variables that the libraries imported here read at import: a child that needs other values starts the usual way
-READ_AT_IMPORT = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA", "NVIDIA_", "HF_", "HUGGINGFACE_",
-                  "TRANSFORMERS_", "TOKENIZERS_", "GRPC_", "PYTHON", "LD_", "TMPDIR")
+REFUSED = "refused"
 
 
 def forkable(env: dict, server_env: dict) -> bool:
     """Whether a child with environment `env` can be forked from a server started with `server_env`."""
-    changed = {k for k in env.keys() | server_env.keys() if env.get(k) != server_env.get(k)}
-    return not any(k.startswith(READ_AT_IMPORT) for k in changed)
+    return all(k.startswith("SPECDEC_") for k in env.keys() | server_env.keys() if env.get(k) != server_env.get(k))
 
 
 def _read_exactly(conn: socket.socket, n: int) -> bytes:
@@ -46,9 +47,23 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes:
     return data
 
 
-def _serve(path: str):
-    """Serves until the parent ends; returns (request, fds) in a forked child, None in the server."""
-    parent = os.getppid()
+def _request(conn: socket.socket, own_env: dict) -> tuple[dict, list[int]] | None:
+    """A forkable request and its three descriptors, or None (then nothing is left open but conn)."""
+    fds: list[int] = []
+    try:
+        head, fds, _, _ = socket.recv_fds(conn, 8, 3)
+        request = json.loads(_read_exactly(conn, int(head.decode())))
+        if len(fds) == 3 and isinstance(request.get("env"), dict) and forkable(request["env"], own_env):
+            return request, fds
+    except Exception:  # noqa: BLE001 - a bad request is refused; the server goes on
+        pass
+    for fd in fds:
+        os.close(fd)
+    return None
+
+
+def _serve(path: str, parent: int):
+    """Serves until `parent` ends or SIGTERM; returns (request, fds) in a forked child, None in the server."""
     own_env = dict(os.environ)
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
@@ -56,6 +71,7 @@ def _serve(path: str):
     children: dict[int, socket.socket] = {}
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     print("ready", flush=True)
     try:
         while not stopping and os.getppid() == parent:
@@ -64,37 +80,38 @@ def _serve(path: str):
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
                     break
-                conn = children.pop(pid)
-                with contextlib.suppress(OSError):
-                    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-                conn.close()
+                conn = children.pop(pid, None)
+                if conn is not None:
+                    with contextlib.suppress(OSError):
+                        conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                    conn.close()
             if not readable:
                 continue
             conn, _ = srv.accept()
             conn.settimeout(10)
-            fds: list[int] = []
-            try:
-                head, fds, _, _ = socket.recv_fds(conn, 8, 3)
-                request = json.loads(_read_exactly(conn, int(head.decode())))
-                if len(fds) != 3 or not forkable(request["env"], own_env):
-                    raise ValueError("not forkable")
-            except (OSError, ValueError, KeyError, TypeError):
-                for fd in fds:
+            got = _request(conn, own_env)
+            pid = None
+            if got is not None:
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # a SIGTERM for the child waits for its own handler
+                try:
+                    pid = os.fork()
+                except OSError:
+                    pass
+                if pid == 0:
+                    srv.close()
+                    conn.close()
+                    for c in children.values():
+                        c.close()
+                    children.clear()  # the siblings are not this child's to stop
+                    return got
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+                for fd in got[1]:
                     os.close(fd)
+            if pid is None:
                 with contextlib.suppress(OSError):
-                    conn.sendall(b"refused\n")  # the caller starts it the usual way
+                    conn.sendall(f"{REFUSED}\n".encode())
                 conn.close()
                 continue
-            pid = os.fork()
-            if pid == 0:
-                srv.close()
-                conn.close()
-                for c in children.values():
-                    c.close()
-                children.clear()  # the siblings are not this child's to stop
-                return request, fds
-            for fd in fds:
-                os.close(fd)
             children[pid] = conn
             with contextlib.suppress(OSError):  # a caller gone: its child is reaped all the same
                 conn.sendall(f"{pid}\n".encode())
@@ -111,6 +128,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     for target, fd in enumerate(fds):  # (0, 1, 2 are open in the server, so no fd received is one of them)
         os.dup2(fd, target)
         os.close(fd)
@@ -123,7 +141,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
 
 
 def _preload() -> None:
-    """The imports every service pays for; nothing here may start a thread."""
+    """The imports every service pays for; nothing here may start a thread (checked)."""
     import google.protobuf  # noqa: F401, PLC0415
     import grpc  # noqa: F401, PLC0415
     import grpc.aio  # noqa: F401, PLC0415
@@ -134,16 +152,18 @@ def _preload() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel  # noqa: F401, PLC0415
 
     for optional in ("fastapi", "uvicorn", "pydantic", "tokenizers", "safetensors.torch"):
-        try:
+        with contextlib.suppress(ImportError):
             __import__(optional)
-        except ImportError:
-            pass
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        sys.exit(f"bench.forkserver: the imports started {threads - 1} thread(s); forking would copy their locks, not them")
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m bench.forkserver SOCKET")
+    started_by = os.getppid()  # before the imports: a parent that ends meanwhile is noticed
     _preload()
-    served = _serve(sys.argv[1])
+    served = _serve(sys.argv[1], started_by)
     if served is not None:
         _run_child(*served)

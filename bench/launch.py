@@ -4,7 +4,9 @@ the `listening on HOST:PORT` line they print (and the `metrics on` and `http on`
 Used by the demo, the benchmarks and the tests (tests may import bench; bench never imports
 tests). It needs a checkout of the repository: services start with `python -m` from its root.
 Where SPECDEC_FORKSERVER names a fork server's socket (bench.forkserver; the tests start one),
-a service is forked from it instead, the same command line without the imports."""
+a service is forked from it instead, the same command line without the imports; with a command
+prefix (such as `ip netns exec`), or where the server is gone or refuses (an environment it cannot
+fork for), it starts the usual way."""
 from __future__ import annotations
 
 import contextlib
@@ -105,30 +107,28 @@ class Service:
 class Forked:
     """A child of the fork server (bench.forkserver), with the parts of subprocess.Popen that
     Service and its users call: pid, stdout, stderr (text), poll, wait, send_signal, kill,
-    terminate and returncode."""
+    terminate and returncode. Should the server end before it reports a child's status, the
+    child is waited for by its pid and its returncode is LOST."""
 
-    def __init__(self, conn: socket.socket, cmd: list[str], stdout: int, stderr: int):
-        self._conn, self.args, self._buf = conn, cmd, b""
+    LOST = -255
+
+    def __init__(self, conn: socket.socket, pid: int, cmd: list[str], stdout: int, stderr: int, buf: bytes = b""):
+        self._conn, self.pid, self.args, self._buf = conn, pid, cmd, buf
         self.returncode: int | None = None
-        self.pid = int(self._line(30.0))
         self.stdout, self.stderr = open(stdout, errors="replace"), open(stderr, errors="replace")
-
-    def _line(self, timeout: float | None) -> str:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self._conn], [], [], left)[0]:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            chunk = self._conn.recv(64)
-            if not chunk:
-                raise RuntimeError(f"the fork server ended before it reported on {self.args}")
-            self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        return line.decode()
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.returncode = int(self._line(timeout))
+            deadline = None if timeout is None else time.monotonic() + timeout
+            line, self._buf = _next_line(self._conn, self._buf, timeout, self.args)
+            if line is None:  # the server ended: the child's status went with it
+                while os.path.exists(f"/proc/{self.pid}"):
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise subprocess.TimeoutExpired(self.args, timeout)
+                    time.sleep(0.05)
+                self.returncode = self.LOST
+            else:
+                self.returncode = int(line)
             self._conn.close()
         return self.returncode
 
@@ -140,7 +140,8 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):  # it ended just now
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -149,36 +150,52 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def _forked(server: str | None, cmd: list[str], env: dict) -> Forked | None:
+def _next_line(conn: socket.socket, buf: bytes, timeout: float | None, cmd) -> tuple[str | None, bytes]:
+    """The next line from the fork server after what `buf` holds, and what is left over; None
+    once the server has hung up. TimeoutExpired after `timeout` seconds without a whole line."""
+    conn.settimeout(timeout)
+    while b"\n" not in buf:
+        try:
+            chunk = conn.recv(64)
+        except (TimeoutError, BlockingIOError):
+            raise subprocess.TimeoutExpired(cmd, timeout) from None
+        except OSError:
+            return None, buf
+        if not chunk:
+            return None, buf
+        buf += chunk
+    line, _, rest = buf.partition(b"\n")
+    return line.decode(), rest
+
+
+def _forked(server: str | None, cmd: list[str], env: dict, cwd: str = ROOT) -> Forked | None:
     """`cmd` (`python -m MODULE ARGS...`) started by the fork server listening on the Unix socket
-    `server`; None without one, or where it refuses (an environment it cannot fork for)."""
-    if not server:
+    `server` (a path; unset or "0": none); None where there is none, it is gone, or it refuses."""
+    if not server or server == "0":
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.connect(server)
-    except OSError:
-        conn.close()
-        return None
-    request = json.dumps({"module": cmd[2], "args": cmd[3:], "env": env, "cwd": ROOT}).encode()
+    request = json.dumps({"module": cmd[2], "args": cmd[3:], "env": env, "cwd": cwd}).encode()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     null = os.open(os.devnull, os.O_RDONLY)
     try:
+        conn.settimeout(30)
+        conn.connect(server)
         socket.send_fds(conn, [f"{len(request):08d}".encode()], [null, out_w, err_w])
         conn.sendall(request)
+        answer, rest = _next_line(conn, b"", 30.0, cmd)  # the pid, or `refused`
+        pid = int(answer) if answer and answer.isdigit() else None
+    except (OSError, subprocess.TimeoutExpired):  # no server there, or one that does not answer
+        pid = None
     finally:
         for fd in (null, out_w, err_w):
             os.close(fd)
-    try:
-        return Forked(conn, cmd, out_r, err_r)
-    except BaseException as e:
+    if pid is None:
         for fd in (out_r, err_r):
             os.close(fd)
         conn.close()
-        if isinstance(e, ValueError):  # `refused`: not a pid
-            return None
-        raise
+        return None
+    return Forked(conn, pid, cmd, out_r, err_r, rest)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

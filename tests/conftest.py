@@ -3,6 +3,10 @@ nothing from here by name: what they share by name is in tests/helpers/."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -20,29 +24,37 @@ from bench import tinymodels  # noqa: E402
 from bench.launch import ENV, ROOT, Service, start_pair  # noqa: E402
 
 
+# Services started through bench.launch, here and in the benchmarks the tests run, are forked from
+# one process that has imported torch, transformers and grpc (bench/forkserver.py): each is still its
+# own process running its own __main__, about 5 s sooner. The socket is named now, so that environments
+# built at import (dict(ENV, ...)) carry it; the `forkserver` fixture starts the server. Start-up
+# failures are tested through the real command lines (subprocess), which this does not touch.
+# SPECDEC_FORKSERVER=0 turns it off.
+FORK_SOCKET = None
+if os.environ.get("SPECDEC_FORKSERVER") != "0":
+    FORK_SOCKET = os.path.join(tempfile.mkdtemp(prefix="specdec-fork-"), "server.sock")
+    ENV["SPECDEC_FORKSERVER"] = os.environ["SPECDEC_FORKSERVER"] = FORK_SOCKET
+
+
 @pytest.fixture(scope="session", autouse=True)
-def forkserver(tmp_path_factory):
-    """Services started through bench.launch are forked from one process that has imported torch,
-    transformers and grpc (bench.forkserver), which saves each about 5 s of imports. Start-up
-    itself is tested through the real command lines (subprocess), which this does not touch.
-    SPECDEC_FORKSERVER=0 turns it off."""
-    if os.environ.get("SPECDEC_FORKSERVER") == "0":
-        ENV.pop("SPECDEC_FORKSERVER", None)
+def forkserver():
+    """The fork server's socket path, with the server running; None with SPECDEC_FORKSERVER=0."""
+    if FORK_SOCKET is None:
         yield None
         return
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    path = str(tmp_path_factory.mktemp("fork") / "server.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "bench.forkserver", path], cwd=ROOT, env=ENV,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready", "the fork server did not start"
-    ENV["SPECDEC_FORKSERVER"] = os.environ["SPECDEC_FORKSERVER"] = path
-    yield path
-    ENV.pop("SPECDEC_FORKSERVER", None)
-    os.environ.pop("SPECDEC_FORKSERVER", None)
-    proc.terminate()
-    proc.wait(30)
+    log_path = os.path.join(os.path.dirname(FORK_SOCKET), "server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "bench.forkserver", FORK_SOCKET], cwd=ROOT, env=ENV,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        ready = proc.stdout.readline().strip()
+        with open(log_path) as log:
+            assert ready == "ready", f"the fork server did not start: {log.read()[-2000:]}"
+        yield FORK_SOCKET
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(os.path.dirname(FORK_SOCKET), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

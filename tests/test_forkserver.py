@@ -1,11 +1,13 @@
 """The tests' fork server (bench/forkserver.py): a forked child runs its module as `python -m`
 would, in the caller's directory, environment and streams; its exit status comes back as
-subprocess reports it; an environment the preloaded libraries would have read differently is
-refused, and the launcher then starts the process the usual way."""
+subprocess reports it; an environment that differs from the server's outside SPECDEC_* (what the
+preloaded libraries may have read at import) is refused, and the launcher then starts the
+process the usual way."""
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -42,8 +44,9 @@ def test_a_signal_is_reported_as_subprocess_reports_it(forkserver):
 def test_an_environment_read_at_import_is_refused_and_started_the_usual_way(forkserver, model_dir):
     if forkserver is None:
         pytest.skip("SPECDEC_FORKSERVER=0")
-    assert _forked(forkserver, _cmd("http.server"), dict(ENV, OMP_NUM_THREADS="2")) is None
-    v = Service("verify_service", "--model", model_dir("target"), env=dict(ENV, OMP_NUM_THREADS="2"))
+    other = dict(ENV, OMP_NUM_THREADS=str(int(ENV.get("OMP_NUM_THREADS", "1")) + 1))  # read by libgomp when torch loads
+    assert _forked(forkserver, _cmd("http.server"), other) is None
+    v = Service("verify_service", "--model", model_dir("target"), env=other)
     try:
         assert isinstance(v.proc, subprocess.Popen)
     finally:
@@ -55,11 +58,35 @@ def test_an_environment_read_at_import_is_refused_and_started_the_usual_way(fork
         assert f.stop() in (0, -signal.SIGTERM)
 
 
-def test_the_child_runs_in_the_callers_environment_and_directory(forkserver):
+def test_the_child_runs_in_the_callers_environment_and_directory(forkserver, tmp_path):
     if forkserver is None:
         pytest.skip("SPECDEC_FORKSERVER=0")
-    check = f"import os; assert os.environ.get('SPECDEC_PROBE') == 'seen' and os.getcwd() == {ROOT!r}, 'not the caller'"
-    seen = _forked(forkserver, _cmd("timeit", "-n", "1", "-r", "1", check), dict(ENV, SPECDEC_PROBE="seen"))
+    check = f"import os; assert os.environ.get('SPECDEC_PROBE') == 'seen' and os.getcwd() == {str(tmp_path)!r}, 'not the caller'"
+    seen = _forked(forkserver, _cmd("timeit", "-n", "1", "-r", "1", check), dict(ENV, SPECDEC_PROBE="seen"), cwd=str(tmp_path))
     assert seen.wait(60) == 0, seen.stderr.read()
-    unseen = _forked(forkserver, _cmd("timeit", "-n", "1", "-r", "1", check), ENV)
-    assert unseen.wait(60) == 1 and "not the caller" in unseen.stderr.read()
+    for env, cwd in ((ENV, str(tmp_path)), (dict(ENV, SPECDEC_PROBE="seen"), ROOT)):
+        unseen = _forked(forkserver, _cmd("timeit", "-n", "1", "-r", "1", check), env, cwd=cwd)
+        assert unseen.wait(60) == 1 and "not the caller" in unseen.stderr.read()
+
+
+def test_bad_callers_do_not_end_the_server_and_its_end_stops_its_children(tmp_path):
+    """A server of the test's own: junk and a caller that hangs up mid-request are refused and
+    the server goes on; when it is stopped, its children are stopped too (their status lost)."""
+    path = str(tmp_path / "s.sock")
+    server = subprocess.Popen([sys.executable, "-m", "bench.forkserver", path], cwd=ROOT, env=ENV,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        for junk in (b"not a length", b"00000005{}"):
+            with socket.socket(socket.AF_UNIX) as c:
+                c.connect(path)
+                c.sendall(junk)
+                c.shutdown(socket.SHUT_WR)
+                assert c.recv(64) == b"refused\n"
+        child = _forked(path, _cmd("http.server", "0", "--bind", "127.0.0.1"), ENV)
+        assert child is not None and child.poll() is None
+        server.terminate()
+        assert server.wait(30) == 0 and child.wait(30) == Forked.LOST
+        assert not os.path.exists(f"/proc/{child.pid}")
+    finally:
+        server.kill()

@@ -4,7 +4,7 @@ request leaves one JSON log line on each hop carrying the same request id."""
 import grpc
 import pytest
 
-from bench.launch import Service, service_pair, start_pair
+from bench.launch import ENV, Service, service_pair, start_pair
 from client import Client, make_request
 from helpers import json_log_lines, metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
@@ -135,8 +135,6 @@ def test_opentelemetry_spans_link_both_hops(model_dir):
     """--trace console (here through SPECDEC_TRACE): one span per request on each hop, the
     verify's Session span a child of the draft's Generate span (W3C traceparent metadata)."""
     pytest.importorskip("opentelemetry.sdk")
-    from bench.launch import ENV
-
     env = dict(ENV, SPECDEC_TRACE="console")
     v, d = start_pair(("--model", model_dir("target")), ("--model", model_dir("draft")), env=env)
     try:
@@ -165,7 +163,8 @@ def test_the_serving_line_says_how_long_the_start_up_took(model_dir):
     import time
 
     t0 = time.monotonic()
-    v = Service("verify_service", "--model", model_dir("target"), "--log-level", "INFO")
+    v = Service("verify_service", "--model", model_dir("target"), "--log-level", "INFO",
+                env=dict(ENV, SPECDEC_FORKSERVER="0"))  # its own command line: the imports are part of its age
     waited = time.monotonic() - t0  # from before the process existed to its `listening on` line
     try:
         assert wait_for(lambda: json_log_lines(v, msg="serving"), 5), v.stderr[-3:]
