@@ -38,12 +38,10 @@ class Parser(argparse.ArgumentParser):
             other = next((f for f, q in ports[:i] if q == port), None)
             if other:
                 self.error(f"{flag} {port}: the same port as {other}")
-        if getattr(ns, "tls_key", None) and not getattr(ns, "tls_cert", None):
-            self.error("--tls-key needs --tls-cert")
-        for pre in ("tls", "verify_tls"):
-            cert, key = getattr(ns, f"{pre}_cert", None), getattr(ns, f"{pre}_key", None)
+        for pre in ("tls", "verify-tls"):  # a certificate and its key go together
+            cert, key = (getattr(ns, f"{pre.replace('-', '_')}_{part}", None) for part in ("cert", "key"))
             if bool(cert) != bool(key):
-                self.error(f"--{pre.replace('_', '-')}-cert and --{pre.replace('_', '-')}-key go together")
+                self.error(f"--{pre}-cert needs --{pre}-key" if cert else f"--{pre}-key needs --{pre}-cert")
         return ns
 
 

@@ -141,7 +141,7 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
         # caught by the parser now (each was a traceback, a gRPC abort or a service in plaintext; review of 2026-11-28)
         "one port twice": ([*d, "--model", target, "--port", "50999", "--http-port", "50999"], "--http-port 50999", "same port as --port"),
         "client cert without key": ([*d, "--model", target, "--verify-tls-ca", str(tmp_path / "ca.pem"), "--verify-tls-cert",
-                                     str(tmp_path / "c.pem")], "--verify-tls-cert and --verify-tls-key go together"),
+                                     str(tmp_path / "c.pem")], "--verify-tls-cert needs --verify-tls-key"),
         "key without cert": ([*v, "--model", target, "--tls-key", str(tmp_path / "k.pem")], "--tls-key needs --tls-cert"),
         "message bytes past a C int": ([*v, "--model", target, "--max-message-bytes", "99999999999"], "--max-message-bytes"),
         "costs not finite": ([*d, "--model", target, "--costs-ms", "nan,1,1"], "--costs-ms", "finite"),
