@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import queue
-import select
 import signal
 import socket
 import subprocess
@@ -112,7 +111,7 @@ class Forked:
 
     LOST = -255
 
-    def __init__(self, conn: socket.socket, pid: int, cmd: list[str], stdout: int, stderr: int, buf: bytes = b""):
+    def __init__(self, conn: socket.socket, pid: int, cmd: list[str], stdout: int, stderr: int, buf: bytearray):
         self._conn, self.pid, self.args, self._buf = conn, pid, cmd, buf
         self.returncode: int | None = None
         self.stdout, self.stderr = open(stdout, errors="replace"), open(stderr, errors="replace")
@@ -120,7 +119,7 @@ class Forked:
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
             deadline = None if timeout is None else time.monotonic() + timeout
-            line, self._buf = _next_line(self._conn, self._buf, timeout, self.args)
+            line = _next_line(self._conn, self._buf, timeout, self.args)
             if line is None:  # the server ended: the child's status went with it
                 while os.path.exists(f"/proc/{self.pid}"):
                     if deadline is not None and time.monotonic() >= deadline:
@@ -150,9 +149,10 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def _next_line(conn: socket.socket, buf: bytes, timeout: float | None, cmd) -> tuple[str | None, bytes]:
-    """The next line from the fork server after what `buf` holds, and what is left over; None
-    once the server has hung up. TimeoutExpired after `timeout` seconds without a whole line."""
+def _next_line(conn: socket.socket, buf: bytearray, timeout: float | None, cmd) -> str | None:
+    """The next line from the fork server, taken from `buf` (which keeps what it has read past
+    it, and what it has read of a line when it times out); None once the server has hung up.
+    TimeoutExpired after `timeout` seconds without a whole line."""
     conn.settimeout(timeout)
     while b"\n" not in buf:
         try:
@@ -160,12 +160,14 @@ def _next_line(conn: socket.socket, buf: bytes, timeout: float | None, cmd) -> t
         except (TimeoutError, BlockingIOError):
             raise subprocess.TimeoutExpired(cmd, timeout) from None
         except OSError:
-            return None, buf
+            return None
         if not chunk:
-            return None, buf
+            return None
         buf += chunk
-    line, _, rest = buf.partition(b"\n")
-    return line.decode(), rest
+    end = buf.index(b"\n")
+    line = buf[:end].decode()
+    del buf[: end + 1]
+    return line
 
 
 def _forked(server: str | None, cmd: list[str], env: dict, cwd: str = ROOT) -> Forked | None:
@@ -183,7 +185,8 @@ def _forked(server: str | None, cmd: list[str], env: dict, cwd: str = ROOT) -> F
         conn.connect(server)
         socket.send_fds(conn, [f"{len(request):08d}".encode()], [null, out_w, err_w])
         conn.sendall(request)
-        answer, rest = _next_line(conn, b"", 30.0, cmd)  # the pid, or `refused`
+        rest = bytearray()
+        answer = _next_line(conn, rest, 30.0, cmd)  # the pid, or `refused`
         pid = int(answer) if answer and answer.isdigit() else None
     except (OSError, subprocess.TimeoutExpired):  # no server there, or one that does not answer
         pid = None
