@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import pytest
 
@@ -32,13 +33,18 @@ from bench.launch import ENV, ROOT, Service, start_pair  # noqa: E402
 # SPECDEC_FORKSERVER=0 turns it off.
 FORK_SOCKET = None
 if os.environ.get("SPECDEC_FORKSERVER") != "0":
-    FORK_SOCKET = os.path.join(tempfile.mkdtemp(prefix="specdec-fork-"), "server.sock")
+    _where = tempfile.mkdtemp(prefix="specdec-fork-")
+    if len(_where) > 80:  # a Unix socket's path has room for 107 bytes
+        os.rmdir(_where)
+        _where = tempfile.mkdtemp(prefix="specdec-fork-", dir="/tmp")
+    FORK_SOCKET = os.path.join(_where, "server.sock")
     ENV["SPECDEC_FORKSERVER"] = os.environ["SPECDEC_FORKSERVER"] = FORK_SOCKET
 
 
 @pytest.fixture(scope="session", autouse=True)
 def forkserver():
-    """The fork server's socket path, with the server running; None with SPECDEC_FORKSERVER=0."""
+    """The fork server's socket path, with the server running; None with SPECDEC_FORKSERVER=0 or
+    where it failed to start (a warning says why)."""
     if FORK_SOCKET is None:
         yield None
         return
@@ -47,10 +53,12 @@ def forkserver():
         proc = subprocess.Popen([sys.executable, "-m", "bench.forkserver", FORK_SOCKET], cwd=ROOT, env=ENV,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
-        ready = proc.stdout.readline().strip()
-        with open(log_path) as log:
-            assert ready == "ready", f"the fork server did not start: {log.read()[-2000:]}"
-        yield FORK_SOCKET
+        if proc.stdout.readline().strip() == "ready":
+            yield FORK_SOCKET
+        else:  # the services then start the usual way (the socket is not there), only slower
+            with open(log_path) as log:
+                warnings.warn(f"the fork server did not start; services start without it: {log.read()[-2000:]}", stacklevel=1)
+            yield None
     finally:
         proc.terminate()
         proc.wait(30)
