@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 
+from specdec.choices import parse_choices
 from specdec.files import StartupError, read_file, read_pem  # noqa: F401 - the services import them from here
 
 
@@ -190,8 +191,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def _choices_arg(text: str) -> dict:
     if not text.strip():
         return {}
-    from specdec.choices import parse_choices  # noqa: PLC0415
-
     try:
         return parse_choices(text)
     except ValueError as e:

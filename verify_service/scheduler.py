@@ -382,7 +382,8 @@ class Scheduler:
             return
         done = [(j, n, ([j.tokens[i] for i in path] if path is not None else j.tokens[:n]) + [nxt], path) for j, n, nxt, path in done]
         eos, limit = self.lm.eos, self.lm.max_context  # the tokens the pass commits: its rounds' cut at EOS and the limits
-        forward_s = self._observed(layout, sum(kept(j.session, new, eos, limit)[0] for j, _, new, _ in done), t0)
+        cuts = {id(j): kept(j.session, new, eos, limit) for j, _, new, _ in done}  # each session's, before any commits
+        forward_s = self._observed(layout, sum(k for k, _ in cuts.values()), t0)
         row_cost_s, price = self.cost.per_row_s, self.cost.price  # the same for every verdict of the pass
         moves: tuple[list[int], list[int]] = ([], [])
         for j, n, _, path in done:
@@ -402,7 +403,7 @@ class Scheduler:
             try:
                 if not 0 <= new[-1] < self.lm.vocab_size:  # a NaN row's draw: never into the sequence (the next pass would index with it)
                     raise RequestError(Refusal.INTERNAL, "the target's logits at this position are not finite: no token can be drawn")
-                v = commit(s, new, n, eos, limit)
+                v = commit(s, new, n, cuts[id(j)])
                 v.path = None if path is None else path[: v.num_accepted]  # cut where the sequence ended (EOS, a limit)
                 v.forward_s, v.queue_s, v.pass_rounds = forward_s, t0 - j.enqueued, len(jobs)
                 v.row_cost_s, v.row_price = row_cost_s, price

@@ -64,10 +64,11 @@ def kept(s: Session, new: list[int], eos: frozenset[int], max_context: int) -> t
     return len(new), Finish.NONE
 
 
-def commit(s: Session, new: list[int], n: int, eos: frozenset[int], max_context: int) -> Verdict:
-    """Appends new = accepted + [next] up to the first end condition (EOS, max_new_tokens, the
-    context limit: tokens past it are never emitted); crops the cache to len(ids) - 1."""
-    k, finish = kept(s, new, eos, max_context)
+def commit(s: Session, new: list[int], n: int, cut: tuple[int, Finish]) -> Verdict:
+    """Appends new = accepted + [next] up to the first end condition, cut = kept(s, new, ...)
+    (EOS, max_new_tokens, the context limit: tokens past it are never emitted); crops the cache to
+    len(ids) - 1."""
+    k, finish = cut
     out = new[:k]
     s.ids.extend(out)
     s.finish = finish
