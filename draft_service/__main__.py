@@ -49,7 +49,7 @@ async def run(args, token_auth=None) -> None:
                              draft_fallback=args.draft_fallback, goodput=args.goodput,
                              costs=calibrate.parse_costs(args.costs_ms) if args.costs_ms else None,
                              round_timeout_s=args.verify_round_timeout_s, run_tokens=args.run_tokens_per_verdict,
-                             client_write_timeout_s=args.client_write_timeout_s)
+                             client_write_timeout_s=args.client_write_timeout_s, max_sessions=args.max_sessions)
     if target is not None and (args.adaptive or args.draft_fallback):
         await servicer.costs()  # calibrate now, not at the first request
     front = http.FrontDoor(servicer, args, token_auth, model=target.model_name if target is not None else "") if args.http_port is not None else None
@@ -121,6 +121,9 @@ def main(argv=None) -> None:
     p.add_argument("--client-write-timeout-s", type=number(float, above=0), default=60.0,
                    help="a gRPC client that takes no chunk of its stream for this long (it stopped reading, its connection "
                         "open) is ended with DEADLINE_EXCEEDED, and its session with it (default: 60)")
+    p.add_argument("--max-sessions", type=number(int, low=1), default=256,
+                   help="requests generating at once (gRPC and HTTP together) before RESOURCE_EXHAUSTED (HTTP 429), each holding "
+                        "a draft KV cache and its share of the draft's steps (>= 1; default: 256)")
     p.add_argument("--run-tokens-per-verdict", type=number(int, low=1, high=16), default=RUN_TOKENS_PER_VERDICT,
                    help="a held session's run of target-only steps asks the verify service for up to this many tokens a "
                         "verdict while it serves other sessions: fewer messages to relay, tokens streamed in bursts; 1: a "

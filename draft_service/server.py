@@ -42,6 +42,7 @@ ENDED_WAIT_S = 1.0  # after a session's last verdict, how long the verify stream
 
 
 CLIENT_WRITE_TIMEOUT_S = 60.0  # --client-write-timeout-s
+MAX_SESSIONS = 256  # --max-sessions
 
 
 class DraftServicer(pb_grpc.DraftServicer):
@@ -49,8 +50,10 @@ class DraftServicer(pb_grpc.DraftServicer):
                  adaptive: bool = False, predraft: bool = False, costs: Costs | None = None,
                  proposer: int = pb.PROPOSER_DRAFT, draft_fallback: bool = False, goodput: bool = True,
                  round_timeout_s: float | None = None, run_tokens: int = RUN_TOKENS_PER_VERDICT,
-                 calibration_retry_s: float = CALIBRATION_RETRY_S, client_write_timeout_s: float = CLIENT_WRITE_TIMEOUT_S):
+                 calibration_retry_s: float = CALIBRATION_RETRY_S, client_write_timeout_s: float = CLIENT_WRITE_TIMEOUT_S,
+                 max_sessions: int = MAX_SESSIONS):
         self.lm = lm
+        self.max_sessions, self.sessions = max_sessions, 0  # requests streaming at once (gRPC and HTTP), and the limit
         self.client_write_timeout_s = client_write_timeout_s
         self.drafter = Drafter(lm)
         self.replicas = replicas
@@ -164,8 +167,15 @@ class DraftServicer(pb_grpc.DraftServicer):
         """The chunks of one request (Generate writes them; the HTTP front door streams them too)."""
         t0 = time.perf_counter()
         call = None
+        admitted = False
         metrics.LIVE_SESSIONS.labels(SERVICE).inc()
         try:
+            if self.sessions >= self.max_sessions:  # before any work: the draft's cache and CPU are what the limit guards
+                metrics.CAPACITY_REJECTIONS.labels("draft_sessions").inc()
+                raise RequestError(Refusal.RESOURCE_EXHAUSTED, f"draft service is at its limit of {self.max_sessions} sessions "
+                                   "(--max-sessions); retry later")
+            self.sessions += 1
+            admitted = True
             g = await validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context, self.defaults,
                                                       self.context_whose)
             g.request_id = serving.request_id(context, g.request_id)
@@ -228,6 +238,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Generate", e, upstream=call)  # the verify call's status explains a failed write
         finally:
+            self.sessions -= admitted
             metrics.LIVE_SESSIONS.labels(SERVICE).dec()
             if call is not None:
                 await serving.release(call)  # frees the verifier's session at once

@@ -155,6 +155,48 @@ def test_a_full_verify_service_is_resource_exhausted_through_the_draft(model_dir
         v.stop()
 
 
+def test_a_full_draft_service_refuses_over_grpc_and_http_before_any_work(model_dir):
+    """--max-sessions on the draft bounds the requests it serves at once (each holds a draft KV cache
+    and a share of its steps), gRPC and HTTP together: one past it is RESOURCE_EXHAUSTED with the
+    retry hint (HTTP 429 through the openai package), counted, and opens no verify session; the
+    slot comes back when the request holding it ends."""
+    import openai
+
+    v, d = start_pair(("--model", model_dir("long-target"), "--metrics-port", "0", "--threads", "1"),
+                      ("--model", model_dir("long-draft"), "--metrics-port", "0", "--http-port", "0", "--max-sessions", "1",
+                       "--threads", "1"))
+    try:
+        with Client(d.address, timeout=60) as holder, Client(d.address, timeout=30) as c:
+            it = holder.stream(**LONG)
+            next(it)  # the one request the draft serves
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(prompt_ids=[3, 4], max_new_tokens=4)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "draft service is at its limit of 1 sessions (--max-sessions)" in e.value.details()
+            assert ("retry-after-ms", "1000") in tuple(e.value.trailing_metadata())
+            oai = openai.OpenAI(base_url=f"http://{d.http_address}/v1", api_key="none", max_retries=0, timeout=30)
+            with pytest.raises(openai.RateLimitError, match="limit of 1 sessions"):
+                oai.completions.create(model=oai.models.list().data[0].id, prompt="def f(x):", max_tokens=4)
+            assert metric(d.metrics(), "specdec_capacity_rejections_total", reason="draft_sessions") == 2
+            assert live(v, "verify") == 1  # the holder's session only
+            it.close()
+        with Client(d.address, timeout=60) as c:
+
+            def room() -> bool:  # the holder's cancellation ends its request on the draft shortly after
+                try:
+                    return len(c.generate(prompt_ids=[3], max_new_tokens=3).token_ids) == 3
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+                    return False
+
+            assert wait_for(room, 30), "the draft kept the closed request's slot"
+        assert live(d, "draft") == 0
+    finally:
+        d.stop()
+        v.stop()
+
+
 def test_a_target_only_reader_that_stops_reading_holds_no_session(pair):
     """Verify.Generate's steps run ahead of its reader; a client that stops reading (a small flow
     window, its connection open) held its session, reservation and KV pages until it read again,
