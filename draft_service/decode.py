@@ -264,60 +264,16 @@ class DecodeLoop:
                 new = [prop.tokens[i] for i in path] + ([v.next_token] if v.HasField("next_token") else [])
                 sent, prop = prop, None
                 if thread is not None:  # a pre-draft: kept only if the context it assumed came true
-                    task, ahead_ctl = thread
-                    on_guess = not tree or path == sent.guess[: len(path)]  # a tree's outcomes end on its likeliest path
-                    ahead_ctl.verdict((n, v.next_token) if v.HasField("next_token") and on_guess else None)
-                    ahead = await asyncio.shield(task)  # the thread owns the draft cache until it returns (a cancel here
-                    # leaves the task to its thread: `finally` counts the session until it ends)
+                    prop = await self._predrafted(*thread, sent, v, path)  # a cancel meanwhile leaves the thread to `finally`
                     thread = None
-                    got = ahead.get(ahead_ctl.outcome())
-                    if got is not None and got.tokens:
-                        prop = got
-                        stats.predraft_hits += 1
-                    else:
-                        stats.predraft_misses += 1
-                    if ctl:  # whether this session's pre-drafts follow rejections (not while the draft model is shared)
-                        ctl.follows = len(ahead_ctl.wanted or ()) > 1
-                        if ctl.follows and on_guess and n < len(sent.alts) and v.HasField("next_token"):
-                            ctl.observe_second(v.next_token in sent.alts[n])
                 st.ids.extend(new)
                 if replay and prop is not None and self._lookup_left() and lookup(st.ids, 1, min_ngram=HYBRID_MIN_NGRAM):
                     # prompt lookup proposes here, as a round drafted now would: the pre-draft gives way, so the
                     # round is the same with pre-drafting on or off, and the seeded request's tokens with it
                     prop = self._unused()
-                if tree and self.calibration and sent.ranks:
-                    self.calibration.observe(sent, path)
-                if ctl:  # its estimate is a chain's per-token acceptance: a tree's is its likeliest path's
-                    if tree:
-                        ctl.observe(len(sent.guess), next((j for j, (a, b) in enumerate(zip(path, sent.guess)) if a != b),
-                                                          min(len(path), len(sent.guess))))
-                    else:
-                        ctl.observe(len(sent.tokens), n)
-                    ctl.load(v.row_price)
-                    if prop is not None and ctl.steer:  # a pre-draft: made before this verdict's price was known
-                        prop = self._within_load(prop)
-                if self.pace:
-                    # not the first round (it holds the verifier's prefill of the prompt), nor the first after a run
-                    # (it holds the draft's catch-up on the run's tokens, the whole prompt after a start in a run)
-                    if sent.tokens and stats.rounds > 1 and (caught_up or sent.lookup):
-                        judged = self.pace.observe(len(new), t3 - t_mark, v.target_only_s, v.open_sessions)
-                        if judged:
-                            metrics.PACE_COMPARISONS.labels(load_label(judged[0]), judged[1]).inc()
-                            log.debug("pace: a comparison at %s open sessions: speculation %s (%.2f of target-only's "
-                                      "seconds, relay %.2f)", load_label(judged[0]), judged[1], self.pace.ratio, self.pace.relay)
-                    else:
-                        self.pace.quote(v.target_only_s, v.open_sessions)
+                prop = self._learn(sent, v, new, path, prop, t3 - t_mark, caught_up)
                 caught_up = caught_up or (bool(sent.tokens) and not sent.lookup)
                 t_mark = t3
-                if self.judge and not sent.lookup:
-                    drafting = not self.fallen_back
-                    self._judge(max(len(sent.guess), n) if tree else len(sent.tokens), n)  # a tree: judged as the chain of its levels
-                    if drafting and self.fallen_back and prop is not None:  # the model stopped: its pre-draft is not sent,
-                        prop = self._unused()  # and the next message may be a run
-                if self.lookup_judge and sent.lookup and not self.lookup_off:
-                    self.lookup_judge.observe(len(sent.tokens), n)
-                    self.lookup_off = not self.lookup_judge.pays()
-                self._count(len(sent.tokens), n)
                 yield new, v.finish_reason
                 if v.finish_reason:
                     return
@@ -336,6 +292,63 @@ class DecodeLoop:
                 ended(task)
             else:
                 task.add_done_callback(ended)
+
+    async def _predrafted(self, task: asyncio.Task, ahead_ctl: PredraftControl, sent: Proposal, v, path: list[int]) -> Proposal | None:
+        """The next round's proposal from the pre-draft in flight, if the context it assumed came
+        true (a hit), else None (a miss). The thread owns the draft cache until it returns."""
+        n, stats, ctl = v.num_accepted, self.stats, self.tau
+        on_guess = sent.parents is None or path == sent.guess[: len(path)]  # a tree's outcomes end on its likeliest path
+        ahead_ctl.verdict((n, v.next_token) if v.HasField("next_token") and on_guess else None)
+        ahead = await asyncio.shield(task)
+        got = ahead.get(ahead_ctl.outcome())
+        hit = got is not None and bool(got.tokens)
+        stats.predraft_hits += hit
+        stats.predraft_misses += not hit
+        if ctl:  # whether this session's pre-drafts follow rejections (not while the draft model is shared)
+            ctl.follows = len(ahead_ctl.wanted or ()) > 1
+            if ctl.follows and on_guess and n < len(sent.alts) and v.HasField("next_token"):
+                ctl.observe_second(v.next_token in sent.alts[n])
+        return got if hit else None
+
+    def _learn(self, sent: Proposal, v, new: list[int], path: list[int], prop: Proposal | None, wall_s: float,
+               caught_up: bool) -> Proposal | None:
+        """What a verified round teaches: the tree calibration, adaptive tau (acceptance and the
+        verifier's price), the pace (the round's wall time since the last verdict, `wall_s`), the
+        judges of the model and of prompt lookup, and the counts. Returns the next round's
+        pre-draft (`prop`) as the load and the judge still allow it."""
+        n, ctl, tree = v.num_accepted, self.tau, sent.parents is not None
+        if tree and self.calibration and sent.ranks:
+            self.calibration.observe(sent, path)
+        if ctl:  # its estimate is a chain's per-token acceptance: a tree's is its likeliest path's
+            if tree:
+                ctl.observe(len(sent.guess), next((j for j, (a, b) in enumerate(zip(path, sent.guess)) if a != b),
+                                                  min(len(path), len(sent.guess))))
+            else:
+                ctl.observe(len(sent.tokens), n)
+            ctl.load(v.row_price)
+            if prop is not None and ctl.steer:  # a pre-draft: made before this verdict's price was known
+                prop = self._within_load(prop)
+        if self.pace:
+            # not the first round (it holds the verifier's prefill of the prompt), nor the first after a run
+            # (it holds the draft's catch-up on the run's tokens, the whole prompt after a start in a run)
+            if sent.tokens and self.stats.rounds > 1 and (caught_up or sent.lookup):
+                judged = self.pace.observe(len(new), wall_s, v.target_only_s, v.open_sessions)
+                if judged:
+                    metrics.PACE_COMPARISONS.labels(load_label(judged[0]), judged[1]).inc()
+                    log.debug("pace: a comparison at %s open sessions: speculation %s (%.2f of target-only's "
+                              "seconds, relay %.2f)", load_label(judged[0]), judged[1], self.pace.ratio, self.pace.relay)
+            else:
+                self.pace.quote(v.target_only_s, v.open_sessions)
+        if self.judge and not sent.lookup:
+            drafting = not self.fallen_back
+            self._judge(max(len(sent.guess), n) if tree else len(sent.tokens), n)  # a tree: judged as the chain of its levels
+            if drafting and self.fallen_back and prop is not None:  # the model stopped: its pre-draft is not sent,
+                prop = self._unused()  # and the next message may be a run
+        if self.lookup_judge and sent.lookup and not self.lookup_off:
+            self.lookup_judge.observe(len(sent.tokens), n)
+            self.lookup_off = not self.lookup_judge.pays()
+        self._count(len(sent.tokens), n)
+        return prop
 
     def _within_load(self, prop: Proposal) -> Proposal | None:
         """A pre-draft as the verifier's load now allows it: a chain cut to the goodput cap; none at
