@@ -122,8 +122,8 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
     d = ["draft_service", "--port", "0", "--verify", "127.0.0.1:1", "--verify-wait-s", "0", *quiet]
     cases = {
         "idle timeout 0": ([*v, "--model", target, "--idle-timeout-s", "0"], "--idle-timeout-s"),
-        "max sessions 0": ([*v, "--model", target, "--max-sessions", "0"], "--max-sessions"),
-        "draft max sessions 0": ([*d, "--model", target, "--max-sessions", "0"], "--max-sessions"),
+        "max sessions 0": ([*v, "--model", target, "--max-sessions", "0"], "--max-sessions", "must be >= 1"),
+        "draft max sessions 0": ([*d, "--model", target, "--max-sessions", "0"], "--max-sessions", "must be >= 1"),
         "gather past a pass": ([*v, "--model", target, "--gather", "2"], "--gather", "<= 1"),
         "threads -1": ([*v, "--model", target, "--threads", "-1"], "--threads"),
         "draft threads -1": ([*d, "--model", target, "--threads", "-1"], "--threads"),
