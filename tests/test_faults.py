@@ -23,6 +23,22 @@ def verify_is_empty(v: Service) -> bool:
             and metric(text, "specdec_cached_tokens") == 0)
 
 
+def served_again(address: str, timeout: float = 30) -> bool:
+    """Whether a short request succeeds within `timeout` seconds at a service that refused for
+    capacity (RESOURCE_EXHAUSTED until then; any other error fails the test)."""
+    with Client(address, timeout=60, retries=3) as c:
+
+        def room() -> bool:
+            try:
+                return len(c.generate(prompt_ids=[3], max_new_tokens=3).token_ids) == 3
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                return False
+
+        return wait_for(room, timeout)
+
+
 @pytest.fixture(scope="module")
 def pair(model_dir):
     with service_pair(model_dir("long-target"), model_dir("long-draft"), "--threads", "1") as p:
@@ -139,17 +155,8 @@ def test_a_full_verify_service_is_resource_exhausted_through_the_draft(model_dir
         # UNAVAILABLE: the refusal raced the draft's next write and grpc lost its status (grpc/grpc#36066,
         # specdec.serving.upstream_error); it comes more often on a loaded machine. Never OK, never INTERNAL.
         assert set(codes) <= {"RESOURCE_EXHAUSTED", "UNAVAILABLE"} and codes.count("RESOURCE_EXHAUSTED") >= 10, codes
-        with Client(d.address, timeout=60, retries=3) as c:  # room again once the holder is gone
-
-            def room() -> bool:  # the holder's cancellation reaches the verify service after a hop or two
-                try:
-                    return len(c.generate(prompt_ids=[3], max_new_tokens=3).token_ids) == 3
-                except grpc.RpcError as e:
-                    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise
-                    return False
-
-            assert wait_for(room, 30), "the verify service kept the closed session's slot"
+        # room again once the holder is gone: its cancellation reaches the verify service after a hop or two
+        assert served_again(d.address), "the verify service kept the closed session's slot"
     finally:
         d.stop()
         v.stop()
@@ -180,17 +187,7 @@ def test_a_full_draft_service_refuses_over_grpc_and_http_before_any_work(model_d
             assert metric(d.metrics(), "specdec_capacity_rejections_total", reason="draft_sessions") == 2
             assert live(v, "verify") == 1  # the holder's session only
             it.close()
-        with Client(d.address, timeout=60) as c:
-
-            def room() -> bool:  # the holder's cancellation ends its request on the draft shortly after
-                try:
-                    return len(c.generate(prompt_ids=[3], max_new_tokens=3).token_ids) == 3
-                except grpc.RpcError as e:
-                    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise
-                    return False
-
-            assert wait_for(room, 30), "the draft kept the closed request's slot"
+        assert served_again(d.address), "the draft kept the closed request's slot"  # the holder's cancellation ends it shortly
         assert live(d, "draft") == 0
     finally:
         d.stop()
