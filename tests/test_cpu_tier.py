@@ -5,7 +5,7 @@ import torch
 
 from helpers.engine import BF16_ONEDNN, logits_of_a_session
 from specdec.engine import prepare
-from specdec.engine.cpu import choose
+from specdec.engine.cpu import choose, kernel
 from specdec.engine.cpu import prepack as prepack_mod
 from specdec.choices import parse_choices
 from specdec.engine.cpu.prepack import prepacked
@@ -47,6 +47,29 @@ def test_per_row_products_give_a_row_the_same_numbers_at_any_row_count(dtype):
                 assert torch.equal(fwd(x[:, at : at + k]), full[:, at : at + k])
 
 
+@pytest.mark.skipif(kernel.library() is None, reason="the row kernel does not build on this machine")
+def test_the_row_kernel_gives_a_row_the_same_numbers_at_any_row_count():
+    """The row kernel computes the module's float32 product up to rounding, bitwise the same for a
+    row whatever the row count (within a block of its rows and across several) and wherever the row
+    sits, with and without a bias, for GPT-2's Conv1D, and for output widths that end in a part
+    panel (200 = 12 panels of 16 and 8 columns more)."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 40, 96)
+    conv = Conv1D(200, 96)
+    torch.nn.init.normal_(conv.bias)
+    with torch.inference_mode():
+        for m in (torch.nn.Linear(96, 200), torch.nn.Linear(96, 200, bias=False), conv, torch.nn.Linear(96, 16)):
+            fwd = kernel.row_forward(m)
+            full = fwd(x)
+            torch.testing.assert_close(full, m(x), rtol=1e-5, atol=1e-5)
+            for k in (1, 2, 3, 4, 5, 9, 17):
+                for at in (0, 7, 40 - k):
+                    assert torch.equal(fwd(x[:, at : at + k]), full[:, at : at + k]), (type(m).__name__, k, at)
+        assert kernel.row_forward(torch.nn.Linear(96, 200).to(torch.bfloat16)) is None  # float32 only
+
+
 def test_per_row_products_keep_one_copy_of_each_weight(wide_dir):
     """Switching to per-row products transposes each weight once and keeps only that copy (the
     original is freed; a weight tied to the embeddings stays, and its transposed copy is the one
@@ -62,7 +85,7 @@ def test_per_row_products_keep_one_copy_of_each_weight(wide_dir):
     embedding = model.get_input_embeddings().weight
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     originals = [(weakref.ref(m.weight), m.weight is embedding) for m in linears]
-    prepare(model, per_row=True)
+    prepare(model, per_row=True, row_kernel=False)  # the row kernel packs a copy and keeps the weight (below)
     gc.collect()
     assert [w() is None for w, tied in originals] == [not tied for _, tied in originals]
     model.set_attn_implementation("sdpa")
@@ -88,7 +111,9 @@ def test_prepacked_products_are_the_modules_own_numbers():
                 assert torch.equal(fwd(x[:, :k]), m(x[:, :k])), (type(m).__name__, k)
 
 
-PINS = [("float32", "fp32-prepack=off,per-row=on"), ("float32", "fp32-prepack=off,per-row=off"), ("float32", "fp32-prepack=on,per-row=off"),
+KERNEL = pytest.mark.skipif(kernel.library() is None, reason="the row kernel does not build on this machine")
+PINS = [("float32", "fp32-prepack=off,per-row=on,row-kernel=off"),
+        pytest.param("float32", "fp32-prepack=off,per-row=on,row-kernel=on", marks=KERNEL), ("float32", "fp32-prepack=off,per-row=off"), ("float32", "fp32-prepack=on,per-row=off"),
         ("bfloat16", "attention=model,prepack=off,per-row=off"),
         pytest.param("bfloat16", "attention=float32,prepack=on,per-row=off",
                      marks=pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU"))]

@@ -202,8 +202,8 @@ def test_default_budget_admits_every_session_at_full_context(packed, monkeypatch
     assert cap.sessions == 8 and sum(held) == cap.reserved
 
 
-MATMULS = [("float32", "calibrated"), ("bfloat16", "prepacked"), ("float32", "per-row"), ("bfloat16", "unpacked"),
-           ("float32", "prepacked")]
+MATMULS = [("float32", "calibrated"), ("bfloat16", "prepacked"), ("float32", "per-row"), ("float32", "row-kernel"),
+           ("bfloat16", "unpacked"), ("float32", "prepacked")]
 
 
 @pytest.mark.parametrize("dtype,matmuls", MATMULS)

@@ -15,6 +15,7 @@ class Plan:
     top: int | None = None  # a prefill chunk (no logits) of more tokens goes through every matmul in a product of its own
     rows: tuple[int, int] | None = None  # the CPU's calibrated row counts (lo, hi), if any agree
     per_row: bool = False  # per-row matmul products (cpu/rows.py)
+    row_kernel: bool = False  # ... through the row kernel (cpu/kernel.py; float32)
     prepacked: bool = False  # weights prepacked for oneDNN (cpu/prepack.py; the choice prepack, fp32-prepack in float32)
     per_query: bool = False  # attention: each query its own problem (the CPU's bitwise invariance), layout.Pass
     graphs: bool = False  # uniform passes of rounds captured as CUDA graphs (graphs.py)

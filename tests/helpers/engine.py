@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specdec.engine import KVCache
+from specdec.engine.cpu import kernel as row_kernel
 from specdec.engine.cpu.prepack import prepacked
 from specdec.engine.cpu.rows import PER_ROW_LEAD
 from specdec.lm import LM
@@ -40,7 +41,8 @@ def steps_and_rounds(engine, ids: list[int]):
 
 def load_packed(path: str, dtype: str, matmuls: str) -> LM:
     """The model as the services load it ("calibrated": GEMMs, or per-row products where the
-    calibration says they pay), with per-row matmul products forced ("per-row"), with prepacked
+    calibration says they pay), with per-row matmul products forced (as batched matmuls, "per-row",
+    or through the float32 row kernel, "row-kernel"), with prepacked
     oneDNN products forced ("prepacked": in half precision where oneDNN has bf16; in float32 another
     kernel than the module's own) or with the module's own GEMMs ("unpacked")."""
     if matmuls == "calibrated":
@@ -53,8 +55,12 @@ def load_packed(path: str, dtype: str, matmuls: str) -> LM:
                         "the engine keeps the weights unpacked")
         assert lm.engine.plan.prepacked == want
         return lm
-    lm = LM.load(path, "cpu", dtype, check=False, choices=dict(per_row=True))
+    kernel = matmuls == "row-kernel"  # per-row products through the float32 row kernel, else batched matmuls
+    if kernel and row_kernel.library() is None:
+        pytest.skip("the row kernel does not build on this machine (see the log): per-row products are batched matmuls")
+    lm = LM.load(path, "cpu", dtype, check=False, choices=dict(per_row=True, **({"row_kernel": kernel} if dtype == "float32" else {})))
     assert lm.engine.plan.pad_to == 1 and lm.engine.plan.top == PER_ROW_LEAD  # kept: no padding rows
+    assert lm.engine.plan.row_kernel == kernel
     return lm
 
 

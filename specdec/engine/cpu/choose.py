@@ -8,7 +8,9 @@ import logging
 
 import torch
 
-from specdec.engine.cpu.prepack import holders
+from specdec.engine.cache import available_memory_bytes
+from specdec.engine.cpu import kernel
+from specdec.engine.cpu.prepack import PREPACK_MEMORY_SHARE, holders
 from specdec.engine.cpu.prepack import prepack as prepack_weights
 from specdec.engine.cpu.rows import PER_ROW_LEAD, blocked, clock, calibrate_rows, per_row_pays, row_modules
 from specdec.engine.cpu.rows import per_row as per_row_forward
@@ -43,21 +45,23 @@ def faster_attention(model, keys: int = 256, timer=None) -> torch.dtype:
 
 
 def choose(model, per_row: bool | None = None, prepack: bool | None = None, attention: str | None = None, timer=None,
-           fp32_prepack: bool | None = None) -> Plan:
+           fp32_prepack: bool | None = None, row_kernel: bool | None = None) -> Plan:
     """The CPU plan for `model`, its matmul modules switched to it. per_row, prepack (half precision),
     fp32_prepack (float32: another kernel, so its own name, and a pin of either leaves the other
-    dtype alone) and attention ('float32' or 'model') pin a choice instead of timing it;
+    dtype alone), row_kernel (float32 per-row products through kernel.py's row kernel, used wherever
+    it builds unless pinned off) and attention ('float32' or 'model') pin a choice instead of timing it;
     timer(what, fns) -> seconds per call of each fn replaces the clock (rows.clock: `what` names the
     choice timed; tests)."""
     name = f"{type(model).__name__} in {model.dtype}"
-    pins = {k: v for k, v in (("attention", attention), ("prepack", prepack), ("fp32-prepack", fp32_prepack), ("per-row", per_row))
-            if v is not None}
-    plan = _choose(model, per_row, fp32_prepack if model.dtype == torch.float32 else prepack, attention, timer)
+    pins = {k: v for k, v in (("attention", attention), ("prepack", prepack), ("fp32-prepack", fp32_prepack), ("per-row", per_row),
+                              ("row-kernel", row_kernel)) if v is not None}
+    plan = _choose(model, per_row, fp32_prepack if model.dtype == torch.float32 else prepack, attention, timer, row_kernel)
     plan.made = _made(model, plan)
     for k, v in pins.items():
         want = v if k == "attention" else ("on" if v else "off")
         if k not in plan.made:
-            log.warning("%s: the pinned %s=%s does not apply to this dtype; ignored", name, k, want)
+            log.warning("%s: the pinned %s=%s does not apply to this dtype%s; ignored", name, k, want,
+                        " or without per-row products" if k == "row-kernel" else "")
         elif plan.made[k] != want:
             log.warning("%s: the pinned %s=%s could not be kept (its check failed: see above); %s=%s instead",
                         name, k, want, k, plan.made[k])
@@ -73,10 +77,27 @@ def _made(model, plan: Plan) -> dict[str, str]:
     if model.dtype in PACKED:
         out["prepack" if model.dtype in HALF else "fp32-prepack"] = "on" if plan.prepacked else "off"
     out["per-row"] = "on" if plan.per_row else "off"
+    if plan.per_row and model.dtype == torch.float32:
+        out["row-kernel"] = "on" if plan.row_kernel else "off"
     return out
 
 
-def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | None, timer) -> Plan:
+def kernel_products(model, pinned: bool | None):
+    """The row kernel's forward maker (kernel.row_forward) for a float32 model's per-row products,
+    or None: pinned off, another dtype, not built here, or its packed weights would take more than
+    PREPACK_MEMORY_SHARE of the host's free memory (the reason logged)."""
+    if pinned is False or model.dtype != torch.float32 or kernel.library() is None:
+        return None
+    extra = sum(m.weight.numel() * 4 for m in row_modules(model))
+    free = available_memory_bytes()
+    if free is not None and extra > PREPACK_MEMORY_SHARE * free:
+        log.info("%s: the row kernel not used: its packed weights' %.2f GiB would pass %.0f%% of the %.2f GiB free",
+                 type(model).__name__, extra / 2**30, 100 * PREPACK_MEMORY_SHARE, free / 2**30)
+        return None
+    return kernel.row_forward
+
+
+def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | None, timer, row_kernel: bool | None) -> Plan:
     """prepack: the pin of the model's dtype's prepacking (prepack or fp32_prepack)."""
     plan = Plan(kv_dtype=model.dtype, per_query=True)
     name = f"{type(model).__name__} in {model.dtype}"
@@ -110,9 +131,10 @@ def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | 
             per_row = False
     if per_row is not False and (per_row or rows is None or rows[0] > 1):
         probes: dict = {}  # one module of each kind's per-row forward, for calibration and timing alike
+        fast = kernel_products(model, row_kernel)
 
         def probe(m):
-            return probes.setdefault(m, per_row_forward(m))
+            return probes.setdefault(m, fast(m) if fast else per_row_forward(m))
 
         # timed first: calibrating per-row products costs far more where they are slow (bf16 here: a minute)
         pays = per_row or rows is None or per_row_pays(model, rows[0], probe, timer)
@@ -121,9 +143,11 @@ def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | 
             held = holders(model)
             gemm = {m: m.forward for m in mods}
             for m in mods:
-                m.forward = blocked(per_row_forward(m, own_weight=held[id(m.weight)] == 1), per[1], gemm[m])
-            plan.rows, plan.pad_to, plan.top, plan.per_row = per, 1, PER_ROW_LEAD, True
-            log.info("%s: per-row matmul products (no padding rows), blocks of up to %d rows", name, per[1])
+                own = fast(m) if fast else per_row_forward(m, own_weight=held[id(m.weight)] == 1)
+                m.forward = blocked(own, per[1], gemm[m])
+            plan.rows, plan.pad_to, plan.top, plan.per_row, plan.row_kernel = per, 1, PER_ROW_LEAD, True, fast is not None
+            log.info("%s: per-row matmul products (no padding rows%s), blocks of up to %d rows", name,
+                     ", through the row kernel" if fast else "", per[1])
             return plan
         if per_row:
             rows = calibrate_rows(model)

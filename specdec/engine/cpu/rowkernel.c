@@ -1,0 +1,60 @@
+/* The CPU tier's row kernel (kernel.py builds and loads it): y = x w for a few float32 rows.
+
+   y[m][n] = sum over k of x[m][k] w[k][n], with w packed once at load into panels of PW columns,
+   p[n / PW][k][PW] (the last panel padded with zeros), so a panel is read as one sequential stream.
+   Each output is one chain of fused multiply-adds over k in ascending order, starting from zero,
+   whatever the row count, the row's place and the column's panel: a row's numbers never depend on
+   its batch-mates. Up to ROWS rows share each read of a panel, so a round of a few rows costs
+   about what one row costs; more rows take further blocks over the panel while it is in cache. */
+#include <immintrin.h>
+
+#define V 2            /* 8-float vectors per panel */
+#define PW (8 * V)     /* columns per panel */
+#define ROWS 4         /* rows that share a read of the panel: ROWS * V accumulators in registers */
+#define AHEAD 1024     /* floats of the panel prefetched ahead of the one read (4 KiB) */
+
+static inline __attribute__((always_inline)) void block(const float *x, const float *panel, float *y, long rows, long K,
+                                                        long N, long n0) {
+  __m256 acc[ROWS][V];
+  _Pragma("GCC unroll 8") for (long r = 0; r < rows; r++)
+    _Pragma("GCC unroll 8") for (int v = 0; v < V; v++) acc[r][v] = _mm256_setzero_ps();
+  const float *q = panel;
+  for (long k = 0; k < K; k++, q += PW) {
+    _mm_prefetch((const char *)(q + AHEAD), _MM_HINT_T0);
+    __m256 w[V];
+    _Pragma("GCC unroll 8") for (int v = 0; v < V; v++) w[v] = _mm256_loadu_ps(q + 8 * v);
+    _Pragma("GCC unroll 8") for (long r = 0; r < rows; r++) {
+      __m256 b = _mm256_broadcast_ss(x + r * K + k);
+      _Pragma("GCC unroll 8") for (int v = 0; v < V; v++) acc[r][v] = _mm256_fmadd_ps(b, w[v], acc[r][v]);
+    }
+  }
+  long cols = N - n0 < PW ? N - n0 : PW;
+  for (long r = 0; r < rows; r++) {
+    if (cols == PW) {
+      _Pragma("GCC unroll 8") for (int v = 0; v < V; v++) _mm256_storeu_ps(y + r * N + n0 + 8 * v, acc[r][v]);
+    } else {
+      float t[PW];
+      for (int v = 0; v < V; v++) _mm256_storeu_ps(t + 8 * v, acc[r][v]);
+      for (long c = 0; c < cols; c++) y[r * N + n0 + c] = t[c];
+    }
+  }
+}
+
+long panel_width(void) { return PW; }
+
+/* x: M x K, row-major; p: the packed weight; y: M x N, row-major. */
+void row_product(const float *x, const float *p, float *y, long M, long K, long N) {
+  for (long j = 0; j * PW < N; j++) {
+    const float *panel = p + j * K * PW;
+    for (long m = 0; m < M; m += ROWS) {
+      const float *xm = x + m * K;
+      float *ym = y + m * N;
+      switch (M - m < ROWS ? M - m : ROWS) {
+        case 4: block(xm, panel, ym, 4, K, N, j * PW); break;
+        case 3: block(xm, panel, ym, 3, K, N, j * PW); break;
+        case 2: block(xm, panel, ym, 2, K, N, j * PW); break;
+        default: block(xm, panel, ym, 1, K, N, j * PW); break;
+      }
+    }
+  }
+}
