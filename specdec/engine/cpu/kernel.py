@@ -10,7 +10,7 @@ one batched product per row (bench/results/KERNELS.md). Each weight is packed on
 of 16 columns; the module keeps its own weight too, which a prefill chunk's GEMM reads.
 
 Built only on x86 CPUs that PyTorch runs with AVX2 (which includes FMA) and where a C compiler
-(`$CC`, else `cc`) works; the library is cached by the source's hash under $XDG_CACHE_HOME/specdec
+(`$CC`, else `cc` or `gcc`) works; the library is cached by the source's hash under $XDG_CACHE_HOME/specdec
 (or a temporary folder). Anything missing is logged, and the CPU tier keeps its other products.
 """
 from __future__ import annotations
@@ -67,13 +67,18 @@ def _unsupported() -> str | None:
         return f"this CPU runs PyTorch at {torch.backends.cpu.get_cpu_capability()}, without AVX2 and FMA"
     if not SOURCE.is_file():
         return f"its source {SOURCE.name} is not installed"
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        return f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH"
+    if _compiler() is None:
+        return f"no C compiler ({os.environ.get('CC') or 'cc or gcc'}) on PATH"
     return None
 
 
+def _compiler() -> str | None:
+    """$CC where set, else cc or gcc: the first found on PATH."""
+    return next(filter(shutil.which, [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]), None)
+
+
 def _load() -> ctypes.CDLL:
-    cc = os.environ.get("CC", "cc")
+    cc = _compiler()
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
     target = _cache_dir() / f"rowkernel-{key}.so"
