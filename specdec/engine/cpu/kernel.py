@@ -4,9 +4,10 @@ and loaded through ctypes).
 
 Every output is one fused multiply-add chain over the input width, in order, whatever the row
 count, so a row's numbers never depend on its batch-mates, as with the per-row products of
-rows.py. But up to four rows share each read of a weight panel: on a 2-core Zen 3 the shipped
-target's matmuls cost 13 ms for 1 row and 14-16 ms for 2-4 rows, against 17 and 22-30 ms with
-one batched product per row (bench/results/KERNELS.md). Each weight is packed once into panels
+rows.py. But up to six rows share each read of a weight panel, and more rows take further blocks
+over the panel while it is in cache: on a 2-core Zen 3 the shipped target's matmuls, timed alone,
+cost 11-12 ms for 1 to 6 rows, 23 ms for 20 and 65 ms for 80 (bench/results/KERNELS.md has whole
+passes against the other plans). Each weight is packed once into panels
 of 16 columns; the module keeps its own weight too, which a prefill chunk's GEMM reads.
 
 Built only on x86 CPUs that PyTorch runs with AVX2 (which includes FMA) and where a C compiler
@@ -131,5 +132,4 @@ def row_forward(m):
             y = y + b
         return y.reshape(*x.shape[:-1], n)
 
-    run.packed = p  # for the memory count
     return run

@@ -10,7 +10,7 @@
 
 #define V 2            /* 8-float vectors per panel */
 #define PW (8 * V)     /* columns per panel */
-#define ROWS 4         /* rows that share a read of the panel: ROWS * V accumulators in registers */
+#define ROWS 6         /* rows that share a read of the panel: ROWS * V accumulators, of 16 registers */
 #define AHEAD 1024     /* floats of the panel prefetched ahead of the one read (4 KiB) */
 
 static inline __attribute__((always_inline)) void block(const float *x, const float *panel, float *y, long rows, long K,
@@ -28,16 +28,13 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
       _Pragma("GCC unroll 8") for (int v = 0; v < V; v++) acc[r][v] = _mm256_fmadd_ps(b, w[v], acc[r][v]);
     }
   }
+  /* Every index of acc is a constant once unrolled, so the accumulators stay in registers. */
+  float t[ROWS][PW];
+  _Pragma("GCC unroll 8") for (long r = 0; r < rows; r++)
+    _Pragma("GCC unroll 8") for (int v = 0; v < V; v++) _mm256_storeu_ps(t[r] + 8 * v, acc[r][v]);
   long cols = N - n0 < PW ? N - n0 : PW;
-  for (long r = 0; r < rows; r++) {
-    if (cols == PW) {
-      _Pragma("GCC unroll 8") for (int v = 0; v < V; v++) _mm256_storeu_ps(y + r * N + n0 + 8 * v, acc[r][v]);
-    } else {
-      float t[PW];
-      for (int v = 0; v < V; v++) _mm256_storeu_ps(t + 8 * v, acc[r][v]);
-      for (long c = 0; c < cols; c++) y[r * N + n0 + c] = t[c];
-    }
-  }
+  for (long r = 0; r < rows; r++)
+    for (long c = 0; c < cols; c++) y[r * N + n0 + c] = t[r][c];
 }
 
 long panel_width(void) { return PW; }
@@ -50,6 +47,8 @@ void row_product(const float *x, const float *p, float *y, long M, long K, long 
       const float *xm = x + m * K;
       float *ym = y + m * N;
       switch (M - m < ROWS ? M - m : ROWS) {
+        case 6: block(xm, panel, ym, 6, K, N, j * PW); break;
+        case 5: block(xm, panel, ym, 5, K, N, j * PW); break;
         case 4: block(xm, panel, ym, 4, K, N, j * PW); break;
         case 3: block(xm, panel, ym, 3, K, N, j * PW); break;
         case 2: block(xm, panel, ym, 2, K, N, j * PW); break;
