@@ -70,6 +70,36 @@ def test_the_row_kernel_gives_a_row_the_same_numbers_at_any_row_count():
         assert kernel.row_forward(torch.nn.Linear(96, 200).to(torch.bfloat16)) is None  # float32 only
 
 
+def test_a_row_kernel_that_does_not_build_is_logged_and_left_out(monkeypatch, tmp_path, caplog):
+    """A compiler that fails leaves no library behind and one logged reason; the CPU tier then
+    makes per-row products as batched matmuls."""
+    monkeypatch.setenv("CC", "false")  # on PATH, and exits 1
+    monkeypatch.setattr(kernel, "_cache_dir", lambda: tmp_path)
+    kernel.library.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="specdec.engine"):
+            assert kernel.library() is None
+        assert any("CPU row kernel not used: it did not build or load (false exited 1" in r.getMessage() for r in caplog.records)
+        assert list(tmp_path.iterdir()) == []  # the failed build's temporary file is gone
+    finally:
+        kernel.library.cache_clear()  # the next caller builds (or finds) the real one
+
+
+@pytest.mark.parametrize("why", ["memory", "unbuilt", "pinned off"])
+def test_per_row_products_without_the_row_kernel(model_dir, monkeypatch, why):
+    """Where the row kernel's packed weights would not fit in a quarter of the free memory, where
+    it is not built, or where it is pinned off, float32 per-row products are batched matmuls, and
+    the logged choices say row-kernel=off."""
+    if why == "memory":
+        monkeypatch.setattr(choose, "available_memory_bytes", lambda: 1024)
+    elif why == "unbuilt":
+        monkeypatch.setattr(kernel, "library", lambda: None)
+    torch.set_num_threads(1)
+    pins = dict(per_row=True, **({"row_kernel": False} if why == "pinned off" else {}))
+    lm = LM.load(model_dir("target"), "cpu", "float32", check=False, choices=pins, timer=refuse_timing)
+    assert not lm.engine.plan.row_kernel and lm.engine.plan.made["row-kernel"] == "off"
+
+
 def test_per_row_products_keep_one_copy_of_each_weight(wide_dir):
     """Switching to per-row products transposes each weight once and keeps only that copy (the
     original is freed; a weight tied to the embeddings stays, and its transposed copy is the one
