@@ -12,6 +12,8 @@ from specdec.engine.cpu.prepack import prepacked
 from specdec.engine.cpu.rows import ROW_LADDER, ROW_PROBE, class_top, per_row
 from specdec.lm import LM
 
+KERNEL = pytest.mark.skipif(kernel.library() is None, reason="the row kernel does not build on this machine")
+
 
 def test_row_calibration_finds_where_a_kernel_changes():
     """calibrate_rows' search, on a matmul whose results change at 1 row and from 10 rows on: every
@@ -47,7 +49,7 @@ def test_per_row_products_give_a_row_the_same_numbers_at_any_row_count(dtype):
                 assert torch.equal(fwd(x[:, at : at + k]), full[:, at : at + k])
 
 
-@pytest.mark.skipif(kernel.library() is None, reason="the row kernel does not build on this machine")
+@KERNEL
 def test_the_row_kernel_gives_a_row_the_same_numbers_at_any_row_count():
     """The row kernel computes the module's float32 product up to rounding, bitwise the same for a
     row whatever the row count (within a block of its rows and across several) and wherever the row
@@ -68,6 +70,10 @@ def test_the_row_kernel_gives_a_row_the_same_numbers_at_any_row_count():
                 for at in (0, 7, 40 - k):
                     assert torch.equal(fwd(x[:, at : at + k]), full[:, at : at + k]), (type(m).__name__, k, at)
         assert kernel.row_forward(torch.nn.Linear(96, 200).to(torch.bfloat16)) is None  # float32 only
+        fwd = kernel.row_forward(torch.nn.Linear(96, 200))
+        for bad in (x.to(torch.bfloat16), x[..., :48]):  # another dtype, another width (48 divides 96): refused, not misread
+            with pytest.raises(ValueError, match="the row kernel multiplies float32 CPU rows of width 96"):
+                fwd(bad)
 
 
 def test_a_row_kernel_that_does_not_build_is_logged_and_left_out(monkeypatch, tmp_path, caplog):
@@ -75,6 +81,7 @@ def test_a_row_kernel_that_does_not_build_is_logged_and_left_out(monkeypatch, tm
     makes per-row products as batched matmuls."""
     monkeypatch.setenv("CC", "false")  # on PATH, and exits 1
     monkeypatch.setattr(kernel, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(kernel, "_unsupported", lambda: None)  # as on an x86-64 Linux host with AVX2, wherever this runs
     kernel.library.cache_clear()
     try:
         with caplog.at_level("INFO", logger="specdec.engine"):
@@ -85,8 +92,8 @@ def test_a_row_kernel_that_does_not_build_is_logged_and_left_out(monkeypatch, tm
         kernel.library.cache_clear()  # the next caller builds (or finds) the real one
 
 
-@pytest.mark.parametrize("why", ["memory", "unbuilt", "pinned off"])
-def test_per_row_products_without_the_row_kernel(model_dir, monkeypatch, why):
+@pytest.mark.parametrize("why", [pytest.param("memory", marks=KERNEL), "unbuilt", pytest.param("pinned off", marks=KERNEL)])
+def test_per_row_products_without_the_row_kernel(model_dir, monkeypatch, caplog, why):
     """Where the row kernel's packed weights would not fit in a quarter of the free memory, where
     it is not built, or where it is pinned off, float32 per-row products are batched matmuls, and
     the logged choices say row-kernel=off."""
@@ -96,8 +103,12 @@ def test_per_row_products_without_the_row_kernel(model_dir, monkeypatch, why):
         monkeypatch.setattr(kernel, "library", lambda: None)
     torch.set_num_threads(1)
     pins = dict(per_row=True, **({"row_kernel": False} if why == "pinned off" else {}))
-    lm = LM.load(model_dir("target"), "cpu", "float32", check=False, choices=pins, timer=refuse_timing)
+    with caplog.at_level("INFO", logger="specdec.engine"):
+        lm = LM.load(model_dir("target"), "cpu", "float32", check=False, choices=pins, timer=refuse_timing)
     assert not lm.engine.plan.row_kernel and lm.engine.plan.made["row-kernel"] == "off"
+    said = [r.getMessage() for r in caplog.records]
+    assert any("the row kernel not used: its packed weights'" in m for m in said) == (why == "memory")
+    assert any("per-row=on pinned without row-kernel; made row-kernel=off" in m for m in said) == (why != "pinned off")
 
 
 def test_per_row_products_keep_one_copy_of_each_weight(wide_dir):
@@ -141,7 +152,6 @@ def test_prepacked_products_are_the_modules_own_numbers():
                 assert torch.equal(fwd(x[:, :k]), m(x[:, :k])), (type(m).__name__, k)
 
 
-KERNEL = pytest.mark.skipif(kernel.library() is None, reason="the row kernel does not build on this machine")
 PINS = [("float32", "fp32-prepack=off,per-row=on,row-kernel=off"),
         pytest.param("float32", "fp32-prepack=off,per-row=on,row-kernel=on", marks=KERNEL), ("float32", "fp32-prepack=off,per-row=off"), ("float32", "fp32-prepack=on,per-row=off"),
         ("bfloat16", "attention=model,prepack=off,per-row=off"),

@@ -57,6 +57,9 @@ def choose(model, per_row: bool | None = None, prepack: bool | None = None, atte
                               ("row-kernel", row_kernel)) if v is not None}
     plan = _choose(model, per_row, fp32_prepack if model.dtype == torch.float32 else prepack, attention, timer, row_kernel)
     plan.made = _made(model, plan)
+    if per_row and row_kernel is None and "row-kernel" in plan.made:
+        log.warning("%s: per-row=on pinned without row-kernel; made row-kernel=%s (the two give other numbers: pin it too, "
+                    "so that a restart, or a host without a C compiler, makes the same)", name, plan.made["row-kernel"])
     for k, v in pins.items():
         want = v if k == "attention" else ("on" if v else "off")
         if k not in plan.made:
@@ -87,6 +90,9 @@ def kernel_products(model, pinned: bool | None):
     or None: pinned off, another dtype, not built here, or its packed weights would take more than
     PREPACK_MEMORY_SHARE of the host's free memory (the reason logged)."""
     if pinned is False or model.dtype != torch.float32 or kernel.library() is None:
+        return None
+    if any(m.weight.dtype != torch.float32 for m in row_modules(model)):
+        log.info("%s: the row kernel not used: not every matmul weight is float32", type(model).__name__)
         return None
     extra = sum(m.weight.numel() * 4 for m in row_modules(model))
     free = available_memory_bytes()

@@ -10,9 +10,11 @@ cost 11-12 ms for 1 to 6 rows, 23 ms for 20 and 65 ms for 80 (bench/results/KERN
 passes against the other plans). Each weight is packed once into panels
 of 16 columns; the module keeps its own weight too, which a prefill chunk's GEMM reads.
 
-Built only on x86 CPUs that PyTorch runs with AVX2 (which includes FMA) and where a C compiler
-(`$CC`, else `cc` or `gcc`) works; the library is cached by the source's hash under $XDG_CACHE_HOME/specdec
-(or a temporary folder). Anything missing is logged, and the CPU tier keeps its other products.
+Built only on x86-64 Linux, on CPUs that PyTorch runs with AVX2 (which includes FMA), and where a
+C compiler (`$CC`, else `cc` or `gcc`) works. The library is cached by the source's hash in
+$XDG_CACHE_HOME/specdec (default ~/.cache/specdec), else in a private folder of the temporary
+directory (specdec-<uid>, mode 0700); a folder that another user owns or may write to is not used.
+Anything missing is logged, and the CPU tier keeps its other products.
 """
 from __future__ import annotations
 
@@ -22,8 +24,11 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -36,16 +41,24 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
 BUILD_TIMEOUT_S = 120
 
 
+def _private(path: Path) -> bool:
+    """Whether path is a folder of this user that no one else may write to."""
+    st = path.lstat()
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def _cache_dir() -> Path:
+    """The folder the library is built in and loaded from (OSError where there is none)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = Path(root) / "specdec"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir())
+    for path in (Path(root) / "specdec", Path(tempfile.gettempdir()) / f"specdec-{os.getuid()}"):
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if _private(path) and os.access(path, os.W_OK):
+                return path
+        except OSError:
+            pass
+    raise OSError("no private folder to build it in (the cache folder and the temporary one are not writable, "
+                  "or another user may write to them)")
 
 
 @functools.cache
@@ -56,14 +69,14 @@ def library() -> ctypes.CDLL | None:
         try:
             return _load()
         except (OSError, subprocess.SubprocessError) as e:
-            why = f"it did not build or load ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
+            why = f"it did not build or load ({(str(e).strip().splitlines() or [type(e).__name__])[0]})"
     log.info("CPU row kernel not used: %s; per-row products are batched matmuls", why)
     return None
 
 
 def _unsupported() -> str | None:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"it is written for x86-64, not {platform.machine()}"
+    if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"it is built for x86-64 Linux, not {platform.machine()} {sys.platform}"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"this CPU runs PyTorch at {torch.backends.cpu.get_cpu_capability()}, without AVX2 and FMA"
     if not SOURCE.is_file():
@@ -73,31 +86,36 @@ def _unsupported() -> str | None:
     return None
 
 
-def _compiler() -> str | None:
-    """$CC where set, else cc or gcc: the first found on PATH."""
-    return next(filter(shutil.which, [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]), None)
+def _compiler() -> list[str] | None:
+    """$CC (a command, perhaps with arguments) where set, else cc or gcc: the first found on PATH."""
+    for cc in [shlex.split(os.environ["CC"])] if os.environ.get("CC", "").strip() else [["cc"], ["gcc"]]:
+        if shutil.which(cc[0]):
+            return cc
+    return None
 
 
 def _load() -> ctypes.CDLL:
     cc = _compiler()
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join((*cc, *FLAGS)).encode()).hexdigest()[:16]
     target = _cache_dir() / f"rowkernel-{key}.so"
     if not target.exists():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            done = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if done.returncode != 0:
-                raise OSError(f"{cc} exited {done.returncode}: {done.stderr.strip() or done.stdout.strip()}")
+                lines = (done.stderr or done.stdout).strip().splitlines()
+                detail = next((x for x in lines if "error" in x.lower()), lines[0] if lines else "")
+                raise OSError(f"{cc[0]} exited {done.returncode}: {detail}".rstrip(": "))
             os.replace(tmp, target)  # atomic: a concurrent load sees a whole library or none
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
     lib.row_product.restype = None
-    lib.row_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-    lib.panel_width.restype = ctypes.c_long
+    lib.row_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.panel_width.restype = ctypes.c_int64
     return lib
 
 
@@ -125,6 +143,8 @@ def row_forward(m):
     product = lib.row_product
 
     def run(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
+            raise ValueError(f"the row kernel multiplies float32 CPU rows of width {k}, not {x.dtype} {x.device} rows of width {x.shape[-1]}")
         r = x.reshape(-1, k).contiguous()
         y = torch.empty(r.shape[0], n, dtype=torch.float32)
         product(r.data_ptr(), p.data_ptr(), y.data_ptr(), r.shape[0], k, n)  # ctypes lets go of the GIL for the call

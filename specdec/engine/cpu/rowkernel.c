@@ -7,43 +7,44 @@
    its batch-mates. Up to ROWS rows share each read of a panel, so a round of a few rows costs
    about what one row costs; more rows take further blocks over the panel while it is in cache. */
 #include <immintrin.h>
+#include <stdint.h>
 
 #define V 2            /* 8-float vectors per panel */
 #define PW (8 * V)     /* columns per panel */
 #define ROWS 6         /* rows that share a read of the panel: ROWS * V accumulators, of 16 registers */
 #define AHEAD 1024     /* floats of the panel prefetched ahead of the one read (4 KiB) */
 
-static inline __attribute__((always_inline)) void block(const float *x, const float *panel, float *y, long rows, long K,
-                                                        long N, long n0) {
+static inline __attribute__((always_inline)) void block(const float *x, const float *panel, float *y, int64_t rows, int64_t K,
+                                                        int64_t N, int64_t n0) {
   __m256 acc[ROWS][V];
-  _Pragma("GCC unroll 8") for (long r = 0; r < rows; r++)
+  _Pragma("GCC unroll 8") for (int64_t r = 0; r < rows; r++)
     _Pragma("GCC unroll 8") for (int v = 0; v < V; v++) acc[r][v] = _mm256_setzero_ps();
   const float *q = panel;
-  for (long k = 0; k < K; k++, q += PW) {
+  for (int64_t k = 0; k < K; k++, q += PW) {
     _mm_prefetch((const char *)(q + AHEAD), _MM_HINT_T0);
     __m256 w[V];
     _Pragma("GCC unroll 8") for (int v = 0; v < V; v++) w[v] = _mm256_loadu_ps(q + 8 * v);
-    _Pragma("GCC unroll 8") for (long r = 0; r < rows; r++) {
+    _Pragma("GCC unroll 8") for (int64_t r = 0; r < rows; r++) {
       __m256 b = _mm256_broadcast_ss(x + r * K + k);
       _Pragma("GCC unroll 8") for (int v = 0; v < V; v++) acc[r][v] = _mm256_fmadd_ps(b, w[v], acc[r][v]);
     }
   }
   /* Every index of acc is a constant once unrolled, so the accumulators stay in registers. */
   float t[ROWS][PW];
-  _Pragma("GCC unroll 8") for (long r = 0; r < rows; r++)
+  _Pragma("GCC unroll 8") for (int64_t r = 0; r < rows; r++)
     _Pragma("GCC unroll 8") for (int v = 0; v < V; v++) _mm256_storeu_ps(t[r] + 8 * v, acc[r][v]);
-  long cols = N - n0 < PW ? N - n0 : PW;
-  for (long r = 0; r < rows; r++)
-    for (long c = 0; c < cols; c++) y[r * N + n0 + c] = t[r][c];
+  int64_t cols = N - n0 < PW ? N - n0 : PW;
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = 0; c < cols; c++) y[r * N + n0 + c] = t[r][c];
 }
 
-long panel_width(void) { return PW; }
+int64_t panel_width(void) { return PW; }
 
 /* x: M x K, row-major; p: the packed weight; y: M x N, row-major. */
-void row_product(const float *x, const float *p, float *y, long M, long K, long N) {
-  for (long j = 0; j * PW < N; j++) {
+void row_product(const float *x, const float *p, float *y, int64_t M, int64_t K, int64_t N) {
+  for (int64_t j = 0; j * PW < N; j++) {
     const float *panel = p + j * K * PW;
-    for (long m = 0; m < M; m += ROWS) {
+    for (int64_t m = 0; m < M; m += ROWS) {
       const float *xm = x + m * K;
       float *ym = y + m * N;
       switch (M - m < ROWS ? M - m : ROWS) {
