@@ -1,8 +1,10 @@
 """What a verify pass of the shipped target costs on the CPU as sessions and rows grow, under each
-of the CPU tier's float32 matmul plans, pinned with --engine-choices: MKL's GEMMs padded to the
+of the CPU tier's float32 plans, pinned with --engine-choices: MKL's GEMMs padded to the
 calibrated rows, oneDNN with prepacked weights (`fp32-prepack=on`), per-row products as batched
 matmuls (`per-row=on,row-kernel=off`) and per-row products through the row kernel
-(`per-row=on,row-kernel=on`, cpu/kernel.py).
+(`per-row=on,row-kernel=on`, cpu/kernel.py), all four attending through SDPA
+(`attention-kernel=off`); then the row kernel with the query attention (`attention-kernel=on`,
+cpu/attend.c), the default where the kernels build.
 
     python -m bench.kernels [--target models/stdlib-code-target --dtype float32 --context 300 --repeats 3 --out bench/results]
 
@@ -24,8 +26,10 @@ from specdec.choices import parse_choices
 from specdec.lm import LM
 
 CASES = ((1, 1), (1, 5), (1, 9), (1, 17), (4, 1), (4, 5), (8, 5), (16, 1), (16, 5))  # (sessions, new tokens each)
-PLANS = (("GEMM", "fp32-prepack=off,per-row=off"), ("prepacked", "fp32-prepack=on,per-row=off"),
-         ("per-row, batched", "fp32-prepack=off,per-row=on,row-kernel=off"), ("row kernel", "fp32-prepack=off,per-row=on,row-kernel=on"))
+PLANS = (("GEMM", "fp32-prepack=off,per-row=off,attention-kernel=off"), ("prepacked", "fp32-prepack=on,per-row=off,attention-kernel=off"),
+         ("per-row, batched", "fp32-prepack=off,per-row=on,row-kernel=off,attention-kernel=off"),
+         ("row kernel", "fp32-prepack=off,per-row=on,row-kernel=on,attention-kernel=off"),
+         ("row kernel, query attention", "fp32-prepack=off,per-row=on,row-kernel=on,attention-kernel=on"))
 
 
 def passes_ms(lm: LM, caches: list, sessions: int, rows: int, calls: int = 10) -> float:
@@ -77,14 +81,15 @@ def main(argv=None) -> int:
 
 def render(res: dict) -> str:
     names = [name for name, _ in PLANS]
-    out = ["# A verify pass of the shipped target on the CPU: the float32 matmul plans\n",
+    out = ["# A verify pass of the shipped target on the CPU: the float32 plans\n",
            f"Run {res['date']}; `{res['target']}` in {res['dtype']}, one torch thread, {res['context']} cached tokens a "
            f"session; best of {res['repeats']} medians of 10 passes, plans in turn. Command: `python -m bench.kernels`. "
            "Each plan pinned with `--engine-choices` as the last line gives. GEMM: MKL's matmul, padded to the calibrated "
            "rows; prepacked: oneDNN with prepacked weights; per-row, batched: one batched matmul entry per row; row kernel: "
-           "per-row products through the CPU tier's row kernel. Speed-ups: the row kernel against each other plan.\n",
+           "per-row products through the CPU tier's row kernel; these four attend through SDPA; query attention: the CPU tier's "
+           "own (attend.c). Speed-ups: the last plan against each other.\n",
            "| sessions | new tokens each | rows | " + " | ".join(f"{n} ms" for n in names) + " | "
-           + " | ".join(f"row kernel vs {n}" for n in names[:-1]) + " |",
+           + " | ".join(f"last vs {n}" for n in names[:-1]) + " |",
            "|---" * (3 + 2 * len(names) - 1) + "|"]
     for r in res["cases"]:
         ms = [r["ms"][n] for n in names]

@@ -4,7 +4,7 @@ them; cpu/choose.py makes the choices."""
 from __future__ import annotations
 
 PINS = {"attention": ("float32", "model"), "prepack": ("on", "off"), "fp32-prepack": ("on", "off"), "per-row": ("on", "off"),
-        "row-kernel": ("on", "off")}
+        "row-kernel": ("on", "off"), "attention-kernel": ("on", "off")}
 
 
 def parse_choices(text: str | None) -> dict[str, bool | str]:

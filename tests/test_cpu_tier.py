@@ -12,7 +12,7 @@ from specdec.engine.cpu.prepack import prepacked
 from specdec.engine.cpu.rows import ROW_LADDER, ROW_PROBE, class_top, per_row
 from specdec.lm import LM
 
-KERNEL = pytest.mark.skipif(kernel.library() is None, reason="the row kernel does not build on this machine")
+KERNEL = pytest.mark.skipif(kernel.library() is None, reason="the CPU tier's kernels do not build on this machine")
 
 
 def test_row_calibration_finds_where_a_kernel_changes():
@@ -76,6 +76,60 @@ def test_the_row_kernel_gives_a_row_the_same_numbers_at_any_row_count():
                 fwd(bad)
 
 
+def reference_attention(q, k, v, visible, scale):
+    """In float64, queries together: [B, n, H, D] over keys [B, L, H_kv, D] where visible [B, n, L]."""
+    rep = q.shape[2] // k.shape[2]
+    s = torch.einsum("bnhd,blhd->bnhl", q.double(), k.double().repeat_interleave(rep, 2)) * scale
+    s = s.masked_fill(~visible[:, :, None, :], float("-inf"))
+    return torch.einsum("bnhl,blhd->bnhd", s.softmax(-1), v.double().repeat_interleave(rep, 2))
+
+
+@KERNEL
+@pytest.mark.parametrize("B,n,H,H_kv,D,L", [(1, 1, 8, 8, 64, 300), (3, 5, 8, 2, 64, 70), (2, 4, 4, 4, 40, 33), (1, 3, 4, 1, 128, 130)])
+def test_the_query_attention_gives_a_query_the_same_numbers_in_any_batch(B, n, H, H_kv, D, L):
+    """The CPU tier's query attention is attention up to rounding (against float64, as close as
+    SDPA's float32), for GQA and head sizes of 40, 64 and 128, under causal, windowed and arbitrary
+    (a tree's) masks; a query's numbers are bitwise the same attended alone, with other queries and
+    sessions, and with more keys past the ones it sees."""
+    g = torch.Generator().manual_seed(B * 100 + n)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((B, n, H, D), (B, L, H_kv, D), (B, L, H_kv, D)))
+    pos = torch.randint(L // 2, L, (B, n), generator=g)
+    key = torch.arange(L)[None, None, :]
+    masks = {"causal": key <= pos[:, :, None], "window": (key <= pos[:, :, None]) & (key > pos[:, :, None] - 17),
+             "tree": torch.rand(B, n, L, generator=g) < 0.3}
+    masks["tree"][..., 0] = True
+    att = kernel.query_attention()
+    for name, seen in masks.items():
+        out = att(q, k, v, seen, D**-0.5).view(B, n, H, D)
+        want = reference_attention(q, k, v, seen, D**-0.5)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=seen[:, None], scale=D**-0.5, enable_gqa=H != H_kv)
+        tol = 4 * max(float((sdpa.transpose(1, 2).double() - want).abs().max()), 1e-7)
+        assert float((out.double() - want).abs().max()) <= tol, name
+        for b in range(B):
+            for i in range(n):
+                alone = att(q[b : b + 1, i : i + 1], k[b : b + 1], v[b : b + 1], seen[b : b + 1, i : i + 1], D**-0.5)
+                assert torch.equal(alone[0], out[b, i]), (name, b, i)
+        more = torch.randn(B, 24, H_kv, D, generator=g)
+        padded = att(q, torch.cat([k, more], 1), torch.cat([v, more], 1), torch.cat([seen, torch.zeros(B, n, 24, dtype=torch.bool)], 2), D**-0.5)
+        assert torch.equal(padded.view(B, n, H, D), out), name
+
+
+@KERNEL
+def test_the_query_attention_leaves_heads_it_does_not_take_to_sdpa():
+    """Heads the kernel does not take come back as None (the pass attends them through SDPA): another
+    dtype, a head size that is not a multiple of 8, values of another size than keys; a visible
+    mask of the wrong shape is an error."""
+    att = kernel.query_attention()
+    q, k, seen = torch.randn(1, 2, 4, 64), torch.randn(1, 9, 4, 64), torch.ones(1, 2, 9, dtype=torch.bool)
+    assert att(q, k, k, seen, 0.125) is not None
+    assert att(q.bfloat16(), k.bfloat16(), k.bfloat16(), seen, 0.125) is None
+    assert att(q[..., :36], k[..., :36], k[..., :36], seen, 0.125) is None
+    assert att(q, k, k[..., :32], seen, 0.125) is None
+    with pytest.raises(ValueError, match="visible keys"):
+        att(q, k, k, seen[:, :, :8], 0.125)
+
+
 def test_a_row_kernel_that_does_not_build_is_logged_and_left_out(monkeypatch, tmp_path, caplog):
     """A compiler that fails leaves no library behind and one logged reason; the CPU tier then
     makes per-row products as batched matmuls."""
@@ -86,7 +140,7 @@ def test_a_row_kernel_that_does_not_build_is_logged_and_left_out(monkeypatch, tm
     try:
         with caplog.at_level("INFO", logger="specdec.engine"):
             assert kernel.library() is None
-        assert any("CPU row kernel not used: it did not build or load (false exited 1" in r.getMessage() for r in caplog.records)
+        assert any("CPU tier's kernels not used: it did not build or load (false exited 1" in r.getMessage() for r in caplog.records)
         assert list(tmp_path.iterdir()) == []  # the failed build's temporary file is gone
     finally:
         kernel.library.cache_clear()  # the next caller builds (or finds) the real one
@@ -152,10 +206,12 @@ def test_prepacked_products_are_the_modules_own_numbers():
                 assert torch.equal(fwd(x[:, :k]), m(x[:, :k])), (type(m).__name__, k)
 
 
-PINS = [("float32", "fp32-prepack=off,per-row=on,row-kernel=off"),
-        pytest.param("float32", "fp32-prepack=off,per-row=on,row-kernel=on", marks=KERNEL), ("float32", "fp32-prepack=off,per-row=off"), ("float32", "fp32-prepack=on,per-row=off"),
+PINS = [("float32", "fp32-prepack=off,per-row=on,row-kernel=off,attention-kernel=off"),
+        pytest.param("float32", "fp32-prepack=off,per-row=on,row-kernel=on,attention-kernel=on", marks=KERNEL),
+        pytest.param("float32", "fp32-prepack=off,per-row=off,attention-kernel=on", marks=KERNEL),
+        ("float32", "fp32-prepack=on,per-row=off,attention-kernel=off"),
         ("bfloat16", "attention=model,prepack=off,per-row=off"),
-        pytest.param("bfloat16", "attention=float32,prepack=on,per-row=off",
+        pytest.param("bfloat16", "attention=float32,prepack=on,per-row=off,attention-kernel=off",
                      marks=pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN has no bf16 kernels on this CPU"))]
 
 

@@ -95,7 +95,7 @@ def test_same_seed_same_tokens_with_adaptive_tau_under_load_and_across_restarts(
     services restart with the same flags (costs pinned with --costs-ms, the engine's timed load-time
     choices with --engine-choices or SPECDEC_ENGINE_CHOICES: on tiny models their timings sit near
     the thresholds, and a choice that flips changes the numbers a sample is drawn from)."""
-    PIN = "fp32-prepack=off,per-row=off"  # every float32 choice the CPU tier times
+    PIN = "fp32-prepack=off,per-row=off,attention-kernel=off"  # every float32 choice the CPU tier times, and the kernel's
 
     def start():
         v, d = start_pair(("--model", model_dir("target"), "--log-level", "INFO"),

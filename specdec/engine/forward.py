@@ -108,7 +108,7 @@ class Engine:
         rows_of = [R or (1 if last[at[i]] else counts[at[i]]) for i in callers]  # each caller's rows of logits
         keep = [offsets[at[i]] + (counts[at[i]] - 1 if last[at[i]] and not R else min(j, counts[at[i]] - 1))
                 for i, k in zip(callers, rows_of) for j in range(k)]  # the head's rows
-        p = layout(self.pool, caches, counts, starts, offsets, T, lead, plan.per_query, trees, tree_paths)
+        p = layout(self.pool, caches, counts, starts, offsets, T, lead, plan.per_query, trees, tree_paths, plan.query_attention)
         with running(p):
             cache = PassCache(p)
             if keep:
@@ -134,9 +134,9 @@ class Engine:
 
 def prepare(model, per_row: bool | None = None, prepack: bool | None = None, attention: str | None = None,
             timer=None, graphs: bool | None = None, compiled: bool | None = None, fp32_prepack: bool | None = None,
-            row_kernel: bool | None = None) -> Engine:
+            row_kernel: bool | None = None, attention_kernel: bool | None = None) -> Engine:
     """Switches `model` to the engine's attention and returns its Engine. On the CPU the CPU tier makes
-    its load-time choices first (pinned by per_row, prepack, fp32_prepack, row_kernel and attention where given; timed
+    its load-time choices first (pinned by per_row, prepack, fp32_prepack, row_kernel, attention_kernel and attention where given; timed
     with timer, for tests, else the clock); on a GPU there are none to make, and passes of rounds
     are captured as CUDA graphs unless graphs is False, and the decoder layers are compiled
     (compiled.py) unless compiled is False: on CUDA by default, elsewhere only when asked for."""
@@ -144,7 +144,7 @@ def prepare(model, per_row: bool | None = None, prepack: bool | None = None, att
     name = f"{type(model).__name__} in {model.dtype}"
     if model.device.type != "cpu":
         pins = [k for k, v in (("attention", attention), ("prepack", prepack), ("fp32-prepack", fp32_prepack), ("per-row", per_row),
-                                     ("row-kernel", row_kernel)) if v is not None]
+                                     ("row-kernel", row_kernel), ("attention-kernel", attention_kernel)) if v is not None]
         if pins:
             log.warning("%s: engine choices are made on the CPU only; the pinned %s ignored on %s", name, ", ".join(pins), model.device)
         graphs = model.device.type == "cuda" and graphs is not False
@@ -161,4 +161,4 @@ def prepare(model, per_row: bool | None = None, prepack: bool | None = None, att
         log.warning("%s: compiled layers are for a GPU (the CPU tier makes its own choices); off on the CPU", name)
     from specdec.engine.cpu.choose import choose  # noqa: PLC0415 - the CPU tier: never imported on a GPU
 
-    return Engine(model, choose(model, per_row, prepack, attention, timer, fp32_prepack, row_kernel))
+    return Engine(model, choose(model, per_row, prepack, attention, timer, fp32_prepack, row_kernel, attention_kernel))

@@ -18,6 +18,7 @@ tensors that place every row's keys and queries.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +66,22 @@ class Group:
         SDPA would make of a bool mask in every call)."""
         key = (window, heads, rep, additive)
         if key not in self._masks:
+            m = self.visible(window)
+            B = m.shape[0]
+            if additive:  # made additive before it is spread over heads and GQA's query heads: fewer elements
+                m = torch.zeros(m.shape, dtype=additive, device=m.device).masked_fill_(~m, float("-inf"))
+            if heads:
+                m = m[:, None, :, None, :].expand(B, heads, self.n, rep, self.Lb).reshape(B, heads * self.n * rep, 1, self.Lb)
+            else:
+                m = m[:, None, :, None, :].expand(B, 1, self.n, rep, self.Lb).reshape(B, 1, self.n * rep, self.Lb)
+            self._masks[key] = m
+        return self._masks[key]
+
+    def visible(self, window: int | None) -> torch.Tensor:
+        """[B, n, Lb] bool: query at p sees key position k iff k <= p and, with a window, k > p - window
+        (a tree's: `_tree_mask`)."""
+        key = ("visible", window)
+        if key not in self._masks:
             k = torch.arange(self.Lb, device=self.qpos.device)[None, None, :]  # [1, 1, Lb]
             if self.tree is None:
                 p = self.qpos[:, :, None]  # [B, n, 1]
@@ -73,13 +90,6 @@ class Group:
                     m &= k > p - window
             else:
                 m = self._tree_mask(k, window)
-            B = m.shape[0]
-            if additive:  # made additive before it is spread over heads and GQA's query heads: fewer elements
-                m = torch.zeros(m.shape, dtype=additive, device=m.device).masked_fill_(~m, float("-inf"))
-            if heads:
-                m = m[:, None, :, None, :].expand(B, heads, self.n, rep, self.Lb).reshape(B, heads * self.n * rep, 1, self.Lb)
-            else:
-                m = m[:, None, :, None, :].expand(B, 1, self.n, rep, self.Lb).reshape(B, 1, self.n * rep, self.Lb)
             self._masks[key] = m
         return self._masks[key]
 
@@ -113,10 +123,12 @@ class Pass:
     # None where the one group's rows are the packed rows in order
     per_query: bool = False  # short groups: each query its own problem (the CPU's, for bitwise invariance), else a
     # session's queries are the rows of one problem per KV head (what the GPU's fused kernels take)
+    kernel: Callable | None = None  # per_query: the CPU tier's query attention (Plan.query_attention), else SDPA
 
 
 def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[int], offsets: list[int], rows: int,
-           lead: list[int], per_query: bool = False, trees: list[Tree | None] | None = None, paths: bool = True) -> Pass:
+           lead: list[int], per_query: bool = False, trees: list[Tree | None] | None = None, paths: bool = True,
+           kernel: Callable | None = None) -> Pass:
     """The pass's index tensors. A few integers per input (its length, start, first row, where its
     attention output goes) and its page table go to the device in one copy; every per-row index is
     computed there. Tree inputs (trees[i], tree.py) are cut into paths in the per-query layout (with
@@ -179,7 +191,8 @@ def layout(pool: Pool, caches: list[KVCache], counts: list[int], starts: list[in
         groups += branch[0]
     ordered = len(plan) == 1 and rows == real and all(c == plan[0][1] for c in counts) and not branched  # one group, in packed order, no padding
     short_groups = groups[:short] + groups[len(plan):]  # the branch groups attend a query at a time, after the short ones
-    return Pass(pool, rows, lead, slots, short_groups, groups[short:len(plan)], None if ordered else back, per_query)
+    return Pass(pool, rows, lead, slots, short_groups, groups[short:len(plan)], None if ordered else back, per_query,
+                kernel if per_query else None)
 
 
 def _viewed(cache: KVCache, keys: int, view_pages: int) -> bool:

@@ -3,6 +3,7 @@ the Hugging Face model). Its CPU choices are spelled as --engine-choices spells 
 (`Plan.choices`; specdec/choices.py parses them back)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ class Plan:
     row_kernel: bool = False  # ... through the row kernel (cpu/kernel.py; float32)
     prepacked: bool = False  # weights prepacked for oneDNN (cpu/prepack.py; the choice prepack, fp32-prepack in float32)
     per_query: bool = False  # attention: each query its own problem (the CPU's bitwise invariance), layout.Pass
+    query_attention: Callable | None = field(default=None, repr=False)  # ... through the CPU tier's kernel (cpu/kernel.py), not SDPA
     graphs: bool = False  # uniform passes of rounds captured as CUDA graphs (graphs.py)
     compiled: bool = False  # the decoder layers compiled (compiled.py)
     made: dict[str, str] = field(default_factory=dict)  # the CPU choices as --engine-choices spells them

@@ -42,7 +42,8 @@ def steps_and_rounds(engine, ids: list[int]):
 def load_packed(path: str, dtype: str, matmuls: str) -> LM:
     """The model as the services load it ("calibrated": GEMMs, or per-row products where the
     calibration says they pay), with per-row matmul products forced (as batched matmuls, "per-row",
-    or through the float32 row kernel, "row-kernel"), with prepacked
+    or through the float32 row kernel, "row-kernel", which alone attends through the CPU tier's query
+    attention, the others through SDPA where pinned and else wherever the kernels build), with prepacked
     oneDNN products forced ("prepacked": in half precision where oneDNN has bf16; in float32 another
     kernel than the module's own) or with the module's own GEMMs ("unpacked")."""
     if matmuls == "calibrated":
@@ -58,7 +59,9 @@ def load_packed(path: str, dtype: str, matmuls: str) -> LM:
     kernel = matmuls == "row-kernel"  # per-row products through the float32 row kernel, else batched matmuls
     if kernel and row_kernel.library() is None:
         pytest.skip("the row kernel does not build on this machine (see the log): per-row products are batched matmuls")
-    lm = LM.load(path, "cpu", dtype, check=False, choices=dict(per_row=True, **({"row_kernel": kernel} if dtype == "float32" else {})))
+    # batched per-row products attend through SDPA, the row kernel's with the query attention: both layouts stay tested
+    pins = {"row_kernel": kernel, "attention_kernel": kernel} if dtype == "float32" else {}
+    lm = LM.load(path, "cpu", dtype, check=False, choices=dict(per_row=True, **pins))
     assert lm.engine.plan.pad_to == 1 and lm.engine.plan.top == PER_ROW_LEAD  # kept: no padding rows
     assert lm.engine.plan.row_kernel == kernel
     return lm

@@ -45,17 +45,21 @@ def faster_attention(model, keys: int = 256, timer=None) -> torch.dtype:
 
 
 def choose(model, per_row: bool | None = None, prepack: bool | None = None, attention: str | None = None, timer=None,
-           fp32_prepack: bool | None = None, row_kernel: bool | None = None) -> Plan:
+           fp32_prepack: bool | None = None, row_kernel: bool | None = None, attention_kernel: bool | None = None) -> Plan:
     """The CPU plan for `model`, its matmul modules switched to it. per_row, prepack (half precision),
     fp32_prepack (float32: another kernel, so its own name, and a pin of either leaves the other
     dtype alone), row_kernel (float32 per-row products through kernel.py's row kernel, used wherever
-    it builds unless pinned off) and attention ('float32' or 'model') pin a choice instead of timing it;
+    it builds unless pinned off), attention_kernel (per-query attention through kernel.py's query
+    attention wherever the cache is float32 and it builds, unless pinned off) and attention
+    ('float32' or 'model') pin a choice instead of timing it;
     timer(what, fns) -> seconds per call of each fn replaces the clock (rows.clock: `what` names the
     choice timed; tests)."""
     name = f"{type(model).__name__} in {model.dtype}"
     pins = {k: v for k, v in (("attention", attention), ("prepack", prepack), ("fp32-prepack", fp32_prepack), ("per-row", per_row),
-                              ("row-kernel", row_kernel)) if v is not None}
+                              ("row-kernel", row_kernel), ("attention-kernel", attention_kernel)) if v is not None}
     plan = _choose(model, per_row, fp32_prepack if model.dtype == torch.float32 else prepack, attention, timer, row_kernel)
+    if attention_kernel is not False and plan.kv_dtype == torch.float32:  # not timed: faster at every size measured
+        plan.query_attention = kernel.query_attention()
     plan.made = _made(model, plan)
     if per_row and row_kernel is None and "row-kernel" in plan.made:
         log.warning("%s: per-row=on pinned without row-kernel; made row-kernel=%s (the two give other numbers: pin it too, "
@@ -64,7 +68,7 @@ def choose(model, per_row: bool | None = None, prepack: bool | None = None, atte
         want = v if k == "attention" else ("on" if v else "off")
         if k not in plan.made:
             log.warning("%s: the pinned %s=%s does not apply to this dtype%s; ignored", name, k, want,
-                        " or without per-row products" if k == "row-kernel" else "")
+                        {"row-kernel": " or without per-row products", "attention-kernel": " (a cache not in float32)"}.get(k, ""))
         elif plan.made[k] != want:
             log.warning("%s: the pinned %s=%s could not be kept (its check failed: see above); %s=%s instead",
                         name, k, want, k, plan.made[k])
@@ -82,6 +86,8 @@ def _made(model, plan: Plan) -> dict[str, str]:
     out["per-row"] = "on" if plan.per_row else "off"
     if plan.per_row and model.dtype == torch.float32:
         out["row-kernel"] = "on" if plan.row_kernel else "off"
+    if plan.kv_dtype == torch.float32:
+        out["attention-kernel"] = "on" if plan.query_attention else "off"
     return out
 
 

@@ -1,6 +1,7 @@
-"""The CPU tier's row kernel: float32 products of a few rows that read each weight once and give a
-row the same numbers at any row count (rowkernel.c, built here at load with the host's C compiler
-and loaded through ctypes).
+"""The CPU tier's kernels, built here at load with the host's C compiler into one library and
+loaded through ctypes: the row kernel, float32 products of a few rows that read each weight once
+and give a row the same numbers at any row count (rowkernel.c), and the query attention, each
+(query, head) of a per-query group its own problem without SDPA's per-problem set-up (attend.c).
 
 Every output is one fused multiply-add chain over the input width, in order, whatever the row
 count, so a row's numbers never depend on its batch-mates, as with the per-row products of
@@ -9,6 +10,12 @@ over the panel while it is in cache: on a 2-core Zen 3 the shipped target's matm
 cost 11-12 ms for 1 to 6 rows, 23 ms for 20 and 65 ms for 80 (bench/results/KERNELS.md has whole
 passes against the other plans). Each weight is packed once into panels
 of 16 columns; the module keeps its own weight too, which a prefill chunk's GEMM reads.
+
+The query attention (`query_attention`) computes what the per-query layout's SDPA calls compute,
+to float rounding: a query's softmax over the keys it sees, in ascending key order, every score
+and output element one chain of fused multiply-adds, so its numbers, too, never depend on the
+batch. At one query over 300 keys it costs a few microseconds a head where SDPA's call costs
+tens; in a pass of many sessions' rounds SDPA was as dear as every matmul (bench/results/KERNELS.md).
 
 Built only on x86-64 Linux, on CPUs that PyTorch runs with AVX2 (which includes FMA), and where a
 C compiler (`$CC`, else `cc` or `gcc`) works. The library is cached by the source's hash in
@@ -36,7 +43,7 @@ import torch
 
 log = logging.getLogger("specdec.engine")
 
-SOURCE = Path(__file__).with_name("rowkernel.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowkernel.c", "attend.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
 BUILD_TIMEOUT_S = 120
 
@@ -70,7 +77,7 @@ def library() -> ctypes.CDLL | None:
             return _load()
         except (OSError, subprocess.SubprocessError) as e:
             why = f"it did not build or load ({(str(e).strip().splitlines() or [type(e).__name__])[0]})"
-    log.info("CPU row kernel not used: %s; per-row products are batched matmuls", why)
+    log.info("CPU tier's kernels not used: %s; per-row products are batched matmuls, attention SDPA's", why)
     return None
 
 
@@ -79,8 +86,9 @@ def _unsupported() -> str | None:
         return f"it is built for x86-64 Linux, not {platform.machine()} {sys.platform}"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"this CPU runs PyTorch at {torch.backends.cpu.get_cpu_capability()}, without AVX2 and FMA"
-    if not SOURCE.is_file():
-        return f"its source {SOURCE.name} is not installed"
+    missing = [s.name for s in SOURCES if not s.is_file()]
+    if missing:
+        return f"its source {', '.join(missing)} is not installed"
     if _compiler() is None:
         return f"no C compiler ({os.environ.get('CC') or 'cc or gcc'}) on PATH"
     return None
@@ -96,14 +104,14 @@ def _compiler() -> list[str] | None:
 
 def _load() -> ctypes.CDLL:
     cc = _compiler()
-    source = SOURCE.read_bytes()
+    source = b"".join(s.read_bytes() for s in SOURCES)
     key = hashlib.sha256(source + " ".join((*cc, *FLAGS)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"rowkernel-{key}.so"
+    target = _cache_dir() / f"kernels-{key}.so"
     if not target.exists():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            done = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            done = subprocess.run([*cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if done.returncode != 0:
                 lines = (done.stderr or done.stdout).strip().splitlines()
                 detail = next((x for x in lines if "error" in x.lower()), lines[0] if lines else "")
@@ -116,6 +124,8 @@ def _load() -> ctypes.CDLL:
     lib.row_product.restype = None
     lib.row_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.panel_width.restype = ctypes.c_int64
+    lib.attend_queries.restype = ctypes.c_int
+    lib.attend_queries.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float]
     return lib
 
 
@@ -151,5 +161,35 @@ def row_forward(m):
         if b is not None:
             y = y + b
         return y.reshape(*x.shape[:-1], n)
+
+    return run
+
+
+HEAD_DIMS = range(8, 257, 8)  # the head sizes the query attention takes
+
+
+def query_attention():
+    """The query attention (attend.c), or None where the library is not available. Its call:
+    q [B, n, H, D], k and v [B, L, H_kv, D], visible [B, n, L] (bool), scale -> [B * n, H, D], or
+    None for heads it does not take (not float32 CPU tensors, D not in HEAD_DIMS, H not a multiple
+    of H_kv, values of another size than keys): those attend through SDPA, every pass alike."""
+    lib = library()
+    if lib is None:
+        return None
+    fn = lib.attend_queries
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor | None:
+        B, n, H, D = q.shape
+        L, H_kv = k.shape[1], k.shape[2]
+        if not (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v)) and D in HEAD_DIMS and H % H_kv == 0
+                and k.shape == (B, L, H_kv, D) and v.shape == k.shape):
+            return None
+        if visible.dtype != torch.bool or visible.shape != (B, n, L):
+            raise ValueError(f"the query attention's visible keys: expected bool {(B, n, L)}, got {visible.dtype} {tuple(visible.shape)}")
+        q, k, v, visible = q.contiguous(), k.contiguous(), v.contiguous(), visible.contiguous()
+        out = torch.empty(B * n, H, D, dtype=torch.float32)
+        if fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), visible.data_ptr(), out.data_ptr(), B, n, H, H_kv, D, L, scale):
+            raise MemoryError("the query attention could not allocate its scratch memory")
+        return out
 
     return run
