@@ -119,7 +119,7 @@ def test_the_query_attention_gives_a_query_the_same_numbers_in_any_batch(B, n, H
 def test_the_query_attention_leaves_heads_it_does_not_take_to_sdpa():
     """Heads the kernel does not take come back as None (the pass attends them through SDPA): another
     dtype, a head size that is not a multiple of 8, values of another size than keys; a visible
-    mask of the wrong shape is an error."""
+    mask of the wrong shape is an error. A NaN in a query's scores stays NaN."""
     att = kernel.query_attention()
     q, k, seen = torch.randn(1, 2, 4, 64), torch.randn(1, 9, 4, 64), torch.ones(1, 2, 9, dtype=torch.bool)
     assert att(q, k, k, seen, 0.125) is not None
@@ -128,6 +128,37 @@ def test_the_query_attention_leaves_heads_it_does_not_take_to_sdpa():
     assert att(q, k, k[..., :32], seen, 0.125) is None
     with pytest.raises(ValueError, match="visible keys"):
         att(q, k, k, seen[:, :, :8], 0.125)
+    bad = q.clone()
+    bad[0, 1, 2, 5] = float("nan")  # a failed score shows as NaN (the verifier then refuses the row), not as a plausible mean
+    out = att(bad, k, k, seen, 0.125).view(1, 2, 4, 64)
+    assert out[0, 1, 2].isnan().all() and not out[0, 0].isnan().any() and not out[0, 1, :2].isnan().any()
+
+
+@KERNEL
+def test_a_half_precision_caches_dtype_is_timed_against_the_query_attention(monkeypatch):
+    """The float32 contender of the cache-dtype timing attends through the query attention (unless
+    pinned off), and computes what SDPA in the model's dtype computes, to bf16 rounding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                                         intermediate_size=32, vocab_size=64)).to(torch.bfloat16)
+    calls = []
+    real = kernel.query_attention
+
+    def counted():
+        att = real()
+        return lambda *a: calls.append(1) or att(*a)
+
+    monkeypatch.setattr(kernel, "query_attention", counted)
+
+    def timer(what, fns):
+        own, wide = (f() for f in fns)
+        torch.testing.assert_close(wide.float().reshape(own.shape), own.float(), rtol=2e-2, atol=2e-2)  # [1, H, D] in [1, H, 1, D]'s order
+        return [1.0, 1.0]
+
+    assert choose.faster_attention(model, timer=timer) == torch.bfloat16 and len(calls) == 2  # the probe, then the timed call
+    calls.clear()
+    assert choose.faster_attention(model, timer=timer, query=False) == torch.bfloat16 and not calls
 
 
 def test_a_row_kernel_that_does_not_build_is_logged_and_left_out(monkeypatch, tmp_path, caplog):

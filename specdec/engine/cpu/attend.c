@@ -3,8 +3,9 @@
    without SDPA's per-problem set-up, which costs more than the arithmetic at one query.
 
    out = softmax_j(scale * q . k_j) v_j over the query's visible keys j only, in ascending j: each
-   score is one chain of FMAs over the head dimension, the exponentials are summed in a fixed order,
-   and each output element is one FMA chain over the visible keys. A query's numbers depend only on
+   score is eight lanes of FMA chains over the head dimension reduced in a fixed order, the
+   exponentials are summed in a fixed order, and each output element is one FMA chain over the
+   visible keys. A query's numbers depend only on
    its own vector and the keys and values it sees, never on the batch, the row count, the keys'
    padding or the other queries. */
 #include <immintrin.h>
@@ -21,9 +22,10 @@ static inline float hsum(__m256 x) {
   return _mm_cvtss_f32(s);
 }
 
-/* e^x for x <= 0: Cody-Waite reduction by ln 2 and a degree-5 polynomial (the Cephes coefficients) */
+/* e^x for x <= 0: Cody-Waite reduction by ln 2 and a degree-5 polynomial (the Cephes coefficients).
+   A NaN stays NaN (max returns its second operand where either is NaN): a failed score shows. */
 static inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
   __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);

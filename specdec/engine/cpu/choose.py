@@ -23,10 +23,11 @@ HALF = (torch.bfloat16, torch.float16)
 PACKED = (*HALF, torch.float32)  # the dtypes whose weights may be prepacked for oneDNN (prepack.py)
 
 
-def faster_attention(model, keys: int = 256, timer=None) -> torch.dtype:
+def faster_attention(model, keys: int = 256, timer=None, query: bool = True) -> torch.dtype:
     """For a half-precision model: float32 if one query over `keys` keys, at the model's head shape,
     attends at least ATTN_FLOAT32_GAIN times faster in float32 (the query cast there and the output
-    cast back included) than in the model's dtype; else the model's dtype. CPU bf16 attention
+    cast back included; through the query attention where it builds and takes these heads, unless
+    `query` is False) than in the model's dtype; else the model's dtype. CPU bf16 attention
     kernels differ widely from machine to machine."""
     cfg, dt = model.config.get_text_config(), model.dtype
     try:
@@ -39,8 +40,13 @@ def faster_attention(model, keys: int = 256, timer=None) -> torch.dtype:
     q, k, v = (torch.randn(1, h, n, D, generator=g) for h, n in ((H, 1), (H_kv, keys), (H_kv, keys)))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     qh, kh, vh = q.to(dt), k.to(dt), v.to(dt)  # a cache in the model's dtype, or (k, v) one in float32
-    own, wide = (timer or clock)("attention", [lambda: sdpa(qh, kh, vh, enable_gqa=H_kv != H),
-                                                lambda: sdpa(qh.float(), k, v, enable_gqa=H_kv != H).to(dt)])
+    wide = lambda: sdpa(qh.float(), k, v, enable_gqa=H_kv != H).to(dt)  # noqa: E731
+    att = kernel.query_attention() if query else None
+    if att is not None:  # the float32 cache's own attention: [1, 1, H, D] over [1, keys, H_kv, D]
+        kq, vq, seen = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), torch.ones(1, 1, keys, dtype=torch.bool)
+        if att(q.transpose(1, 2), kq, vq, seen, D**-0.5) is not None:
+            wide = lambda: att(qh.float().transpose(1, 2), kq, vq, seen, D**-0.5).to(dt)  # noqa: E731
+    own, wide = (timer or clock)("attention", [lambda: sdpa(qh, kh, vh, enable_gqa=H_kv != H), wide])
     return torch.float32 if own > ATTN_FLOAT32_GAIN * wide else dt
 
 
@@ -57,8 +63,9 @@ def choose(model, per_row: bool | None = None, prepack: bool | None = None, atte
     name = f"{type(model).__name__} in {model.dtype}"
     pins = {k: v for k, v in (("attention", attention), ("prepack", prepack), ("fp32-prepack", fp32_prepack), ("per-row", per_row),
                               ("row-kernel", row_kernel), ("attention-kernel", attention_kernel)) if v is not None}
-    plan = _choose(model, per_row, fp32_prepack if model.dtype == torch.float32 else prepack, attention, timer, row_kernel)
-    if attention_kernel is not False and plan.kv_dtype == torch.float32:  # not timed: faster at every size measured
+    plan = _choose(model, per_row, fp32_prepack if model.dtype == torch.float32 else prepack, attention, timer, row_kernel,
+                   attention_kernel is not False)
+    if attention_kernel is not False and plan.kv_dtype == torch.float32:  # not timed: faster at every size measured (one thread)
         plan.query_attention = kernel.query_attention()
     plan.made = _made(model, plan)
     if per_row and row_kernel is None and "row-kernel" in plan.made:
@@ -109,14 +116,16 @@ def kernel_products(model, pinned: bool | None):
     return kernel.row_forward
 
 
-def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | None, timer, row_kernel: bool | None) -> Plan:
-    """prepack: the pin of the model's dtype's prepacking (prepack or fp32_prepack)."""
+def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | None, timer, row_kernel: bool | None,
+            query: bool) -> Plan:
+    """prepack: the pin of the model's dtype's prepacking (prepack or fp32_prepack); query: whether a
+    float32 cache may attend through the query attention (timed so against the model's dtype)."""
     plan = Plan(kv_dtype=model.dtype, per_query=True)
     name = f"{type(model).__name__} in {model.dtype}"
     if model.dtype in HALF:
         if attention is None:
             with torch.inference_mode():
-                plan.kv_dtype = faster_attention(model, timer=timer)
+                plan.kv_dtype = faster_attention(model, timer=timer, query=query)
         else:
             plan.kv_dtype = torch.float32 if attention == "float32" else model.dtype
         log.info("%s: KV cache and attention in %s on this CPU", name, plan.kv_dtype)

@@ -13,7 +13,7 @@ of 16 columns; the module keeps its own weight too, which a prefill chunk's GEMM
 
 The query attention (`query_attention`) computes what the per-query layout's SDPA calls compute,
 to float rounding: a query's softmax over the keys it sees, in ascending key order, every score
-and output element one chain of fused multiply-adds, so its numbers, too, never depend on the
+and output element fused multiply-adds in a fixed order, so its numbers, too, never depend on the
 batch. At one query over 300 keys it costs a few microseconds a head where SDPA's call costs
 tens; in a pass of many sessions' rounds SDPA was as dear as every matmul (bench/results/KERNELS.md).
 
