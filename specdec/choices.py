@@ -5,6 +5,7 @@ from __future__ import annotations
 
 PINS = {"attention": ("float32", "model"), "prepack": ("on", "off"), "fp32-prepack": ("on", "off"), "per-row": ("on", "off"),
         "row-kernel": ("on", "off"), "attention-kernel": ("on", "off")}
+PIN_KEYWORDS = {name.replace("-", "_"): name for name in PINS}  # parse_choices' keyword -> its --engine-choices name
 
 
 def parse_choices(text: str | None) -> dict[str, bool | str]:

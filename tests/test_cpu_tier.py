@@ -177,6 +177,46 @@ def test_a_row_kernel_that_does_not_build_is_logged_and_left_out(monkeypatch, tm
         kernel.library.cache_clear()  # the next caller builds (or finds) the real one
 
 
+@KERNEL
+def test_a_library_prebuilt_with_the_package_loads_without_a_compiler(monkeypatch, tmp_path, capsys):
+    """`python -m specdec.engine.cpu.kernel` (the draft image's build stage) builds the library into
+    the package, readable by every user; a runtime with no compiler then loads it, and builds
+    nothing in its cache."""
+    monkeypatch.setattr(kernel, "_package_dir", lambda: tmp_path)
+    assert kernel.main() == 0
+    (built,) = tmp_path.glob("kernels-prebuilt-*.so")
+    assert capsys.readouterr().out.strip() == f"built {built}" and built.stat().st_mode & 0o777 == 0o755
+    monkeypatch.setattr(kernel, "_compiler", lambda: None)
+    monkeypatch.setattr(kernel, "_cache_dir", lambda: pytest.fail("a prebuilt library was built again"))
+    kernel.library.cache_clear()
+    try:
+        m = torch.nn.Linear(64, 40)
+        x = torch.randn(3, 64)
+        with torch.inference_mode():
+            torch.testing.assert_close(kernel.row_forward(m)(x), m(x), rtol=1e-5, atol=1e-5)
+        assert kernel.query_attention() is not None
+    finally:
+        kernel.library.cache_clear()
+
+
+def test_without_a_compiler_or_a_prebuilt_library_the_kernels_are_left_out(monkeypatch, tmp_path, caplog, capsys):
+    """No compiler and nothing prebuilt: one logged reason, and the prebuild command says why it
+    built nothing."""
+    monkeypatch.setattr(kernel, "_package_dir", lambda: tmp_path)
+    monkeypatch.setattr(kernel, "_compiler", lambda: None)
+    monkeypatch.setattr(kernel, "_unsupported", lambda: None)  # as on an x86-64 Linux host with AVX2, wherever this runs
+    monkeypatch.delenv("CC", raising=False)
+    kernel.library.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="specdec.engine"):
+            assert kernel.library() is None
+        assert any("no C compiler (cc or gcc) on PATH, and none prebuilt with the package" in r.getMessage() for r in caplog.records)
+    finally:
+        kernel.library.cache_clear()
+    assert kernel.main() == 1 and "not built: no C compiler (cc or gcc) on PATH" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("why", [pytest.param("memory", marks=KERNEL), "unbuilt", pytest.param("pinned off", marks=KERNEL)])
 def test_per_row_products_without_the_row_kernel(model_dir, monkeypatch, caplog, why):
     """Where the row kernel's packed weights would not fit in a quarter of the free memory, where
@@ -394,3 +434,10 @@ def test_prepacking_is_undone_where_no_row_counts_agree(tied_dir, monkeypatch):
         assert plan.rows[0] == 1
 
 
+
+
+def test_an_engine_choice_prepare_does_not_know_is_an_error():
+    """prepare() takes the pins by parse_choices' keywords; a misspelt one is refused before
+    anything is loaded or timed, naming the choices it knows."""
+    with pytest.raises(TypeError, match=r"no engine choice per_rows \(the choices: attention, prepack, fp32_prepack, per_row"):
+        prepare(None, per_rows=True)

@@ -234,7 +234,8 @@ def test_custom_resource_check_catches_unknown_and_mistyped_fields(tmp_path):
 def test_the_installed_package_holds_every_module_the_services_import(tmp_path):
     """What the images install (`pip install /src[server]`, deploy/docker/*.Dockerfile) is a wheel
     built from pyproject.toml's package list, not the checkout: every module of specdec (its engine
-    and CPU tier included), the client (as specdec.client) and both services must be in it."""
+    and CPU tier included, with its kernels' C sources), the client (as specdec.client) and both
+    services must be in it."""
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "specdec", "client", "draft_service", "verify_service"):
@@ -251,3 +252,5 @@ def test_the_installed_package_holds_every_module_the_services_import(tmp_path):
             want |= {os.path.normpath(os.path.join(installed, rel, f)).replace(os.sep, "/") for f in files if f.endswith(".py")}
     assert "specdec/engine/forward.py" in want and "specdec/engine/cpu/rows.py" in want
     assert not want - have, f"not installed: {sorted(want - have)}"
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"specdec/engine/cpu/rowkernel.c", "specdec/engine/cpu/attend.c"} <= names  # the CPU tier's kernels' sources

@@ -20,6 +20,13 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 
+# A C compiler in this stage only: the CPU tier's kernels (the row kernel and the query attention,
+# specdec/engine/cpu/) are prebuilt into the installed package below; the runtime has none.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
@@ -29,7 +36,8 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 WORKDIR /src
 COPY . .
-RUN pip install "/src[server]"
+RUN pip install "/src[server]" \
+ && python -m specdec.engine.cpu.kernel
 
 # ---- runtime ------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}

@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from specdec.choices import PIN_KEYWORDS
 from specdec.engine.attention import ATTN, PassCache, cache_kwargs, running
 from specdec.engine.cache import KVCache, Pool
 from specdec.engine.compiled import compile_layers
@@ -132,21 +133,23 @@ class Engine:
         return res
 
 
-def prepare(model, per_row: bool | None = None, prepack: bool | None = None, attention: str | None = None,
-            timer=None, graphs: bool | None = None, compiled: bool | None = None, fp32_prepack: bool | None = None,
-            row_kernel: bool | None = None, attention_kernel: bool | None = None) -> Engine:
+def prepare(model, timer=None, graphs: bool | None = None, compiled: bool | None = None, **pins) -> Engine:
     """Switches `model` to the engine's attention and returns its Engine. On the CPU the CPU tier makes
-    its load-time choices first (pinned by per_row, prepack, fp32_prepack, row_kernel, attention_kernel and attention where given; timed
-    with timer, for tests, else the clock); on a GPU there are none to make, and passes of rounds
+    its load-time choices first (pinned by `pins`, where given and not None: specdec.choices.parse_choices'
+    keywords, per_row=True, attention='float32', ...; timed with timer, for tests, else the clock);
+    on a GPU there are none to make, and passes of rounds
     are captured as CUDA graphs unless graphs is False, and the decoder layers are compiled
     (compiled.py) unless compiled is False: on CUDA by default, elsewhere only when asked for."""
+    unknown = sorted(set(pins) - set(PIN_KEYWORDS))
+    if unknown:
+        raise TypeError(f"prepare(): no engine choice {', '.join(unknown)} (the choices: {', '.join(PIN_KEYWORDS)})")
+    pins = {k: v for k, v in pins.items() if v is not None}
     model.set_attn_implementation(ATTN)
     name = f"{type(model).__name__} in {model.dtype}"
     if model.device.type != "cpu":
-        pins = [k for k, v in (("attention", attention), ("prepack", prepack), ("fp32-prepack", fp32_prepack), ("per-row", per_row),
-                                     ("row-kernel", row_kernel), ("attention-kernel", attention_kernel)) if v is not None]
         if pins:
-            log.warning("%s: engine choices are made on the CPU only; the pinned %s ignored on %s", name, ", ".join(pins), model.device)
+            log.warning("%s: engine choices are made on the CPU only; the pinned %s ignored on %s", name,
+                        ", ".join(PIN_KEYWORDS[k] for k in PIN_KEYWORDS if k in pins), model.device)
         graphs = model.device.type == "cuda" and graphs is not False
         engine = Engine(model, Plan(kv_dtype=model.dtype, graphs=graphs))
         if compiled or (compiled is None and model.device.type == "cuda"):
@@ -161,4 +164,4 @@ def prepare(model, per_row: bool | None = None, prepack: bool | None = None, att
         log.warning("%s: compiled layers are for a GPU (the CPU tier makes its own choices); off on the CPU", name)
     from specdec.engine.cpu.choose import choose  # noqa: PLC0415 - the CPU tier: never imported on a GPU
 
-    return Engine(model, choose(model, per_row, prepack, attention, timer, fp32_prepack, row_kernel, attention_kernel))
+    return Engine(model, choose(model, pins, timer))

@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from specdec.choices import PIN_KEYWORDS
 from specdec.engine.cache import available_memory_bytes
 from specdec.engine.cpu import kernel
 from specdec.engine.cpu.prepack import PREPACK_MEMORY_SHARE, holders
@@ -50,28 +51,28 @@ def faster_attention(model, keys: int = 256, timer=None, query: bool = True) -> 
     return torch.float32 if own > ATTN_FLOAT32_GAIN * wide else dt
 
 
-def choose(model, per_row: bool | None = None, prepack: bool | None = None, attention: str | None = None, timer=None,
-           fp32_prepack: bool | None = None, row_kernel: bool | None = None, attention_kernel: bool | None = None) -> Plan:
-    """The CPU plan for `model`, its matmul modules switched to it. per_row, prepack (half precision),
+def choose(model, pins: dict | None = None, timer=None) -> Plan:
+    """The CPU plan for `model`, its matmul modules switched to it. `pins` (parse_choices' keywords,
+    none of them None) pin choices instead of timing them: per_row, prepack (half precision),
     fp32_prepack (float32: another kernel, so its own name, and a pin of either leaves the other
     dtype alone), row_kernel (float32 per-row products through kernel.py's row kernel, used wherever
     it builds unless pinned off), attention_kernel (per-query attention through kernel.py's query
     attention wherever the cache is float32 and it builds, unless pinned off) and attention
-    ('float32' or 'model') pin a choice instead of timing it;
-    timer(what, fns) -> seconds per call of each fn replaces the clock (rows.clock: `what` names the
+    ('float32' or 'model'); timer(what, fns) -> seconds per call of each fn replaces the clock (rows.clock: `what` names the
     choice timed; tests)."""
     name = f"{type(model).__name__} in {model.dtype}"
-    pins = {k: v for k, v in (("attention", attention), ("prepack", prepack), ("fp32-prepack", fp32_prepack), ("per-row", per_row),
-                              ("row-kernel", row_kernel), ("attention-kernel", attention_kernel)) if v is not None}
-    plan = _choose(model, per_row, fp32_prepack if model.dtype == torch.float32 else prepack, attention, timer, row_kernel,
-                   attention_kernel is not False)
+    pins = pins or {}
+    per_row, row_kernel, attention_kernel = pins.get("per_row"), pins.get("row_kernel"), pins.get("attention_kernel")
+    plan = _choose(model, per_row, pins.get("fp32_prepack" if model.dtype == torch.float32 else "prepack"), pins.get("attention"),
+                   timer, row_kernel, attention_kernel is not False)
     if attention_kernel is not False and plan.kv_dtype == torch.float32:  # not timed: faster at every size measured (one thread)
         plan.query_attention = kernel.query_attention()
     plan.made = _made(model, plan)
     if per_row and row_kernel is None and "row-kernel" in plan.made:
         log.warning("%s: per-row=on pinned without row-kernel; made row-kernel=%s (the two give other numbers: pin it too, "
                     "so that a restart, or a host without a C compiler, makes the same)", name, plan.made["row-kernel"])
-    for k, v in pins.items():
+    pinned = {PIN_KEYWORDS[k]: pins[k] for k in PIN_KEYWORDS if k in pins}  # in --engine-choices' names and order
+    for k, v in pinned.items():
         want = v if k == "attention" else ("on" if v else "off")
         if k not in plan.made:
             log.warning("%s: the pinned %s=%s does not apply to this dtype%s; ignored", name, k, want,
@@ -80,7 +81,7 @@ def choose(model, per_row: bool | None = None, prepack: bool | None = None, atte
             log.warning("%s: the pinned %s=%s could not be kept (its check failed: see above); %s=%s instead",
                         name, k, want, k, plan.made[k])
     log.info("%s: engine choices %s (%s; --engine-choices pins them)", name, plan.choices(),
-             f"pinned: {', '.join(pins)}" if pins else "timed")
+             f"pinned: {', '.join(pinned)}" if pinned else "timed")
     return plan
 
 

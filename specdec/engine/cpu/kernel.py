@@ -17,11 +17,13 @@ and output element fused multiply-adds in a fixed order, so its numbers, too, ne
 batch. At one query over 300 keys it costs a few microseconds a head where SDPA's call costs
 tens; in a pass of many sessions' rounds SDPA was as dear as every matmul (bench/results/KERNELS.md).
 
-Built only on x86-64 Linux, on CPUs that PyTorch runs with AVX2 (which includes FMA), and where a
-C compiler (`$CC`, else `cc` or `gcc`) works. The library is cached by the source's hash in
+Used only on x86-64 Linux, on CPUs that PyTorch runs with AVX2 (which includes FMA). A library
+prebuilt into the installed package (`python -m specdec.engine.cpu.kernel`, what the draft
+image's build stage runs: its runtime has no compiler) is loaded where its sources' hash matches;
+else it is built with a C compiler (`$CC`, else `cc` or `gcc`) and cached by the sources' hash in
 $XDG_CACHE_HOME/specdec (default ~/.cache/specdec), else in a private folder of the temporary
 directory (specdec-<uid>, mode 0700); a folder that another user owns or may write to is not used.
-Anything missing is logged, and the CPU tier keeps its other products.
+Anything missing is logged, and the CPU tier keeps its other products and SDPA.
 """
 from __future__ import annotations
 
@@ -89,8 +91,6 @@ def _unsupported() -> str | None:
     missing = [s.name for s in SOURCES if not s.is_file()]
     if missing:
         return f"its source {', '.join(missing)} is not installed"
-    if _compiler() is None:
-        return f"no C compiler ({os.environ.get('CC') or 'cc or gcc'}) on PATH"
     return None
 
 
@@ -102,24 +102,45 @@ def _compiler() -> list[str] | None:
     return None
 
 
-def _load() -> ctypes.CDLL:
-    cc = _compiler()
+def _package_dir() -> Path:
+    """Where a library prebuilt with the package lives (beside its sources)."""
+    return SOURCES[0].parent
+
+
+def _prebuilt() -> Path:
+    """The prebuilt library's path for these sources and flags (whichever compiler built it)."""
     source = b"".join(s.read_bytes() for s in SOURCES)
-    key = hashlib.sha256(source + " ".join((*cc, *FLAGS)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"kernels-{key}.so"
-    if not target.exists():
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run([*cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            if done.returncode != 0:
-                lines = (done.stderr or done.stdout).strip().splitlines()
-                detail = next((x for x in lines if "error" in x.lower()), lines[0] if lines else "")
-                raise OSError(f"{cc[0]} exited {done.returncode}: {detail}".rstrip(": "))
-            os.replace(tmp, target)  # atomic: a concurrent load sees a whole library or none
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    return _package_dir() / f"kernels-prebuilt-{hashlib.sha256(source + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
+
+
+def _build(cc: list[str], target: Path) -> None:
+    """Compiles the sources into target, atomically: a concurrent load sees a whole library or none."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([*cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            detail = next((x for x in lines if "error" in x.lower()), lines[0] if lines else "")
+            raise OSError(f"{cc[0]} exited {done.returncode}: {detail}".rstrip(": "))
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep a prebuilt library from the image's other users
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> ctypes.CDLL:
+    target = _prebuilt()
+    if not target.is_file():
+        cc = _compiler()
+        if cc is None:
+            raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc or gcc'}) on PATH, and none prebuilt with the package")
+        source = b"".join(s.read_bytes() for s in SOURCES)
+        key = hashlib.sha256(source + " ".join((*cc, *FLAGS)).encode()).hexdigest()[:16]
+        target = _cache_dir() / f"kernels-{key}.so"
+        if not target.exists():
+            _build(cc, target)
     lib = ctypes.CDLL(str(target))
     lib.row_product.restype = None
     lib.row_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
@@ -193,3 +214,28 @@ def query_attention():
         return out
 
     return run
+
+
+def prebuild() -> Path:
+    """Builds the library into the installed package (where a runtime without a compiler finds it);
+    returns its path. OSError where there is no compiler or it fails."""
+    cc = _compiler()
+    if cc is None:
+        raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc or gcc'}) on PATH")
+    target = _prebuilt()
+    _build(cc, target)
+    return target
+
+
+def main() -> int:
+    """python -m specdec.engine.cpu.kernel: prebuilds the library into the installed package."""
+    try:
+        print(f"built {prebuild()}")
+        return 0
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"specdec.engine.cpu.kernel: not built: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
