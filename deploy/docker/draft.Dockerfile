@@ -36,8 +36,9 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 WORKDIR /src
 COPY . .
+# -P: the installed package, not /src's copy (the working directory), is where the library goes.
 RUN pip install "/src[server]" \
- && python -m specdec.engine.cpu.kernel
+ && python -P -m specdec.engine.cpu.kernel
 
 # ---- runtime ------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}
