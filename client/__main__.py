@@ -11,7 +11,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -94,6 +96,14 @@ def _out_of_range(a) -> str | None:
 
 def main(argv=None) -> int:
     a = parse(argv)
+    interrupted = []
+
+    def on_interrupt(signum, frame):
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_interrupt)  # Python's own handler, in the main thread: not a host program's
     try:
         return _run(a)
     except KeyboardInterrupt:
@@ -101,6 +111,10 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # the reader went away (| head): nothing more to write, and nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the interpreter's last flush does not fail too
         return 141
+    except Exception:
+        if interrupted:  # Ctrl-C inside gRPC's locks can surface as another error (RuntimeError: cannot release
+            return 130  # un-acquired lock): still an interrupt, not a failure
+        raise
 
 
 def _run(a) -> int:
