@@ -6,7 +6,7 @@ matmuls (`per-row=on,row-kernel=off`) and per-row products through the row kerne
 (`attention-kernel=off`); then the row kernel with the query attention (`attention-kernel=on`,
 cpu/attend.c), the default where the kernels build.
 
-    python -m bench.kernels [--target models/stdlib-code-target --dtype float32 --context 300 --repeats 3 --out bench/results]
+    python -m bench.kernels [--target models/stdlib-code-target --dtype float32 --context 300 --repeats 3 --threads 1 --out bench/results]
 
 Each pass is `Engine.forward` on N sessions of --context cached tokens, each with the same number
 of new tokens (1: target-only steps; 5: rounds of tau = 4), the lengths put back after each pass.
@@ -55,9 +55,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the GEMMs', SDPA's and the CPU tier's kernels')")
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     lms = {name: LM.load(a.target, "cpu", a.dtype, choices=parse_choices(pin)) for name, pin in PLANS}
     prompt = [3 + i % 200 for i in range(a.context)]
     caches = {}
@@ -74,16 +75,20 @@ def main(argv=None) -> int:
                 best[name] = min(best.get(name, ms), ms)
         rows.append(dict(sessions=sessions, rows=n, ms=best))
         print(sessions, n, {k: round(v, 1) for k, v in best.items()}, flush=True)
-    res = dict(**run_header(a), dtype=a.dtype, context=a.context, repeats=a.repeats,
+    res = dict(**run_header(a), dtype=a.dtype, context=a.context, repeats=a.repeats, threads=a.threads,
                plans={name: lm.engine.plan.choices() for name, lm in lms.items()}, cases=rows)
     return write_report(a.out, "kernels", "KERNELS.md", res, render)
+
+
+def _threads(n: int) -> str:
+    return "one torch thread" if n == 1 else f"{n} torch threads"
 
 
 def render(res: dict) -> str:
     names = [name for name, _ in PLANS]
     out = ["# A verify pass of the shipped target on the CPU: the float32 plans\n",
-           f"Run {res['date']}; `{res['target']}` in {res['dtype']}, one torch thread, {res['context']} cached tokens a "
-           f"session; best of {res['repeats']} medians of 10 passes, plans in turn. Command: `python -m bench.kernels`. "
+           f"Run {res['date']}; `{res['target']}` in {res['dtype']}, {_threads(res.get('threads', 1))}, {res['context']} cached tokens a "
+           f"session; best of {res['repeats']} medians of 10 passes, plans in turn. Command: `python -m bench.kernels --threads {res.get('threads', 1)}`. "
            "Each plan pinned with `--engine-choices` as the last line gives. GEMM: MKL's matmul, padded to the calibrated "
            "rows; prepacked: oneDNN with prepacked weights; per-row, batched: one batched matmul entry per row; row kernel: "
            "per-row products through the CPU tier's row kernel; these four attend through SDPA; query attention: the CPU tier's "

@@ -1,5 +1,7 @@
 """The CPU tier: calibrated matmul row counts, per-row products, prepacked half-precision weights,
 and the load-time choices (timed through an injected timer here, or pinned by --engine-choices)."""
+import shutil
+
 import pytest
 import torch
 
@@ -159,6 +161,59 @@ def test_a_half_precision_caches_dtype_is_timed_against_the_query_attention(monk
     assert choose.faster_attention(model, timer=timer) == torch.bfloat16 and len(calls) == 2  # the probe, then the timed call
     calls.clear()
     assert choose.faster_attention(model, timer=timer, query=False) == torch.bfloat16 and not calls
+
+
+@KERNEL
+def test_the_kernels_give_the_same_numbers_at_any_thread_count():
+    """Both kernels run on torch's thread count, each output whole on one thread: the row kernel's
+    products (output widths that end in a part panel, 1 to 13 rows) and the query attention's
+    (sessions, rounds, GQA, a tree's mask) are bitwise the same on 1, 2 and 3 threads."""
+    g = torch.Generator().manual_seed(3)
+    mods = [torch.nn.Linear(96, 200), torch.nn.Linear(300, 1000, bias=False)]
+    xs = [torch.randn(13, m.in_features, generator=g) for m in mods]
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((3, 5, 8, 64), (3, 90, 2, 64), (3, 90, 2, 64)))
+    seen = torch.rand(3, 5, 90, generator=g) < 0.5
+    att = kernel.query_attention()
+    threads = torch.get_num_threads()
+    outs = {}
+    try:
+        with torch.inference_mode():
+            fwds = [kernel.row_forward(m) for m in mods]
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                outs[n] = [fwd(x[:rows]) for fwd, x in zip(fwds, xs) for rows in (1, 5, 13)] + [att(q, k, v, seen, 0.125)]
+    finally:
+        torch.set_num_threads(threads)
+    for n in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(outs[1], outs[n])), n
+    torch.testing.assert_close(outs[1][2], mods[0](xs[0]).detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or kernel._unsupported() is not None, reason="needs gcc, on x86-64 Linux with AVX2")
+def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(monkeypatch, tmp_path, caplog):
+    """A compiler that refuses -fopenmp (clang without libomp, say) still builds the kernels, without
+    OpenMP: logged, and they run on one thread whatever torch's thread count, with the same numbers."""
+    cc = tmp_path / "cc-without-openmp"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && { echo "cc: error: unsupported option -fopenmp" >&2; exit 1; }; done\n'
+                  'exec gcc "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(kernel, "_package_dir", lambda: tmp_path / "package")  # nothing prebuilt
+    monkeypatch.setattr(kernel, "_cache_dir", lambda: tmp_path)
+    m, x = torch.nn.Linear(64, 40), torch.randn(3, 64)
+    threads = torch.get_num_threads()
+    kernel.library.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="specdec.engine"):
+            assert kernel.library() is not None and not kernel.threaded()
+        assert any("built without OpenMP, so they run on one thread (with -fopenmp, " in r.getMessage()
+                   and "unsupported option -fopenmp" in r.getMessage() for r in caplog.records)
+        torch.set_num_threads(2)
+        with torch.inference_mode():
+            torch.testing.assert_close(kernel.row_forward(m)(x), m(x), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+        kernel.library.cache_clear()  # the next caller loads the real one
 
 
 def test_a_row_kernel_that_does_not_build_is_logged_and_left_out(monkeypatch, tmp_path, caplog):

@@ -90,38 +90,42 @@ static inline __attribute__((always_inline)) void head(const float *q, const flo
 }
 
 /* q: [B, n, H, D]; k, v: [B, L, Hkv, D]; visible: [B, n, L] (1: the query sees the key); out: [B, n, H, D].
-   All row-major, float32; D a multiple of 8, at most 256; H a multiple of Hkv. Returns 0, or -1
-   where scratch memory could not be had. */
+   All row-major, float32; D a multiple of 8, at most 256; H a multiple of Hkv. With OpenMP,
+   `threads` threads share the (query, head) problems out, each whole on one thread: the numbers
+   are the same at any thread count. Returns 0, or -1 where scratch memory could not be had. */
 int attend_queries(const float *q, const float *k, const float *v, const uint8_t *visible, float *out, int64_t B, int64_t n,
-                   int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale) {
-  int32_t *idx = malloc((L + 1) * sizeof *idx);
-  float *s = malloc((L + 8) * sizeof *s);
-  if (!idx || !s) {
-    free(idx);
-    free(s);
-    return -1;
-  }
-  int64_t rep = H / Hkv, row = Hkv * D;
-  for (int64_t b = 0; b < B; b++) {
-    const float *kb = k + b * L * row, *vb = v + b * L * row;
-    for (int64_t i = 0; i < n; i++) {
-      const uint8_t *seen = visible + (b * n + i) * L;
-      int64_t m = 0;
-      for (int64_t j = 0; j < L; j++)
-        if (seen[j]) idx[m++] = (int32_t)j;
-      for (int64_t h = 0; h < H; h++) {
-        const float *qh = q + ((b * n + i) * H + h) * D;
-        float *o = out + ((b * n + i) * H + h) * D;
-        const float *kh = kb + (h / rep) * D, *vh = vb + (h / rep) * D;
-        switch (D) { /* the common head sizes with their vector count a constant: accumulators in registers */
-          case 64: head(qh, kh, vh, idx, m, row, scale, s, o, 8); break;
-          case 128: head(qh, kh, vh, idx, m, row, scale, s, o, 16); break;
-          default: head(qh, kh, vh, idx, m, row, scale, s, o, D / 8); break;
-        }
+                   int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale, int threads) {
+  int64_t rep = H / Hkv, row = Hkv * D, problems = B * n * H;
+  int failed = 0;
+  (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+  {
+    int32_t *idx = malloc((L + 1) * sizeof *idx); /* this thread's scratch */
+    float *s = malloc((L + 8) * sizeof *s);
+    failed |= !idx || !s;
+    int64_t at = -1, m = 0; /* the query (b * n + i) whose visible keys idx holds, and their count */
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < problems; t++) { /* (b, i, h) in row-major order: q and out at t * D */
+      if (!idx || !s)
+        continue;
+      int64_t query = t / H, h = t % H, b = query / n;
+      if (query != at) {
+        const uint8_t *seen = visible + query * L;
+        m = 0;
+        for (int64_t j = 0; j < L; j++)
+          if (seen[j]) idx[m++] = (int32_t)j;
+        at = query;
+      }
+      const float *qh = q + t * D, *kh = k + b * L * row + (h / rep) * D, *vh = v + b * L * row + (h / rep) * D;
+      float *o = out + t * D;
+      switch (D) { /* the common head sizes with their vector count a constant: accumulators in registers */
+        case 64: head(qh, kh, vh, idx, m, row, scale, s, o, 8); break;
+        case 128: head(qh, kh, vh, idx, m, row, scale, s, o, 16); break;
+        default: head(qh, kh, vh, idx, m, row, scale, s, o, D / 8); break;
       }
     }
+    free(idx);
+    free(s);
   }
-  free(idx);
-  free(s);
-  return 0;
+  return failed ? -1 : 0;
 }

@@ -11,6 +11,11 @@ cost 11-12 ms for 1 to 6 rows, 23 ms for 20 and 65 ms for 80 (bench/results/KERN
 passes against the other plans). Each weight is packed once into panels
 of 16 columns; the module keeps its own weight too, which a prefill chunk's GEMM reads.
 
+Both kernels run on torch's thread count (`torch.set_num_threads`, the services' --threads), in
+torch's own OpenMP runtime: the row kernel shares out a weight's panels, the query attention its
+(query, head) problems, each whole on one thread, so the numbers are the same at any thread count.
+A compiler without OpenMP builds them single-threaded (logged).
+
 The query attention (`query_attention`) computes what the per-query layout's SDPA calls compute,
 to float rounding: a query's softmax over the keys it sees, in ascending key order, every score
 and output element fused multiply-adds in a fixed order, so its numbers, too, never depend on the
@@ -47,6 +52,7 @@ log = logging.getLogger("specdec.engine")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowkernel.c", "attend.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
+OPENMP = "-fopenmp"  # added where the compiler takes it (`_build`)
 BUILD_TIMEOUT_S = 120
 
 
@@ -110,19 +116,26 @@ def _package_dir() -> Path:
 def _prebuilt() -> Path:
     """The prebuilt library's path for these sources and flags (whichever compiler built it)."""
     source = b"".join(s.read_bytes() for s in SOURCES)
-    return _package_dir() / f"kernels-prebuilt-{hashlib.sha256(source + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
+    return _package_dir() / f"kernels-prebuilt-{hashlib.sha256(source + ' '.join((*FLAGS, OPENMP)).encode()).hexdigest()[:16]}.so"
 
 
 def _build(cc: list[str], target: Path) -> None:
-    """Compiles the sources into target, atomically: a concurrent load sees a whole library or none."""
+    """Compiles the sources into target, atomically: a concurrent load sees a whole library or none.
+    With OpenMP where the compiler takes it, else without (the kernels then run on one thread)."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([*cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
+        why = None  # why the build with OpenMP failed
+        for flags in ((*FLAGS, OPENMP), FLAGS):
+            done = subprocess.run([*cc, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if done.returncode == 0:
+                break
             lines = (done.stderr or done.stdout).strip().splitlines()
-            detail = next((x for x in lines if "error" in x.lower()), lines[0] if lines else "")
-            raise OSError(f"{cc[0]} exited {done.returncode}: {detail}".rstrip(": "))
+            why = f"{cc[0]} exited {done.returncode}: {next((x for x in lines if 'error' in x.lower()), lines[0] if lines else '')}".rstrip(": ")
+        else:
+            raise OSError(why)
+        if OPENMP not in flags:
+            log.info("CPU tier's kernels built without OpenMP, so they run on one thread (with %s, %s)", OPENMP, why)
         os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep a prebuilt library from the image's other users
         os.replace(tmp, target)
     finally:
@@ -137,17 +150,24 @@ def _load() -> ctypes.CDLL:
         if cc is None:
             raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc or gcc'}) on PATH, and none prebuilt with the package")
         source = b"".join(s.read_bytes() for s in SOURCES)
-        key = hashlib.sha256(source + " ".join((*cc, *FLAGS)).encode()).hexdigest()[:16]
+        key = hashlib.sha256(source + " ".join((*cc, *FLAGS, OPENMP)).encode()).hexdigest()[:16]
         target = _cache_dir() / f"kernels-{key}.so"
         if not target.exists():
             _build(cc, target)
     lib = ctypes.CDLL(str(target))
     lib.row_product.restype = None
-    lib.row_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.row_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.panel_width.restype = ctypes.c_int64
+    lib.threaded.restype = ctypes.c_int
     lib.attend_queries.restype = ctypes.c_int
-    lib.attend_queries.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+    lib.attend_queries.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
     return lib
+
+
+def threaded() -> bool:
+    """Whether the kernels run on torch's thread count (built with OpenMP), not on one thread."""
+    lib = library()
+    return lib is not None and bool(lib.threaded())
 
 
 def packed(w: torch.Tensor, width: int) -> torch.Tensor:
@@ -178,7 +198,7 @@ def row_forward(m):
             raise ValueError(f"the row kernel multiplies float32 CPU rows of width {k}, not {x.dtype} {x.device} rows of width {x.shape[-1]}")
         r = x.reshape(-1, k).contiguous()
         y = torch.empty(r.shape[0], n, dtype=torch.float32)
-        product(r.data_ptr(), p.data_ptr(), y.data_ptr(), r.shape[0], k, n)  # ctypes lets go of the GIL for the call
+        product(r.data_ptr(), p.data_ptr(), y.data_ptr(), r.shape[0], k, n, torch.get_num_threads())  # ctypes lets go of the GIL
         if b is not None:
             y = y + b
         return y.reshape(*x.shape[:-1], n)
@@ -209,7 +229,7 @@ def query_attention():
             raise ValueError(f"the query attention's visible keys: expected bool {(B, n, L)}, got {visible.dtype} {tuple(visible.shape)}")
         q, k, v, visible = q.contiguous(), k.contiguous(), v.contiguous(), visible.contiguous()
         out = torch.empty(B * n, H, D, dtype=torch.float32)
-        if fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), visible.data_ptr(), out.data_ptr(), B, n, H, H_kv, D, L, scale):
+        if fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), visible.data_ptr(), out.data_ptr(), B, n, H, H_kv, D, L, scale, torch.get_num_threads()):
             raise MemoryError("the query attention could not allocate its scratch memory")
         return out
 

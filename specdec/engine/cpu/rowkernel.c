@@ -5,7 +5,9 @@
    Each output is one chain of fused multiply-adds over k in ascending order, starting from zero,
    whatever the row count, the row's place and the column's panel: a row's numbers never depend on
    its batch-mates. Up to ROWS rows share each read of a panel, so a round of a few rows costs
-   about what one row costs; more rows take further blocks over the panel while it is in cache. */
+   about what one row costs; more rows take further blocks over the panel while it is in cache.
+   With OpenMP, `threads` threads share the panels out: a panel's columns are all one thread's, so
+   the numbers are the same at any thread count. */
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -40,9 +42,21 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
 
 int64_t panel_width(void) { return PW; }
 
+/* 1 where built with OpenMP (the kernels then take `threads`), else 0. */
+int threaded(void) {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 /* x: M x K, row-major; p: the packed weight; y: M x N, row-major. */
-void row_product(const float *x, const float *p, float *y, int64_t M, int64_t K, int64_t N) {
-  for (int64_t j = 0; j * PW < N; j++) {
+void row_product(const float *x, const float *p, float *y, int64_t M, int64_t K, int64_t N, int threads) {
+  int64_t panels = (N + PW - 1) / PW;
+  (void)threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t j = 0; j < panels; j++) {
     const float *panel = p + j * K * PW;
     for (int64_t m = 0; m < M; m += ROWS) {
       const float *xm = x + m * K;
