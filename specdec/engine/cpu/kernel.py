@@ -113,10 +113,15 @@ def _package_dir() -> Path:
     return SOURCES[0].parent
 
 
-def _prebuilt() -> Path:
-    """The prebuilt library's path for these sources and flags (whichever compiler built it)."""
-    source = b"".join(s.read_bytes() for s in SOURCES)
-    return _package_dir() / f"kernels-prebuilt-{hashlib.sha256(source + ' '.join((*FLAGS, OPENMP)).encode()).hexdigest()[:16]}.so"
+def _key(source: bytes, *cc: str) -> str:
+    """The hash a library is named by: its sources, flags and (for one built at load) compiler."""
+    return hashlib.sha256(source + " ".join((*cc, *FLAGS, OPENMP)).encode()).hexdigest()[:16]
+
+
+def _prebuilt(source: bytes | None = None) -> Path:
+    """The prebuilt library's path for these sources (read here unless given) and flags, whichever
+    compiler built it."""
+    return _package_dir() / f"kernels-prebuilt-{_key(source or b''.join(s.read_bytes() for s in SOURCES))}.so"
 
 
 def _build(cc: list[str], target: Path) -> None:
@@ -144,14 +149,13 @@ def _build(cc: list[str], target: Path) -> None:
 
 
 def _load() -> ctypes.CDLL:
-    target = _prebuilt()
+    source = b"".join(s.read_bytes() for s in SOURCES)
+    target = _prebuilt(source)
     if not target.is_file():
         cc = _compiler()
         if cc is None:
             raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc or gcc'}) on PATH, and none prebuilt with the package")
-        source = b"".join(s.read_bytes() for s in SOURCES)
-        key = hashlib.sha256(source + " ".join((*cc, *FLAGS, OPENMP)).encode()).hexdigest()[:16]
-        target = _cache_dir() / f"kernels-{key}.so"
+        target = _cache_dir() / f"kernels-{_key(source, *cc)}.so"
         if not target.exists():
             _build(cc, target)
     lib = ctypes.CDLL(str(target))
