@@ -164,6 +164,62 @@ def test_a_half_precision_caches_dtype_is_timed_against_the_query_attention(monk
 
 
 @KERNEL
+def test_the_row_kernel_packs_a_bf16_checkpoints_weights_in_bf16_with_the_same_numbers():
+    """A float32 weight whose values are all bfloat16 values (a bf16 checkpoint loaded in float32)
+    is packed in bfloat16, half the bytes, and its products are bitwise the float32 panels' at any
+    row count, for a part panel, a bias and GPT-2's Conv1D; a weight with one value off bfloat16's
+    grid keeps float32 panels."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(4)
+    conv = Conv1D(200, 96)
+    with torch.inference_mode():
+        for m in (torch.nn.Linear(96, 200), torch.nn.Linear(512, 1408, bias=False), conv):
+            m.weight.copy_(m.weight.bfloat16().float())
+            half, full = kernel.row_forward(m), kernel.row_forward(m, half=False)
+            assert (half.packed.dtype, full.packed.dtype) == (torch.bfloat16, torch.float32)
+            assert half.packed.float().equal(full.packed)
+            x = torch.randn(13, m.weight.shape[1] if isinstance(m, torch.nn.Linear) else m.weight.shape[0])
+            for rows in (1, 2, 5, 6, 7, 13):
+                assert torch.equal(half(x[:rows]), full(x[:rows])), (type(m).__name__, rows)
+            torch.testing.assert_close(half(x), m(x), rtol=1e-5, atol=1e-5)
+        off = torch.nn.Linear(96, 40)
+        off.weight.copy_(off.weight.bfloat16().float())
+        off.weight[3, 7] = 1.0 + 2.0**-10  # between two bfloat16 values (7 bits of mantissa)
+        assert kernel.row_forward(off).packed.dtype == torch.float32
+
+
+@KERNEL
+def test_a_bf16_checkpoint_in_float32_streams_bf16_panels_with_the_float32_numbers(tmp_path, monkeypatch, caplog):
+    """The shipped pair's case: a model saved in bf16 and served in float32 packs every weight in
+    bfloat16 (logged), and a pass of several sessions gives bitwise the logits of the same model
+    with float32 panels."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.tinymodels import word_tokenizer
+
+    torch.manual_seed(5)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
+    word_tokenizer(256).save_pretrained(tmp_path)
+    pin = parse_choices("fp32-prepack=off,per-row=on,row-kernel=on")
+    with caplog.at_level("INFO", logger="specdec.engine"):
+        half = LM.load(str(tmp_path), "cpu", "float32", choices=pin)
+    assert any("through the row kernel, 15 of 15 weights packed in bfloat16" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(kernel, "bf16_exact", lambda w: False)
+    full = LM.load(str(tmp_path), "cpu", "float32", choices=pin)
+    inputs = [[5, 6, 7, 8, 9], [10], [11, 12, 13]]
+    got = []
+    for lm in (half, full):
+        caches = [lm.engine.cache(64) for _ in inputs]
+        for i, c in enumerate(caches):
+            lm.engine.forward([[3 + i, 4, 5, 6]], [c], False)
+        got.append(lm.engine.forward(inputs, caches))
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+@KERNEL
 def test_the_kernels_give_the_same_numbers_at_any_thread_count():
     """Both kernels run on torch's thread count, each output whole on one thread: the row kernel's
     products (output widths that end in a part panel, 1 to 13 rows) and the query attention's

@@ -164,12 +164,15 @@ def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | 
         if per is not None and per[0] == 1:
             held = holders(model)
             gemm = {m: m.forward for m in mods}
+            halves = 0  # row kernel products whose weight is packed in bfloat16 (exact: kernel.row_forward)
             for m in mods:
                 own = fast(m) if fast else per_row_forward(m, own_weight=held[id(m.weight)] == 1)
+                halves += fast is not None and own.packed.dtype == torch.bfloat16
                 m.forward = blocked(own, per[1], gemm[m])
             plan.rows, plan.pad_to, plan.top, plan.per_row, plan.row_kernel = per, 1, PER_ROW_LEAD, True, fast is not None
             log.info("%s: per-row matmul products (no padding rows%s), blocks of up to %d rows", name,
-                     ", through the row kernel" if fast else "", per[1])
+                     f", through the row kernel, {halves} of {len(mods)} weights packed in bfloat16 (their values are bfloat16's)"
+                     if fast else "", per[1])
             return plan
         if per_row:
             rows = calibrate_rows(model)

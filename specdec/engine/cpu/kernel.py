@@ -9,7 +9,10 @@ rows.py. But up to six rows share each read of a weight panel, and more rows tak
 over the panel while it is in cache: on a 2-core Zen 3 the shipped target's matmuls, timed alone,
 cost 11-12 ms for 1 to 6 rows, 23 ms for 20 and 65 ms for 80 (bench/results/KERNELS.md has whole
 passes against the other plans). Each weight is packed once into panels
-of 16 columns; the module keeps its own weight too, which a prefill chunk's GEMM reads.
+of 16 columns, in bfloat16 where every value of it is a bfloat16 value (a bf16 checkpoint loaded
+in float32): the kernel widens them back before the same multiply-adds, so the numbers are the
+float32 panels' bit for bit, at half the bytes to stream. The module keeps its own weight too,
+which a prefill chunk's GEMM reads.
 
 Both kernels run on torch's thread count (`torch.set_num_threads`, the services' --threads), in
 torch's own OpenMP runtime: the row kernel shares out a weight's panels, the query attention its
@@ -159,8 +162,9 @@ def _load() -> ctypes.CDLL:
         if not target.exists():
             _build(cc, target)
     lib = ctypes.CDLL(str(target))
-    lib.row_product.restype = None
-    lib.row_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    for product in (lib.row_product, lib.row_product_bf16):
+        product.restype = None
+        product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.panel_width.restype = ctypes.c_int64
     lib.threaded.restype = ctypes.c_int
     lib.attend_queries.restype = ctypes.c_int
@@ -184,18 +188,28 @@ def packed(w: torch.Tensor, width: int) -> torch.Tensor:
     return padded.reshape(panels, width, k).transpose(1, 2).contiguous()
 
 
-def row_forward(m):
+def bf16_exact(w: torch.Tensor) -> bool:
+    """Whether every value of the float32 tensor w is a bfloat16 value (a bf16 checkpoint's weight
+    loaded in float32): packed in bfloat16 it loses nothing."""
+    return torch.equal(w.to(torch.bfloat16).float(), w)
+
+
+def row_forward(m, half: bool | None = None):
     """m's product (a float32 nn.Linear's or Conv1D's) through the row kernel, or None where the
-    kernel is not available. The weight is packed once; the module keeps its own."""
+    kernel is not available. The weight is packed once, in bfloat16 where that is exact
+    (`bf16_exact`; half=False keeps float32, half=None decides) and float32 otherwise: the same
+    numbers either way, half the bytes to stream in bfloat16. The module keeps its own weight.
+    The product's `packed` attribute is the packed weight."""
     lib = library()
     if lib is None or m.weight.dtype != torch.float32:
         return None
     w = m.weight.detach()
     w = w if isinstance(m, torch.nn.Linear) else w.t()  # [out, in]
     n, k = w.shape
-    p = packed(w, lib.panel_width())
+    half = bf16_exact(w) if half is None else half and bf16_exact(w)
+    p = packed(w, lib.panel_width()).to(torch.bfloat16 if half else torch.float32)
     b = None if m.bias is None else m.bias.detach()
-    product = lib.row_product
+    product = lib.row_product_bf16 if half else lib.row_product
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
@@ -207,6 +221,7 @@ def row_forward(m):
             y = y + b
         return y.reshape(*x.shape[:-1], n)
 
+    run.packed = p
     return run
 
 
