@@ -1,6 +1,7 @@
 """The CPU tier: calibrated matmul row counts, per-row products, prepacked half-precision weights,
 and the load-time choices (timed through an injected timer here, or pinned by --engine-choices)."""
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -187,6 +188,8 @@ def test_the_row_kernel_packs_a_bf16_checkpoints_weights_in_bf16_with_the_same_n
         off.weight.copy_(off.weight.bfloat16().float())
         off.weight[3, 7] = 1.0 + 2.0**-10  # between two bfloat16 values (7 bits of mantissa)
         assert kernel.row_forward(off).packed.dtype == torch.float32
+        # bits, not values: the smallest subnormal is no bfloat16 value, a negative zero is one
+        assert not kernel.bf16_exact(torch.tensor([0.5, 2.0**-149])) and kernel.bf16_exact(torch.tensor([0.5, -0.0]))
 
 
 @KERNEL
@@ -208,7 +211,10 @@ def test_a_bf16_checkpoint_in_float32_streams_bf16_panels_with_the_float32_numbe
         half = LM.load(str(tmp_path), "cpu", "float32", choices=pin)
     assert any("through the row kernel, 15 of 15 weights packed in bfloat16" in r.getMessage() for r in caplog.records)
     monkeypatch.setattr(kernel, "bf16_exact", lambda w: False)
-    full = LM.load(str(tmp_path), "cpu", "float32", choices=pin)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="specdec.engine"):
+        full = LM.load(str(tmp_path), "cpu", "float32", choices=pin)
+    assert any("through the row kernel, 0 of 15 weights packed in bfloat16" in r.getMessage() for r in caplog.records)
     inputs = [[5, 6, 7, 8, 9], [10], [11, 12, 13]]
     got = []
     for lm in (half, full):
@@ -242,6 +248,9 @@ def test_the_kernels_give_the_same_numbers_at_any_thread_count():
         torch.set_num_threads(threads)
     for n in (2, 3):
         assert all(torch.equal(a, b) for a, b in zip(outs[1], outs[n])), n
+    cc = kernel._compiler()
+    if cc and "gcc" in subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout.lower():
+        assert kernel.threaded()  # gcc takes -fopenmp: the test above ran threads, not one thread three times
     torch.testing.assert_close(outs[1][2], mods[0](xs[0]).detach(), rtol=1e-5, atol=1e-5)
 
 
@@ -262,8 +271,9 @@ def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(monkeypatch
     try:
         with caplog.at_level("INFO", logger="specdec.engine"):
             assert kernel.library() is not None and not kernel.threaded()
-        assert any("built without OpenMP, so they run on one thread (with -fopenmp, " in r.getMessage()
-                   and "unsupported option -fopenmp" in r.getMessage() for r in caplog.records)
+        assert any("built without OpenMP (with -fopenmp, " in r.getMessage() and "unsupported option -fopenmp" in r.getMessage()
+                   for r in caplog.records)
+        assert any("kernels run on one thread whatever --threads says" in r.getMessage() for r in caplog.records)
         torch.set_num_threads(2)
         with torch.inference_mode():
             torch.testing.assert_close(kernel.row_forward(m)(x), m(x), rtol=1e-5, atol=1e-5)

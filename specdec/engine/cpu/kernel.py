@@ -17,7 +17,7 @@ which a prefill chunk's GEMM reads.
 Both kernels run on torch's thread count (`torch.set_num_threads`, the services' --threads), in
 torch's own OpenMP runtime: the row kernel shares out a weight's panels, the query attention its
 (query, head) problems, each whole on one thread, so the numbers are the same at any thread count.
-A compiler without OpenMP builds them single-threaded (logged).
+A compiler without OpenMP builds them single-threaded (logged at every load).
 
 The query attention (`query_attention`) computes what the per-query layout's SDPA calls compute,
 to float rounding: a query's softmax over the keys it sees, in ascending key order, every score
@@ -139,11 +139,13 @@ def _build(cc: list[str], target: Path) -> None:
             if done.returncode == 0:
                 break
             lines = (done.stderr or done.stdout).strip().splitlines()
-            why = f"{cc[0]} exited {done.returncode}: {next((x for x in lines if 'error' in x.lower()), lines[0] if lines else '')}".rstrip(": ")
+            errors = [x for x in lines if "error" in x.lower() or "cannot find" in x.lower()]
+            detail = next((x for x in errors if "ld returned" not in x), errors[0] if errors else lines[0] if lines else "")
+            why = f"{cc[0]} exited {done.returncode}: {detail}".rstrip(": ")
         else:
             raise OSError(why)
         if OPENMP not in flags:
-            log.info("CPU tier's kernels built without OpenMP, so they run on one thread (with %s, %s)", OPENMP, why)
+            log.info("CPU tier's kernels built without OpenMP (with %s, %s)", OPENMP, why)
         os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep a prebuilt library from the image's other users
         os.replace(tmp, target)
     finally:
@@ -169,6 +171,9 @@ def _load() -> ctypes.CDLL:
     lib.threaded.restype = ctypes.c_int
     lib.attend_queries.restype = ctypes.c_int
     lib.attend_queries.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    if not lib.threaded():  # every load says so: a library built once without OpenMP is cached and loaded as it is
+        log.info("CPU tier's kernels run on one thread whatever --threads says: %s was built without OpenMP "
+                 "(delete it to build again)", target)
     return lib
 
 
@@ -190,8 +195,10 @@ def packed(w: torch.Tensor, width: int) -> torch.Tensor:
 
 def bf16_exact(w: torch.Tensor) -> bool:
     """Whether every value of the float32 tensor w is a bfloat16 value (a bf16 checkpoint's weight
-    loaded in float32): packed in bfloat16 it loses nothing."""
-    return torch.equal(w.to(torch.bfloat16).float(), w)
+    loaded in float32): the low 16 bits of each are zero, so its upper half, packed in bfloat16,
+    loses nothing. A test of the bits, not of the values: no float mode (flushed subnormals) can
+    make it pass wrongly."""
+    return not (w.contiguous().view(torch.int32) & 0xFFFF).any()
 
 
 def row_forward(m, half: bool | None = None):
@@ -266,10 +273,18 @@ def prebuild() -> Path:
     return target
 
 
+def _threaded_file(path: Path) -> bool:
+    """Whether the library at path was built with OpenMP."""
+    lib = ctypes.CDLL(str(path))
+    lib.threaded.restype = ctypes.c_int
+    return bool(lib.threaded())
+
+
 def main() -> int:
     """python -m specdec.engine.cpu.kernel: prebuilds the library into the installed package."""
     try:
-        print(f"built {prebuild()}")
+        built = prebuild()
+        print(f"built {built}" + ("" if _threaded_file(built) else " (without OpenMP: the kernels run on one thread)"))
         return 0
     except (OSError, subprocess.SubprocessError) as e:
         print(f"specdec.engine.cpu.kernel: not built: {e}", file=sys.stderr)

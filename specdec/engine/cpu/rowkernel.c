@@ -64,33 +64,34 @@ int threaded(void) {
 #endif
 }
 
-static inline __attribute__((always_inline)) void product(const float *x, const char *p, float *y, int64_t M, int64_t K, int64_t N,
-                                                          int threads, int half) {
-  int64_t panels = (N + PW - 1) / PW;
-  (void)threads;
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-  for (int64_t j = 0; j < panels; j++) {
-    const char *panel = p + j * K * PW * (half ? 2 : 4);
-    for (int64_t m = 0; m < M; m += ROWS) {
-      const float *xm = x + m * K;
-      float *ym = y + m * N;
-      switch (M - m < ROWS ? M - m : ROWS) {
-        case 6: block(xm, panel, ym, 6, K, N, j * PW, half); break;
-        case 5: block(xm, panel, ym, 5, K, N, j * PW, half); break;
-        case 4: block(xm, panel, ym, 4, K, N, j * PW, half); break;
-        case 3: block(xm, panel, ym, 3, K, N, j * PW, half); break;
-        case 2: block(xm, panel, ym, 2, K, N, j * PW, half); break;
-        default: block(xm, panel, ym, 1, K, N, j * PW, half); break;
-      }
+/* Panel j of the product: its columns for every row, in blocks of up to ROWS rows. */
+static inline __attribute__((always_inline)) void panel(const float *x, const char *p, float *y, int64_t M, int64_t K, int64_t N,
+                                                        int64_t j, int half) {
+  const char *pj = p + j * K * PW * (half ? 2 : 4);
+  for (int64_t m = 0; m < M; m += ROWS) {
+    const float *xm = x + m * K;
+    float *ym = y + m * N;
+    switch (M - m < ROWS ? M - m : ROWS) {
+      case 6: block(xm, pj, ym, 6, K, N, j * PW, half); break;
+      case 5: block(xm, pj, ym, 5, K, N, j * PW, half); break;
+      case 4: block(xm, pj, ym, 4, K, N, j * PW, half); break;
+      case 3: block(xm, pj, ym, 3, K, N, j * PW, half); break;
+      case 2: block(xm, pj, ym, 2, K, N, j * PW, half); break;
+      default: block(xm, pj, ym, 1, K, N, j * PW, half); break;
     }
   }
 }
 
-/* x: M x K, row-major; p: the packed weight (float32, or bfloat16 for row_product_bf16); y: M x N, row-major. */
+/* x: M x K, row-major; p: the packed weight (float32, or bfloat16 for row_product_bf16); y: M x N, row-major.
+   Each has its own parallel loop, so that the weight type is a constant in the code OpenMP outlines. */
 void row_product(const float *x, const void *p, float *y, int64_t M, int64_t K, int64_t N, int threads) {
-  product(x, (const char *)p, y, M, K, N, threads, 0);
+  (void)threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t j = 0; j < (N + PW - 1) / PW; j++) panel(x, (const char *)p, y, M, K, N, j, 0);
 }
 
 void row_product_bf16(const float *x, const void *p, float *y, int64_t M, int64_t K, int64_t N, int threads) {
-  product(x, (const char *)p, y, M, K, N, threads, 1);
+  (void)threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t j = 0; j < (N + PW - 1) / PW; j++) panel(x, (const char *)p, y, M, K, N, j, 1);
 }
