@@ -127,9 +127,10 @@ def _prebuilt(source: bytes | None = None) -> Path:
     return _package_dir() / f"kernels-prebuilt-{_key(source or b''.join(s.read_bytes() for s in SOURCES))}.so"
 
 
-def _build(cc: list[str], target: Path) -> None:
+def _build(cc: list[str], target: Path) -> bool:
     """Compiles the sources into target, atomically: a concurrent load sees a whole library or none.
-    With OpenMP where the compiler takes it, else without (the kernels then run on one thread)."""
+    With OpenMP where the compiler takes it, else without (the kernels then run on one thread);
+    returns whether with."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -148,6 +149,7 @@ def _build(cc: list[str], target: Path) -> None:
             log.info("CPU tier's kernels built without OpenMP (with %s, %s)", OPENMP, why)
         os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep a prebuilt library from the image's other users
         os.replace(tmp, target)
+        return OPENMP in flags
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -262,29 +264,22 @@ def query_attention():
     return run
 
 
-def prebuild() -> Path:
+def prebuild() -> tuple[Path, bool]:
     """Builds the library into the installed package (where a runtime without a compiler finds it);
-    returns its path. OSError where there is no compiler or it fails."""
+    returns its path and whether it was built with OpenMP. OSError where there is no compiler or it
+    fails."""
     cc = _compiler()
     if cc is None:
         raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc or gcc'}) on PATH")
     target = _prebuilt()
-    _build(cc, target)
-    return target
-
-
-def _threaded_file(path: Path) -> bool:
-    """Whether the library at path was built with OpenMP."""
-    lib = ctypes.CDLL(str(path))
-    lib.threaded.restype = ctypes.c_int
-    return bool(lib.threaded())
+    return target, _build(cc, target)
 
 
 def main() -> int:
     """python -m specdec.engine.cpu.kernel: prebuilds the library into the installed package."""
     try:
-        built = prebuild()
-        print(f"built {built}" + ("" if _threaded_file(built) else " (without OpenMP: the kernels run on one thread)"))
+        built, threads = prebuild()
+        print(f"built {built}" + ("" if threads else " (without OpenMP: the kernels run on one thread)"))
         return 0
     except (OSError, subprocess.SubprocessError) as e:
         print(f"specdec.engine.cpu.kernel: not built: {e}", file=sys.stderr)
