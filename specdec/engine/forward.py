@@ -41,6 +41,7 @@ class Engine:
         self.pool = Pool(plan.kv_dtype, model.device)
         self.uniform = Uniform(self, plan.graphs) if (plan.graphs if uniform is None else uniform) else None
         self.compiled: list[torch.nn.Module] = []  # the model's compiled modules (compiled.py)
+        self.lean = None  # the CPU tier's lean forward (cpu/lean.py), where `lean_for` took it
 
     @property
     def device(self) -> torch.device:
@@ -118,9 +119,9 @@ class Engine:
                 picked = keep + [keep[-1]] * (plan.pad_to - len(keep))
                 picked += [keep[-1]] * (bool(lead) and len(picked) == T)
                 rows = 0 if keep == list(range(T)) else torch.tensor(picked, device=device)
-                out = model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=rows, **cache_kwargs(model, cache)).logits[0]
+                out = self._model(ids, position_ids, cache, rows)[0]
             else:
-                model.base_model(input_ids=ids, position_ids=position_ids, use_cache=True, **cache_kwargs(model.base_model, cache))
+                self._model(ids, position_ids, cache, None)
         for c, n in zip(caches, counts):
             c.length += n
         if padded:
@@ -131,6 +132,17 @@ class Engine:
             res[i] = out[row : row + n].float()
             row += n
         return res
+
+    def _model(self, ids: torch.Tensor, position_ids: torch.Tensor, cache: PassCache, rows) -> torch.Tensor | None:
+        """The model's pass: logits [1, k, V] of the rows that `rows` keeps (logits_to_keep), or
+        with rows None the keys and values only; through the lean forward where the engine took it."""
+        if self.lean is not None:
+            return self.lean(ids, position_ids, cache, rows)
+        model = self.model
+        if rows is None:
+            model.base_model(input_ids=ids, position_ids=position_ids, use_cache=True, **cache_kwargs(model.base_model, cache))
+            return None
+        return model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=rows, **cache_kwargs(model, cache)).logits
 
 
 def prepare(model, timer=None, graphs: bool | None = None, compiled: bool | None = None, **pins) -> Engine:
@@ -164,4 +176,8 @@ def prepare(model, timer=None, graphs: bool | None = None, compiled: bool | None
         log.warning("%s: compiled layers are for a GPU (the CPU tier makes its own choices); off on the CPU", name)
     from specdec.engine.cpu.choose import choose  # noqa: PLC0415 - the CPU tier: never imported on a GPU
 
-    return Engine(model, choose(model, pins, timer))
+    from specdec.engine.cpu.lean import lean_for  # noqa: PLC0415 - the CPU tier
+
+    engine = Engine(model, choose(model, pins, timer))
+    engine.lean = lean_for(engine)
+    return engine

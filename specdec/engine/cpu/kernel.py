@@ -220,15 +220,18 @@ def row_forward(m, half: bool | None = None):
     b = None if m.bias is None else m.bias.detach()
     product = lib.row_product_bf16 if half else lib.row_product
 
+    weights = p.data_ptr()
+
     def run(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
+        if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != k:
             raise ValueError(f"the row kernel multiplies float32 CPU rows of width {k}, not {x.dtype} {x.device} rows of width {x.shape[-1]}")
         r = x.reshape(-1, k).contiguous()
-        y = torch.empty(r.shape[0], n, dtype=torch.float32)
-        product(r.data_ptr(), p.data_ptr(), y.data_ptr(), r.shape[0], k, n, torch.get_num_threads())  # ctypes lets go of the GIL
+        m = r.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        product(r.data_ptr(), weights, y.data_ptr(), m, k, n, torch.get_num_threads())  # ctypes lets go of the GIL
         if b is not None:
             y = y + b
-        return y.reshape(*x.shape[:-1], n)
+        return y.view(*x.shape[:-1], n)
 
     run.packed = p
     return run
