@@ -45,7 +45,13 @@ def test_the_lean_forward_gives_the_models_own_numbers_in_every_kind_of_pass(dty
         engine = prepare(_llama().to(dtype))
     assert engine.lean is not None
     assert "the lean forward" in caplog.text
+
+    def bypassed(module, args, kwargs):
+        raise AssertionError("the model's own forward ran")
+
+    hook = engine.model.register_forward_pre_hook(bypassed, with_kwargs=True)  # the lean forward does not call the model
     fast = _passes(engine)
+    hook.remove()
     engine.lean = None  # the model's own forward
     own = _passes(engine)
     assert len(fast) == len(own) == 11
@@ -73,10 +79,19 @@ def test_a_model_not_built_of_llamas_modules_keeps_its_own_forward(caplog):
     hooked = _llama()
     hooked.model.layers[1].register_forward_hook(lambda m, args, out: None)
     _refused(hooked, caplog, "the model, a decoder layer or an attention module has forward hooks")
+    replaced = _llama()
+    replaced.model.layers[0].self_attn.forward = lambda *a, **kw: None
+    _refused(replaced, caplog, "the model, a decoder layer or an attention module has its forward replaced or compiled")
+
+
+def test_a_model_whose_own_forward_fails_the_probe_is_left_to_its_check(monkeypatch, caplog):
+    model = _llama()
+    monkeypatch.setattr(model.model.layers[0].mlp, "forward", lambda x: (_ for _ in ()).throw(RuntimeError("broken mlp")))
+    _refused(model, caplog, "its probe failed in the model's own forward: RuntimeError: broken mlp")
 
 
 @pytest.mark.parametrize("fault,words", [("differs", "its probe's logits differ from the model's forward"),
-                                         ("raises", "its probe failed: RuntimeError: lean fault")])
+                                         ("raises", "its probe failed in the lean forward: RuntimeError: lean fault")])
 def test_a_lean_forward_whose_probe_does_not_match_is_not_taken(monkeypatch, caplog, fault, words):
     real = lean.lean_forward
 

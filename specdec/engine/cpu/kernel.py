@@ -220,15 +220,15 @@ def row_forward(m, half: bool | None = None):
     b = None if m.bias is None else m.bias.detach()
     product = lib.row_product_bf16 if half else lib.row_product
 
-    weights = p.data_ptr()
+    weights = p.data_ptr()  # p lives as long as run: its default argument below holds it
 
-    def run(x: torch.Tensor) -> torch.Tensor:
+    def run(x: torch.Tensor, _panels: torch.Tensor = p) -> torch.Tensor:
         if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != k:
             raise ValueError(f"the row kernel multiplies float32 CPU rows of width {k}, not {x.dtype} {x.device} rows of width {x.shape[-1]}")
         r = x.reshape(-1, k).contiguous()
-        m = r.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        product(r.data_ptr(), weights, y.data_ptr(), m, k, n, torch.get_num_threads())  # ctypes lets go of the GIL
+        rows = r.shape[0]
+        y = torch.empty(rows, n, dtype=torch.float32)
+        product(r.data_ptr(), weights, y.data_ptr(), rows, k, n, torch.get_num_threads())  # ctypes lets go of the GIL
         if b is not None:
             y = y + b
         return y.view(*x.shape[:-1], n)

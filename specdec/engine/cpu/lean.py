@@ -1,9 +1,9 @@
 """The lean forward: a Llama model's pass through its own modules, without its wrappers.
 
-On a CPU a small model's pass is mostly Python: the shipped draft (2 layers of width 256) spends
-about two thirds of a decode step in transformers' per-call machinery (keyword plumbing and
+On a CPU a small model's pass is mostly Python: the shipped draft (2 layers of width 256) spent
+about a fifth of a decode step in transformers' per-call machinery (keyword plumbing and
 deprecation wrappers, output capture and dataclasses, the mask builder the engine does not use,
-gradient-checkpointing layers), not in its products. On a GPU CUDA graphs take that cost away;
+gradient-checkpointing layers; bench/results/LEAN.md). On a GPU CUDA graphs take that cost away;
 this is the CPU tier's answer. For a model built of transformers' own Llama classes (`supported`),
 `lean_forward` walks the same modules in the order `LlamaForCausalLM.forward` does: the embedding,
 the rotary embedding, each layer's norms, projections, `apply_rotary_pos_emb`, the engine's cache
@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.nn.modules import module as module_hooks
 
 from specdec.engine.attention import PassCache, packed_attention
 
@@ -41,6 +42,10 @@ def supported(model) -> str | None:
     skipped = [model, base, *base.layers, *(layer.self_attn for layer in base.layers)]  # the modules it does not call
     if any(m._forward_hooks or m._forward_pre_hooks for m in skipped):
         return "the model, a decoder layer or an attention module has forward hooks"
+    if any("forward" in vars(m) or getattr(m, "_compiled_call_impl", None) is not None for m in skipped):
+        return "the model, a decoder layer or an attention module has its forward replaced or compiled"
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+        return "global module forward hooks are registered"
     return None
 
 
@@ -84,7 +89,11 @@ def lean_for(engine):
     name = f"{type(engine.model).__name__} in {engine.model.dtype}"
     why = supported(engine.model)
     if why is None:
-        run = lean_forward(engine.model)
+        try:
+            run = lean_forward(engine.model)
+        except Exception as e:  # noqa: BLE001 - a transformers without what it calls: the model keeps its own forward
+            why = f"it could not be built: {type(e).__name__}: {e}"
+    if why is None:
         g = torch.Generator().manual_seed(0)
         V = engine.model.config.get_text_config().vocab_size
         caches = [engine.cache(16), engine.cache(16)]
@@ -98,10 +107,9 @@ def lean_for(engine):
                     engine.lean = lean
                     try:
                         ways.append(engine.forward(inputs, caches))
-                    except Exception as e:  # noqa: BLE001 - the model keeps its own forward, logged
-                        if lean is None:
-                            raise
-                        why = f"its probe failed: {type(e).__name__}: {e}"
+                    except Exception as e:  # noqa: BLE001 - logged; a model whose own forward fails is refused later, at its check
+                        where = "the model's own forward" if lean is None else "the lean forward"
+                        why = f"its probe failed in {where}: {type(e).__name__}: {e}"
                         break
                 if why is not None:
                     break
