@@ -32,11 +32,13 @@ PLANS = (("GEMM", "fp32-prepack=off,per-row=off,attention-kernel=off"), ("prepac
          ("row kernel, query attention", "fp32-prepack=off,per-row=on,row-kernel=on,attention-kernel=on"))
 
 
-def passes_ms(lm: LM, caches: list, sessions: int, rows: int, calls: int = 10) -> float:
+def passes_ms(lm: LM, caches: list, sessions: int, rows: int, calls: int = 10, last: bool = False) -> float:
+    """The median ms of `calls` passes of `rows` new tokens for each of the first `sessions` caches
+    (their lengths put back after each; `last`: logits of each input's last row only, as the draft's feeds)."""
     eng = lm.engine
 
     def one():
-        eng.forward([[5] * rows] * sessions, caches[:sessions], True)
+        eng.forward([[5] * rows] * sessions, caches[:sessions], True, last=[last] * sessions)
         for c in caches[:sessions]:
             c.length -= rows
 

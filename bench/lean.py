@@ -13,32 +13,14 @@ lean.json.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from bench.cli import DRAFT, RESULTS, TARGET, run_header, write_report
+from bench.kernels import passes_ms
 from specdec.lm import LM
 
 CASES = {"draft": ((1, 1, True), (4, 1, True), (1, 5, False)), "target": ((1, 1, False), (1, 5, False), (4, 5, False), (16, 1, False))}
-
-
-def passes_ms(lm: LM, caches: list, sessions: int, rows: int, last: bool, calls: int) -> float:
-    eng = lm.engine
-
-    def one():
-        eng.forward([[5] * rows] * sessions, caches[:sessions], True, last=[last] * sessions)
-        for c in caches[:sessions]:
-            c.length -= rows
-
-    one()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        one()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -66,7 +48,7 @@ def main(argv=None) -> int:
             for _ in range(a.repeats):
                 for name, fwd in (("model", None), ("lean", lean)):
                     lm.engine.lean = fwd
-                    ms = passes_ms(lm, caches, sessions, n, last, 50 if role == "draft" else 10)
+                    ms = passes_ms(lm, caches, sessions, n, 50 if role == "draft" else 10, last)
                     best[name] = min(best.get(name, ms), ms)
             lm.engine.lean = lean
             rows.append(dict(model=role, sessions=sessions, rows=n, last=last, ms=best))

@@ -9,8 +9,9 @@ this is the CPU tier's answer. For a model built of transformers' own Llama clas
 the rotary embedding, each layer's norms, projections, `apply_rotary_pos_emb`, the engine's cache
 write and attention (attention.py, what the model's attention calls), its MLP and residuals, then
 the final norm and the head on the kept rows (each called as a module, so hooks on them run).
-Every tensor op is the model's own, so the numbers are the model's bitwise; `Engine` takes it only after a probe at load gives the very logits of the
-model's forward (`lean_for`), else it keeps the model's forward and logs why.
+Every tensor op is the model's own, so the numbers are the model's bitwise; the engine takes it
+only after a probe at load gives the very logits of the model's forward (`lean_for`), else it
+keeps the model's forward and logs why.
 """
 from __future__ import annotations
 
