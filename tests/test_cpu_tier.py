@@ -88,12 +88,14 @@ def reference_attention(q, k, v, visible, scale):
 
 
 @KERNEL
-@pytest.mark.parametrize("B,n,H,H_kv,D,L", [(1, 1, 8, 8, 64, 300), (3, 5, 8, 2, 64, 70), (2, 4, 4, 4, 40, 33), (1, 3, 4, 1, 128, 130)])
+@pytest.mark.parametrize("B,n,H,H_kv,D,L", [(1, 1, 8, 8, 64, 300), (3, 5, 8, 2, 64, 70), (2, 4, 4, 4, 40, 33), (1, 3, 4, 1, 128, 130),
+                                         (4, 5, 4, 4, 8, 45), (2, 3, 4, 2, 16, 29)])
 def test_the_query_attention_gives_a_query_the_same_numbers_in_any_batch(B, n, H, H_kv, D, L):
     """The CPU tier's query attention is attention up to rounding (against float64, as close as
-    SDPA's float32), for GQA and head sizes of 40, 64 and 128, under causal, windowed and arbitrary
-    (a tree's) masks; a query's numbers are bitwise the same attended alone, with other queries and
-    sessions, and with more keys past the ones it sees."""
+    SDPA's float32), for GQA and head sizes of 8, 16, 40, 64 and 128, under causal, windowed and
+    arbitrary (a tree's) masks; a query's numbers are bitwise the same attended alone, with other
+    queries and sessions, with more keys past the ones it sees, and read in place from a pool where
+    its keys lie scattered among others (slots)."""
     g = torch.Generator().manual_seed(B * 100 + n)
     q, k, v = (torch.randn(*shape, generator=g) for shape in ((B, n, H, D), (B, L, H_kv, D), (B, L, H_kv, D)))
     pos = torch.randint(L // 2, L, (B, n), generator=g)
@@ -116,6 +118,15 @@ def test_the_query_attention_gives_a_query_the_same_numbers_in_any_batch(B, n, H
         more = torch.randn(B, 24, H_kv, D, generator=g)
         padded = att(q, torch.cat([k, more], 1), torch.cat([v, more], 1), torch.cat([seen, torch.zeros(B, n, 24, dtype=torch.bool)], 2), D**-0.5)
         assert torch.equal(padded.view(B, n, H, D), out), name
+        where = torch.randperm(B * L + 37, generator=g)[: B * L].view(B, L)  # each key's row in a bigger pool
+        pool_k, pool_v = torch.randn(B * L + 37, H_kv, D, generator=g), torch.randn(B * L + 37, H_kv, D, generator=g)
+        pool_k[where.reshape(-1)], pool_v[where.reshape(-1)] = k.reshape(-1, H_kv, D), v.reshape(-1, H_kv, D)
+        slots = where.to(torch.int32)
+        assert torch.equal(att(q, pool_k, pool_v, seen, D**-0.5, slots).view(B, n, H, D), out), name
+        unseen = slots.masked_fill(~seen.any(1), 10**6)  # a key no query sees is never read: its slot is not checked
+        assert torch.equal(att(q, pool_k, pool_v, seen, D**-0.5, unseen).view(B, n, H, D), out), name
+        with pytest.raises(IndexError, match="outside the pool"):
+            att(q, pool_k, pool_v, seen, D**-0.5, slots.masked_fill(seen.any(1), B * L + 37))
 
 
 @KERNEL
@@ -131,6 +142,8 @@ def test_the_query_attention_leaves_heads_it_does_not_take_to_sdpa():
     assert att(q, k, k[..., :32], seen, 0.125) is None
     with pytest.raises(ValueError, match="visible keys"):
         att(q, k, k, seen[:, :, :8], 0.125)
+    with pytest.raises(ValueError, match="slots"):
+        att(q, k[0], k[0], seen, 0.125, torch.arange(9).view(1, 9))  # int64 slots
     bad = q.clone()
     bad[0, 1, 2, 5] = float("nan")  # a failed score shows as NaN (the verifier then refuses the row), not as a plausible mean
     out = att(bad, k, k, seen, 0.125).view(1, 2, 4, 64)

@@ -143,14 +143,14 @@ def _attend(p: Pass, layer: int, query: torch.Tensor, scaling: float | None, sli
     outs = []
     for g, alone in [(g, False) for g in p.short] + [(g, True) for g in p.long]:
         B = g.qpos.shape[0]
-        k, v = g.keys(K), g.keys(V)  # [B, H_kv, Lb, D]
         q = (q_all if p.back is None else q_all.index_select(0, g.rows)).to(K.dtype)  # [B * n, H, D]
-        # the CPU tier's query attention, where it takes the layer's heads: -> [B * n, H, D]
-        o = p.kernel(q.reshape(B, g.n, H, D), k.transpose(1, 2), v.transpose(1, 2), g.visible(sliding_window), scale) \
+        # the CPU tier's query attention, where it takes the layer's heads, reading the pool in place: -> [B * n, H, D]
+        o = p.kernel(q.reshape(B, g.n, H, D), K, V, g.visible(sliding_window), scale, g.slots()) \
             if p.kernel is not None and not alone and not softcap else None
         if o is not None:
             outs.append(o)
             continue
+        k, v = g.keys(K), g.keys(V)  # [B, H_kv, Lb, D]
         if alone:  # [1, H, n, D]: the chunk's queries together
             q = q.view(B, g.n, H, D).transpose(1, 2)
             heads, reps, gqa = 0, 1, rep > 1

@@ -9,7 +9,8 @@ tensors that place every row's keys and queries.
   is still the query's own), each with its own causal (and sliding-window) mask row. So a query is
   computed exactly as a one-token step at its position computes it, whatever the group's size, its
   other sessions or its Lb: on the CPU, with one thread, bitwise (tests/test_pool.py), because
-  masked key positions add exact zeros and every key length is a multiple of PAGE. There an input
+  masked key positions add exact zeros and every key length is a multiple of PAGE. The CPU tier's
+  query attention reads the keys in place instead, through the group's slots (`Group.slots`). There an input
   whose pages are consecutive and hold VIEW_BYTES of a layer's keys attends in a group of its
   own, reading them as a view of the pool (`_viewed`): copying them would cost more.
 * **Long inputs** (prefill chunks of more tokens) attend in one masked call each, queries
@@ -46,7 +47,7 @@ class Group:
     tree: tuple | None = None  # where a member is a tree (tree.py): (base [B, 1, 1], visible [B, n, M], query depth [B, n],
     # key depth [B, M]) over each input's M nodes from its base; a chain member as the chain tree. None: all chains
     paged: bool = False  # gather holds pages, not slots
-    _masks: dict = field(default_factory=dict)
+    _masks: dict = field(default_factory=dict)  # masks and slots, made once a pass
 
     def keys(self, t: torch.Tensor) -> torch.Tensor:
         """The group's keys (or values) from a pool tensor [slots, H_kv, D]: [B, H_kv, Lb, D]."""
@@ -58,6 +59,20 @@ class Group:
         else:
             x = t.index_select(0, self.gather)
         return x.view(B, Lb, t.shape[1], t.shape[2]).transpose(1, 2)
+
+    def slots(self) -> torch.Tensor:
+        """[B, Lb] int32: the pool slot of each input's key positions (trash beyond its pages), for
+        an attention that reads the pool in place (the CPU tier's query attention)."""
+        if "slots" not in self._masks:
+            B, Lb, dev = self.qpos.shape[0], self.Lb, self.qpos.device
+            if self.first_slot is not None:
+                s = torch.arange(self.first_slot, self.first_slot + Lb, device=dev).expand(B, Lb)
+            elif self.paged:
+                s = (self.gather.view(B, Lb // PAGE, 1) * PAGE + torch.arange(PAGE, device=dev)).view(B, Lb)
+            else:
+                s = self.gather.view(B, Lb)
+            self._masks["slots"] = s.to(torch.int32)
+        return self._masks["slots"]
 
     def mask(self, window: int | None, heads: int, rep: int, additive: torch.dtype | None = None) -> torch.Tensor:
         """[B, heads * n * rep, 1, Lb] for the head layout (one query per head row), or [B, 1, n * rep, Lb]

@@ -172,7 +172,7 @@ def _load() -> ctypes.CDLL:
     lib.panel_width.restype = ctypes.c_int64
     lib.threaded.restype = ctypes.c_int
     lib.attend_queries.restype = ctypes.c_int
-    lib.attend_queries.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.attend_queries.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
     if not lib.threaded():  # every load says so: a library built once without OpenMP is cached and loaded as it is
         log.info("CPU tier's kernels run on one thread whatever --threads says: %s was built without OpenMP "
                  "(delete it to build again)", target)
@@ -242,25 +242,41 @@ HEAD_DIMS = range(8, 257, 8)  # the head sizes the query attention takes
 
 def query_attention():
     """The query attention (attend.c), or None where the library is not available. Its call:
-    q [B, n, H, D], k and v [B, L, H_kv, D], visible [B, n, L] (bool), scale -> [B * n, H, D], or
-    None for heads it does not take (not float32 CPU tensors, D not in HEAD_DIMS, H not a multiple
-    of H_kv, values of another size than keys): those attend through SDPA, every pass alike."""
+    q [B, n, H, D], k and v [B, L, H_kv, D], visible [B, n, L] (bool), scale -> [B * n, H, D]; or,
+    with `slots` [B, L] (int32), k and v a pool [S, H_kv, D] read in place, slots[b, j] the pool row
+    of input b's key position j (a slot outside the pool is an IndexError; keys it does not see are
+    never read). None for heads it does not take (not float32 CPU tensors, D not in HEAD_DIMS, H
+    not a multiple of H_kv, values of another size than keys): those attend through SDPA, every
+    pass alike."""
     lib = library()
     if lib is None:
         return None
     fn = lib.attend_queries
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor | None:
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+            slots: torch.Tensor | None = None) -> torch.Tensor | None:
         B, n, H, D = q.shape
-        L, H_kv = k.shape[1], k.shape[2]
+        if slots is None:  # one input's keys after another's: a pool of B * L rows, in order
+            if k.dim() != 4 or v.dim() != 4 or k.shape[0] != B or v.shape[:2] != k.shape[:2]:
+                return None
+            L = k.shape[1]
+            k, v = k.reshape(B * L, *k.shape[2:]), v.reshape(B * L, *v.shape[2:])
+            slots = torch.arange(B * L, dtype=torch.int32).view(B, L)
+        L, H_kv = slots.shape[-1], k.shape[-2]
         if not (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v)) and D in HEAD_DIMS and H % H_kv == 0
-                and k.shape == (B, L, H_kv, D) and v.shape == k.shape):
+                and k.dim() == 3 and k.shape[-1] == D and v.shape == k.shape):
             return None
+        if slots.dtype != torch.int32 or slots.shape != (B, L):
+            raise ValueError(f"the query attention's slots: expected int32 {(B, L)}, got {slots.dtype} {tuple(slots.shape)}")
         if visible.dtype != torch.bool or visible.shape != (B, n, L):
             raise ValueError(f"the query attention's visible keys: expected bool {(B, n, L)}, got {visible.dtype} {tuple(visible.shape)}")
-        q, k, v, visible = q.contiguous(), k.contiguous(), v.contiguous(), visible.contiguous()
+        q, k, v, slots, visible = q.contiguous(), k.contiguous(), v.contiguous(), slots.contiguous(), visible.contiguous()
         out = torch.empty(B * n, H, D, dtype=torch.float32)
-        if fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), visible.data_ptr(), out.data_ptr(), B, n, H, H_kv, D, L, scale, torch.get_num_threads()):
+        failed = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), visible.data_ptr(), out.data_ptr(),
+                    B, n, H, H_kv, D, L, k.shape[0], scale, torch.get_num_threads())
+        if failed == -2:
+            raise IndexError(f"the query attention's slots name a key outside the pool of {k.shape[0]} rows")
+        if failed:
             raise MemoryError("the query attention could not allocate its scratch memory")
         return out
 
