@@ -1,5 +1,6 @@
 """The CPU tier: calibrated matmul row counts, per-row products, prepacked half-precision weights,
 and the load-time choices (timed through an injected timer here, or pinned by --engine-choices)."""
+import os
 import shutil
 import subprocess
 
@@ -293,6 +294,29 @@ def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(monkeypatch
     finally:
         torch.set_num_threads(threads)
         kernel.library.cache_clear()  # the next caller loads the real one
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or kernel._unsupported() is not None, reason="needs gcc, on x86-64 Linux with AVX2")
+def test_a_build_leaves_the_cache_its_newest_libraries(monkeypatch, tmp_path):
+    """Each version of the sources builds a library of its own into the cache folder; a build
+    leaves there the KEEP_BUILDS newest, itself among them, and nothing else in the folder is
+    touched."""
+    monkeypatch.setenv("CC", "gcc")
+    monkeypatch.setattr(kernel, "_package_dir", lambda: tmp_path / "package")  # nothing prebuilt
+    monkeypatch.setattr(kernel, "_cache_dir", lambda: tmp_path)
+    old = [tmp_path / f"kernels-{i:016x}.so" for i in range(6)]
+    for age, p in enumerate(old):  # old[0] the newest of them
+        p.write_bytes(b"an older build")
+        os.utime(p, (1e9 - age, 1e9 - age))
+    (tmp_path / "notes.txt").write_text("not a library")
+    kernel.library.cache_clear()
+    try:
+        assert kernel.library() is not None
+    finally:
+        kernel.library.cache_clear()  # the next caller loads the real one
+    left = sorted(p.name for p in tmp_path.glob("kernels-*.so"))
+    assert len(left) == kernel.KEEP_BUILDS and {p.name for p in old[: kernel.KEEP_BUILDS - 1]} < set(left)
+    assert (tmp_path / "notes.txt").exists()
 
 
 def test_a_row_kernel_that_does_not_build_is_logged_and_left_out(monkeypatch, tmp_path, caplog):

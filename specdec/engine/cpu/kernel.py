@@ -31,6 +31,7 @@ image's build stage runs: its runtime has no compiler) is loaded where its sourc
 else it is built with a C compiler (`$CC`, else `cc` or `gcc`) and cached by the sources' hash in
 $XDG_CACHE_HOME/specdec (default ~/.cache/specdec), else in a private folder of the temporary
 directory (specdec-<uid>, mode 0700); a folder that another user owns or may write to is not used.
+A build leaves the folder its four newest libraries.
 Anything missing is logged, and the CPU tier keeps its other products and SDPA.
 """
 from __future__ import annotations
@@ -56,6 +57,7 @@ log = logging.getLogger("specdec.engine")
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowkernel.c", "attend.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
 OPENMP = "-fopenmp"  # added where the compiler takes it (`_build`)
+KEEP_BUILDS = 4  # libraries the cache folder keeps, the newest (`_prune`)
 BUILD_TIMEOUT_S = 120
 
 
@@ -155,6 +157,18 @@ def _build(cc: list[str], target: Path) -> bool:
             os.unlink(tmp)
 
 
+def _prune(built: Path) -> None:
+    """Leaves the cache folder the KEEP_BUILDS newest libraries, `built` among them: each version of
+    the sources (another checkout, an older release) builds its own, and nothing else removes them.
+    A library another process has loaded stays mapped there; one it loads later is built again."""
+    try:
+        others = sorted((p for p in built.parent.glob("kernels-*.so") if p != built), key=lambda p: p.stat().st_mtime, reverse=True)
+        for p in others[KEEP_BUILDS - 1 :]:
+            p.unlink(missing_ok=True)
+    except OSError as e:  # another process pruning meanwhile: what is left goes next time
+        log.debug("CPU tier's kernel cache not pruned: %s", e)
+
+
 def _load() -> ctypes.CDLL:
     source = b"".join(s.read_bytes() for s in SOURCES)
     target = _prebuilt(source)
@@ -165,6 +179,7 @@ def _load() -> ctypes.CDLL:
         target = _cache_dir() / f"kernels-{_key(source, *cc)}.so"
         if not target.exists():
             _build(cc, target)
+            _prune(target)
     lib = ctypes.CDLL(str(target))
     for product in (lib.row_product, lib.row_product_bf16):
         product.restype = None
