@@ -394,6 +394,25 @@ def test_per_row_products_without_the_row_kernel(model_dir, monkeypatch, caplog,
     assert any("per-row=on pinned without row-kernel; made row-kernel=off" in m for m in said) == (why != "pinned off")
 
 
+@KERNEL
+def test_the_row_kernels_memory_budget_counts_bfloat16_panels_at_their_size(monkeypatch):
+    """The row kernel's packed weights take 2 bytes a weight where a weight's values are all
+    bfloat16 values (a bf16 checkpoint served in float32: its panels are bfloat16) and 4 elsewhere;
+    the memory budget counts them so: a host with room for the halves but not for float32 copies
+    takes the kernel for the bf16-exact model and refuses it for the other."""
+    g = torch.Generator().manual_seed(0)
+    class Model(torch.nn.Sequential):
+        dtype = torch.float32  # as a transformers model says
+
+    exact, plain = (Model(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)) for _ in range(2))
+    for m in exact:
+        m.weight.data = torch.randn(m.weight.shape, generator=g).bfloat16().float()
+    weights = sum(m.weight.numel() for m in plain)
+    monkeypatch.setattr(choose, "available_memory_bytes", lambda: int(3 * weights / choose.PREPACK_MEMORY_SHARE))  # 3 bytes a weight
+    assert choose.kernel_products(exact, None) is kernel.row_forward
+    assert choose.kernel_products(plain, None) is None
+
+
 def test_per_row_products_keep_one_copy_of_each_weight(wide_dir):
     """Switching to per-row products transposes each weight once and keeps only that copy (the
     original is freed; a weight tied to the embeddings stays, and its transposed copy is the one

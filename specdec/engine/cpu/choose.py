@@ -108,7 +108,7 @@ def kernel_products(model, pinned: bool | None):
     if any(m.weight.dtype != torch.float32 for m in row_modules(model)):
         log.info("%s: the row kernel not used: not every matmul weight is float32", type(model).__name__)
         return None
-    extra = sum(m.weight.numel() * 4 for m in row_modules(model))
+    extra = sum(m.weight.numel() * (2 if kernel.bf16_exact(m.weight.detach()) else 4) for m in row_modules(model))  # row_forward's panels
     free = available_memory_bytes()
     if free is not None and extra > PREPACK_MEMORY_SHARE * free:
         log.info("%s: the row kernel not used: its packed weights' %.2f GiB would pass %.0f%% of the %.2f GiB free",
