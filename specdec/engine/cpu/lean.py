@@ -95,34 +95,41 @@ def lean_for(engine):
         except Exception as e:  # noqa: BLE001 - a transformers without what it calls: the model keeps its own forward
             why = f"it could not be built: {type(e).__name__}: {e}"
     if why is None:
-        g = torch.Generator().manual_seed(0)
-        V = engine.model.config.get_text_config().vocab_size
-        caches = [engine.cache(16), engine.cache(16)]
-        try:
-            for counts in ([7, 3], [1, 2]):  # each session's new tokens in the pass
-                inputs = [torch.randint(V, (n,), generator=g).tolist() for n in counts]
-                before, ways = [c.length for c in caches], []
-                for lean in (None, run):
-                    for c, n in zip(caches, before):
-                        c.crop(n)
-                    engine.lean = lean
-                    try:
-                        ways.append(engine.forward(inputs, caches))
-                    except Exception as e:  # noqa: BLE001 - logged; a model whose own forward fails is refused later, at its check
-                        where = "the model's own forward" if lean is None else "the lean forward"
-                        why = f"its probe failed in {where}: {type(e).__name__}: {e}"
-                        break
-                if why is not None:
-                    break
-                if not all(torch.equal(a, b) for a, b in zip(*ways)):
-                    why = "its probe's logits differ from the model's forward"
-                    break
-        finally:
-            engine.lean = None
-            for c in caches:
-                c.release()
+        why = _probe(engine, run)
     if why is not None:
         log.info("%s: the model's own forward (no lean forward: %s)", name, why)
         return None
     log.info("%s: the lean forward (the model's modules without its wrappers; its probe's logits are the model's bitwise)", name)
     return run
+
+
+def _probe(engine, run) -> str | None:
+    """Why `run` is not the engine's model's forward (lean_for's probe), or None where it gave the
+    same logits bitwise in every pass. The engine is left on the model's own forward."""
+    g = torch.Generator().manual_seed(0)
+    V = engine.model.config.get_text_config().vocab_size
+    caches = [engine.cache(16), engine.cache(16)]
+
+    def both(inputs: list[list[int]]):  # the pass through each forward, from the same cache state
+        before, ways = [c.length for c in caches], []
+        for lean in (None, run):
+            for c, n in zip(caches, before):
+                c.crop(n)
+            engine.lean = lean
+            try:
+                ways.append(engine.forward(inputs, caches))
+            except Exception as e:  # noqa: BLE001 - logged; a model whose own forward fails is refused later, at its check
+                where = "the model's own forward" if lean is None else "the lean forward"
+                return f"its probe failed in {where}: {type(e).__name__}: {e}"
+        return None if all(torch.equal(a, b) for a, b in zip(*ways)) else "its probe's logits differ from the model's forward"
+
+    try:
+        for counts in ([7, 3], [1, 2]):  # each session's new tokens in the pass
+            why = both([torch.randint(V, (n,), generator=g).tolist() for n in counts])
+            if why is not None:
+                return why
+        return None
+    finally:
+        engine.lean = None
+        for c in caches:
+            c.release()
