@@ -6,6 +6,7 @@ import subprocess
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from helpers.engine import BF16_ONEDNN, logits_of_a_session
 from specdec.engine import prepare
@@ -13,10 +14,37 @@ from specdec.engine.cpu import choose, kernel
 from specdec.engine.cpu import prepack as prepack_mod
 from specdec.choices import parse_choices
 from specdec.engine.cpu.prepack import prepacked
+from specdec.engine.cpu import rows as rows_mod
 from specdec.engine.cpu.rows import ROW_LADDER, ROW_PROBE, class_top, per_row
 from specdec.lm import LM
 
 KERNEL = pytest.mark.skipif(kernel.library() is None, reason="the CPU tier's kernels do not build on this machine")
+
+
+def test_matmul_timings_stream_several_weights_of_each_kind(model_dir):
+    """A load-time timing of the matmuls runs up to STREAMED modules of each kind, from layers spread
+    over the model, one after another in every call (one module over and over would time its
+    weight in cache), and counts each kind as often as it occurs."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=torch.float32)
+    kinds = rows_mod.kinds(model)
+    calls: list = []
+    forward_of = lambda m: lambda x: calls.append(m)  # noqa: E731
+    totals = rows_mod.matmul_seconds(model, [(forward_of, 1)], timer=lambda what, fns: [fn() or 1.0 for fn in fns])
+    for ms in kinds.values():
+        ran = [m for m in calls if m in ms]
+        assert len(ran) == len(set(ran)) == min(len(ms), rows_mod.STREAMED) and (len(ms) == 1 or ran[-1] is not ms[0])
+    # a second a call: a call's modules share it, and each kind counts as often as it occurs
+    assert totals == [pytest.approx(sum(len(ms) / min(len(ms), rows_mod.STREAMED) for ms in kinds.values()))]
+
+
+@pytest.mark.parametrize("seconds,pays", [([2.0, 1.0, 1.5, 1.0], True), ([1.2, 1.0, 0.8, 1.0], True), ([1.2, 1.0, 1.1, 1.0], False),
+                                          ([0.9, 1.0, 0.5, 1.0], False)])
+def test_per_row_products_pay_for_a_fast_step_or_for_both(model_dir, seconds, pays):
+    """Per-row products are kept where a step's matmuls get 1.5x faster at a round's cost of at most
+    2x, or where both a step and a round get faster (timings: a step's GEMM, a per-row step, a
+    per-row round, a round's GEMM)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir("target"), dtype=torch.float32)
+    assert rows_mod.per_row_pays(model, 2, rows_mod.per_row, timer=lambda what, fns: seconds) == pays
 
 
 def test_row_calibration_finds_where_a_kernel_changes():

@@ -152,11 +152,13 @@ def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | 
             plan.prepacked = True
             per_row = False
     if per_row is not False and (per_row or rows is None or rows[0] > 1):
-        probes: dict = {}  # one module of each kind's per-row forward, for calibration and timing alike
+        probes: dict = {}  # the per-row forwards of the modules calibrated and timed (a few of each kind), kept
         fast = kernel_products(model, row_kernel)
 
         def probe(m):
-            return probes.setdefault(m, fast(m) if fast else per_row_forward(m))
+            if m not in probes:
+                probes[m] = fast(m) if fast else per_row_forward(m)
+            return probes[m]
 
         # timed first: calibrating per-row products costs far more where they are slow (bf16 here: a minute)
         pays = per_row or rows is None or per_row_pays(model, rows[0], probe, timer)
@@ -166,7 +168,7 @@ def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | 
             gemm = {m: m.forward for m in mods}
             halves = 0  # row kernel products whose weight is packed in bfloat16 (exact: kernel.row_forward)
             for m in mods:
-                own = fast(m) if fast else per_row_forward(m, own_weight=held[id(m.weight)] == 1)
+                own = probes.get(m) or fast(m) if fast else per_row_forward(m, own_weight=held[id(m.weight)] == 1)
                 halves += fast is not None and own.packed.dtype == torch.bfloat16
                 m.forward = blocked(own, per[1], gemm[m])
             plan.rows, plan.pad_to, plan.top, plan.per_row, plan.row_kernel = per, 1, PER_ROW_LEAD, True, fast is not None

@@ -71,10 +71,10 @@ def prepack(model, force: bool = False, timer=None, plain_rows: tuple[int, int] 
       pass of PASS_ROWS rows at least PREPACK_GAIN times faster while a one-token step costs at
       most PREPACK_GAIN times as much: a verifier's passes hold rounds, a step pays a little.
 
-    Timed with one module of each kind (half precision: in up to PREPACK_TRIES tries); the packed copies must fit
+    Timed with a few modules of each kind (`matmul_seconds`; half precision: in up to PREPACK_TRIES tries); the packed copies must fit
     in PREPACK_MEMORY_SHARE of the host's free memory. The plain weights stay (the modules' own
     attributes: anything that reads them directly still computes with the right numbers), so the
-    matmul weights are held twice. One module of each kind is packed for the checks; the rest only
+    matmul weights are held twice. A few modules of each kind are packed for the checks; the rest only
     once they pass, and all before any is switched, so a failure changes nothing."""
     ops = torch.ops.mkldnn
     if not torch.backends.mkldnn.is_available() or not all(hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise")):
@@ -88,7 +88,7 @@ def prepack(model, force: bool = False, timer=None, plain_rows: tuple[int, int] 
                  100 * PREPACK_MEMORY_SHARE, free / 2**30)
         return None
     rows = None  # float32: the prepacked products' calibrated rows
-    packed: dict = {}  # module -> its prepacked forward: one module of each kind until the checks pass
+    packed: dict = {}  # module -> its prepacked forward: a few of each kind until the checks pass
     by_weight: dict = {}  # (layout, weight id) -> the packed weight: modules that share a weight share one packed copy
 
     def pack(m):

@@ -8,7 +8,8 @@ every row the same numbers, wherever it sits (every count up to 64, then 128 and
 padded to lo rows, and each matmul module cuts a longer input into blocks of lo..hi rows
 (`blocked`); lo is 1 only if a thousand one-row products also match two-row ones. Where lo > 1, per-row products (`per_row`: a batched matmul,
 one row per batch entry) may replace the GEMMs, so nothing is padded; they are kept where a
-one-token step's matmuls get much faster and a round's at most twice as slow (`per_row_pays`).
+one-token step's matmuls get much faster and a round's at most twice as slow, or where both get
+faster (`per_row_pays`).
 A prefill chunk of more than hi tokens (PER_ROW_LEAD with per-row products) goes first in its pass
 and through every matmul in one product of its own. Nothing here is imported on a GPU.
 """
@@ -38,6 +39,8 @@ PER_ROW_ROUND_COST = 2.0  # ... as long as a round's matmuls cost at most this m
 ROUND_ROWS = 5  # a round of tau = 4, for that comparison
 PER_ROW_LEAD = 8  # with per-row products, a prefill chunk of more tokens has a GEMM of its own
 TIMING_REPEATS = 5  # every contender timed this many times, alternately; the best of each counts
+TIMED_CALLS = 20  # module calls in one timing of a contender
+STREAMED = 8  # a kind's modules run one after another in its timings (matmul_seconds)
 
 
 def row_modules(model) -> list[torch.nn.Module]:
@@ -162,7 +165,7 @@ def own_forward(m):
 
 
 
-def best_seconds(fns: list, calls: int = 20, repeats: int = TIMING_REPEATS) -> list[float]:
+def best_seconds(fns: list, calls: int = TIMED_CALLS, repeats: int = TIMING_REPEATS) -> list[float]:
     """Seconds one call of each fn takes: `repeats` timings of `calls` calls each, taken in turn
     (a, b, a, b, ...: a burst of load from a neighbour on a shared machine then falls on every
     contender, not on one), after one untimed call each; the best timing of each."""
@@ -187,26 +190,37 @@ def clock(what: str, fns: list) -> list[float]:
 @torch.inference_mode()
 def matmul_seconds(model, runs: list[tuple], timer=None, what: str = "") -> list[float]:
     """Seconds the model's matmuls take for each (forward_of, rows) in runs: each module run as
-    forward_of(module) on inputs of `rows` rows. One module of each kind is timed, with every run
-    in turn (`best_seconds`), and counted as often as the kind occurs."""
+    forward_of(module) on inputs of `rows` rows. Each kind is timed on up to STREAMED of its modules
+    (from layers spread over the model) run one after another, with every run in turn
+    (`best_seconds`), and counted as often as the kind occurs. One module run over and over would
+    keep its weight in cache where a pass streams every weight once: on a CPU whose cache holds a
+    small weight (a Xeon's 2 MB of L2 a core), that times MKL's GEMMs on cached weights, faster
+    than they run in a pass (bench/results/HISTORY.md)."""
     totals = [0.0] * len(runs)
     for ms in kinds(model).values():
+        some = ms[:: -(-len(ms) // STREAMED)]  # [<= STREAMED] distinct weights
         xs = {rows: torch.randn(1, rows, width(ms[0])).to(model.dtype) for _, rows in runs}
-        fns = [functools.partial(forward_of(ms[0]), xs[rows]) for forward_of, rows in runs]
-        for i, t in enumerate((timer or clock)(what, fns)):
-            totals[i] += t * len(ms)
+        fns = [functools.partial(_each, [forward_of(m) for m in some], xs[rows]) for forward_of, rows in runs]
+        seconds = timer(what, fns) if timer else best_seconds(fns, calls=max(2, TIMED_CALLS // len(some)))
+        for i, t in enumerate(seconds):
+            totals[i] += t / len(some) * len(ms)
     return totals
+
+
+def _each(fwds: list, x: torch.Tensor) -> None:
+    for f in fwds:
+        f(x)
 
 
 def per_row_pays(model, lo: int, per_row, timer=None) -> bool:
     """Whether per-row products (per_row(module): its per-row forward) make a one-token step's
     matmuls at least PER_ROW_GAIN times faster than lo-row GEMMs, while a round of ROUND_ROWS
-    tokens costs at most PER_ROW_ROUND_COST times its GEMM (timed on this CPU with one module of
-    each kind)."""
+    tokens costs at most PER_ROW_ROUND_COST times its GEMM, or make both faster (timed on this
+    CPU with a few modules of each kind, `matmul_seconds`)."""
     gemm_step, per_row_step, per_row_round, gemm_round = matmul_seconds(
         model, [(own_forward, lo), (per_row, 1), (per_row, ROUND_ROWS), (own_forward, ROUND_ROWS)], timer, "per-row")
     step, rnd = gemm_step / per_row_step, per_row_round / gemm_round
     log.info("%s in %s: per-row products make a step's matmuls %.2fx faster and cost a %d-row round's %.2fx",
              type(model).__name__, model.dtype, step, ROUND_ROWS, rnd)
-    return step >= PER_ROW_GAIN and rnd <= PER_ROW_ROUND_COST
+    return (step >= PER_ROW_GAIN and rnd <= PER_ROW_ROUND_COST) or (step > 1 and rnd < 1)
 
