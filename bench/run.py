@@ -278,9 +278,9 @@ def main(argv=None) -> int:
     from bench.prompts import heldout_prompts
     from train.latency import compare_latency
 
-    from specdec.lm import checkpoint_dtype, resolve_dtype
+    from specdec.lm import checkpoint_dtype, resolve_dtype, weight_bytes
 
-    a.dtype = str(resolve_dtype(a.dtype, torch.device("cpu"), checkpoint_dtype(a.target))).removeprefix("torch.")
+    a.dtype = str(resolve_dtype(a.dtype, torch.device("cpu"), checkpoint_dtype(a.target), weight_bytes(a.target))).removeprefix("torch.")
     prompts = heldout_prompts(a.prompts)
     tok = AutoTokenizer.from_pretrained(a.target)
     target = AutoModelForCausalLM.from_pretrained(a.target, dtype=getattr(torch, a.dtype)).eval()

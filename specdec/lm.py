@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from specdec import architectures
 from specdec.architectures import Unsupported
-from specdec.engine import Engine, prepare
+from specdec.engine import Engine, available_memory_bytes, cpu_row_kernel, prepare
 from specdec.startup import TOKENIZER_FILES, StartupError, add_model_args, check_model_dir  # noqa: F401 - add_model_args: the services' flags
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,9 +87,16 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-    """`auto`: the checkpoint's dtype on CUDA (float32 if it names none); on the CPU bfloat16 where
-    the CPU has bf16 instructions (measured fastest there: bench/results), else float32."""
+FLOAT32_MEMORY_SHARE = 0.5  # `auto` on the CPU takes float32 where its weights (and the row kernel's panels) fit in this share
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None, weight_bytes: int | None = None) -> torch.dtype:
+    """`auto`: the checkpoint's dtype on CUDA (float32 if it names none). On the CPU float32 where
+    the CPU tier's row kernel runs (it reads a bfloat16 checkpoint's weights from bfloat16 panels
+    and multiplies in float32: faster than bfloat16's GEMMs on the Xeon and the EPYC measured,
+    bench/results/ENGINE.md) and the float32 weights with their panels fit in FLOAT32_MEMORY_SHARE
+    of the free memory (weight_bytes: the checkpoint's, None if unknown); else bfloat16 where the
+    CPU has bf16 instructions, else float32."""
     if name != "auto":
         dt = DTYPES[name]
         if device.type == "cpu" and dt == torch.float16:
@@ -97,7 +104,20 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype
         return dt
     if device.type == "cuda":
         return checkpoint_dtype if checkpoint_dtype in DTYPES.values() else torch.float32
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if not cpu_has_native_bf16():
+        return torch.float32
+    if cpu_row_kernel():
+        size = torch.tensor([], dtype=checkpoint_dtype or torch.float32).element_size()
+        free = available_memory_bytes()
+        if weight_bytes is None or free is None or weight_bytes * 4 / size * 1.5 <= FLOAT32_MEMORY_SHARE * free:
+            return torch.float32
+    return torch.bfloat16
+
+
+def weight_bytes(path: str) -> int | None:
+    """The bytes of a checkpoint's weight files (safetensors or PyTorch), or None where there are none."""
+    sizes = [e.stat().st_size for e in os.scandir(path) if e.is_file() and e.name.endswith((".safetensors", ".bin", ".pt", ".pth"))]
+    return sum(sizes) or None
 
 
 def vocab_fingerprint(tokenizer, vocab_size: int) -> str:
@@ -172,7 +192,7 @@ class LM:
         if not tok.get_vocab():  # (not a probe text: a word-level vocabulary may have no token for it)
             raise StartupError(f"--model {path}: the tokenizer has no vocabulary")
         cfg_dtype = checkpoint_dtype(path)
-        dt = resolve_dtype(dtype, dev, cfg_dtype)
+        dt = resolve_dtype(dtype, dev, cfg_dtype, weight_bytes(path))
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(dev)
         except ValueError as e:  # encoder-only / encoder-decoder configs: no causal-LM class at all

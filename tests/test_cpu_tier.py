@@ -646,3 +646,37 @@ def test_an_engine_choice_prepare_does_not_know_is_an_error():
     anything is loaded or timed, naming the choices it knows."""
     with pytest.raises(TypeError, match=r"no engine choice per_rows \(the choices: attention, prepack, fp32_prepack, per_row"):
         prepare(None, per_rows=True)
+
+
+@pytest.mark.parametrize("bf16,kernel_runs,free_gib,want", [
+    (False, True, 64, torch.float32),  # no bf16 instructions: float32
+    (True, True, 64, torch.float32),  # the row kernel: float32, whose panels read a bf16 checkpoint at its bytes
+    (True, True, 1, torch.bfloat16),  # ... unless float32 weights and panels would not fit in half the free memory
+    (True, False, 64, torch.bfloat16),  # no row kernel: bf16 instructions, bfloat16
+])
+def test_auto_dtype_on_the_cpu(monkeypatch, bf16, kernel_runs, free_gib, want):
+    """`--dtype auto` on the CPU: float32 where the row kernel runs and a bf16 checkpoint's weights
+    in float32 with their bfloat16 panels (3x its bytes) fit in half the free memory; else bfloat16
+    where the CPU has bf16 instructions; else float32. Named dtypes are taken as they are."""
+    from specdec import lm as lm_mod
+
+    monkeypatch.setattr(lm_mod, "cpu_has_native_bf16", lambda: bf16)
+    monkeypatch.setattr(lm_mod, "cpu_row_kernel", lambda: kernel_runs)
+    monkeypatch.setattr(lm_mod, "available_memory_bytes", lambda: free_gib * 2**30)
+    cpu = torch.device("cpu")
+    assert lm_mod.resolve_dtype("auto", cpu, torch.bfloat16, 2**30 // 2) == want  # a 0.5 GiB bf16 checkpoint: 1.5 GiB so
+    assert lm_mod.resolve_dtype("auto", cpu, torch.bfloat16, None) == (torch.bfloat16 if bf16 and not kernel_runs else torch.float32)
+    assert lm_mod.resolve_dtype("bfloat16", cpu, torch.float32, 2**40) == torch.bfloat16
+    with pytest.raises(lm_mod.Unsupported, match="float16 on the CPU"):
+        lm_mod.resolve_dtype("float16", cpu, None, None)
+
+
+def test_a_checkpoints_weight_bytes_are_its_weight_files(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 300)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 20)
+    (tmp_path / "config.json").write_text("{}")
+    from specdec.lm import weight_bytes
+
+    assert weight_bytes(str(tmp_path)) == 320
+    (tmp_path / "empty").mkdir()
+    assert weight_bytes(str(tmp_path / "empty")) is None

@@ -13,10 +13,10 @@
 """
 from specdec.engine.attention import cache_kwargs, returned_cache
 from specdec.engine.cache import PAGE, KVCache, Pool, available_memory_bytes
-from specdec.engine.forward import PREFILL_CHUNK, Engine, prepare
+from specdec.engine.forward import PREFILL_CHUNK, Engine, cpu_row_kernel, prepare
 from specdec.engine.layout import ROW_BY_ROW
 from specdec.engine.plan import Plan
 from specdec.engine.tree import Tree
 
 __all__ = ["PAGE", "PREFILL_CHUNK", "ROW_BY_ROW", "Engine", "KVCache", "Plan", "Pool", "Tree", "available_memory_bytes", "cache_kwargs",
-           "prepare", "returned_cache"]
+           "cpu_row_kernel", "prepare", "returned_cache"]

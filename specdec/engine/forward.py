@@ -145,6 +145,14 @@ class Engine:
         return model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=rows, **cache_kwargs(model, cache)).logits
 
 
+def cpu_row_kernel() -> bool:
+    """Whether the CPU tier's row kernel builds and loads on this host (cpu/kernel.py: float32
+    products that read a bfloat16 checkpoint's weights from bfloat16 panels)."""
+    from specdec.engine.cpu import kernel  # noqa: PLC0415 - the CPU tier, asked on the CPU only
+
+    return kernel.library() is not None
+
+
 def prepare(model, timer=None, graphs: bool | None = None, compiled: bool | None = None, **pins) -> Engine:
     """Switches `model` to the engine's attention and returns its Engine. On the CPU the CPU tier makes
     its load-time choices first (pinned by `pins`, where given and not None: specdec.choices.parse_choices'
