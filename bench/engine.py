@@ -166,7 +166,7 @@ def rate(pairs) -> float:
 def main(argv=None) -> None:
     p = pair_run_parser("engine", 128, 2, dtypes=dict(default="float32,bfloat16"))
     p.add_argument("--sets", default="code,heldout", help="prompt sets: code (CODE_PROMPTS), heldout (held-out stdlib prompts)")
-    p.add_argument("--heldout-dtypes", default="bfloat16", help="dtypes the held-out set runs in")
+    p.add_argument("--heldout-dtypes", default="float32", help="dtypes the held-out set runs in (float32: `auto` where the row kernel runs)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     results: dict = {"max_new_tokens": a.max_new_tokens, "sets": {}}
