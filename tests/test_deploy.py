@@ -114,7 +114,7 @@ def test_manifests_place_each_model_and_pin_its_engine(overlay, verify_device):
         assert (choices == "") == (device == "cuda"), (name, choices)
         if choices:
             from specdec.choices import parse_choices  # the services' own parser: the pin must start
-            assert set(parse_choices(choices)) == {"attention", "prepack", "per_row"}
+            assert parse_choices(choices) == {"fp32_prepack": False, "per_row": True, "row_kernel": True, "attention_kernel": True}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
