@@ -195,7 +195,7 @@ def matmul_seconds(model, runs: list[tuple], timer=None, what: str = "") -> list
     (`best_seconds`), and counted as often as the kind occurs. One module run over and over would
     keep its weight in cache where a pass streams every weight once: on a CPU whose cache holds a
     small weight (a Xeon's 2 MB of L2 a core), that times MKL's GEMMs on cached weights, faster
-    than they run in a pass (bench/results/HISTORY.md)."""
+    than they run in a pass (bench/results/ENGINE.md, the Xeon's runs)."""
     totals = [0.0] * len(runs)
     for ms in kinds(model).values():
         some = ms[:: -(-len(ms) // STREAMED)]  # [<= STREAMED] distinct weights
