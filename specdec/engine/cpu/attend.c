@@ -54,6 +54,17 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* acc[u] = the lanes of q . k at pool row idx[u], u < KB: an FMA chain a lane over the head's DV
+   vectors (KB and DV constants where inlined: the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void dots(const float *q, const float *k, const int32_t *idx, int64_t row, int64_t DV,
+                                                       int KB, __m256 *acc) {
+  _Pragma("GCC unroll 8") for (int u = 0; u < KB; u++) acc[u] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < DV; d++) {
+    __m256 qd = _mm256_loadu_ps(q + 8 * d);
+    _Pragma("GCC unroll 8") for (int u = 0; u < KB; u++) acc[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + idx[u] * row + 8 * d), acc[u]);
+  }
+}
+
 /* One (query, head): m visible keys at pool rows idx, rows `row` floats apart; s: scratch of m + 8 floats.
    DV: the head dimension in 8-float vectors (a constant where inlined). */
 static inline __attribute__((always_inline)) void head(const float *q, const float *k, const float *v, const int32_t *idx,
@@ -67,12 +78,7 @@ static inline __attribute__((always_inline)) void head(const float *q, const flo
   if (DV < CHAINS) {
     for (; t + 8 <= m; t += 8) {
       __m256 acc[8];
-      _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < DV; d++) {
-        __m256 qd = _mm256_loadu_ps(q + 8 * d);
-        _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)
-          acc[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + idx[t + u] * row + 8 * d), acc[u]);
-      }
+      dots(q, k, idx + t, row, DV, 8, acc);
       __m256 sc = _mm256_mul_ps(hsum8(acc), scaled);
       _mm256_storeu_ps(s + t, sc);
       high = _mm256_max_ps(high, sc);
@@ -80,12 +86,7 @@ static inline __attribute__((always_inline)) void head(const float *q, const flo
   } else {
     for (; t + 4 <= m; t += 4) {
       __m256 acc[4];
-      _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) acc[u] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < DV; d++) {
-        __m256 qd = _mm256_loadu_ps(q + 8 * d);
-        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
-          acc[u] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + idx[t + u] * row + 8 * d), acc[u]);
-      }
+      dots(q, k, idx + t, row, DV, 4, acc);
       _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
         s[t + u] = hsum(acc[u]) * scale;
         mx = s[t + u] > mx ? s[t + u] : mx;
