@@ -324,6 +324,30 @@ def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(monkeypatch
         kernel.library.cache_clear()  # the next caller loads the real one
 
 
+@pytest.mark.skipif(not kernel.avx512(), reason="the CPU has no AVX-512F (or the kernels do not build here)")
+def test_the_row_kernels_avx512_code_gives_the_avx2_codes_numbers():
+    """Where the CPU has AVX-512F the row kernel's products run its AVX-512 code (12 rows a read of
+    a panel, not 6): every output is the same chain of fused multiply-adds, so bitwise the AVX2
+    code's, for float32 and bfloat16 panels, part panels and row counts across its blocks."""
+    g = torch.Generator().manual_seed(4)
+    mods = [torch.nn.Linear(96, 200), torch.nn.Linear(300, 37, bias=False)]
+    mods[0].weight.data = mods[0].weight.data.bfloat16().float()  # bfloat16 panels
+    outs = {}
+    try:
+        with torch.inference_mode():
+            fwds = [kernel.row_forward(m) for m in mods]
+            assert fwds[0].packed.dtype == torch.bfloat16 and fwds[1].packed.dtype == torch.float32
+            xs = [torch.randn(29, m.in_features, generator=g) for m in mods]
+            for wide in (True, False):
+                assert kernel.avx512(wide) == wide
+                outs[wide] = [fwd(x[:rows]) for fwd, x in zip(fwds, xs) for rows in (1, 5, 12, 13, 29)]
+    finally:
+        kernel.avx512(True)
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    with torch.no_grad():
+        torch.testing.assert_close(outs[True][4], mods[0](xs[0].clone()), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(shutil.which("gcc") is None or kernel._unsupported() is not None, reason="needs gcc, on x86-64 Linux with AVX2")
 def test_a_build_leaves_the_cache_its_newest_libraries(monkeypatch, tmp_path):
     """Each version of the sources builds a library of its own into the cache folder; a build

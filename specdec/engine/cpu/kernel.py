@@ -185,6 +185,7 @@ def _load() -> ctypes.CDLL:
         product.restype = None
         product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.panel_width.restype = ctypes.c_int64
+    lib.avx512.restype, lib.avx512.argtypes = ctypes.c_int, [ctypes.c_int]
     lib.threaded.restype = ctypes.c_int
     lib.attend_queries.restype = ctypes.c_int
     lib.attend_queries.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
@@ -208,6 +209,15 @@ def packed(w: torch.Tensor, width: int) -> torch.Tensor:
     padded = torch.zeros(panels * width, k, dtype=torch.float32)
     padded[:n] = w
     return padded.reshape(panels, width, k).transpose(1, 2).contiguous()
+
+
+def avx512(on: bool | None = None) -> bool:
+    """Whether the row kernel's products run its AVX-512 code (rowkernel.c: the same numbers, more
+    rows a read of each panel), which it does where the CPU has AVX-512F; on=False turns it off
+    and on=True back on where the CPU has it (tests, benchmarks). False where the library is not
+    available."""
+    lib = library()
+    return lib is not None and bool(lib.avx512(-1 if on is None else int(on)))
 
 
 def bf16_exact(w: torch.Tensor) -> bool:
