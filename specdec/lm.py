@@ -87,16 +87,19 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-FLOAT32_MEMORY_SHARE = 0.5  # `auto` on the CPU takes float32 where its weights (and the row kernel's panels) fit in this share
+FLOAT32_MEMORY_SHARE = 0.4  # `auto` on the CPU takes float32 where its weights and the row kernel's panels fit in this share
+# (with room left for the row kernel's own check, a quarter of what is free once the model is loaded: choose.kernel_products)
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None, weight_bytes: int | None = None) -> torch.dtype:
     """`auto`: the checkpoint's dtype on CUDA (float32 if it names none). On the CPU float32 where
     the CPU tier's row kernel runs (it reads a bfloat16 checkpoint's weights from bfloat16 panels
     and multiplies in float32: faster than bfloat16's GEMMs on the Xeon and the EPYC measured,
-    bench/results/ENGINE.md) and the float32 weights with their panels fit in FLOAT32_MEMORY_SHARE
-    of the free memory (weight_bytes: the checkpoint's, None if unknown); else bfloat16 where the
-    CPU has bf16 instructions, else float32."""
+    bench/results/ENGINE.md) and the float32 weights with their panels (bfloat16 panels for a
+    bf16 checkpoint, float32 ones otherwise) fit in FLOAT32_MEMORY_SHARE of the free memory
+    (weight_bytes: the checkpoint's, None if unknown); else bfloat16 where the CPU has bf16
+    instructions, else float32. It reads the host's free memory, so a deployment that wants
+    every replica alike names its dtype (deploy/k8s/base)."""
     if name != "auto":
         dt = DTYPES[name]
         if device.type == "cpu" and dt == torch.float16:
@@ -108,16 +111,26 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype
         return torch.float32
     if cpu_row_kernel():
         size = torch.tensor([], dtype=checkpoint_dtype or torch.float32).element_size()
+        panels = 0.5 if checkpoint_dtype == torch.bfloat16 else 1.0  # of the float32 bytes
         free = available_memory_bytes()
-        if weight_bytes is None or free is None or weight_bytes * 4 / size * 1.5 <= FLOAT32_MEMORY_SHARE * free:
+        if weight_bytes is None or free is None or weight_bytes * 4 / size * (1 + panels) <= FLOAT32_MEMORY_SHARE * free:
             return torch.float32
     return torch.bfloat16
 
 
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state")  # a trainer's files beside the weights
+
+
 def weight_bytes(path: str) -> int | None:
-    """The bytes of a checkpoint's weight files (safetensors or PyTorch), or None where there are none."""
-    sizes = [e.stat().st_size for e in os.scandir(path) if e.is_file() and e.name.endswith((".safetensors", ".bin", ".pt", ".pth"))]
-    return sum(sizes) or None
+    """The bytes of a checkpoint's weights: its safetensors files, or where it has none its PyTorch
+    weight files (not a trainer's state); None where there are none or path is not a folder."""
+    try:
+        files = [e for e in os.scandir(path) if e.is_file() and e.name.endswith(WEIGHT_FILES) and not e.name.startswith(NOT_WEIGHTS)]
+        safe = [e for e in files if e.name.endswith(".safetensors")]
+        return sum(e.stat().st_size for e in (safe or files)) or None
+    except OSError:
+        return None
 
 
 def vocab_fingerprint(tokenizer, vocab_size: int) -> str:

@@ -154,8 +154,26 @@ def test_the_query_attention_gives_a_query_the_same_numbers_in_any_batch(B, n, H
         assert torch.equal(att(q, pool_k, pool_v, seen, D**-0.5, slots).view(B, n, H, D), out), name
         unseen = slots.masked_fill(~seen.any(1), 10**6)  # a key no query sees is never read: its slot is not checked
         assert torch.equal(att(q, pool_k, pool_v, seen, D**-0.5, unseen).view(B, n, H, D), out), name
-        with pytest.raises(IndexError, match="outside the pool"):
-            att(q, pool_k, pool_v, seen, D**-0.5, slots.masked_fill(seen.any(1), B * L + 37))
+        for outside in (B * L + 37, -1):
+            with pytest.raises(IndexError, match="outside the pool"):
+                att(q, pool_k, pool_v, seen, D**-0.5, slots.masked_fill(seen.any(1), outside))
+
+
+@KERNEL
+def test_the_query_attentions_eight_key_scores_are_its_one_key_scores():
+    """A head of 24 floats scores keys eight at a time with one shared reduction (hsum8), a head of
+    32 four at a time, each reduced alone (hsum): the same additions, so a head of 24 padded with
+    zeros to 32 gives bitwise the same outputs, for every count of visible keys (blocks and tails)."""
+    g = torch.Generator().manual_seed(7)
+    B, n, H, L = 2, 3, 4, 41
+    q, k, v = (torch.randn(B, x, H, 24, generator=g) for x in (n, L, L))
+    pad = lambda t: torch.nn.functional.pad(t, (0, 8))  # noqa: E731
+    att = kernel.query_attention()
+    for m in range(1, L + 1):
+        seen = torch.zeros(B, n, L, dtype=torch.bool)
+        seen[..., :m] = True
+        short, wide = att(q, k, v, seen, 0.2), att(pad(q), pad(k), pad(v), seen, 0.2)
+        assert torch.equal(short, wide[..., :24]), m
 
 
 @KERNEL
@@ -679,9 +697,10 @@ def test_an_engine_choice_prepare_does_not_know_is_an_error():
     (True, False, 64, torch.bfloat16),  # no row kernel: bf16 instructions, bfloat16
 ])
 def test_auto_dtype_on_the_cpu(monkeypatch, bf16, kernel_runs, free_gib, want):
-    """`--dtype auto` on the CPU: float32 where the row kernel runs and a bf16 checkpoint's weights
-    in float32 with their bfloat16 panels (3x its bytes) fit in half the free memory; else bfloat16
-    where the CPU has bf16 instructions; else float32. Named dtypes are taken as they are."""
+    """`--dtype auto` on the CPU: float32 where the row kernel runs and the weights in float32 with
+    their panels (a bf16 checkpoint: bfloat16 panels, 3x its bytes; a float32 one: float32 panels,
+    2x) fit in 40% of the free memory; else bfloat16 where the CPU has bf16 instructions; else
+    float32. Named dtypes are taken as they are."""
     from specdec import lm as lm_mod
 
     monkeypatch.setattr(lm_mod, "cpu_has_native_bf16", lambda: bf16)
@@ -689,6 +708,11 @@ def test_auto_dtype_on_the_cpu(monkeypatch, bf16, kernel_runs, free_gib, want):
     monkeypatch.setattr(lm_mod, "available_memory_bytes", lambda: free_gib * 2**30)
     cpu = torch.device("cpu")
     assert lm_mod.resolve_dtype("auto", cpu, torch.bfloat16, 2**30 // 2) == want  # a 0.5 GiB bf16 checkpoint: 1.5 GiB so
+    # a 0.3 GiB float32 checkpoint takes float32 panels, 0.6 GiB so: past 40% of 1 GiB free, within 40% of 2
+    monkeypatch.setattr(lm_mod, "available_memory_bytes", lambda: 2**30)
+    assert lm_mod.resolve_dtype("auto", cpu, torch.float32, int(0.3 * 2**30)) == (torch.bfloat16 if bf16 else torch.float32)
+    monkeypatch.setattr(lm_mod, "available_memory_bytes", lambda: 2 * 2**30)
+    assert lm_mod.resolve_dtype("auto", cpu, torch.float32, int(0.3 * 2**30)) == (torch.float32 if kernel_runs or not bf16 else torch.bfloat16)
     assert lm_mod.resolve_dtype("auto", cpu, torch.bfloat16, None) == (torch.bfloat16 if bf16 and not kernel_runs else torch.float32)
     assert lm_mod.resolve_dtype("bfloat16", cpu, torch.float32, 2**40) == torch.bfloat16
     with pytest.raises(lm_mod.Unsupported, match="float16 on the CPU"):
@@ -696,11 +720,17 @@ def test_auto_dtype_on_the_cpu(monkeypatch, bf16, kernel_runs, free_gib, want):
 
 
 def test_a_checkpoints_weight_bytes_are_its_weight_files(tmp_path):
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 300)
-    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 20)
-    (tmp_path / "config.json").write_text("{}")
+    """Its safetensors files where it has them (not a PyTorch copy beside them), else its PyTorch
+    weight files, never a trainer's state; None for no weights or no folder."""
     from specdec.lm import weight_bytes
 
-    assert weight_bytes(str(tmp_path)) == 320
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 20)
+    (tmp_path / "training_args.bin").write_bytes(b"x" * 7)
+    (tmp_path / "config.json").write_text("{}")
+    assert weight_bytes(str(tmp_path)) == 20
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 300)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 100)
+    assert weight_bytes(str(tmp_path)) == 400
     (tmp_path / "empty").mkdir()
     assert weight_bytes(str(tmp_path / "empty")) is None
+    assert weight_bytes(str(tmp_path / "missing")) is None and weight_bytes(str(tmp_path / "config.json")) is None

@@ -100,7 +100,8 @@ def test_manifests_keep_tokens_in_secret_files_and_fence_the_verify(overlay):
 @pytest.mark.parametrize("overlay,verify_device", [("local-cpu", "cpu"), ("gpu", "cuda"), ("gpu-mtls", "cuda")])
 def test_manifests_place_each_model_and_pin_its_engine(overlay, verify_device):
     """--device/--dtype reach the services as SPECDEC_DEVICE / SPECDEC_DTYPE from the config map:
-    the verify on its GPU in the GPU overlays, the drafts on the CPU everywhere. Every service on
+    the verify on its GPU in the GPU overlays (auto: the checkpoint's dtype), the drafts on the CPU
+    everywhere, in float32, named. Every service on
     a CPU has its engine choices pinned (SPECDEC_ENGINE_CHOICES), so its replicas make the same
     ones; a GPU has none to pin."""
     docs = render(overlay)
@@ -108,7 +109,7 @@ def test_manifests_place_each_model_and_pin_its_engine(overlay, verify_device):
     for name, prefix, device in (("specdec-verify", "VERIFY", verify_device), ("specdec-draft", "DRAFT", "cpu")):
         env = config_env(container(docs, name))
         assert cfg[env["SPECDEC_DEVICE"]] == device and env["SPECDEC_DEVICE"] == f"{prefix}_DEVICE"
-        assert cfg[env["SPECDEC_DTYPE"]] == "auto"
+        assert cfg[env["SPECDEC_DTYPE"]] == ("auto" if device == "cuda" else "float32"), name  # the CPU's dtype named: replicas alike
         assert env["SPECDEC_ENGINE_CHOICES"] == f"{prefix}_ENGINE_CHOICES"
         choices = cfg[env["SPECDEC_ENGINE_CHOICES"]]
         assert (choices == "") == (device == "cuda"), (name, choices)

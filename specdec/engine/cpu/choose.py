@@ -168,7 +168,7 @@ def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | 
             gemm = {m: m.forward for m in mods}
             halves = 0  # row kernel products whose weight is packed in bfloat16 (exact: kernel.row_forward)
             for m in mods:
-                own = probes.get(m) or fast(m) if fast else per_row_forward(m, own_weight=held[id(m.weight)] == 1)
+                own = (probes.get(m) or fast(m)) if fast else per_row_forward(m, own_weight=held[id(m.weight)] == 1)
                 halves += fast is not None and own.packed.dtype == torch.bfloat16
                 m.forward = blocked(own, per[1], gemm[m])
             plan.rows, plan.pad_to, plan.top, plan.per_row, plan.row_kernel = per, 1, PER_ROW_LEAD, True, fast is not None
