@@ -91,13 +91,13 @@ FLOAT32_MEMORY_SHARE = 0.4  # `auto` on the CPU takes float32 where its weights 
 # (with room left for the row kernel's own check, a quarter of what is free once the model is loaded: choose.kernel_products)
 
 
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None, weight_bytes: int | None = None) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None, checkpoint_bytes: int | None = None) -> torch.dtype:
     """`auto`: the checkpoint's dtype on CUDA (float32 if it names none). On the CPU float32 where
     the CPU tier's row kernel runs (it reads a bfloat16 checkpoint's weights from bfloat16 panels
     and multiplies in float32: faster than bfloat16's GEMMs on the Xeon and the EPYC measured,
     bench/results/ENGINE.md) and the float32 weights with their panels (bfloat16 panels for a
     bf16 checkpoint, float32 ones otherwise) fit in FLOAT32_MEMORY_SHARE of the free memory
-    (weight_bytes: the checkpoint's, None if unknown); else bfloat16 where the CPU has bf16
+    (checkpoint_bytes: its weight files', `weight_bytes`, None if unknown); else bfloat16 where the CPU has bf16
     instructions, else float32. It reads the host's free memory, so a deployment that wants
     every replica alike names its dtype (deploy/k8s/base)."""
     if name != "auto":
@@ -110,10 +110,10 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype
     if not cpu_has_native_bf16():
         return torch.float32
     if cpu_row_kernel():
-        size = torch.tensor([], dtype=checkpoint_dtype or torch.float32).element_size()
+        size = (checkpoint_dtype or torch.float32).itemsize
         panels = 0.5 if checkpoint_dtype == torch.bfloat16 else 1.0  # of the float32 bytes
         free = available_memory_bytes()
-        if weight_bytes is None or free is None or weight_bytes * 4 / size * (1 + panels) <= FLOAT32_MEMORY_SHARE * free:
+        if checkpoint_bytes is None or free is None or checkpoint_bytes * 4 / size * (1 + panels) <= FLOAT32_MEMORY_SHARE * free:
             return torch.float32
     return torch.bfloat16
 
