@@ -19,6 +19,12 @@ plus output tokens, the draft acceptance rate (from the server's stats) and the 
 failures. Per cell: p50/p95/p99 of each latency, output tokens/s (all tokens received in the
 cell / cell wall time), requests/s, errors by status code.
 
+The target-only baseline: `--target-only` sends the cells to a verify service instead (tagged
+path=target-only), or `--baseline VERIFY` runs every cell against both, back to back in one
+process, alternating which path goes first from run to run (`--repeats` runs); the report then
+divides each run's speculative cell by its target-only twin, so a drifting machine's speed does
+not pass for an effect of speculation.
+
 Results go to OUT/loadtest.json (with `--append`, cells are added to / replace cells of the
 same load level and tags in an existing file) and OUT/REPORT.md with PNG plots (bench/loadtest_report.py).
 
@@ -225,10 +231,14 @@ def _tag(s: str) -> tuple[str, object]:
 
 
 def _same_cell(a: dict, b: dict) -> bool:
-    return (a["mode"], a.get("concurrency"), a.get("rate"), a.get("tags", {})) == (b["mode"], b.get("concurrency"), b.get("rate"), b.get("tags", {}))
+    def key(c):
+        return c["mode"], c.get("concurrency"), c.get("rate"), c.get("tags", {}), c.get("run", 1)
+    return key(a) == key(b)
 
 
 async def run(args) -> dict:
+    import contextlib
+
     from tqdm import tqdm
 
     from client import AsyncClient
@@ -240,22 +250,37 @@ async def run(args) -> dict:
         raise SystemExit("give --concurrency and/or --rate")
     tags = {"path": "target-only" if args.target_only else "speculative"} | dict(_tag(t) for t in args.tag)
     cells = []
-    async with AsyncClient(args.server, target_only=args.target_only, timeout=args.timeout_s, **credential_kwargs(args)) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        client = await stack.enter_async_context(AsyncClient(args.server, target_only=args.target_only, timeout=args.timeout_s,
+                                                             **credential_kwargs(args)))
+        paths = [(client, tags)]
+        if args.baseline:  # the same cells against a verify service, target-only, alternating with --server's
+            base = await stack.enter_async_context(AsyncClient(args.baseline, target_only=True, timeout=args.timeout_s,
+                                                               **credential_kwargs(args)))
+            paths.append((base, tags | {"path": "target-only"}))
         info = await client.info()
-        for _ in range(args.warmup):  # first requests pay one-off costs (allocations, lazy init)
-            await client.generate(prompt=prompts[0], max_new_tokens=min(8, args.max_new_tokens))
+        for c, _ in paths:
+            for _ in range(args.warmup):  # first requests pay one-off costs (allocations, lazy init)
+                await c.generate(prompt=prompts[0], max_new_tokens=min(8, args.max_new_tokens))
         for mode, level in cells_spec:
-            label = f"{'c=' + str(int(level)) if mode == 'closed' else f'{level:g} req/s'}" + (f" [{','.join(args.tag)}]" if tags else "")
-            with tqdm(total=args.requests, desc=label, unit="req", file=sys.stderr, dynamic_ncols=True,
-                      disable=args.no_progress) as bar:
-                records, wall, toks = await run_cell(client, prompts, args, mode, level, bar)
-            s = summarize(records, wall, toks)
-            cells.append({"mode": mode, "concurrency": int(level) if mode == "closed" else None,
-                          "rate": level if mode == "open" else None, "tags": tags, "summary": s,
-                          "requests": [asdict(r) for r in records]})
-            print(f"{label}: {s['completed']} done, {s['errors']} errors {s['errors_by_code'] or ''}, "
-                  f"{s['output_tokens_per_s']:.1f} tok/s, TTFT p50 {_ms(s['ttft_s']['p50'])} ms, "
-                  f"ITL p50 {_ms(s['itl_s']['p50'])} ms, e2e p95 {_ms(s['e2e_s']['p95'])} ms", file=sys.stderr)
+            for k in range(args.repeats):
+                for order, (c, cell_tags) in enumerate(paths if k % 2 == 0 else paths[::-1], 1):  # odd runs: --server first
+                    run_tag = f" run {k + 1}" if args.repeats > 1 else ""
+                    label = (f"{'c=' + str(int(level)) if mode == 'closed' else f'{level:g} req/s'}{run_tag} "
+                             f"[{','.join(f'{t}={v}' for t, v in cell_tags.items())}]")
+                    with tqdm(total=args.requests, desc=label, unit="req", file=sys.stderr, dynamic_ncols=True,
+                              disable=args.no_progress) as bar:
+                        records, wall, toks = await run_cell(c, prompts, args, mode, level, bar)
+                    s = summarize(records, wall, toks)
+                    cell = {"mode": mode, "concurrency": int(level) if mode == "closed" else None,
+                            "rate": level if mode == "open" else None, "tags": cell_tags, "summary": s,
+                            "requests": [asdict(r) for r in records]}
+                    if args.repeats > 1 or args.baseline:
+                        cell |= {"run": k + 1, "order": order}  # order: 1 if this path went first in its run
+                    cells.append(cell)
+                    print(f"{label}: {s['completed']} done, {s['errors']} errors {s['errors_by_code'] or ''}, "
+                          f"{s['output_tokens_per_s']:.1f} tok/s, TTFT p50 {_ms(s['ttft_s']['p50'])} ms, "
+                          f"ITL p50 {_ms(s['itl_s']['p50'])} ms, e2e p95 {_ms(s['e2e_s']['p95'])} ms", file=sys.stderr)
     meta = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "server": args.server,
             "draft_model": info.model_name, "prompts": args.prompts, "num_prompts": len(prompts),
             "args": {k: _in_repo(v) if k == "out" else v for k, v in vars(args).items() if k not in ("tag", "token")}}  # never a secret in the report
@@ -277,6 +302,10 @@ def main(argv=None) -> int:
     p.add_argument("--server", required=True, help="draft service HOST:PORT (a verify service with --target-only)")
     p.add_argument("--target-only", action="store_true",
                    help="the baseline: --server is a verify service, generating target-only; cells are tagged path=target-only (else path=speculative)")
+    p.add_argument("--baseline", default="", metavar="HOST:PORT",
+                   help="a verify service: every cell runs against it too, target-only (tagged path=target-only), right "
+                        "before or after --server's, alternating which goes first by run; the report adds their ratio")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every cell (with --baseline: pairs, alternating order)")
     add_credential_args(p)
     p.add_argument("--concurrency", default="", help="closed-loop cells: comma-separated session counts, e.g. 1,4,16,64")
     p.add_argument("--rate", default="", help="open-loop cells: comma-separated request rates (req/s, Poisson arrivals)")
@@ -304,6 +333,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--fail-on-error", action="store_true", help="exit 1 if any request failed")
     args = p.parse_args(argv)
+    if args.baseline and args.target_only:
+        p.error("--baseline runs the target-only path beside --server's speculative one: not with --target-only")
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     results = asyncio.run(run(args))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

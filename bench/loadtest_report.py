@@ -1,6 +1,8 @@
 """The load tester's report (bench/loadtest.py): REPORT.md from a results dict, with its tables
-(every cell; where the time went; sizing inputs at a p95 ITL target; capacity per path at a
-per-session rate) and the PNG plots (matplotlib, Agg)."""
+(every cell; speculative over target-only run by run, where both paths ran; where the time went;
+sizing inputs at a p95 ITL target; capacity per path at a per-session rate) and the PNG plots
+(matplotlib, Agg). Where a cell ran more than once (`run`), the plots, the sizing and the
+capacity tables take the run of median throughput at each level."""
 from __future__ import annotations
 
 import math
@@ -10,8 +12,63 @@ def _ms(x) -> str:
     return "–" if x is None else f"{1000 * x:.0f}" if x >= 0.1 else f"{1000 * x:.1f}"
 
 
-def _level(cell) -> str:
-    return f"c={cell['concurrency']}" if cell["mode"] == "closed" else f"{cell['rate']:g} req/s"
+def _level(cell, runs: bool = False) -> str:
+    """The cell's load level, and its run where `runs`."""
+    level = f"c={cell['concurrency']}" if cell["mode"] == "closed" else f"{cell['rate']:g} req/s"
+    return f"{level}, run {cell.get('run', 1)}" if runs else level
+
+
+def _at(cell) -> tuple:
+    return cell["mode"], cell.get("concurrency"), cell.get("rate")
+
+
+def typical(cells: list[dict]) -> list[dict]:
+    """One cell per group and load level: where the level ran more than once, the run of median
+    output tok/s (the lower of the middle two for an even count)."""
+    by: dict[tuple, list[dict]] = {}
+    for c in cells:
+        by.setdefault((_group_key(c), *_at(c)), []).append(c)
+    out = []
+    for cs in by.values():
+        cs = sorted(cs, key=lambda c: c["summary"]["output_tokens_per_s"])
+        out.append(cs[(len(cs) - 1) // 2])
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def paired(cells: list[dict]) -> list[str]:
+    """Markdown: each speculative cell over the target-only cell of the same level, run and other
+    tags (bench.loadtest --baseline: the two ran back to back, alternating which went first), run
+    by run, and the median ratio."""
+    def rest(c):
+        return tuple(sorted((k, str(v)) for k, v in c.get("tags", {}).items() if k != "path"))
+
+    base = {(rest(c), *_at(c), c.get("run", 1)): c for c in cells if c.get("tags", {}).get("path") == "target-only"}
+    rows: dict[tuple, list[tuple[dict, dict]]] = {}
+    for c in cells:
+        b = base.get((rest(c), *_at(c), c.get("run", 1)))
+        if b is not None and c.get("tags", {}).get("path") != "target-only" and c["summary"]["completed"] and b["summary"]["completed"]:
+            rows.setdefault((_group_key(c), *_at(c)), []).append((c, b))
+    if not rows:
+        return []
+    out = ["## Speculative over target-only, run by run", "",
+           "Output tok/s of each cell over the target-only cell of the same load and run (with `--baseline` the two ran "
+           "back to back, the speculative one first in odd runs), and the median of those ratios.", "",
+           "| path / tags | load | runs | tok/s, median | target-only tok/s, median | ratio by run | median ratio |",
+           "|---|---|---|---|---|---|---|"]
+    for (g, *_), pairs in sorted(rows.items(), key=lambda kv: (_group_order(kv[1][0][0]), kv[0][1:2], kv[0][2] or 0, kv[0][3] or 0)):
+        pairs.sort(key=lambda p: p[0].get("run", 1))
+        spec = [p[0]["summary"]["output_tokens_per_s"] for p in pairs]
+        tonly = [p[1]["summary"]["output_tokens_per_s"] for p in pairs]
+        ratios = [a / b if b else math.inf for a, b in zip(spec, tonly)]
+        out.append(f"| {g} | {_level(pairs[0][0])} | {len(pairs)} | {_median(spec):.1f} | {_median(tonly):.1f} "
+                   f"| {' / '.join(f'{r:.2f}' for r in ratios)} | **{_median(ratios):.2f}×** |")
+    return out + [""]
 
 
 def _tags(cell) -> str:
@@ -152,7 +209,8 @@ def capacity(cells: list[dict], session_tok_s: float) -> list[str]:
         return []
     out = [f"## Capacity at {session_tok_s:g} tokens/s per session", "",
            "The most concurrent sessions measured whose per-session rate (aggregate output tok/s / sessions, closed loop) "
-           "still meets the target, per path: what one verifier sustains, speculative beside target-only.", "",
+           "still meets the target, per path: what one verifier sustains, speculative beside target-only (a level that ran "
+           "more than once: its run of median throughput).", "",
            "| path / tags | sessions sustained | aggregate tok/s there | per-session tok/s there | highest aggregate tok/s (at sessions) |",
            "|---|---|---|---|---|"]
     for g, cs in sorted(groups.items(), key=lambda kv: _group_order(kv[1][0])):
@@ -170,8 +228,11 @@ def capacity(cells: list[dict], session_tok_s: float) -> list[str]:
 
 def render(results: dict, out_dir: str, json_name: str = "loadtest.json") -> str:
     """Write OUT/REPORT.md (and the PNGs) from a results dict; returns the markdown."""
-    cells = sorted(results["cells"], key=lambda c: (_group_order(c), c["mode"], c.get("concurrency") or 0, c.get("rate") or 0))
-    pngs = plot(cells, out_dir)
+    cells = sorted(results["cells"], key=lambda c: (_group_order(c), c["mode"], c.get("concurrency") or 0, c.get("rate") or 0,
+                                                    c.get("run", 1)))
+    runs = any(c.get("run", 1) > 1 for c in cells)
+    one = typical(cells)
+    pngs = plot(one, out_dir)
     m = results.get("meta", {})
     lines = ["# Load test report", ""]
     if m.get("title"):
@@ -191,11 +252,12 @@ def render(results: dict, out_dir: str, json_name: str = "loadtest.json") -> str
         err = f"{s['errors']}" + (f" ({', '.join(f'{k}: {v}' for k, v in s['errors_by_code'].items())})" if s["errors"] else "")
         acc = "–" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
         tpr = "–" if s.get("tokens_per_round") is None else f"{s['tokens_per_round']:.2f}"
-        lines.append(f"| {_group_key(c)} | {_level(c)} | {s['completed']} | {err} | {s['cancelled_at_deadline']} "
+        lines.append(f"| {_group_key(c)} | {_level(c, runs)} | {s['completed']} | {err} | {s['cancelled_at_deadline']} "
                      f"| {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} | "
                      + " | ".join(_ms(s[k][q]) for k in ("ttft_s", "itl_s", "e2e_s") for q in ("p50", "p95", "p99"))
                      + f" | {acc} | {tpr} |")
     lines.append("")
+    lines += paired(cells)
     if any("draft_ms_per_token" in c["summary"] for c in cells):
         lines += ["Where a completed request's time went, per output token (from the draft service's per-request stats): "
                   "drafting on the draft host; waiting for verdicts (network + verify queue + target forward); the "
@@ -206,14 +268,14 @@ def render(results: dict, out_dir: str, json_name: str = "loadtest.json") -> str
             s = c["summary"]
             if "draft_ms_per_token" not in s:
                 continue
-            lines.append(f"| {_group_key(c)} | {_level(c)} | {s['draft_ms_per_token']:.1f} | {s['verify_wait_ms_per_token']:.1f} "
+            lines.append(f"| {_group_key(c)} | {_level(c, runs)} | {s['draft_ms_per_token']:.1f} | {s['verify_wait_ms_per_token']:.1f} "
                          f"| {s['verify_forward_ms_per_token']:.1f} | "
                          + " | ".join(_ms(s["chunk_gap_s"][q]) for q in ("p50", "p95", "p99")) + " |")
         lines.append("")
     for p in pngs:
         lines += [f"![{p}]({p})", ""]
-    lines += sizing(cells, m.get("itl_target_ms", 100.0))
-    lines += capacity(cells, m.get("session_tok_s", 20.0))
+    lines += sizing(one, m.get("itl_target_ms", 100.0))
+    lines += capacity(one, m.get("session_tok_s", 20.0))
     if m.get("notes"):
         lines += ["## Notes", ""] + [f"* {n}" for n in m["notes"]] + [""]
     md = "\n".join(lines)

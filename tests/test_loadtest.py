@@ -51,3 +51,54 @@ def test_latency_panels_have_several_log_ticks():
     labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
     plt.close(fig)
     assert len(shown) >= 2 and "50" in labels, (shown, labels)
+
+
+def test_baseline_alternates_with_the_speculative_path(services, tmp_path):
+    """--baseline runs each cell against the verify service too, target-only, in the same process,
+    alternating which path goes first by run; the report divides each run's pair."""
+    v, d = services()
+    load(d.address, tmp_path, "--baseline", v.address, "--repeats", "2")
+    cells = json.loads((tmp_path / "loadtest.json").read_text())["cells"]
+    seen = sorted((c["concurrency"], c["run"], c["tags"]["path"], c["order"]) for c in cells)
+    assert seen == [(1, 1, "speculative", 1), (1, 1, "target-only", 2), (1, 2, "speculative", 2), (1, 2, "target-only", 1),
+                    (2, 1, "speculative", 1), (2, 1, "target-only", 2), (2, 2, "speculative", 2), (2, 2, "target-only", 1)]
+    for c in cells:
+        assert c["summary"]["completed"] == 4 and c["summary"]["errors"] == 0
+        assert (sum(r["drafted"] for r in c["requests"]) == 0) == (c["tags"]["path"] == "target-only")
+    report = (tmp_path / "REPORT.md").read_text()
+    table = report[report.index("## Speculative over target-only, run by run"):].split("\n\n")[2].splitlines()[2:]
+    assert len(table) == 2
+    tok = {(c["concurrency"], c["run"], c["tags"]["path"]): c["summary"]["output_tokens_per_s"] for c in cells}
+    for row, level in zip(table, (1, 2)):
+        cols = [x.strip() for x in row.split("|")[1:-1]]
+        assert cols[:3] == ["path=speculative", f"c={level}", "2"]
+        want = [tok[level, r, "speculative"] / tok[level, r, "target-only"] for r in (1, 2)]
+        assert cols[5] == " / ".join(f"{x:.2f}" for x in want)
+        assert cols[6] == f"**{sum(want) / 2:.2f}×**"
+    assert "c=2, run 2" in report  # every run's cell is listed
+
+
+def test_baseline_options_are_checked(capsys):
+    from bench.loadtest import main
+
+    for argv, words in ((["--target-only", "--baseline", "127.0.0.1:1"], "not with --target-only"),
+                        (["--repeats", "0"], "--repeats must be at least 1")):
+        try:
+            main(["--server", "127.0.0.1:1", "--concurrency", "1", *argv])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        assert words in capsys.readouterr().err
+
+
+def test_typical_cell_is_the_median_run():
+    from bench.loadtest_report import typical
+
+    def cell(run, tok_s, path="speculative"):
+        return {"mode": "closed", "concurrency": 4, "rate": None, "tags": {"path": path}, "run": run,
+                "summary": {"output_tokens_per_s": tok_s}}
+
+    cells = [cell(1, 30.0), cell(2, 10.0), cell(3, 20.0), cell(1, 5.0, "target-only"), cell(2, 7.0, "target-only")]
+    got = sorted((c["tags"]["path"], c["run"]) for c in typical(cells))
+    assert got == [("speculative", 3), ("target-only", 1)]  # the median of three; the lower middle of two
