@@ -258,8 +258,9 @@ def test_a_runs_verdicts_answer_several_steps_beside_other_sessions(model_dir):
     """Round.run_tokens_per_verdict: one verdict answers up to that many steps of a run (the
     verifier caps it at MAX_RUN_TOKENS_PER_VERDICT), the earlier steps' tokens in run_tokens, numbered
     as its last step; the tokens are the same as a verdict a step. The verifier does so only
-    while it serves other sessions: a session alone gets a verdict a step. A held session's
-    runs ask for it (--run-tokens-per-verdict; 1: a verdict a step)."""
+    while it serves other sessions: a session alone gets a verdict a step. A run's first step is
+    answered alone (a session that starts in a run gets its first token after its prefill). A
+    held session's runs ask for it (--run-tokens-per-verdict; 1: a verdict a step)."""
     target = model_dir("long-target")
     v = Service("verify_service", "--model", target, "--log-level", "INFO")
     try:
@@ -290,14 +291,14 @@ def test_a_runs_verdicts_answer_several_steps_beside_other_sessions(model_dir):
         got = asyncio.run(run(4, 23, 80, other_open=False))  # alone: a verdict a step
         assert [len(r.run_tokens) for r in got] == [0] * 23 and [r.next_token for r in got] == greedy[:23]
         got = asyncio.run(run(4, 23, 80))
-        assert [len(r.run_tokens) + 1 for r in got] == [4, 4, 4, 4, 4, 3]
-        assert [r.round for r in got] == [4, 8, 12, 16, 20, 23] and [r.steps_left for r in got] == [19, 15, 11, 7, 3, 0]
+        assert [len(r.run_tokens) + 1 for r in got] == [1, 4, 4, 4, 4, 4, 2]
+        assert [r.round for r in got] == [1, 5, 9, 13, 17, 21, 23] and [r.steps_left for r in got] == [22, 18, 14, 10, 6, 2, 0]
         assert [t for r in got for t in [*r.run_tokens, r.next_token]] == greedy[:23]
         assert all(r.forward_s > 0 for r in got)
         got = asyncio.run(run(1000, 40, 80))
-        assert [len(r.run_tokens) + 1 for r in got] == [CAP, CAP, 40 - 2 * CAP]
+        assert [len(r.run_tokens) + 1 for r in got] == [1, CAP, CAP, 40 - 1 - 2 * CAP]
         got = asyncio.run(run(4, 23, 10))  # the session ends within a verdict's steps
-        assert [len(r.run_tokens) + 1 for r in got] == [4, 4, 2] and got[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert [len(r.run_tokens) + 1 for r in got] == [1, 4, 4, 1] and got[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert [t for r in got for t in [*r.run_tokens, r.next_token]] == greedy[:10]
 
         def logged():  # the verifier's `session done` lines of sessions that committed tokens: (tokens, rounds)
@@ -323,7 +324,7 @@ def test_a_runs_verdicts_answer_several_steps_beside_other_sessions(model_dir):
 
         out, s, reads = asyncio.run(held(True))
         assert out == greedy and s.run_steps == s.target_only_rounds == s.rounds == 80 and s.drafted == 0
-        assert reads == 80 // RUN_TOKENS_PER_VERDICT
+        assert reads == 1 + -(-79 // RUN_TOKENS_PER_VERDICT)  # the first step alone, then up to RUN_TOKENS_PER_VERDICT a verdict
         out, s, reads = asyncio.run(held(False))
         assert out == greedy and s.run_steps == 80 and reads == 80
         out, s, reads = asyncio.run(held(True, run_tokens=1))  # --run-tokens-per-verdict 1

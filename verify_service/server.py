@@ -126,7 +126,9 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         max_new_tokens (the session finishes there). While other sessions are open, a verdict
         answers up to Round.run_tokens_per_verdict steps (at most MAX_RUN_TOKENS_PER_VERDICT): the
         earlier steps' tokens in run_tokens, their forward seconds summed; fewer messages for the
-        draft to relay where the verifier is shared, a verdict a step (no burst) where it is not."""
+        draft to relay where the verifier is shared, a verdict a step (no burst) where it is not.
+        The run's first step is answered on its own: a session that starts in a run gets its first
+        token after its prefill, not after the steps that follow it."""
         limit = min(r.target_only_steps, s.max_new_tokens - s.generated)
         per = max(1, min(r.run_tokens_per_verdict, MAX_RUN_TOKENS_PER_VERDICT))
         done, held, forward_s = 0, [], 0.0
@@ -134,7 +136,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             done += 1
             forward_s += v.forward_s
             left = 0 if v.finish else limit - done
-            if left and len(held) + 1 < per and len(self.engine.sessions) > 1:  # alone, a verdict a step (latency)
+            if left and done > 1 and len(held) + 1 < per and len(self.engine.sessions) > 1:  # alone, a verdict a step (latency)
                 held.append(v.next_token)
                 continue
             out = self._verdict(s, r.round + done - 1, v, left)
