@@ -389,6 +389,31 @@ def test_a_build_leaves_the_cache_its_newest_libraries(monkeypatch, tmp_path):
     assert (tmp_path / "notes.txt").exists()
 
 
+@pytest.mark.skipif(shutil.which("gcc") is None or kernel._unsupported() is not None, reason="needs gcc, on x86-64 Linux with AVX2")
+def test_the_cache_keeps_the_libraries_used_last(monkeypatch, tmp_path):
+    """A library loaded from the cache counts as used then: a later build's prune keeps it over
+    libraries built after it and not used since."""
+    monkeypatch.setenv("CC", "gcc")
+    monkeypatch.setattr(kernel, "_package_dir", lambda: tmp_path / "package")
+    monkeypatch.setattr(kernel, "_cache_dir", lambda: tmp_path)
+    kernel.library.cache_clear()
+    try:
+        assert kernel.library() is not None  # builds this version's library
+        mine = next(tmp_path.glob("kernels-*.so"))
+        os.utime(mine, (1e9 - 100, 1e9 - 100))  # built long ago ...
+        newer = [tmp_path / f"kernels-{i:016x}.so" for i in range(kernel.KEEP_BUILDS + 1)]
+        for p in newer:  # ... and as many others built since as the cache keeps
+            p.write_bytes(b"a build of other sources")
+            os.utime(p, (1e9, 1e9))
+        kernel.library.cache_clear()
+        assert kernel.library() is not None  # loaded from the cache: used now
+        kernel._prune(newer[0])  # what another version's build runs
+        assert mine.exists()
+        assert len(list(tmp_path.glob("kernels-*.so"))) == kernel.KEEP_BUILDS
+    finally:
+        kernel.library.cache_clear()  # the next caller loads the real one
+
+
 def test_a_row_kernel_that_does_not_build_is_logged_and_left_out(monkeypatch, tmp_path, caplog):
     """A compiler that fails leaves no library behind and one logged reason; the CPU tier then
     makes per-row products as batched matmuls."""

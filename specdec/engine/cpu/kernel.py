@@ -157,10 +157,20 @@ def _build(cc: list[str], target: Path) -> bool:
             os.unlink(tmp)
 
 
+def _used(lib: Path) -> None:
+    """Marks a cached library as used now (its modification time), so a prune keeps the libraries
+    in use, not the last built."""
+    try:
+        os.utime(lib)
+    except OSError as e:  # a cache folder this process may read but not write: nothing to prune from it either
+        log.debug("CPU tier's kernel cache: %s not marked used: %s", lib.name, e)
+
+
 def _prune(built: Path) -> None:
-    """Leaves the cache folder the KEEP_BUILDS newest libraries, `built` among them: each version of
-    the sources (another checkout, an older release) builds its own, and nothing else removes them.
-    A library another process has loaded stays mapped there; one it loads later is built again."""
+    """Leaves the cache folder the KEEP_BUILDS libraries used last (built or loaded: `_used`),
+    `built` among them: each version of the sources (another checkout, an older release) builds its
+    own, and nothing else removes them. A library another process has loaded stays mapped there;
+    one it loads later is built again."""
     try:
         others = sorted((p for p in built.parent.glob("kernels-*.so") if p != built), key=lambda p: p.stat().st_mtime, reverse=True)
         for p in others[KEEP_BUILDS - 1 :]:
@@ -180,6 +190,8 @@ def _load() -> ctypes.CDLL:
         if not target.exists():
             _build(cc, target)
             _prune(target)
+        else:
+            _used(target)
     lib = ctypes.CDLL(str(target))
     for product in (lib.row_product, lib.row_product_bf16):
         product.restype = None
