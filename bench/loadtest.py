@@ -239,6 +239,8 @@ def _same_cell(a: dict, b: dict) -> bool:
 async def run(args) -> dict:
     import contextlib
 
+    import grpc
+
     from tqdm import tqdm
 
     from client import AsyncClient
@@ -254,14 +256,21 @@ async def run(args) -> dict:
         client = await stack.enter_async_context(AsyncClient(args.server, target_only=args.target_only, timeout=args.timeout_s,
                                                              **credential_kwargs(args)))
         paths = [(client, tags)]
+        checks = [(client, "--server", args.server, "a draft service, or a verify service with --target-only")]
         if args.baseline:  # the same cells against a verify service, target-only, alternating with --server's
             base = await stack.enter_async_context(AsyncClient(args.baseline, target_only=True, timeout=args.timeout_s,
                                                                **credential_kwargs(args)))
             paths.append((base, tags | {"path": "target-only"}))
-        info = await client.info()
-        for c, _ in paths:
-            for _ in range(args.warmup):  # first requests pay one-off costs (allocations, lazy init)
-                await c.generate(prompt=prompts[0], max_new_tokens=min(8, args.max_new_tokens))
+            checks.append((base, "--baseline", args.baseline, "a verify service"))
+        infos = []
+        for c, flag, address, wanted in checks:  # one line, not a traceback, for an address that does not serve
+            try:
+                infos.append(await c.info())
+                for _ in range(args.warmup):  # first requests pay one-off costs (allocations, lazy init)
+                    await c.generate(prompt=prompts[0], max_new_tokens=min(8, args.max_new_tokens))
+            except grpc.aio.AioRpcError as e:
+                raise SystemExit(f"bench.loadtest: {flag} {address}: {e.code().name}: {e.details()} (it takes {wanted})") from None
+        info = infos[0]
         for mode, level in cells_spec:
             for k in range(args.repeats):
                 for order, (c, cell_tags) in enumerate(paths if k % 2 == 0 else paths[::-1], 1):  # odd runs: --server first

@@ -78,6 +78,21 @@ def test_baseline_alternates_with_the_speculative_path(services, tmp_path):
     assert "c=2, run 2" in report  # every run's cell is listed
 
 
+def test_an_address_that_does_not_serve_its_path_is_one_line(services, tmp_path):
+    """A --baseline that is not a verify service (here the draft service), or a --server nobody
+    listens on, ends the load test before any cell with one line naming the flag and the address."""
+    v, d = services()
+    for argv, flag, address, code in ((["--server", d.address, "--baseline", d.address], "--baseline", d.address, "UNIMPLEMENTED"),
+                                      (["--server", "127.0.0.1:1"], "--server", "127.0.0.1:1", "UNAVAILABLE")):
+        r = subprocess.run([sys.executable, "-m", "bench.loadtest", *argv, "--concurrency", "1", "--requests", "1", "--prompts", "builtin",
+                            "--no-progress", "--timeout-s", "20", "--out", str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"bench.loadtest: {flag} {address}: {code}: "), last
+        assert not (tmp_path / "loadtest.json").exists()
+
+
 def test_baseline_options_are_checked(capsys):
     from bench.loadtest import main
 
