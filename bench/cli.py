@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import time
 
 from bench.launch import ROOT
@@ -33,6 +34,26 @@ def pair_run_parser(command: str, max_new_tokens: int, repeats: int, **flags: di
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     p.add_argument("--repeats", type=int, default=repeats)
     return p
+
+
+def repo_path(path: str | None) -> str | None:
+    """A path as a result records it: relative to the repository's root where it is inside it,
+    else "OUT" (a folder of the machine that ran it, which names nothing anywhere else)."""
+    if not path:
+        return path
+    full = os.path.abspath(path)
+    return os.path.relpath(full, ROOT) if full == ROOT or full.startswith(ROOT + os.sep) else "OUT"
+
+
+def command(module: str, argv: list[str]) -> str:
+    """The command line a result records, shell-quoted, its --out folder as repo_path gives it."""
+    args = list(argv)
+    for i, x in enumerate(args):
+        if x == "--out" and i + 1 < len(args):
+            args[i + 1] = repo_path(args[i + 1])
+        elif x.startswith("--out="):
+            args[i] = "--out=" + repo_path(x[len("--out="):])
+    return shlex.join(["python", "-m", module, *args])
 
 
 def run_header(a) -> dict:

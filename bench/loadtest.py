@@ -44,6 +44,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from bench.cli import repo_path
 from bench.loadtest_report import _ms, render
 from bench.prompts import load_prompts
 
@@ -231,9 +232,8 @@ def _tag(s: str) -> tuple[str, object]:
 
 
 def _same_cell(a: dict, b: dict) -> bool:
-    def key(c):
-        return c["mode"], c.get("concurrency"), c.get("rate"), c.get("tags", {}), c.get("run", 1)
-    return key(a) == key(b)
+    """The same load and tags: with --append, a new cell replaces every earlier run of it."""
+    return (a["mode"], a.get("concurrency"), a.get("rate"), a.get("tags", {})) == (b["mode"], b.get("concurrency"), b.get("rate"), b.get("tags", {}))
 
 
 async def run(args) -> dict:
@@ -269,7 +269,8 @@ async def run(args) -> dict:
                 for _ in range(args.warmup):  # first requests pay one-off costs (allocations, lazy init)
                     await c.generate(prompt=prompts[0], max_new_tokens=min(8, args.max_new_tokens))
             except grpc.aio.AioRpcError as e:
-                raise SystemExit(f"bench.loadtest: {flag} {address}: {e.code().name}: {e.details()} (it takes {wanted})") from None
+                hint = f" (it takes {wanted})" if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE) else ""
+                raise SystemExit(f"bench.loadtest: {flag} {address}: {e.code().name}: {e.details()}{hint}") from None
         info = infos[0]
         for mode, level in cells_spec:
             for k in range(args.repeats):
@@ -292,16 +293,9 @@ async def run(args) -> dict:
                           f"ITL p50 {_ms(s['itl_s']['p50'])} ms, e2e p95 {_ms(s['e2e_s']['p95'])} ms", file=sys.stderr)
     meta = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "server": args.server,
             "draft_model": info.model_name, "prompts": args.prompts, "num_prompts": len(prompts),
-            "args": {k: _in_repo(v) if k == "out" else v for k, v in vars(args).items() if k not in ("tag", "token")}}  # never a secret in the report
+            "args": {k: repo_path(v) if k == "out" else v for k, v in vars(args).items() if k not in ("tag", "token")}}  # never a secret in the report
     return {"meta": meta, "cells": cells}
 
-
-def _in_repo(path: str | None) -> str | None:
-    """A path inside the repository as relative to its root, so results name no machine's paths."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if path and os.path.abspath(path).startswith(repo + os.sep):
-        return os.path.relpath(os.path.abspath(path), repo)
-    return path
 
 
 def main(argv=None) -> int:
@@ -312,8 +306,9 @@ def main(argv=None) -> int:
     p.add_argument("--target-only", action="store_true",
                    help="the baseline: --server is a verify service, generating target-only; cells are tagged path=target-only (else path=speculative)")
     p.add_argument("--baseline", default="", metavar="HOST:PORT",
-                   help="a verify service: every cell runs against it too, target-only (tagged path=target-only), right "
-                        "before or after --server's, alternating which goes first by run; the report adds their ratio")
+                   help="a verify service (with --server's credentials): every cell runs against it too, target-only (tagged "
+                        "path=target-only), right before or after --server's, alternating which goes first by run; the report "
+                        "adds their ratio")
     p.add_argument("--repeats", type=int, default=1, help="runs of every cell (with --baseline: pairs, alternating order)")
     add_credential_args(p)
     p.add_argument("--concurrency", default="", help="closed-loop cells: comma-separated session counts, e.g. 1,4,16,64")
@@ -344,6 +339,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.baseline and args.target_only:
         p.error("--baseline runs the target-only path beside --server's speculative one: not with --target-only")
+    if args.baseline and any(t.partition("=")[0] == "path" for t in args.tag):
+        p.error("--baseline tags the two paths path=speculative and path=target-only: no --tag path=... with it")
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     results = asyncio.run(run(args))

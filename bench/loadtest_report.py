@@ -23,14 +23,18 @@ def _at(cell) -> tuple:
 
 
 def typical(cells: list[dict]) -> list[dict]:
-    """One cell per group and load level: where the level ran more than once, the run of median
-    output tok/s (the lower of the middle two for an even count)."""
+    """One cell per tag set and load level: where the level ran more than once, the run of median
+    output tok/s in a closed loop, of median e2e p50 latency in an open one (whose tok/s is about
+    its offered rate on any path); the lower of the middle two for an even count."""
     by: dict[tuple, list[dict]] = {}
     for c in cells:
-        by.setdefault((_group_key(c), *_at(c)), []).append(c)
+        by.setdefault((_tag_set(c), *_at(c)), []).append(c)
     out = []
     for cs in by.values():
-        cs = sorted(cs, key=lambda c: c["summary"]["output_tokens_per_s"])
+        if cs[0]["mode"] == "closed":
+            cs = sorted(cs, key=lambda c: c["summary"]["output_tokens_per_s"])
+        else:
+            cs = sorted(cs, key=lambda c: -(c["summary"]["e2e_s"]["p50"] or math.inf))
         out.append(cs[(len(cs) - 1) // 2])
     return out
 
@@ -42,27 +46,31 @@ def _median(xs: list[float]) -> float:
 
 
 def paired(cells: list[dict]) -> list[str]:
-    """Markdown: each speculative cell over the target-only cell of the same level, run and other
-    tags (bench.loadtest --baseline: the two ran back to back, alternating which went first), run
-    by run, and the median ratio."""
+    """Markdown: each speculative closed-loop cell over the target-only cell of the same level,
+    run and other tags (bench.loadtest --baseline: the two ran back to back, alternating which
+    went first), run by run, and the median ratio. Open-loop cells are left out: at an offered
+    rate both paths put out about the same tokens/s."""
     def rest(c):
-        return tuple(sorted((k, str(v)) for k, v in c.get("tags", {}).items() if k != "path"))
+        return tuple(x for x in _tag_set(c) if x[0] != "path")
 
-    base = {(rest(c), *_at(c), c.get("run", 1)): c for c in cells if c.get("tags", {}).get("path") == "target-only"}
+    closed = [c for c in cells if c["mode"] == "closed"]
+    base = {(rest(c), *_at(c), c.get("run", 1)): c for c in closed if c.get("tags", {}).get("path") == "target-only"}
     rows: dict[tuple, list[tuple[dict, dict]]] = {}
-    for c in cells:
+    for c in closed:
         b = base.get((rest(c), *_at(c), c.get("run", 1)))
         if b is not None and c.get("tags", {}).get("path") != "target-only" and c["summary"]["completed"] and b["summary"]["completed"]:
-            rows.setdefault((_group_key(c), *_at(c)), []).append((c, b))
+            rows.setdefault((_tag_set(c), *_at(c)), []).append((c, b))
     if not rows:
         return []
     out = ["## Speculative over target-only, run by run", "",
            "Output tok/s of each cell over the target-only cell of the same load and run (with `--baseline` the two ran "
-           "back to back, the speculative one first in odd runs), and the median of those ratios.", "",
+           "back to back, the speculative one first in odd runs), and the median of those ratios (of an even count, the "
+           "mean of the middle two, as for the tok/s).", "",
            "| path / tags | load | runs | tok/s, median | target-only tok/s, median | ratio by run | median ratio |",
            "|---|---|---|---|---|---|---|"]
-    for (g, *_), pairs in sorted(rows.items(), key=lambda kv: (_group_order(kv[1][0][0]), kv[0][1:2], kv[0][2] or 0, kv[0][3] or 0)):
+    for _, pairs in sorted(rows.items(), key=lambda kv: (_group_order(kv[1][0][0]), kv[0][0], kv[0][2] or 0)):
         pairs.sort(key=lambda p: p[0].get("run", 1))
+        g = _group_key(pairs[0][0])
         spec = [p[0]["summary"]["output_tokens_per_s"] for p in pairs]
         tonly = [p[1]["summary"]["output_tokens_per_s"] for p in pairs]
         ratios = [a / b if b else math.inf for a, b in zip(spec, tonly)]
@@ -83,7 +91,13 @@ def _group_order(cell):
 
 def _group_key(cell) -> str:
     t = cell.get("tags", {})
-    return f"RTT {t['rtt_ms']} ms" if "rtt_ms" in t else (_tags(cell) if t else "all")
+    if "rtt_ms" in t:  # the split topology's groups; a target-only baseline beside them stays apart
+        return f"RTT {t['rtt_ms']} ms" + (", path=target-only" if t.get("path") == "target-only" else "")
+    return _tags(cell) if t else "all"
+
+
+def _tag_set(cell) -> tuple:
+    return tuple(sorted((k, str(v)) for k, v in cell.get("tags", {}).items()))
 
 
 def log_x_axis(ax, levels) -> None:
@@ -210,7 +224,7 @@ def capacity(cells: list[dict], session_tok_s: float) -> list[str]:
     out = [f"## Capacity at {session_tok_s:g} tokens/s per session", "",
            "The most concurrent sessions measured whose per-session rate (aggregate output tok/s / sessions, closed loop) "
            "still meets the target, per path: what one verifier sustains, speculative beside target-only (a level that ran "
-           "more than once: its run of median throughput).", "",
+           "more than once: its run of median throughput, the lower of the middle two for an even count).", "",
            "| path / tags | sessions sustained | aggregate tok/s there | per-session tok/s there | highest aggregate tok/s (at sessions) |",
            "|---|---|---|---|---|"]
     for g, cs in sorted(groups.items(), key=lambda kv: _group_order(kv[1][0])):

@@ -50,7 +50,7 @@ import sys
 import time
 import traceback
 
-from bench.cli import add_pair_args, run_header, write_report
+from bench.cli import add_pair_args, command, run_header, write_report
 from bench.launch import ENV, Service
 from bench.prompts import CODE_PROMPTS, heldout_prompts
 from bench.tree_report import REFERENCE, bars, render
@@ -369,7 +369,7 @@ def main(argv=None) -> int:
         for s in reversed(started):
             s.stop()
 
-    res = dict(**run_header(a), command="python -m bench.tree " + " ".join(argv if argv is not None else sys.argv[1:]),
+    res = dict(**run_header(a), command=command("bench.tree", argv if argv is not None else sys.argv[1:]),
                prompts=len(prompts), code_prompts=len([p for p in prompts if p in CODE_PROMPTS]), tpr_prompts=len(tpr_prompts),
                tpr_code_prompts=len([p for p in tpr_prompts if p in CODE_PROMPTS]), new_tokens=a.new_tokens,
                repeats=a.repeats, warm_prompts=a.warm_prompts, warm_tokens=a.warm_tokens,

@@ -84,3 +84,20 @@ def test_no_tracked_file_names_a_build_machine_path():
                 line = text[: text.index(bad)].count("\n") + 1
                 hits.append(f"{path}:{line}: {bad}")
     assert not hits, "tracked files naming paths outside the repository:\n" + "\n".join(hits)
+
+
+def test_results_name_no_scratch_folder():
+    """A result file (bench/results, deploy/loadtest) records where it was written as a folder of
+    the repository or as OUT (bench/cli.py repo_path), never a scratch folder of the machine that
+    ran it."""
+    hits = [p for p in tracked() if p.startswith(("bench/results/", "deploy/loadtest/")) and "/tmp/" in (text_of(p) or "")]
+    assert not hits, "result files naming a scratch folder:\n" + "\n".join(hits)
+
+
+def test_a_recorded_command_names_its_output_folder_in_repository_terms():
+    from bench.cli import command, repo_path
+
+    assert repo_path(os.path.join(ROOT, "bench", "results")) == os.path.join("bench", "results")
+    assert repo_path("/somewhere/else") == "OUT" and repo_path(None) is None
+    assert command("bench.tree", ["--tpr-budgets", "", "--out", "/somewhere/else"]) == "python -m bench.tree --tpr-budgets '' --out OUT"
+    assert command("bench.tree", [f"--out={ROOT}/bench/results"]) == "python -m bench.tree --out=bench/results"

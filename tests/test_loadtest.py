@@ -97,6 +97,7 @@ def test_baseline_options_are_checked(capsys):
     from bench.loadtest import main
 
     for argv, words in ((["--target-only", "--baseline", "127.0.0.1:1"], "not with --target-only"),
+                        (["--baseline", "127.0.0.1:1", "--tag", "path=x"], "no --tag path=... with it"),
                         (["--repeats", "0"], "--repeats must be at least 1")):
         try:
             main(["--server", "127.0.0.1:1", "--concurrency", "1", *argv])
@@ -117,3 +118,36 @@ def test_typical_cell_is_the_median_run():
     cells = [cell(1, 30.0), cell(2, 10.0), cell(3, 20.0), cell(1, 5.0, "target-only"), cell(2, 7.0, "target-only")]
     got = sorted((c["tags"]["path"], c["run"]) for c in typical(cells))
     assert got == [("speculative", 3), ("target-only", 1)]  # the median of three; the lower middle of two
+
+
+def _cell(run, tok_s, path="speculative", mode="closed", level=4, e2e=1.0, **tags):
+    return {"mode": mode, "concurrency": level if mode == "closed" else None, "rate": level if mode == "open" else None,
+            "tags": {"path": path, **tags}, "run": run,
+            "summary": {"output_tokens_per_s": tok_s, "completed": 1, "e2e_s": {"p50": e2e}}}
+
+
+def test_paired_ratios_take_the_median_run_by_run():
+    """Three runs: the median ratio is the middle one (not the mean); open-loop cells are not
+    paired (their tok/s is about the offered rate); cells tagged apart (rtt_ms) are paired apart."""
+    from bench.loadtest_report import paired, typical
+
+    cells = [_cell(1, 100.0), _cell(1, 50.0, "target-only"),  # 2.0
+             _cell(2, 90.0), _cell(2, 100.0, "target-only"),  # 0.9
+             _cell(3, 110.0), _cell(3, 100.0, "target-only"),  # 1.1
+             _cell(1, 5.0, mode="open", level=2), _cell(1, 5.0, "target-only", mode="open", level=2),
+             _cell(1, 30.0, rtt_ms=10), _cell(1, 20.0, "target-only", rtt_ms=10)]
+    rows = [r for r in paired(cells) if r.startswith("| ") and "path / tags" not in r]
+    assert len(rows) == 2, rows
+    cols = {r.split("|")[1].strip(): [x.strip() for x in r.split("|")[1:-1]] for r in rows}
+    assert cols["path=speculative"][5:] == ["2.00 / 0.90 / 1.10", "**1.10×**"]
+    assert cols["RTT 10 ms"][5:] == ["1.50", "**1.50×**"]
+    got = {(c["tags"]["path"], c["tags"].get("rtt_ms"), c["mode"]) for c in typical(cells)}
+    assert got == {(p, r, m) for p in ("speculative", "target-only") for r, m in ((None, "closed"), (None, "open"), (10, "closed"))}
+
+
+def test_append_replaces_every_run_of_a_level():
+    from bench.loadtest import _same_cell
+
+    assert _same_cell(_cell(3, 1.0), _cell(1, 2.0))  # a new run 1 replaces an old run 3 of the same level and tags
+    assert not _same_cell(_cell(1, 1.0), _cell(1, 1.0, "target-only"))
+    assert not _same_cell(_cell(1, 1.0), _cell(1, 1.0, level=16))

@@ -127,8 +127,9 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         answers up to Round.run_tokens_per_verdict steps (at most MAX_RUN_TOKENS_PER_VERDICT): the
         earlier steps' tokens in run_tokens, their forward seconds summed; fewer messages for the
         draft to relay where the verifier is shared, a verdict a step (no burst) where it is not.
-        The run's first step is answered on its own: a session that starts in a run gets its first
-        token after its prefill, not after the steps that follow it."""
+        Every run's first step is answered on its own (one more verdict a run): a session that starts
+        in a run gets its first token after its prefill, and one that comes back to a run its next
+        token after a step, not after the steps that follow it."""
         limit = min(r.target_only_steps, s.max_new_tokens - s.generated)
         per = max(1, min(r.run_tokens_per_verdict, MAX_RUN_TOKENS_PER_VERDICT))
         done, held, forward_s = 0, [], 0.0
