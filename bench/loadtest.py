@@ -297,7 +297,6 @@ async def run(args) -> dict:
     return {"meta": meta, "cells": cells}
 
 
-
 def main(argv=None) -> int:
     from client.core import add_credential_args
 
