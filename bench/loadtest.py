@@ -258,8 +258,9 @@ async def run(args) -> dict:
         paths = [(client, tags)]
         checks = [(client, "--server", args.server, "a draft service, or a verify service with --target-only")]
         if args.baseline:  # the same cells against a verify service, target-only, alternating with --server's
-            base = await stack.enter_async_context(AsyncClient(args.baseline, target_only=True, timeout=args.timeout_s,
-                                                               **credential_kwargs(args)))
+            creds = credential_kwargs(args)
+            creds["token"] = creds.pop("fallback_token") or creds["token"]  # the verify service's own token, where it differs
+            base = await stack.enter_async_context(AsyncClient(args.baseline, target_only=True, timeout=args.timeout_s, **creds))
             paths.append((base, tags | {"path": "target-only"}))
             checks.append((base, "--baseline", args.baseline, "a verify service"))
         infos = []
@@ -305,7 +306,8 @@ def main(argv=None) -> int:
     p.add_argument("--target-only", action="store_true",
                    help="the baseline: --server is a verify service, generating target-only; cells are tagged path=target-only (else path=speculative)")
     p.add_argument("--baseline", default="", metavar="HOST:PORT",
-                   help="a verify service (with --server's credentials): every cell runs against it too, target-only (tagged "
+                   help="a verify service (with --server's credentials, and --fallback-token-file's token where given): every "
+                        "cell runs against it too, target-only (tagged "
                         "path=target-only), right before or after --server's, alternating which goes first by run; the report "
                         "adds their ratio")
     p.add_argument("--repeats", type=int, default=1, help="runs of every cell (with --baseline: pairs, alternating order)")

@@ -200,6 +200,17 @@ def test_cli_and_load_tester_take_a_token_file(pair, tokens, tmp_path):
     assert CLIENT_TOKEN not in report
     r = subprocess.run(load, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "UNAUTHENTICATED" in r.stderr
+    # the target-only baseline against the verify service: --server's token, or --fallback-token-file's where given
+    r = subprocess.run(load + ["--token-file", tokens["client"], "--baseline", v.address], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cells = json.loads((tmp_path / "out" / "loadtest.json").read_text())["cells"]
+    assert sorted(c["tags"]["path"] for c in cells) == ["speculative", "target-only"]
+    assert all(c["summary"]["completed"] == 2 for c in cells)
+    wrong = write(tmp_path / "wrong", WRONG_TOKEN + "\n")
+    r = subprocess.run(load + ["--token-file", tokens["client"], "--baseline", v.address, "--fallback-token-file", wrong], cwd=ROOT,
+                       env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(f"bench.loadtest: --baseline {v.address}: UNAUTHENTICATED")
 
 
 @pytest.mark.parametrize("setup, error", [
