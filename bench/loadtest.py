@@ -255,16 +255,14 @@ async def run(args) -> dict:
     async with contextlib.AsyncExitStack() as stack:
         client = await stack.enter_async_context(AsyncClient(args.server, target_only=args.target_only, timeout=args.timeout_s,
                                                              **credential_kwargs(args)))
-        paths = [(client, tags)]
-        checks = [(client, "--server", args.server, "a draft service, or a verify service with --target-only")]
+        paths = [(client, tags, "--server", args.server, "a draft service, or a verify service with --target-only")]
         if args.baseline:  # the same cells against a verify service, target-only, alternating with --server's
             creds = credential_kwargs(args)
             creds["token"] = creds.pop("fallback_token") or creds["token"]  # the verify service's own token, where it differs
             base = await stack.enter_async_context(AsyncClient(args.baseline, target_only=True, timeout=args.timeout_s, **creds))
-            paths.append((base, tags | {"path": "target-only"}))
-            checks.append((base, "--baseline", args.baseline, "a verify service"))
+            paths.append((base, tags | {"path": "target-only"}, "--baseline", args.baseline, "a verify service"))
         infos = []
-        for c, flag, address, wanted in checks:  # one line, not a traceback, for an address that does not serve
+        for c, _, flag, address, wanted in paths:  # one line, not a traceback, for an address that does not serve
             try:
                 infos.append(await c.info())
                 for _ in range(args.warmup):  # first requests pay one-off costs (allocations, lazy init)
@@ -275,7 +273,7 @@ async def run(args) -> dict:
         info = infos[0]
         for mode, level in cells_spec:
             for k in range(args.repeats):
-                for order, (c, cell_tags) in enumerate(paths if k % 2 == 0 else paths[::-1], 1):  # odd runs: --server first
+                for order, (c, cell_tags, *_) in enumerate(paths if k % 2 == 0 else paths[::-1], 1):  # odd runs: --server first
                     run_tag = f" run {k + 1}" if args.repeats > 1 else ""
                     label = (f"{'c=' + str(int(level)) if mode == 'closed' else f'{level:g} req/s'}{run_tag} "
                              f"[{','.join(f'{t}={v}' for t, v in cell_tags.items())}]")

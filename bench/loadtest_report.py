@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 
 def _ms(x) -> str:
     return "–" if x is None else f"{1000 * x:.0f}" if x >= 0.1 else f"{1000 * x:.1f}"
@@ -39,12 +40,6 @@ def typical(cells: list[dict]) -> list[dict]:
     return out
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
 def paired(cells: list[dict]) -> list[str]:
     """Markdown: each speculative closed-loop cell over the target-only cell of the same level,
     run and other tags (bench.loadtest --baseline: the two ran back to back, alternating which
@@ -74,8 +69,8 @@ def paired(cells: list[dict]) -> list[str]:
         spec = [p[0]["summary"]["output_tokens_per_s"] for p in pairs]
         tonly = [p[1]["summary"]["output_tokens_per_s"] for p in pairs]
         ratios = [a / b if b else math.inf for a, b in zip(spec, tonly)]
-        out.append(f"| {g} | {_level(pairs[0][0])} | {len(pairs)} | {_median(spec):.1f} | {_median(tonly):.1f} "
-                   f"| {' / '.join(f'{r:.2f}' for r in ratios)} | **{_median(ratios):.2f}×** |")
+        out.append(f"| {g} | {_level(pairs[0][0])} | {len(pairs)} | {statistics.median(spec):.1f} | {statistics.median(tonly):.1f} "
+                   f"| {' / '.join(f'{r:.2f}' for r in ratios)} | **{statistics.median(ratios):.2f}×** |")
     return out + [""]
 
 
