@@ -7,6 +7,9 @@ per round proposes tau tokens (draft model or prompt lookup) with the q each was
 sends them as one `Round`, reads the verdict, commits the accepted prefix plus the verifier's
 next token and yields them with the verifier's finish reason, until that reason is set.
 
+* A verdict's tokens are yielded once the next round is on its way (written, where it was
+  pre-drafted; else its drafting started in its thread), so the caller's write to its client
+  overlaps the verifier's pass or the drafting; a failure before then yields them, then raises.
 * Adaptive tau (draft_service/adaptive.py) picks tau per round from the acceptance so far and costs calibrated once.
 * Pre-drafting: while round k is verified, a thread drafts round k+1 assuming all of round k is
   accepted and guessing the bonus token, and for a greedy chain the draft serves alone also
@@ -34,6 +37,8 @@ VerifyResponse or grpc.aio.EOF works as the stream, so the loop runs in-process 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import threading
 import time
@@ -57,6 +62,13 @@ HYBRID_MIN_NGRAM = 2  # hybrid mode trusts prompt lookup from a 2-gram match up
 log = logging.getLogger("specdec.draft")
 _warned: set[str] = set()  # models whose fallback was logged
 RECORDS: dict[str, ModelRecord] = {}  # per draft model: whether it paid in this process's recent sessions
+
+
+def started(fn, *args) -> asyncio.Future:
+    """fn(*args) in a worker thread, started now (asyncio.to_thread starts it only when the event
+    loop next runs its task): the draft drafts while the loop's caller still holds the loop."""
+    ctx = contextvars.copy_context()
+    return asyncio.get_running_loop().run_in_executor(None, functools.partial(ctx.run, fn, *args))
 
 
 class VerifyStream(Protocol):
@@ -184,26 +196,38 @@ class DecodeLoop:
         serving = self.drafter.serving()
         serving.__enter__()
 
-        async def in_thread(fn, *args):
+        def in_thread(fn, *args) -> asyncio.Future:
             nonlocal thread
-            thread = (asyncio.ensure_future(asyncio.to_thread(fn, *args)), None)
+            thread = (started(fn, *args), None)
+            return thread[0]
+
+        async def result():
+            nonlocal thread
             out = await asyncio.shield(thread[0])  # a cancel here leaves the task to its thread: `finally` counts the session until it ends
             thread = None
             return out
 
+        # the last verdict's tokens, yielded once the next round is on its way (written, or its drafting started): the
+        # caller's write to its client then overlaps the verifier's pass, or the drafting, not the round trip
+        pending = None
         try:
             await self._timed(call.write(self.start()))
             # a session that starts in a run, or without the model (its record), drafts nothing yet: its cache
             # catches up when it first drafts (_feed)
             if not self.fallen_back and not self._run_wanted():
                 t1 = time.perf_counter()
-                await in_thread(self.drafter.prefill, st, gone)  # the verifier prefills meanwhile
+                in_thread(self.drafter.prefill, st, gone)  # the verifier prefills meanwhile
+                await result()
                 stats.prefill_s = time.perf_counter() - t1
             prop = None
             t_mark = time.perf_counter()  # the last verdict: a round's wall time for Pace runs from there
             caught_up = True  # False after a run: the model's next round feeds the run's tokens first
             while True:
                 run = self._run_wanted() if prop is None else 0
+                if run or (self.fallen_back and not self._lookup_left()):
+                    if pending is not None:
+                        yield pending
+                        pending = None
                 if run:
                     async for item in self._run(call, run):
                         yield item
@@ -231,7 +255,13 @@ class DecodeLoop:
                 if prop is None and (self.fallen_back or tau == 0):
                     prop = self.propose(min(tau, self.cap()))  # no model step: not worth a thread
                 elif prop is None:
-                    prop = await in_thread(self.propose, min(tau, self.cap()), budget)
+                    in_thread(self.propose, min(tau, self.cap()), budget)
+                    if pending is not None:  # the caller writes to its client while the draft drafts
+                        t0 = time.perf_counter()
+                        yield pending
+                        pending = None
+                        t1 += time.perf_counter() - t0  # draft_s: the drafting the round waited for, not the caller's write
+                    prop = await result()
                 t2 = time.perf_counter()
                 stats.rounds += 1
                 stats.tree_rounds += prop.parents is not None
@@ -249,7 +279,10 @@ class DecodeLoop:
                     ahead_ctl = PredraftControl()
                     # a tree's pre-draft: a tree after its likeliest path (a greedy tree's: after each end of that path)
                     more = (self.tree_room(budget, assumed), self.floor(), self.tree_cost(), self.calibration) if tree else ()
-                    thread = (asyncio.create_task(asyncio.to_thread(self.drafter.predraft, st, prop, next_cap, ahead_ctl, *more)), ahead_ctl)
+                    thread = (started(self.drafter.predraft, st, prop, next_cap, ahead_ctl, *more), ahead_ctl)
+                if pending is not None:
+                    yield pending
+                    pending = None
                 v = await self._timed(call.read(), self._first_read_scale() if stats.rounds == 1 else 1)
                 if v is grpc.aio.EOF:
                     raise RequestError(Refusal.UNAVAILABLE, "verify service ended the session without a verdict")
@@ -274,9 +307,14 @@ class DecodeLoop:
                 prop = self._learn(sent, v, new, path, prop, t3 - t_mark, caught_up)
                 caught_up = caught_up or (bool(sent.tokens) and not sent.lookup)
                 t_mark = t3
-                yield new, v.finish_reason
                 if v.finish_reason:
+                    yield new, v.finish_reason
                     return
+                pending = (new, 0)
+        except Exception:
+            if pending is not None:  # a failure before the next round was on its way: the caller gets the tokens, then the error
+                yield pending
+            raise
         finally:
             gone.set()
             task, ahead_ctl = thread if thread is not None else (None, None)

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from client import Client
 from specdec.costmodel import Costs
 from specdec.engine import PREFILL_CHUNK
+from draft_service import decode
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import CHOICES, Drafter, PredraftControl
 from specdec.errors import Refusal, RequestError
@@ -192,6 +193,46 @@ def test_greedy_loop_equals_target_generate(drafters, target, draft, features):
         assert hits > 0, "a perfect draft must hit its pre-drafts"
 
 
+@pytest.mark.parametrize("predraft", [True, False], ids=["predraft", "no-predraft"])
+def test_the_next_round_is_on_its_way_when_the_caller_gets_a_verdicts_tokens(drafters, target, monkeypatch, predraft):
+    """The caller's work on a verdict's tokens (its write to its client) overlaps the next round:
+    when it gets them, the next round is written where its proposal was ready (a pre-draft that
+    came true), else its drafting has started in its thread. The last verdict has no next round."""
+    d = drafters("target")  # a perfect draft: its pre-drafts come true
+    prompt, ref = next((p, r) for p in prompts(8, seed=5) if EOS not in (r := hf_greedy(target, p, 30)))  # 30 tokens: several rounds
+    g = request(d, prompt_ids=prompt, max_new_tokens=30, num_draft_tokens=3)
+    loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, predraft=predraft)
+    verifier = GreedyVerifier(target, d.lm.max_context)
+    threads = []  # (what a thread was started for, the rounds sent by then)
+    real = decode.started
+
+    def spy(fn, *args):
+        threads.append((fn.__name__, loop.stats.rounds))
+        return real(fn, *args)
+
+    monkeypatch.setattr(decode, "started", spy)
+
+    async def go():
+        seen, ids = [], []
+        async with contextlib.aclosing(loop.rounds(verifier)) as rounds:
+            async for new, finish in rounds:
+                ids += new
+                seen.append((verifier.rounds, threads[-1], finish))
+        return seen, ids
+
+    seen, ids = asyncio.run(go())
+    assert ids == ref
+    written = 0
+    for k, (sent, (fn, rounds), finish) in enumerate(seen, 1):
+        if finish:
+            assert k == len(seen) and sent == k
+        elif sent == k + 1:  # written: a pre-draft's round
+            written += 1
+        else:
+            assert sent == k and (fn, rounds) == ("propose", k), "the next round's drafting is not under way"
+    assert (written > 0) == predraft  # a perfect draft's pre-drafts come true
+
+
 def test_a_greedy_predraft_prepares_each_rejection_with_the_drafts_next_choices(model_dir):
     """A greedy chain's pre-draft prepares, besides "all accepted, then the draft's argmax", each
     outcome "the first j accepted, then one of the draft's next CHOICES choices at j", in one tree pass a step:
@@ -334,6 +375,32 @@ def test_a_verifier_that_ends_the_stream_is_unavailable(drafters):
     with pytest.raises(RequestError) as e:
         asyncio.run(run(DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, predraft=True), Silent()))
     assert e.value.kind == Refusal.UNAVAILABLE
+
+
+def test_a_failure_after_a_verdict_gives_the_caller_its_tokens_first(drafters, target):
+    """The verdict's tokens wait for the next round to be on its way; where that round fails (its
+    write, its drafting), the caller still gets them before the error."""
+    class Broken(GreedyVerifier):
+        async def write(self, req):
+            if req.WhichOneof("kind") == "round" and req.round.round == 2:
+                raise RuntimeError("the stream broke")
+            await super().write(req)
+
+    d = drafters("target")
+    prompt, ref = next((p, r) for p in prompts(8, seed=5) if EOS not in (r := hf_greedy(target, p, 30)))
+
+    async def go(predraft):
+        got = []
+        loop = DecodeLoop(d, request(d, prompt_ids=prompt, max_new_tokens=30, num_draft_tokens=3), d.lm.fingerprint,
+                          d.lm.max_context, predraft=predraft)
+        with pytest.raises(RuntimeError, match="the stream broke"):
+            async with contextlib.aclosing(loop.rounds(Broken(target, d.lm.max_context))) as rounds:
+                async for new, _ in rounds:
+                    got += new
+        return got
+
+    for predraft in (True, False):  # round 2 pre-drafted (written at once), or drafted after the verdict
+        assert asyncio.run(go(predraft)) == ref[:4]  # round 1: three proposals accepted and the bonus token
 
 
 def test_the_caller_may_stop_after_any_round(drafters, model_dir):
