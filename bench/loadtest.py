@@ -271,9 +271,12 @@ async def run(args) -> dict:
                 hint = f" (it takes {wanted})" if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE) else ""
                 raise SystemExit(f"bench.loadtest: {flag} {address}: {e.code().name}: {e.details()}{hint}") from None
         info = infos[0]
+        pairs = 0  # runs so far, over every level: which path goes first alternates across levels too, so an odd --repeats
+        # does not put --server first at every level
         for mode, level in cells_spec:
             for k in range(args.repeats):
-                for order, (c, cell_tags, *_) in enumerate(paths if k % 2 == 0 else paths[::-1], 1):  # odd runs: --server first
+                pairs += 1
+                for order, (c, cell_tags, *_) in enumerate(paths if pairs % 2 else paths[::-1], 1):
                     run_tag = f" run {k + 1}" if args.repeats > 1 else ""
                     label = (f"{'c=' + str(int(level)) if mode == 'closed' else f'{level:g} req/s'}{run_tag} "
                              f"[{','.join(f'{t}={v}' for t, v in cell_tags.items())}]")

@@ -76,6 +76,10 @@ def test_baseline_alternates_with_the_speculative_path(services, tmp_path):
         assert cols[5] == " / ".join(f"{x:.2f}" for x in want)
         assert cols[6] == f"**{sum(want) / 2:.2f}×**"
     assert "c=2, run 2" in report  # every run's cell is listed
+    load(d.address, tmp_path / "odd", "--baseline", v.address)  # one run a level: the alternation goes on across levels
+    cells = json.loads((tmp_path / "odd" / "loadtest.json").read_text())["cells"]
+    assert sorted((c["concurrency"], c["tags"]["path"], c["order"]) for c in cells) == [
+        (1, "speculative", 1), (1, "target-only", 2), (2, "speculative", 2), (2, "target-only", 1)]
 
 
 def test_an_address_that_does_not_serve_its_path_is_one_line(services, tmp_path):
