@@ -8,8 +8,11 @@ sends them as one `Round`, reads the verdict, commits the accepted prefix plus t
 next token and yields them with the verifier's finish reason, until that reason is set.
 
 * A verdict's tokens are yielded once the next round is on its way (written, where it was
-  pre-drafted; else its drafting started in its thread), so the caller's write to its client
-  overlaps the verifier's pass or the drafting; a failure before then yields them, then raises.
+  pre-drafted or needs no drafting; else with its drafting started in its thread), so the
+  caller's write to its client overlaps the verifier's pass or the drafting; a failure before
+  then yields them, then raises. Before a run, and for a request with stop strings (the caller
+  may end it at any verdict's tokens, and a round written ahead would cost the verifier a pass),
+  they are yielded at once.
 * Adaptive tau (draft_service/adaptive.py) picks tau per round from the acceptance so far and costs calibrated once.
 * Pre-drafting: while round k is verified, a thread drafts round k+1 assuming all of round k is
   accepted and guessing the bonus token, and for a greedy chain the draft serves alone also
@@ -280,9 +283,11 @@ class DecodeLoop:
                     # a tree's pre-draft: a tree after its likeliest path (a greedy tree's: after each end of that path)
                     more = (self.tree_room(budget, assumed), self.floor(), self.tree_cost(), self.calibration) if tree else ()
                     thread = (started(self.drafter.predraft, st, prop, next_cap, ahead_ctl, *more), ahead_ctl)
-                if pending is not None:
+                if pending is not None:  # the caller writes to its client during the round trip
+                    t0 = time.perf_counter()
                     yield pending
                     pending = None
+                    t2 += time.perf_counter() - t0  # verify_s: the wait for the verdict, not the caller's write
                 v = await self._timed(call.read(), self._first_read_scale() if stats.rounds == 1 else 1)
                 if v is grpc.aio.EOF:
                     raise RequestError(Refusal.UNAVAILABLE, "verify service ended the session without a verdict")
@@ -310,7 +315,10 @@ class DecodeLoop:
                 if v.finish_reason:
                     yield new, v.finish_reason
                     return
-                pending = (new, 0)
+                if self.params.stop:  # the caller may end the request at these tokens (a stop string): they go to it now,
+                    yield new, 0  # so a stop costs the verifier no round written ahead
+                else:
+                    pending = (new, 0)
         except Exception:
             if pending is not None:  # a failure before the next round was on its way: the caller gets the tokens, then the error
                 yield pending

@@ -180,7 +180,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=os.environ.get("SPECDEC_DEVICE") or "auto",
                    help="auto (cuda if present, else cpu), cpu, cuda or cuda:N [env SPECDEC_DEVICE]")
     p.add_argument("--dtype", default=os.environ.get("SPECDEC_DTYPE") or "auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: the checkpoint's dtype on CUDA; on the CPU bfloat16 where it has native bf16 "
+                   help="auto: the checkpoint's dtype on CUDA; on the CPU float32 where the CPU tier's row kernel runs and "
+                        "the float32 weights fit in 40%% of free memory, else bfloat16 where the CPU has native bf16 "
                         "instructions (avx512_bf16 / AMX), else float32 [env SPECDEC_DTYPE]")
     p.add_argument("--engine-choices", type=_choices_arg, default=os.environ.get("SPECDEC_ENGINE_CHOICES") or "",
                    help="on the CPU, pin the engine's timed load-time choices, e.g. 'attention=float32,prepack=on,per-row=off' "

@@ -193,14 +193,15 @@ def test_greedy_loop_equals_target_generate(drafters, target, draft, features):
         assert hits > 0, "a perfect draft must hit its pre-drafts"
 
 
-@pytest.mark.parametrize("predraft", [True, False], ids=["predraft", "no-predraft"])
-def test_the_next_round_is_on_its_way_when_the_caller_gets_a_verdicts_tokens(drafters, target, monkeypatch, predraft):
+@pytest.mark.parametrize("predraft,stop", [(True, False), (False, False), (True, True)], ids=["predraft", "no-predraft", "stop-strings"])
+def test_the_next_round_is_on_its_way_when_the_caller_gets_a_verdicts_tokens(drafters, target, monkeypatch, predraft, stop):
     """The caller's work on a verdict's tokens (its write to its client) overlaps the next round:
     when it gets them, the next round is written where its proposal was ready (a pre-draft that
-    came true), else its drafting has started in its thread. The last verdict has no next round."""
+    came true), else its drafting has started in its thread. The last verdict has no next round.
+    A request with stop strings gets them before anything is written: the caller may end it there."""
     d = drafters("target")  # a perfect draft: its pre-drafts come true
     prompt, ref = next((p, r) for p in prompts(8, seed=5) if EOS not in (r := hf_greedy(target, p, 30)))  # 30 tokens: several rounds
-    g = request(d, prompt_ids=prompt, max_new_tokens=30, num_draft_tokens=3)
+    g = request(d, prompt_ids=prompt, max_new_tokens=30, num_draft_tokens=3, stop=["never in the text"] if stop else [])
     loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, predraft=predraft)
     verifier = GreedyVerifier(target, d.lm.max_context)
     threads = []  # (what a thread was started for, the rounds sent by then)
@@ -228,9 +229,12 @@ def test_the_next_round_is_on_its_way_when_the_caller_gets_a_verdicts_tokens(dra
             assert k == len(seen) and sent == k
         elif sent == k + 1:  # written: a pre-draft's round
             written += 1
-        else:
+        elif not stop:
             assert sent == k and (fn, rounds) == ("propose", k), "the next round's drafting is not under way"
-    assert (written > 0) == predraft  # a perfect draft's pre-drafts come true
+        else:
+            assert sent == k
+    assert (written > 0) == (predraft and not stop)  # a perfect draft's pre-drafts come true
+    assert loop.stats.predraft_hits > 0 or not predraft
 
 
 def test_a_greedy_predraft_prepares_each_rejection_with_the_drafts_next_choices(model_dir):
@@ -378,8 +382,9 @@ def test_a_verifier_that_ends_the_stream_is_unavailable(drafters):
 
 
 def test_a_failure_after_a_verdict_gives_the_caller_its_tokens_first(drafters, target):
-    """The verdict's tokens wait for the next round to be on its way; where that round fails (its
-    write, its drafting), the caller still gets them before the error."""
+    """The verdict's tokens wait for the next round to be on its way; where that round's write
+    fails, the caller still gets them before the error (a pre-drafted round is written before
+    they are yielded; one drafted after the verdict, after)."""
     class Broken(GreedyVerifier):
         async def write(self, req):
             if req.WhichOneof("kind") == "round" and req.round.round == 2:
