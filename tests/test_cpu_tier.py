@@ -496,7 +496,8 @@ def test_the_row_kernels_memory_budget_counts_bfloat16_panels_at_their_size(monk
     """The row kernel's packed weights take 2 bytes a weight where a weight's values are all
     bfloat16 values (a bf16 checkpoint served in float32: its panels are bfloat16) and 4 elsewhere;
     the memory budget counts them so: a host with room for the halves but not for float32 copies
-    takes the kernel for the bf16-exact model and refuses it for the other."""
+    takes the kernel for the bf16-exact model, whose panels are then bfloat16, and refuses it for
+    the other."""
     g = torch.Generator().manual_seed(0)
     class Model(torch.nn.Sequential):
         dtype = torch.float32  # as a transformers model says
@@ -506,7 +507,12 @@ def test_the_row_kernels_memory_budget_counts_bfloat16_panels_at_their_size(monk
         m.weight.data = torch.randn(m.weight.shape, generator=g).bfloat16().float()
     weights = sum(m.weight.numel() for m in plain)
     monkeypatch.setattr(choose, "available_memory_bytes", lambda: int(3 * weights / choose.PREPACK_MEMORY_SHARE))  # 3 bytes a weight
-    assert choose.kernel_products(exact, None) is kernel.row_forward
+    tested = []
+    real = kernel.bf16_exact
+    monkeypatch.setattr(kernel, "bf16_exact", lambda w: tested.append(w.shape) or real(w))
+    make = choose.kernel_products(exact, None)
+    assert make is not None and all(make(m).packed.dtype == torch.bfloat16 for m in exact)
+    assert len(tested) == len(exact)  # each weight's bits tested once, for the budget and the packing both
     assert choose.kernel_products(plain, None) is None
 
 

@@ -108,13 +108,14 @@ def kernel_products(model, pinned: bool | None):
     if any(m.weight.dtype != torch.float32 for m in row_modules(model)):
         log.info("%s: the row kernel not used: not every matmul weight is float32", type(model).__name__)
         return None
-    extra = sum(m.weight.numel() * (2 if kernel.bf16_exact(m.weight.detach()) else 4) for m in row_modules(model))  # row_forward's panels
+    exact = {m: kernel.bf16_exact(m.weight.detach()) for m in row_modules(model)}  # each weight tested once, here
+    extra = sum(m.weight.numel() * (2 if half else 4) for m, half in exact.items())  # row_forward's panels
     free = available_memory_bytes()
     if free is not None and extra > PREPACK_MEMORY_SHARE * free:
         log.info("%s: the row kernel not used: its packed weights' %.2f GiB would pass %.0f%% of the %.2f GiB free",
                  type(model).__name__, extra / 2**30, 100 * PREPACK_MEMORY_SHARE, free / 2**30)
         return None
-    return kernel.row_forward
+    return lambda m: kernel.row_forward(m, half=exact.get(m))
 
 
 def _choose(model, per_row: bool | None, prepack: bool | None, attention: str | None, timer, row_kernel: bool | None,

@@ -243,7 +243,8 @@ def bf16_exact(w: torch.Tensor) -> bool:
 def row_forward(m, half: bool | None = None):
     """m's product (a float32 nn.Linear's or Conv1D's) through the row kernel, or None where the
     kernel is not available. The weight is packed once, in bfloat16 where that is exact
-    (`bf16_exact`; half=False keeps float32, half=None decides) and float32 otherwise: the same
+    (half=None decides with `bf16_exact`; otherwise half is the caller's own `bf16_exact` of this
+    weight, or False to keep float32) and float32 otherwise: the same
     numbers either way, half the bytes to stream in bfloat16. The module keeps its own weight.
     The product's `packed` attribute is the packed weight."""
     lib = library()
@@ -252,7 +253,7 @@ def row_forward(m, half: bool | None = None):
     w = m.weight.detach()
     w = w if isinstance(m, torch.nn.Linear) else w.t()  # [out, in]
     n, k = w.shape
-    half = bf16_exact(w) if half is None else half and bf16_exact(w)
+    half = bf16_exact(w) if half is None else half
     p = packed(w, lib.panel_width()).to(torch.bfloat16 if half else torch.float32)
     b = None if m.bias is None else m.bias.detach()
     product = lib.row_product_bf16 if half else lib.row_product
