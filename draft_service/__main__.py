@@ -119,8 +119,9 @@ def main(argv=None) -> None:
                    help="a request whose verify stream takes no message or gives no verdict for this long ends with UNAVAILABLE "
                         "(the verify service stopped answering) (default: 20)")
     p.add_argument("--client-write-timeout-s", type=number(float, above=0), default=60.0,
-                   help="a gRPC client that takes no chunk of its stream for this long (it stopped reading, its connection "
-                        "open) is ended with DEADLINE_EXCEEDED, and its session with it (default: 60)")
+                   help="a client that takes no chunk of its stream for this long (it stopped reading, its connection "
+                        "open) is ended with DEADLINE_EXCEEDED (an HTTP stream: ended, logged as 504), and its session "
+                        "with it (default: 60)")
     p.add_argument("--max-sessions", type=number(int, low=1), default=256,
                    help="requests generating at once (gRPC and HTTP together) before RESOURCE_EXHAUSTED (HTTP 429), each holding "
                         "a draft KV cache and its share of the draft's steps (>= 1; default: 256)")

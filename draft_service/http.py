@@ -24,11 +24,12 @@ import ssl
 import time
 import uuid
 
+import grpc
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -114,6 +115,31 @@ class _Observe:
                 metrics.REQUEST_ERRORS.labels("draft", path, code).inc()
             if call["tokens"]:
                 metrics.GENERATED_TOKENS.labels("draft").inc(call["tokens"])
+
+
+class _Stream(StreamingResponse):
+    """A stream of events each of which the client must take within `timeout_s`
+    (--client-write-timeout-s, as Draft.Generate's chunks): a client that stops reading, its
+    connection open, ends the request, and its sessions on both services with it (504 in the
+    request's log line and the error counts; the status line has gone as 200). The events'
+    generator is closed however the response ends."""
+
+    def __init__(self, content, timeout_s: float, call: dict, **kw):
+        super().__init__(content, **kw)
+        self.timeout_s, self.call = timeout_s, call
+
+    async def __call__(self, scope, receive, send):
+        async def timed(message):
+            async with asyncio.timeout(self.timeout_s):
+                await send(message)
+
+        try:
+            await super().__call__(scope, receive, timed)
+        except TimeoutError:
+            self.call.update(status=STATUS[grpc.StatusCode.DEADLINE_EXCEEDED],
+                             error=f"the client read nothing for {self.timeout_s:g} s (--client-write-timeout-s); request ended")
+        finally:
+            await self.body_iterator.aclose()
 
 
 class _Uvicorn(uvicorn.Server):
@@ -254,7 +280,8 @@ class FrontDoor:
             first = await unless_disconnected(request, anext(chunks))
         except StopAsyncIteration:
             raise HttpError(500, "internal error: the generation ended without output") from None
-        return StreamingResponse(reply.sse(first, chunks), media_type="text/event-stream", headers=dict(headers, **{"Cache-Control": "no-cache"}))
+        return _Stream(reply.sse(first, chunks), getattr(self.servicer, "client_write_timeout_s", None), call,
+                       media_type="text/event-stream", headers=dict(headers, **{"Cache-Control": "no-cache"}))
 
     def _read(self, data: bytes, chat: bool, rid: str) -> tuple[s._Request, pb.GenerateRequest]:
         """The request a body holds, and the GenerateRequest it makes (a chat's messages rendered)."""
@@ -275,10 +302,13 @@ class FrontDoor:
     async def _body(self, request: Request) -> bytes:
         """The body, up to --max-message-bytes (gRPC's limit on a request), else 413."""
         limit, data = getattr(self.args, "max_message_bytes", 16 << 20), bytearray()
-        async for part in request.stream():
-            data += part
-            if len(data) > limit:
-                raise HttpError(413, f"the request body is larger than {limit} bytes (--max-message-bytes)")
+        try:
+            async for part in request.stream():
+                data += part
+                if len(data) > limit:
+                    raise HttpError(413, f"the request body is larger than {limit} bytes (--max-message-bytes)")
+        except ClientDisconnect:  # gone before its body was in: a client that left (499), not a server error
+            raise ClientGone from None
         return bytes(data)
 
     def _authorize(self, request: Request) -> None:

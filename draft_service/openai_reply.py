@@ -130,15 +130,17 @@ class Reply:
         self.call["tokens"] = self.call.get("tokens", 0) + len(c.token_ids)
 
     async def collect(self, chunks) -> str:
-        text, ids = [], []
+        """The whole reply. The chunks are read to their end, past the finish: the servicer then
+        closes its verify session in order (server.py `_ended`), as for a gRPC client, not by a cancel."""
+        text, ids, c = [], [], None
         async with contextlib.aclosing(chunks):
-            async for c in chunks:
-                self._got(c)
-                text.append(c.text)
-                ids += c.token_ids
-                if c.finish_reason:
-                    break
-            else:
+            async for got in chunks:
+                if c is None or not c.finish_reason:
+                    c = got
+                    self._got(c)
+                    text.append(c.text)
+                    ids += c.token_ids
+            if c is None or not c.finish_reason:
                 raise HttpError(500, "internal error: the generation ended without a finish reason")
         head = dict(id=self.id, created=self.created, model=self.model, usage=usage(c.stats), metrics=self._extras(c.stats))
         tail = dict(finish_reason=FINISH[c.finish_reason], token_ids=ids if self.r.return_token_ids else None)
@@ -160,25 +162,27 @@ class Reply:
 
     async def sse(self, first: pb.GenerateResponse, chunks):
         """The events: (chat: the role first) the text as it comes, a chunk with the finish reason
-        (and metrics), the usage chunk when asked for, then [DONE]. An error after the first
-        chunk comes as an error event, as the status line has gone."""
-        with_ids = self.r.return_token_ids
+        (and metrics), the usage chunk when asked for, then [DONE] once the chunks have ended (as
+        `collect` reads them). An error after the first chunk comes as an error event, as the
+        status line has gone."""
+        with_ids, done = self.r.return_token_ids, False
         try:
             async with contextlib.aclosing(chunks):
                 if self.chat:
                     yield self.event(text="", role=True, ids=[] if with_ids else None)
                 async for c in _chain(first, chunks):
+                    if done:
+                        continue
                     self._got(c)
                     if c.text or (with_ids and c.token_ids):
                         yield self.event(text=c.text, ids=list(c.token_ids) if with_ids else None)
                     if c.finish_reason:
-                        break
-                else:
+                        done = True
+                        yield self.event(finish=FINISH[c.finish_reason], ids=[] if with_ids else None, metrics=self._extras(c.stats))
+                        if self.r.include_usage:
+                            yield self.event(usage=usage(c.stats), choices=False)
+                if not done:
                     raise HttpError(500, "internal error: the generation ended without a finish reason")
-                m = self._extras(c.stats)
-                yield self.event(finish=FINISH[c.finish_reason], ids=[] if with_ids else None, metrics=m)
-                if self.r.include_usage:
-                    yield self.event(usage=usage(c.stats), choices=False)
         except HttpError as e:
             self.call.update(status=e.status, error=e.message)
             yield f"data: {json.dumps(e.body())}\n\n"

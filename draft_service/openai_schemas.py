@@ -18,7 +18,8 @@ from specdec.validation import MAX_TAU
 # OpenAI fields sent with their "off" value are accepted as if absent
 # (a boolean matches a boolean only: `logprobs: 0` asks /v1/completions for the chosen tokens' logprobs, and is refused)
 NEUTRAL = {"n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,),
-           "presence_penalty": (0,), "frequency_penalty": (0,), "parallel_tool_calls": (False,)}
+           "presence_penalty": (0,), "frequency_penalty": (0,), "parallel_tool_calls": (False, True), "tools": ([],),
+           "tool_choice": ("none",), "logit_bias": ({},), "response_format": ({"type": "text"},)}
 MAX_TOKENS = 1 << 31
 
 
@@ -132,8 +133,13 @@ def parse(model: type[_Request], body) -> _Request:
 
 
 def _neutral(field: str, v) -> bool:
-    """Whether v is the "off" value of an OpenAI field this server does not implement."""
-    return any(v == off and type(v) is not str and isinstance(v, bool) == isinstance(off, bool) for off in NEUTRAL.get(field, ()))
+    """Whether v is the "off" value of an OpenAI field this server does not implement: the same
+    JSON type (a number for a number, never a bool or a string for one) and equal."""
+    def same_type(off) -> bool:
+        if isinstance(off, bool) or isinstance(v, bool):
+            return type(v) is type(off)
+        return isinstance(v, (int, float)) if isinstance(off, (int, float)) else type(v) is type(off)
+    return any(same_type(off) and v == off for off in NEUTRAL.get(field, ()))
 
 
 def _union_tag(part) -> bool:

@@ -258,3 +258,123 @@ def test_top_p_zero_is_greedy_a_negative_seed_is_its_64_bits_and_types_are_stric
                          ("max_tokens", "8"), ("max_tokens", 2.0), ("stream", 1), ("seed", True)):
         r = c.post("/v1/completions", json={"model": "stub", "prompt": "w3", field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.json()
+
+
+class Ending(Stub):
+    """A Stub whose stream notes that it ran past its last chunk, as the servicer's does to close
+    its verify session in order (draft_service/server.py `_ended`)."""
+    ended = False
+
+    async def stream(self, request, context):
+        async for c in super().stream(request, context):
+            yield c
+        self.ended = True
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_finished_reply_reads_the_generation_to_its_end(stream):
+    """The reply reads the chunks past the finish chunk to their end: the servicer half-closes its
+    verify session then, so the verifier counts it OK; closing the generator at its last chunk
+    cancelled the session instead (CANCELLED in the verifier's log, a stop-string end every time)."""
+    stub = Ending(word_tokenizer(16))
+    r = client(stub).post("/v1/completions", json={"model": "stub", "prompt": "w3", "stream": stream,
+                                                   "stream_options": {"include_usage": True} if stream else None})
+    assert r.status_code == 200 and stub.ended
+    if stream:
+        events = [json.loads(e.removeprefix("data: ")) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+        assert [e["choices"][0]["finish_reason"] if e["choices"] else "usage" for e in events] == [None, None, "length", "usage"]
+        assert r.text.endswith("data: [DONE]\n\n")
+    else:
+        assert r.json()["choices"][0]["text"] == "w3 w4" and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+class Endless(Stub):
+    """A Stub whose stream is long and its chunks large (a client that does not read fills the
+    socket's buffers in a few of them), and which notes when it is closed."""
+    client_write_timeout_s = 1.0
+    closed = False
+
+    async def stream(self, request, context):
+        try:
+            for _ in range(2000):
+                yield pb.GenerateResponse(token_ids=[3], text="w3 " * 20000)
+            yield pb.GenerateResponse(token_ids=[4], text=" w4", finish_reason=pb.FINISH_REASON_LENGTH, stats=pb.Stats())
+        finally:
+            self.closed = True
+
+
+def _value(name, **labels) -> float:
+    from prometheus_client import REGISTRY
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_a_streaming_client_that_stops_reading_is_ended_and_its_generation_closed():
+    """An HTTP client that stops reading its stream, its connection open, held its generation (and
+    its sessions on both services) for as long as it liked; past --client-write-timeout-s without
+    an event taken, the request ends (504 in the log and the error counts, as gRPC's DEADLINE_EXCEEDED)."""
+    deadline = dict(service="draft", method="/v1/completions", code="DEADLINE_EXCEEDED")
+    before = _value("specdec_request_errors_total", **deadline)
+
+    async def go():
+        stub = Endless(word_tokenizer(16))
+        front = FrontDoor(stub, args())
+        port = await front.start()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.setblocking(False)
+        body = json.dumps({"model": "stub", "prompt": "w3", "stream": True}).encode()
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        await asyncio.get_running_loop().sock_sendall(sock, head.encode() + body)
+        for _ in range(300):  # 30 s at most; reading nothing meanwhile
+            if stub.closed:
+                break
+            await asyncio.sleep(0.1)
+        sock.close()
+        await front.stop()
+        return stub.closed
+
+    assert asyncio.run(go())
+    assert _value("specdec_request_errors_total", **deadline) == before + 1
+
+
+def test_a_client_gone_before_its_body_is_in_is_a_499_not_a_server_error():
+    """A client that closes its connection halfway through sending its body is a client that left
+    (499 in the log), not an internal error with a traceback counted by the error alert."""
+    gone = dict(path="/v1/completions", status="499")
+    internal = dict(service="draft", method="/v1/completions", code="INTERNAL")
+    before = _value("specdec_http_requests_total", **gone), _value("specdec_request_errors_total", **internal)
+
+    async def go():
+        front = FrontDoor(Stub(word_tokenizer(16)), args())
+        port = await front.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\":")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.close()
+        for _ in range(100):
+            if _value("specdec_http_requests_total", **gone) > before[0]:
+                break
+            await asyncio.sleep(0.05)
+        await front.stop()
+
+    asyncio.run(go())
+    assert _value("specdec_http_requests_total", **gone) == before[0] + 1
+    assert _value("specdec_request_errors_total", **internal) == before[1]
+
+
+@pytest.mark.parametrize("field,value,ok", [
+    ("response_format", {"type": "text"}, True), ("tool_choice", "none", True), ("tools", [], True), ("logit_bias", {}, True),
+    ("parallel_tool_calls", True, True), ("presence_penalty", 0.0, True), ("n", 1, True),
+    ("tool_choice", "auto", False), ("logit_bias", {"3": 5}, False), ("n", "1", False), ("n", True, False),
+    ("response_format", {"type": "json_object"}, False), ("presence_penalty", False, False),
+])
+def test_the_off_values_of_fields_not_implemented_are_taken_as_absent(field, value, ok):
+    """Generic clients send OpenAI's defaults for fields this server does not implement: those
+    values (of the same JSON type) are taken as absent; any other is a 400 naming the field."""
+    stub = Stub(word_tokenizer(16))
+    r = client(stub).post("/v1/completions", json={"model": "stub", "prompt": "w3", field: value})
+    assert (r.status_code == 200) == ok, r.text
+    if not ok:
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
