@@ -239,3 +239,33 @@ def test_a_draft_client_that_stops_reading_is_ended_and_frees_its_session(model_
     finally:
         d.stop()
         v.stop()
+
+
+def test_a_verify_session_client_that_stops_reading_is_closed_after_the_idle_timeout(model_dir):
+    """A Verify.Session client (any client of the verify service, not only a draft) that asks for a
+    long run of target-only steps and then stops reading, its stream open, held its session, its
+    cache and its room for as long as it liked: the scheduler stepped the run ahead, the handler
+    waited on its write, and the idle timeout watched only reads. Past --idle-timeout-s without a
+    verdict taken, the session ends DEADLINE_EXCEEDED and its resources come back."""
+    from specdec.v1 import specdec_pb2 as pb
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+    v = Service("verify_service", "--model", model_dir("long-target"), "--metrics-port", "0", "--threads", "1", "--idle-timeout-s", "2")
+    try:
+        with grpc.insecure_channel(v.address, options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]) as ch:
+            info = pb_grpc.VerifyStub(ch).Info(pb.InfoRequest(), timeout=30)
+            start = pb.VerifyRequest(start=pb.SessionStart(prompt_ids=[3, 4], max_new_tokens=3000, proposal_mode=pb.PROPOSAL_MODE_GREEDY,
+                                                           vocab_fingerprint=info.vocab_fingerprint))
+            run = pb.VerifyRequest(round=pb.Round(round=1, target_only_steps=3000, run_tokens_per_verdict=1))
+            it = pb_grpc.VerifyStub(ch).Session(iter([start, run]), timeout=300)
+            next(it)
+            assert wait_for(lambda: live(v, "verify") == 1, timeout=30)
+            assert wait_for(lambda: verify_is_empty(v), timeout=60)  # while nothing more is read
+            with pytest.raises(grpc.RpcError) as e:
+                for _ in it:
+                    pass
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "took no verdict for 2s" in e.value.details()
+        with Client(v.address, target_only=True, timeout=60) as c:  # and it serves the next one
+            assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=8).token_ids) == 8
+    finally:
+        v.stop()

@@ -40,6 +40,19 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         except TimeoutError:
             raise RequestError(Refusal.DEADLINE_EXCEEDED, f"session idle for more than {self.idle_timeout_s:g}s; closed") from None
 
+    async def _write(self, context, s, verdict: pb.VerifyResponse) -> None:
+        """Writes a verdict, which the client must take within the idle timeout: one that stopped
+        reading, its stream open, would otherwise hold its session (its cache and its room) for as
+        long as it liked, while the scheduler steps its run ahead of it. The session is closed at
+        once: the status that ends the call waits behind the verdicts the client has not taken."""
+        try:
+            async with asyncio.timeout(self.idle_timeout_s):
+                await context.write(verdict)
+        except TimeoutError:
+            self.engine.close(s)
+            raise RequestError(Refusal.DEADLINE_EXCEEDED, f"the client took no verdict for {self.idle_timeout_s:g}s "
+                               "(--idle-timeout-s); session closed") from None
+
     def _open(self, st: pb.SessionStart):
         if st.vocab_fingerprint != self.lm.fingerprint:
             tok = self.lm.tokenizer
@@ -102,7 +115,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                     continue
                 await prefill
                 v = await self.engine.step(s, tokens, q, parents)
-                await context.write(self._verdict(s, req.round.round, v))
+                await self._write(context, s, self._verdict(s, req.round.round, v))
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             await serving.fail(context, SERVICE, "Session", e)
         finally:
@@ -143,7 +156,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             out = self._verdict(s, r.round + done - 1, v, left)
             out.run_tokens.extend(held)
             out.forward_s = forward_s
-            await context.write(out)
+            await self._write(context, s, out)
             held, forward_s = [], 0.0
         s.next_round += done
 
