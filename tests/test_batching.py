@@ -538,3 +538,44 @@ def test_a_target_whose_logits_are_not_finite_fails_the_session_not_the_service(
     finally:
         eng.shutdown()
     assert err.kind == Refusal.INTERNAL and "not finite" in str(err) and after == before
+
+
+def test_a_fault_outside_the_model_call_fails_its_pass_not_the_scheduler(model_dir):
+    """A fault past the model call's own guard (an asynchronous device error surfacing at the
+    verdicts' transfer, a bug) killed the scheduler thread, and every session then waited for
+    ever. Now the pass's jobs fail with INTERNAL and the next pass runs."""
+    from specdec.errors import Refusal, RequestError
+    from specdec.sampling import Sampling
+    from verify_service.scheduler import Scheduler
+
+    lm = LM.load(model_dir("target"), "cpu", "float32")
+    eng = Scheduler(lm, max_sessions=2)
+    verdicts, calls = eng._verdicts, []
+
+    def faulty(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("an asynchronous device error")
+        return verdicts(*args, **kwargs)
+
+    eng._verdicts = faulty
+
+    async def session():
+        s = eng.open([3, 4, 5], 8, Sampling(temperature=1.0), seed=3, mode=pb.PROPOSAL_MODE_SPARSE)
+        try:
+            await asyncio.wait_for(eng.prefill(s), 30)
+            return await asyncio.wait_for(eng.step(s, [], None), 30)
+        finally:
+            eng.close(s)
+
+    async def run():
+        with pytest.raises(RequestError) as e:
+            await session()
+        return e.value, await session()
+
+    try:
+        err, v = asyncio.run(run())
+    finally:
+        eng.shutdown()
+    assert err.kind == Refusal.INTERNAL and "an asynchronous device error" in str(err)
+    assert v.next_token is not None and len(calls) == 2

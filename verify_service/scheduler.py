@@ -12,7 +12,9 @@ event loop in one `call_soon_threadsafe`, after the pass (jobs.holding). Prompts
 in chunks whose boundaries depend only on the prompt (multiples of PREFILL_CHUNK), so a long
 prompt does not stall the sessions already decoding, and a session's numbers never depend on
 what else is running. A failed batched pass is retried session by session (nothing is
-committed by a failed pass), so one session's failure fails that session only. Before a pass the
+committed by a failed pass), so one session's failure fails that session only; a fault past the
+model call (the device, a bug) fails the pass's unanswered jobs with INTERNAL, and the thread goes
+on. Before a pass the
 thread waits a little (by default at most GATHER_SHARE of the last pass) for the rounds of the sessions the
 last pass answered, so that sessions in step stay in one pass (`_gather`).
 """
@@ -284,6 +286,13 @@ class Scheduler:
                     self._passing = True
                 try:
                     self._run(batch, filling)
+                except Exception as e:  # noqa: BLE001 - a fault past the model call's own guard (the device, a bug): the pass's
+                    # unanswered jobs fail with it, and the thread goes on; a dead thread would leave every session waiting
+                    log.exception("verify pass failed outside the model call; its %d unanswered jobs fail",
+                                  sum(not j.finished for j in batch + filling))
+                    for j in batch + filling:
+                        if not j.finished:
+                            j.resolve(False, RequestError(Refusal.INTERNAL, f"the verify pass failed: {type(e).__name__}: {e}"))
                 finally:  # before the hand-off: a session its verdict ends is closed after the pass
                     with self._lock:
                         self._passing = False
