@@ -105,7 +105,9 @@ def main(argv=None) -> int:
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, on_interrupt)  # Python's own handler, in the main thread: not a host program's
     try:
-        return _run(a)
+        code = _run(a)
+        sys.stdout.flush()  # here, not at the interpreter's exit: a reader gone by now is the BrokenPipeError below
+        return code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # the reader went away (| head): nothing more to write, and nothing to say
@@ -147,7 +149,8 @@ def _run(a) -> int:
             last = chunk
         sys.stdout.write("\n")
         if last is not None:
-            print(json.dumps(MessageToDict(last.stats, preserving_proto_field_name=True)), file=sys.stderr)
+            print(json.dumps(MessageToDict(last.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)),
+                  file=sys.stderr)
         return 0
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)

@@ -16,6 +16,7 @@ is given. TLS is on where `tls_ca` (the server's CA) or the client's `tls_cert` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -100,12 +101,13 @@ class Result:
 
 def make_request(prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 64,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop: list[str] | None = None, num_draft_tokens: int = 0, proposal_mode: str | None = None,
+                 stop: list[str] | str | None = None, num_draft_tokens: int = 0, proposal_mode: str | None = None,
                  sparse_k: int = 0, request_id: str = "", proposer: str | None = None, adaptive: bool | None = None,
                  predraft: bool | None = None, early_stop_p: float = 0.0,
                  add_special_tokens: bool | None = None, tree_budget: int = 0) -> pb.GenerateRequest:
     """add_special_tokens: None = the server's default (the tokenizer's own: BOS where it adds one).
-    tree_budget: tree speculation's nodes per round (0: chains; num_draft_tokens is then the depth cap)."""
+    tree_budget: tree speculation's nodes per round (0: chains; num_draft_tokens is then the depth cap).
+    stop: a list of strings, or one string (one stop string, not one per character)."""
     for name, value, names in (("proposal_mode", proposal_mode, MODES), ("proposer", proposer, PROPOSERS)):
         if value is not None and value not in names:
             raise ValueError(f"{name} must be one of {', '.join(sorted(names))}, got {value!r}")
@@ -114,7 +116,7 @@ def make_request(prompt: str | None = None, prompt_ids: list[int] | None = None,
         sampling.seed = seed
     return pb.GenerateRequest(
         prompt=prompt or "", prompt_ids=prompt_ids or [], max_new_tokens=max_new_tokens, sampling=sampling,
-        stop=stop or [], num_draft_tokens=num_draft_tokens, sparse_k=sparse_k, request_id=request_id,
+        stop=[stop] if isinstance(stop, str) else stop or [], num_draft_tokens=num_draft_tokens, sparse_k=sparse_k, request_id=request_id,
         proposal_mode=MODES[proposal_mode] if proposal_mode is not None else pb.PROPOSAL_MODE_UNSPECIFIED,
         proposer=PROPOSERS[proposer] if proposer is not None else pb.PROPOSER_UNSPECIFIED,
         adaptive=adaptive, predraft=predraft, early_stop_p=early_stop_p, add_special_tokens=add_special_tokens,
@@ -127,16 +129,19 @@ class _Collector:
     ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     last: pb.GenerateResponse | None = None
+    t_last: float | None = None  # when the chunk with the finish reason came (the stream's end may follow later)
 
     def add(self, chunk: pb.GenerateResponse) -> None:
         self.ids.extend(chunk.token_ids)
         self.text.append(chunk.text)
         self.last = chunk
+        if chunk.finish_reason:
+            self.t_last = time.perf_counter()
 
     def result(self, served_by: str) -> Result:
         last = self.last
         stats = MessageToDict(last.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-        stats["wall_s"] = time.perf_counter() - self.t0
+        stats["wall_s"] = (self.t_last or time.perf_counter()) - self.t0  # request to last token
         return Result(text="".join(self.text), token_ids=self.ids, finish_reason=pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower(),
                       stats=stats, seed=last.seed, request_id=last.request_id, served_by=served_by)
 
@@ -323,8 +328,9 @@ class AsyncClient(_Base):
 
     async def stream(self, request: pb.GenerateRequest | None = None, **params):
         _, chunks = await self._stream(_request(request, params))
-        async for c in chunks:
-            yield c
+        async with contextlib.aclosing(chunks):  # closing this stream cancels the call now, not when the GC gets to it
+            async for c in chunks:
+                yield c
 
     async def _stream(self, request):
         attempts = _Attempts(self._targets, self.timeout)

@@ -283,18 +283,19 @@ class DecodeLoop:
                     # a tree's pre-draft: a tree after its likeliest path (a greedy tree's: after each end of that path)
                     more = (self.tree_room(budget, assumed), self.floor(), self.tree_cost(), self.calibration) if tree else ()
                     thread = (started(self.drafter.predraft, st, prop, next_cap, ahead_ctl, *more), ahead_ctl)
+                away = 0.0
                 if pending is not None:  # the caller writes to its client during the round trip
                     t0 = time.perf_counter()
                     yield pending
                     pending = None
-                    t2 += time.perf_counter() - t0  # verify_s: the wait for the verdict, not the caller's write
+                    away = time.perf_counter() - t0  # verify_s: the wait for the verdict, not the caller's write
                 v = await self._timed(call.read(), self._first_read_scale() if stats.rounds == 1 else 1)
                 if v is grpc.aio.EOF:
                     raise RequestError(Refusal.UNAVAILABLE, "verify service ended the session without a verdict")
                 t3 = time.perf_counter()
                 metrics.PROPOSALS_PER_ROUND.observe(len(prop.tokens))  # once verified: a round a full replica refused is not one
                 stats.draft_s += t2 - t1
-                stats.verify_s += t3 - t2
+                stats.verify_s += t3 - t2 - away
                 stats.verify_forward_s += v.forward_s
                 stats.lookup_rounds += prop.lookup
                 n = v.num_accepted

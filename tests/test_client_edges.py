@@ -149,6 +149,27 @@ def test_the_cli_exits_quietly_on_ctrl_c_and_on_a_closed_stdout(odd):
     finally:
         p.kill()
     assert p.returncode == 141 and err == b"", err
+    # --json (and info) print once, at the end: with stdout buffered (no PYTHONUNBUFFERED) the write failed only at the
+    # interpreter's exit, after the handler: exit 120 with "Exception ignored ... BrokenPipeError"
+    buffered = {k: v for k, v in ENV.items() if k != "PYTHONUNBUFFERED"}
+    for extra in (["--json"], []):
+        r, w = os.pipe()
+        os.close(r)  # the reader has gone before anything is written
+        try:
+            p = subprocess.run([*args[:-4], "--prompt", "ok", "--timeout", "60", *extra], cwd=ROOT, env=buffered, stdout=w,
+                               stderr=subprocess.PIPE, timeout=60)
+        finally:
+            os.close(w)
+        assert p.returncode == 141 and p.stderr == b"", (extra, p.stderr)
+
+
+def test_one_stop_string_is_one_stop_string():
+    """make_request(stop="END") sent three stop strings, "E", "N" and "D" (protobuf iterates a str
+    given for a repeated field), so generation stopped at the first of those letters."""
+    from client import make_request
+
+    assert list(make_request(prompt="ok", stop="END").stop) == ["END"]
+    assert list(make_request(prompt="ok", stop=["a", "b"]).stop) == ["a", "b"] and not make_request(prompt="ok").stop
 
 
 def test_a_request_and_its_parameters_are_not_both_taken(odd):
