@@ -579,3 +579,19 @@ def test_a_fault_outside_the_model_call_fails_its_pass_not_the_scheduler(model_d
         eng.shutdown()
     assert err.kind == Refusal.INTERNAL and "an asynchronous device error" in str(err)
     assert v.next_token is not None and len(calls) == 2
+
+
+def test_a_cache_budget_past_what_sessions_or_memory_take_is_capped(model_dir):
+    """--max-cached-tokens caps the budget (deploy/README.md §3): one larger than every session at
+    full context, or than the free memory holds, is cut to that, so admission never promises room
+    the device does not have."""
+    from verify_service.capacity import default_cache_budget
+    from verify_service.scheduler import Scheduler
+
+    lm = LM.load(model_dir("target"), "cpu", "float32")
+    eng = Scheduler(lm, max_sessions=2, max_cached_tokens=10**9)
+    try:
+        from specdec.engine import PAGE
+        assert eng.capacity.max_cached_tokens == default_cache_budget(lm, 2) <= 2 * lm.max_context + 2 * PAGE
+    finally:
+        eng.shutdown()

@@ -69,8 +69,8 @@ USER 10001:10001
 WORKDIR /tmp
 EXPOSE 50051 8000 9100
 
-# Model loading can take a while: give it a generous start period. The draft's own port
-# is always plaintext (its TLS flags are for the connection to the verify).
+# Model loading can take a while: give it a generous start period. This check speaks
+# plaintext: a draft served with --tls-cert needs its own (specdec-healthcheck --tls-ca ...).
 HEALTHCHECK --interval=30s --timeout=6s --start-period=120s --retries=3 \
     CMD ["python", "/usr/local/bin/specdec-healthcheck", "--service", "specdec.v1.Draft"]
 
