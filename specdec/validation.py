@@ -115,6 +115,9 @@ def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_cont
         ids = tokenizer(req.prompt, add_special_tokens=special)["input_ids"]
         if not ids:
             raise invalid("prompt: tokenizes to no tokens")
+        if max(ids) >= vocab_size:  # a tokenizer with tokens past the model's rows (added tokens): the embedding would fail
+            raise invalid(f"prompt: tokenizes to id {max(ids)}, outside the model's {vocab_size} rows (its tokenizer has tokens "
+                          "the model has no embedding for)")
     else:
         raise invalid("prompt: empty (set prompt or prompt_ids)")
     if len(ids) >= max_context:

@@ -356,3 +356,18 @@ def test_garbage_session_streams_get_clean_statuses(svc, data):
 
 def test_services_healthy_after_the_garbage(svc):
     assert_healthy(svc)
+
+
+def test_a_text_prompt_with_tokens_past_the_models_rows_is_invalid():
+    """A checkpoint whose tokenizer has tokens the model has no row for (added tokens): a text
+    prompt with one passed validation (only prompt_ids were checked), and the embedding lookup
+    failed (INTERNAL on the CPU, a device-side assert on CUDA). It is INVALID_ARGUMENT, named."""
+    from bench.tinymodels import word_tokenizer
+    from specdec.errors import Refusal, RequestError
+    from specdec.validation import parse_generate
+
+    tok = word_tokenizer(16)  # ids 0-15; the model below has 8 rows
+    with pytest.raises(RequestError) as e:
+        parse_generate(pb.GenerateRequest(prompt="w3 w12", max_new_tokens=4), tok, 8, 64)
+    assert e.value.kind == Refusal.INVALID_ARGUMENT and "prompt: tokenizes to id 12, outside the model's 8 rows" in str(e.value)
+    assert parse_generate(pb.GenerateRequest(prompt="w3 w7", max_new_tokens=4), tok, 8, 64).prompt_ids == [3, 7]
