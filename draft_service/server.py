@@ -69,6 +69,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         self._costs, self._calibrating = costs, asyncio.Lock()
         self._pinned = self._measured = costs is not None  # --costs-ms; or calibrated (not the fallback)
         self._retry_at = 0.0  # after a failed calibration: when to try again
+        self._first: asyncio.Task | None = None  # the first calibration, which the requests that need costs wait for
         self.calibration_retry_s = calibration_retry_s
         self._retry: asyncio.Task | None = None  # a calibration tried again in the background
         self._paired = target is not None  # checked at start-up; else at the first request
@@ -88,7 +89,11 @@ class DraftServicer(pb_grpc.DraftServicer):
         and another try a minute later, in the background: requests meanwhile plan with the
         default costs rather than wait for a verify service that may be slow to answer."""
         if self._costs is None:
-            await self._calibrate()
+            if self._first is None or self._first.done():  # none yet, or one that raised
+                self._first = asyncio.ensure_future(self._calibrate())
+                self._first.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: a waiter reports it
+            # shielded: a request cancelled meanwhile (its client's deadline) leaves the calibration to the next ones
+            await asyncio.shield(self._first)
         elif not self._measured and time.monotonic() >= self._retry_at and not self._calibrating.locked():
             self._retry_at = time.monotonic() + self.calibration_retry_s
             self._retry = asyncio.create_task(self._calibrate(again=True))

@@ -133,6 +133,10 @@ async def upstream_error(e: Exception, call) -> Exception:
         if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
             return e
         final = dict(await call.trailing_metadata() or ()).get(PUSHBACK_KEY) == "-1"  # the upstream said no retry cures it
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):  # this service's own credential, not
+            # the caller's (a token rotated upstream): the service cannot serve now, so the caller may retry or fall back
+            return RequestError(Refusal.UNAVAILABLE, f"upstream refused this service's credentials ({code.name}): "
+                                f"{await call.details()}")
         return RequestError(edge.refusal(code), f"upstream: {await call.details()}", retry=not final)
     except Exception:  # noqa: BLE001 - an intercepted call re-raises what failed it (a closed channel's UsageError)
         return e

@@ -544,3 +544,60 @@ def test_a_draft_with_the_smaller_context_names_its_limit_and_reports_it(model_d
     asyncio.run(go())
     assert aborted == [(grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids: 70 tokens leave no room in the context limit of 64 "
                                                           "(the draft model's; the target's is 4096)")]
+
+
+def test_a_request_cancelled_during_the_first_calibration_leaves_it_to_the_next(model_dir, monkeypatch):
+    """The first calibration runs inside the first request that needs costs (a draft started
+    before its verify service). A request cancelled meanwhile (a short client deadline) cancelled
+    the calibration with it, so the next request started over, and with short deadlines every
+    request could die that way. The calibration now runs on; the next request waits for it."""
+    from draft_service.server import DraftServicer
+    from specdec.lm import LM
+
+    calls, release = [], asyncio.Event()
+
+    async def rounds(stub, *args, **kwargs):
+        calls.append(stub)
+        await release.wait()
+        return 0.02, 0.001
+
+    monkeypatch.setattr(calibrate, "verify_round_seconds", rounds)
+    replicas = types.SimpleNamespace(best=lambda: types.SimpleNamespace(stub="verify"), target="verify:50052")
+
+    async def go():
+        s = DraftServicer(LM.load(model_dir("draft")), replicas)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(s.costs(), 0.5)  # the first request's deadline passes during the probe rounds
+        second = asyncio.ensure_future(s.costs())
+        await asyncio.sleep(0.1)
+        release.set()
+        costs = await asyncio.wait_for(second, 30)
+        assert costs.verify_base == 0.02 and len(calls) == 1  # one calibration, finished for the second request
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED])
+def test_an_upstream_refusal_of_the_services_own_credentials_is_unavailable_to_its_caller(code):
+    """A verify service that refuses the draft's session token (rotated upstream) was passed to
+    the client as UNAUTHENTICATED (HTTP 401 invalid_api_key): the client's own credential blamed,
+    no retry and no fallback. It is UNAVAILABLE, saying whose credential it was."""
+    from specdec import serving
+    from specdec.errors import Refusal, RequestError
+
+    class Ended:  # what upstream_error reads of a grpc.aio call that has ended
+        def done(self):
+            return True
+
+        async def code(self):
+            return code
+
+        async def trailing_metadata(self):
+            return ()
+
+        async def details(self):
+            return "invalid bearer token"
+
+    e = asyncio.run(serving.upstream_error(RuntimeError("the write failed"), Ended()))
+    assert isinstance(e, RequestError) and e.kind == Refusal.UNAVAILABLE and e.retry
+    assert e.message == f"upstream refused this service's credentials ({code.name}): invalid bearer token"
