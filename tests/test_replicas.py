@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.launch import Service, free_port
 from client import Client
+from draft_service.upstream import PROBE_INTERVAL_S
 from helpers import metric, wait_for
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -186,6 +187,12 @@ def test_readiness_follows_the_replicas_and_recovers(model_dir):
         assert any("verify service lost" in line for line in d.stderr)
         with Client(d.address, timeout=30) as c:
             assert len(c.generate(prompt_ids=[3], max_new_tokens=3).token_ids) == 3
+        # the replica comes back with another vocabulary: it answers, but would refuse every session (it stayed SERVING)
+        v.stop()
+        v = Service("verify_service", "--model", model_dir("stat-target"), "--threads", "1", "--port", port)
+        time.sleep(3 * PROBE_INTERVAL_S)  # probes that reach it
+        assert health(d.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert http_health() == (503, "unavailable")
     finally:
         d.stop()
         v.stop()
