@@ -17,6 +17,7 @@ class TextStream:
     def __init__(self, tokenizer, stop: list[str] | None = None, context: list[int] | None = None):
         """context: the prompt's ids; its last CONTEXT are decoded before the first generated ids (not emitted)."""
         self.tok = tokenizer
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", ()))  # decoded to nothing (skip_special_tokens)
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars that may start a stop
         self.ids: list[int] = list((context or [])[-CONTEXT:])  # the context, then the generated ids
@@ -52,8 +53,10 @@ class TextStream:
         for t in ids:
             if self.stopped:
                 break
-            self.ids.append(t)
             kept.append(t)
+            if t in self.special:  # no text in any context: kept out of the decode window, which would otherwise
+                continue  # grow with each one and be decoded whole at every push (quadratic in a run of them)
+            self.ids.append(t)
             n0 = len(self.text)
             self._advance()
             if self.stop and len(self.text) > n0:

@@ -107,3 +107,14 @@ def test_the_first_token_keeps_its_leading_space_after_the_prompt():
     s = TextStream(sp, context=prompt)
     text = s.push(full[len(prompt):])[1] + s.finish()
     assert text == " Paris." and sp.decode(prompt) + text == sp.decode(full)
+
+
+def test_special_tokens_do_not_grow_the_decode_window(tok):
+    """A special token decodes to nothing: the window of ids decoded at each push did not move
+    past it, so a long run of them was decoded whole at every push (quadratic, on the event
+    loop). They are kept out of it, and the text is the same."""
+    s = TextStream(tok)
+    word = tok("ok done")["input_ids"]
+    kept, text = s.push(word[:1] + [tok.eos_token_id] * 2000 + word[1:])
+    assert len(kept) == len(word) + 2000 and len(s.ids) == len(word)
+    assert text + s.finish() == "ok done"
