@@ -121,8 +121,9 @@ class _Stream(StreamingResponse):
     """A stream of events each of which the client must take within `timeout_s`
     (--client-write-timeout-s, as Draft.Generate's chunks): a client that stops reading, its
     connection open, ends the request, and its sessions on both services with it (504 in the
-    request's log line and the error counts; the status line has gone as 200). The events'
-    generator is closed however the response ends."""
+    request's log line and the error counts; the status line has gone as 200; uvicorn adds an
+    error line of its own, "ASGI callable returned without completing response", and closes the
+    connection). The events' generator is closed however the response ends."""
 
     def __init__(self, content, timeout_s: float, call: dict, **kw):
         super().__init__(content, **kw)
@@ -233,7 +234,8 @@ class FrontDoor:
 
     async def health(self, request: Request) -> Response:
         """Readiness, as the gRPC health of specdec.v1.Draft: 503 while draining or while no verify
-        replica answers (requests would fail with 503 then), else 200."""
+        replica answers and serves this draft (its vocabulary, tokenizer and context; requests would
+        fail with 503 then), else 200."""
         if self.draining:
             return JSONResponse({"status": "draining"}, 503)
         if not self.upstream:

@@ -8,7 +8,8 @@ channel of its own, and every `poll_s` its Info: whether it answers, and its fre
 A session goes to the reachable replica with the most free sessions (ties in turn); a replica
 that refuses it (RESOURCE_EXHAUSTED) or cannot be reached (UNAVAILABLE) before the session's
 first verdict is passed over for the next (draft_service/server.py). The draft is ready
-(health SERVING) while at least one replica answers.
+(health SERVING) while at least one replica answers and serves its vocabulary, tokenizer and
+context (draft_service/upstream.py).
 """
 from __future__ import annotations
 

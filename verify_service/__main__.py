@@ -16,8 +16,8 @@ def main(argv=None) -> None:
     startup.add_server_args(p, default_port=50051)
     startup.add_model_args(p)
     p.add_argument("--max-sessions", type=number(int, low=1), default=64, help="live sessions before RESOURCE_EXHAUSTED (>= 1)")
-    p.add_argument("--max-cached-tokens", type=number(int, low=1), default=None, help="token budget of all KV caches, at most max-sessions x context and the free memory where the caches live "
-                        "(90%% of a GPU's, 50%% of the host's), which is the default")
+    p.add_argument("--max-cached-tokens", type=number(int, low=1), default=None, help="token budget of all KV caches (default: max-sessions x context, capped by the free memory where the caches live: "
+                        "90%% of a GPU's, 50%% of the host's; a value above that memory share is logged as a warning)")
     p.add_argument("--idle-timeout-s", type=number(float, above=0), default=60.0, help="close a session that sends nothing, or takes no verdict, for this long (> 0)")
     p.add_argument("--gather", type=number(float, low=0, high=1), default=0.25,
                    help="before a pass, wait at most this share of the last pass's time for the next rounds of the sessions "

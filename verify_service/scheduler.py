@@ -80,10 +80,11 @@ class Scheduler:
         self.max_pass_rows = max_pass_rows
         self.max_prefill_rows = max_prefill_rows or (max_pass_rows if lm.device.type == "cpu" else max(max_pass_rows, GPU_PREFILL_ROWS))
         budget = default_cache_budget(lm, max_sessions)  # every session at full context, within the free memory's share
-        if max_cached_tokens and max_cached_tokens > budget:
-            log.info("--max-cached-tokens %d capped to %d: more than every session at full context, or than the free memory "
-                     "holds (admission never promises cache room the device does not have)", max_cached_tokens, budget)
-        self.capacity = Capacity(max_sessions, min(max_cached_tokens, budget) if max_cached_tokens else budget, PAGE)
+        if max_cached_tokens and max_cached_tokens > budget and budget < max_sessions * -(-lm.max_context // PAGE) * PAGE:
+            # the given budget wins (replicas alike, an estimate overruled), but not silently where memory is what binds
+            log.warning("--max-cached-tokens %d is more than the free memory's share holds (%d tokens): admission may promise "
+                        "cache room the device does not have", max_cached_tokens, budget)
+        self.capacity = Capacity(max_sessions, max_cached_tokens or budget, PAGE)
         self.sessions: dict[int, Session] = {}
         self._next_sid = 1
         self._lock = threading.Lock()
