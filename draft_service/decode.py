@@ -199,10 +199,9 @@ class DecodeLoop:
         serving = self.drafter.serving()
         serving.__enter__()
 
-        def in_thread(fn, *args) -> asyncio.Future:
+        def in_thread(fn, *args) -> None:
             nonlocal thread
             thread = (started(fn, *args), None)
-            return thread[0]
 
         async def result():
             nonlocal thread

@@ -138,6 +138,11 @@ class DraftServicer(pb_grpc.DraftServicer):
         request unless the costs are pinned (its taus, and so its tokens, must repeat after a restart)."""
         return self.draft_fallback and self._measured and (g.sampling.greedy or not g.seeded or self._pinned)
 
+    def serving_replicas(self, tree_budget: int = 0) -> list:
+        """The verify replicas that serve this draft's sessions (its vocabulary, tokenizer and
+        context; trees of tree_budget nodes), best first (Replicas.ranked)."""
+        return self.replicas.ranked(self.lm.fingerprint, tree_budget, vocabdiff.text_rules(self.lm.tokenizer), self.max_context)
+
     def _stub(self) -> pb_grpc.VerifyStub:
         """A verify replica for a call that is not a session: the best one known."""
         best = self.replicas.best()
@@ -191,7 +196,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                               + (" (it has no tree speculation: send tree_budget 0)" if not self.target.max_tree_budget else ""))
             adaptive = g.adaptive
             costs = await self.costs() if adaptive or (self.draft_fallback and g.proposer != pb.PROPOSER_LOOKUP) else None
-            replicas = self.replicas.ranked(self.lm.fingerprint, g.tree_budget, vocabdiff.text_rules(self.lm.tokenizer), self.max_context)
+            replicas = self.serving_replicas(g.tree_budget)
             if not replicas:
                 raise RequestError(Refusal.UNAVAILABLE, f"no verify replica is known at {self.replicas.target}" + (
                     f" that serves this draft's vocabulary, tokenizer and context{' and tree_budget ' + str(g.tree_budget) if g.tree_budget else ''}"

@@ -120,8 +120,7 @@ class VerifyCheck:
             if why:
                 return why
             servicer.set_target(up[0].info)
-        elif not any(r.reachable for r in self.replicas.ranked(self.lm.fingerprint, 0, vocabdiff.text_rules(self.lm.tokenizer),
-                                                               servicer.max_context)):
+        elif not any(r.reachable for r in servicer.serving_replicas()):
             # the replicas changed since (another tokenizer, a shorter context): every request would be refused
             return f"no verify replica at {self.args.verify} serves this draft's vocabulary, tokenizer and context"
         return None

@@ -24,11 +24,15 @@ def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
+def full_cache_tokens(lm, max_sessions: int) -> int:
+    """Room for every session at full context, in whole pages as `Capacity.admit` counts them."""
+    return max_sessions * -(-lm.max_context // PAGE) * PAGE
+
+
 def default_cache_budget(lm, max_sessions: int, memory_fraction: float | None = None) -> int:
-    """Tokens all sessions may reserve: room for every session at full context, in whole pages as
-    `Capacity.admit` counts them, capped by a share of the memory free at start-up (after the
-    model is loaded): 90% on a GPU, 50% of the host's."""
-    full = max_sessions * -(-lm.max_context // PAGE) * PAGE
+    """Tokens all sessions may reserve: `full_cache_tokens`, capped by a share of the memory free
+    at start-up (after the model is loaded): 90% on a GPU, 50% of the host's."""
+    full = full_cache_tokens(lm, max_sessions)
     mem = available_memory_bytes(lm.device)
     if mem is None:
         return full

@@ -37,7 +37,7 @@ from specdec.errors import Refusal, RequestError
 from specdec.engine import PAGE, PREFILL_CHUNK, KVCache, Tree
 from specdec.lm import LM
 from specdec.sampling import Sampling, to_host, wait
-from verify_service.capacity import Capacity, default_cache_budget
+from verify_service.capacity import Capacity, default_cache_budget, full_cache_tokens
 from verify_service.jobs import Job, Prefill, Round, Stream, check, decide, holding, unfilled
 from verify_service.passcost import PassCost, probe
 from verify_service.session import Session, Verdict, commit, kept
@@ -80,7 +80,7 @@ class Scheduler:
         self.max_pass_rows = max_pass_rows
         self.max_prefill_rows = max_prefill_rows or (max_pass_rows if lm.device.type == "cpu" else max(max_pass_rows, GPU_PREFILL_ROWS))
         budget = default_cache_budget(lm, max_sessions)  # every session at full context, within the free memory's share
-        if max_cached_tokens and max_cached_tokens > budget and budget < max_sessions * -(-lm.max_context // PAGE) * PAGE:
+        if max_cached_tokens and max_cached_tokens > budget and budget < full_cache_tokens(lm, max_sessions):
             # the given budget wins (replicas alike, an estimate overruled), but not silently where memory is what binds
             log.warning("--max-cached-tokens %d is more than the free memory's share holds (%d tokens): admission may promise "
                         "cache room the device does not have", max_cached_tokens, budget)
