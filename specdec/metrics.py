@@ -26,6 +26,9 @@ BATCH_TOKENS = Histogram("specdec_verify_batch_tokens", "Tokens per target forwa
 QUEUE_WAIT = Histogram("specdec_verify_queue_wait_seconds", "Time a job waited for the target", buckets=_FAST)
 FORWARD_TIME = Histogram("specdec_verify_forward_seconds", "Time of one target forward pass (+ acceptance)", buckets=_FAST)
 PASS_UTILISATION = Gauge("specdec_verify_pass_utilisation", "Share of recent wall time the verifier spent in passes")
+PASS_FAULTS = Counter("specdec_verify_pass_faults_total", "Verify passes that faulted: nothing in them succeeded and something "
+                      "failed other than by a refusal (a device error, a bug)")
+VERIFY_BROKEN = Gauge("specdec_verify_broken", "1 while the verify service reports NOT_SERVING because its passes keep faulting")
 ROW_PRICE = Gauge("specdec_verify_row_price", "Expected tokens of goodput one more proposal row costs the verifier now")
 CAPACITY_REJECTIONS = Counter("specdec_capacity_rejections_total", "Sessions refused with RESOURCE_EXHAUSTED", ["reason"])
 

@@ -581,6 +581,98 @@ def test_a_fault_outside_the_model_call_fails_its_pass_not_the_scheduler(model_d
     assert v.next_token is not None and len(calls) == 2
 
 
+def test_passes_that_keep_faulting_report_not_serving_until_one_succeeds(model_dir, monkeypatch):
+    """A lost device faults every pass. The fault guard failed each pass's jobs, but health stayed
+    SERVING, so orchestrators kept routing requests to it and never restarted it. Now FAULT_PASSES
+    faulted passes in a row make the service report NOT_SERVING, readiness and liveness (a real
+    gRPC health service here); one-off faults between successes do not; while idle a self-test
+    pass finds the device back, and it serves again."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1.health import aio as health_aio
+    from prometheus_client import REGISTRY
+
+    from specdec.sampling import Sampling
+    from verify_service import scheduler
+    from verify_service.scheduler import FAULT_PASSES, Scheduler
+    from verify_service.server import VerifyServicer
+
+    monkeypatch.setattr(scheduler, "SELF_TEST_S", 0.2)
+    lm = LM.load(model_dir("target"), "cpu", "float32")
+    eng = Scheduler(lm, max_sessions=2)
+    forward, lost = lm.engine.forward, [False]
+
+    def device(*args, **kwargs):
+        if lost[0]:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(lm.engine, "forward", device)
+    faults = lambda: REGISTRY.get_sample_value("specdec_verify_pass_faults_total") or 0.0  # noqa: E731
+    before = faults()
+
+    async def session():  # its prefill is one pass, its round another
+        s = eng.open([3, 4, 5], 8, Sampling(), seed=0, mode=pb.PROPOSAL_MODE_GREEDY)
+        try:
+            await asyncio.wait_for(eng.prefill(s), 30)
+            return await asyncio.wait_for(eng.step(s, [6], None), 30)
+        finally:
+            eng.close(s)
+
+    async def failing(n):
+        lost[0] = True
+        for _ in range(n):
+            with pytest.raises(RuntimeError, match="illegal memory access"):
+                await session()
+        lost[0] = False
+
+    async def go():
+        server, health = grpc.aio.server(), health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+
+        async def set_health(status, liveness=False):  # as specdec/serving.py `serve` hands it over
+            await health.set("specdec.v1.Verify", status)
+            if liveness:
+                await health.set("", status)
+
+        async def statuses():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = health_pb2_grpc.HealthStub(ch)
+                return [(await stub.Check(health_pb2.HealthCheckRequest(service=name))).status for name in ("specdec.v1.Verify", "")]
+
+        async def until(status):
+            for _ in range(100):
+                if await statuses() == [status, status]:
+                    return True
+                await asyncio.sleep(0.1)
+            return False
+
+        try:
+            await set_health(health_pb2.HealthCheckResponse.SERVING, liveness=True)
+            VerifyServicer(eng).on_start(set_health)
+            await failing(FAULT_PASSES - 1)  # one-off faults: a success in between clears them
+            assert (await session()).next_token is not None and eng.faults == 0 and eng.broken is None
+            await failing(FAULT_PASSES - 1)
+            still = await statuses()
+            await failing(1)
+            gone = await until(health_pb2.HealthCheckResponse.NOT_SERVING)
+            broken = eng.broken
+            back = await until(health_pb2.HealthCheckResponse.SERVING)  # the device is back: a self-test pass finds it
+            return still, gone, broken, back, await session()
+        finally:
+            await server.stop(None)
+
+    try:
+        still, gone, broken, back, v = asyncio.run(go())
+    finally:
+        eng.shutdown()
+    assert still == [health_pb2.HealthCheckResponse.SERVING] * 2
+    assert gone and f"{FAULT_PASSES} verify passes in a row failed" in broken and "illegal memory access" in broken
+    assert back and eng.broken is None and v.next_token is not None
+    assert faults() - before == 2 * FAULT_PASSES - 1  # FAULT_PASSES - 1 sessions, then FAULT_PASSES: a faulted pass each
+
+
 def test_a_cache_budget_past_what_memory_holds_is_kept_and_logged(model_dir, monkeypatch, caplog):
     """--max-cached-tokens replaces the budget made from the free memory (so replicas are alike and
     an estimate can be overruled); one above what that memory holds is a warning at start-up, not

@@ -57,7 +57,7 @@ def main(argv=None) -> None:
                        max_prefill_rows=args.max_prefill_rows)
     servicer = VerifyServicer(engine, idle_timeout_s=args.idle_timeout_s)
     asyncio.run(serving.serve(args, "specdec.v1.Verify", lambda s: pb_grpc.add_VerifyServicer_to_server(servicer, s),
-                              interceptors=[token_auth], on_stop=engine.shutdown))
+                              interceptors=[token_auth], on_stop=engine.shutdown, on_start=servicer.on_start))
 
 
 if __name__ == "__main__":

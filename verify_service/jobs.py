@@ -44,6 +44,7 @@ class Job:
         held = getattr(_held, "calls", None)
         if held is not None:  # in a pass: posted at its end (`holding`)
             held.setdefault(self.loop, []).append((self, self._call(ok, result)))
+            _held.outcomes.append((ok, result))
             return
         try:
             self.loop.call_soon_threadsafe(_call_all, [self._call(ok, result)])
@@ -184,10 +185,11 @@ _held = threading.local()  # the hand-offs of the pass running on this thread (`
 def holding():
     """Holds the hand-offs of the jobs resolved on this thread until the block ends, then posts
     them with ONE call_soon_threadsafe per event loop (in the order they were resolved). A job whose
-    loop is closed is marked finished, as when posted alone."""
-    _held.calls = held = {}
+    loop is closed is marked finished, as when posted alone. Yields the list of the block's
+    outcomes, (ok, verdict or error) in the order resolved, filled as the block runs."""
+    _held.calls, _held.outcomes = held, outcomes = {}, []
     try:
-        yield
+        yield outcomes
     finally:
         _held.calls = None
         for loop, calls in held.items():

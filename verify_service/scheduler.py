@@ -48,6 +48,8 @@ MAX_BATCH_TOKENS = 1024  # new rows of rounds per pass, by default (fairness: DE
 GPU_PREFILL_ROWS = 8192  # prompt rows per pass on a GPU, by default: arrivals are admitted in a few compute-bound passes
 SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a process that runs a scheduler (Scheduler.__init__)
 GATHER_SHARE = 0.25  # a pass waits at most this share of the last pass's time for the last pass's sessions' next rounds
+FAULT_PASSES = 3  # passes in a row that faulted (nothing succeeded, something failed other than by a refusal) mark the service broken
+SELF_TEST_S = 2.0  # while broken and idle, a one-token pass this often: one that succeeds clears it
 
 
 class Scheduler:
@@ -94,6 +96,9 @@ class Scheduler:
         cost = self.cost  # the gauges read it when scraped: an idle verifier's utilisation and price fall, not freeze
         metrics.PASS_UTILISATION.set_function(lambda: cost.utilisation_at(time.perf_counter()))
         metrics.ROW_PRICE.set_function(lambda: cost.price_at(time.perf_counter()))
+        self.faults = 0  # passes in a row that faulted (`_judge`)
+        self.broken: str | None = None  # why the passes keep failing, while they do
+        self.on_health: Callable[[str | None], None] | None = None  # told, on this thread, when `broken` changes
         self._thread_context = thread_context or contextlib.nullcontext
         self._worker = threading.Thread(target=self._thread, name="verify-scheduler", daemon=True)
         self._worker.start()
@@ -268,7 +273,14 @@ class Scheduler:
         rounds: list[Job] = []
         prefills: collections.deque[Job] = collections.deque()
         while True:
-            if not self._take(self._queue.get() if not rounds and not prefills else None, rounds, prefills):  # idle: block
+            job = None
+            if not rounds and not prefills:  # idle: block (while broken, test the engine now and then meanwhile)
+                try:
+                    job = self._queue.get(timeout=SELF_TEST_S if self.broken else None)
+                except queue.Empty:
+                    self._self_test()
+                    continue
+            if not self._take(job, rounds, prefills):
                 return
             if not self._gather(rounds, prefills):
                 return
@@ -285,13 +297,14 @@ class Scheduler:
                     break
                 filling.append(j)
                 budget -= n
-            t0 = time.perf_counter()
-            with holding():  # the pass's verdicts go to each event loop in one hand-off, at its end
+            t0, fault = time.perf_counter(), None
+            with holding() as outcomes:  # the pass's verdicts go to each event loop in one hand-off, at its end
                 with self._lock:
                     self._passing = True
                 try:
                     self._run(batch, filling)
                 except Exception as e:  # noqa: BLE001 - a fault past the model call's own guard (the device, a bug): the pass's
+                    fault = e
                     # unanswered jobs fail with it, and the thread goes on; a dead thread would leave every session waiting
                     log.exception("verify pass failed outside the model call; its %d unanswered jobs fail",
                                   sum(not j.finished for j in batch + filling))
@@ -301,6 +314,7 @@ class Scheduler:
                 finally:  # before the hand-off: a session its verdict ends is closed after the pass
                     with self._lock:
                         self._passing = False
+            self._judge(outcomes, fault)
             self._pass_s = time.perf_counter() - t0
             for j in batch + filling:  # a Generate stream's session that finished gives its pages and room back now: its
                 if isinstance(j, Stream) and j.left is None and j.session.finish:  # handler may wait long on a slow reader
@@ -313,6 +327,49 @@ class Scheduler:
                     if not j.finished:  # a stream with its prompt in: its steps go on as rounds
                         rounds.append(j)
             metrics.CACHED_TOKENS.set(self.cached_tokens())
+
+    def _judge(self, outcomes: list[tuple[bool, object]], fault: Exception | None) -> None:
+        """Counts the passes in a row that faulted: the pass itself raised, or nothing in it succeeded
+        and something failed other than by a refusal (a RequestError: a closed session, NaN logits,
+        bad input). At FAULT_PASSES the service is broken (a lost device, a bug every pass meets):
+        logged, and `on_health` told, so its health checks stop traffic and, if it lasts, get the
+        process restarted. A pass with a success (or a self-test that passes) ends it."""
+        if any(ok for ok, _ in outcomes):
+            self.faults = 0
+            self._health(None)
+            return
+        fault = fault or next((r for ok, r in outcomes if not ok and not isinstance(r, RequestError)), None)
+        if fault is None:
+            return
+        self.faults += 1
+        metrics.PASS_FAULTS.inc()
+        if self.faults >= FAULT_PASSES:
+            self._health(f"{self.faults} verify passes in a row failed, the last with {type(fault).__name__}: {fault}")
+
+    def _self_test(self) -> None:
+        """A pass over one token in a fresh cache, while broken and idle: one that succeeds ends it."""
+        try:
+            self._timed_pass([[0]], [[0]])
+        except Exception as e:  # noqa: BLE001 - still broken
+            log.warning("verify self-test pass failed (%s: %s); still not serving", type(e).__name__, e)
+            return
+        self.faults = 0
+        self._health(None)
+
+    def _health(self, broken: str | None) -> None:
+        if bool(broken) == bool(self.broken):
+            return
+        self.broken = broken
+        if broken:
+            log.error("%s: reporting NOT_SERVING until a pass succeeds (a self-test pass every %gs while idle)", broken, SELF_TEST_S)
+        else:
+            log.warning("verify passes succeed again: serving")
+        metrics.VERIFY_BROKEN.set(1 if broken else 0)
+        if self.on_health is not None:
+            try:
+                self.on_health(broken)
+            except Exception:  # noqa: BLE001 - the event loop is gone (shutting down): nobody to tell
+                log.debug("health not updated", exc_info=True)
 
     def _run(self, batch: list[Job], prefills: list[Job]) -> None:
         """One pass over the rounds in `batch` and the next chunk of each prompt in `prefills`;

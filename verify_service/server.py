@@ -7,6 +7,8 @@ import logging
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2
+
 from specdec import edge, serving, validation
 from specdec.architectures import TESTED
 from specdec.errors import Refusal, RequestError, invalid
@@ -26,6 +28,19 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         self.engine = engine
         self.lm = engine.lm
         self.idle_timeout_s = idle_timeout_s
+
+    def on_start(self, set_health) -> None:
+        """Once serving (specdec/serving.py `serve`): the health follows the scheduler's passes; while
+        they keep faulting (Scheduler._judge) both readiness and liveness are NOT_SERVING."""
+        loop = asyncio.get_running_loop()
+
+        def tell(broken: str | None) -> None:  # on the scheduler thread
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if broken else health_pb2.HealthCheckResponse.SERVING
+            asyncio.run_coroutine_threadsafe(set_health(status, liveness=True), loop)
+
+        self.engine.on_health = tell
+        if self.engine.broken:  # broken before serving began
+            tell(self.engine.broken)
 
     async def Info(self, request, context):
         info = serving.model_info(self.lm, request.include_vocab, TESTED)
