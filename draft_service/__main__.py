@@ -108,7 +108,8 @@ def costs_arg(text: str):
         raise argparse.ArgumentTypeError(str(e).removeprefix("--costs-ms: ")) from None
 
 
-def main(argv=None) -> None:
+def parser() -> startup.Parser:
+    """The service's flags (their defaults read from the environment now)."""
     p = startup.Parser(prog="python -m draft_service", description="specdec draft service (client-facing)")
     startup.add_server_args(p, default_port=50052)
     startup.add_model_args(p)
@@ -158,6 +159,11 @@ def main(argv=None) -> None:
                    help="pin adaptive tau's costs as 'draft_step,verify_base,verify_per_token' in ms (default: calibrated once "
                         "at start-up; pinning gives the same taus, and so the same samples, across restarts) [env SPECDEC_COSTS_MS]")
     add_http_args(p)
+    return p
+
+
+def main(argv=None) -> None:
+    p = parser()
     args = p.parse_args(argv)
     if args.chat_template and not os.path.isfile(args.chat_template):
         p.error(f"--chat-template {args.chat_template}: no such file")

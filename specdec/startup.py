@@ -68,6 +68,18 @@ def number(kind=int, low: float | None = None, above: float | None = None, high:
 PORT = number(int, low=0, high=65535)
 
 
+def or_auto(parse):
+    """An argparse type: `parse`'s, or "auto" for None (the default the service works out)."""
+    def parse_or_auto(text: str):
+        if text == "auto":
+            return None
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} (or auto)") from None
+    return parse_or_auto
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # one of them: a tokenizer transformers can load
 
 

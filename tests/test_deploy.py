@@ -133,6 +133,33 @@ def test_manifests_match_threads_to_cpu_limits_and_recycle_client_connections(ov
     assert age and 0 < age[0] <= 600  # long-lived client channels move to new draft pods within minutes
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_flag_and_setting_the_pods_get_is_one_the_services_accept(overlay, monkeypatch):
+    """Each container's args, its $(VAR)s resolved from the ConfigMap as the kubelet does, and its
+    SPECDEC_* environment (the flags' defaults) go through the service's own argument parser: a
+    value it refuses (as `VERIFY_MAX_CACHED_TOKENS=auto` was once) would be a pod that exits 2 at
+    start-up in a cluster, found only there."""
+    from draft_service.__main__ import parser as draft_parser
+    from verify_service.__main__ import parser as verify_parser
+
+    docs = render(overlay)
+    cfg = config(docs)
+    for name, parser, module in (("specdec-verify", verify_parser, "verify_service"), ("specdec-draft", draft_parser, "draft_service")):
+        c = container(docs, name)
+        assert c["command"] == ["python", "-m", module], name
+        for e in c["env"]:
+            if e["name"].startswith("SPECDEC_"):
+                value = resolve(e["value"], c, cfg) if "value" in e else cfg.get(e["valueFrom"].get("configMapKeyRef", {}).get("key"))
+                if value is not None:
+                    monkeypatch.setenv(e["name"], value)
+        fields = {"POD_NAMESPACE": by_name(docs)["Deployment", name]["metadata"].get("namespace", "default")}  # known in the pod
+        args = [re.sub(r"\$\((\w+)\)", lambda m: fields[m.group(1)], resolve(a, c, cfg)) for a in c["args"]]
+        parsed = parser().parse_args(args)  # exits 2 with the reason on stderr where it refuses one
+        assert parsed.model == "/models" and parsed.port == 50051, name
+        for e in c["env"]:
+            monkeypatch.delenv(e["name"], raising=False)
+
+
 def exported_metrics() -> set[str]:
     """The names the services' Prometheus registry exposes (histogram and counter suffixes included)."""
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}

@@ -124,6 +124,8 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
         "idle timeout 0": ([*v, "--model", target, "--idle-timeout-s", "0"], "--idle-timeout-s"),
         "max sessions 0": ([*v, "--model", target, "--max-sessions", "0"], "--max-sessions", "must be >= 1"),
         "draft max sessions 0": ([*d, "--model", target, "--max-sessions", "0"], "--max-sessions", "must be >= 1"),
+        "max cached tokens 0": ([*v, "--model", target, "--max-cached-tokens", "0"], "--max-cached-tokens", "must be >= 1", "or auto"),
+        "max cached tokens auto": ([*v, "--model", str(tmp_path / "nope"), "--max-cached-tokens", "auto"], "--model", "no such directory"),
         "gather past a pass": ([*v, "--model", target, "--gather", "2"], "--gather", "<= 1"),
         "threads -1": ([*v, "--model", target, "--threads", "-1"], "--threads"),
         "draft threads -1": ([*d, "--model", target, "--threads", "-1"], "--threads"),

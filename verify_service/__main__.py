@@ -11,13 +11,15 @@ from specdec import auth, startup
 from specdec.startup import number
 
 
-def main(argv=None) -> None:
+def parser() -> startup.Parser:
+    """The service's flags (their defaults read from the environment now)."""
     p = startup.Parser(prog="python -m verify_service", description="specdec verify service (target model)")
     startup.add_server_args(p, default_port=50051)
     startup.add_model_args(p)
     p.add_argument("--max-sessions", type=number(int, low=1), default=64, help="live sessions before RESOURCE_EXHAUSTED (>= 1)")
-    p.add_argument("--max-cached-tokens", type=number(int, low=1), default=None, help="token budget of all KV caches (default: max-sessions x context, capped by the free memory where the caches live: "
-                        "90%% of a GPU's, 50%% of the host's; a value above that memory share is logged as a warning)")
+    p.add_argument("--max-cached-tokens", type=startup.or_auto(number(int, low=1)), default=None,
+                   help="token budget of all KV caches (default, or auto: max-sessions x context, capped by the free memory where the "
+                        "caches live: 90%% of a GPU's, 50%% of the host's; a value above that memory share is logged as a warning)")
     p.add_argument("--idle-timeout-s", type=number(float, above=0), default=60.0, help="close a session that sends nothing, or takes no verdict, for this long (> 0)")
     p.add_argument("--gather", type=number(float, low=0, high=1), default=0.25,
                    help="before a pass, wait at most this share of the last pass's time for the next rounds of the sessions "
@@ -33,6 +35,11 @@ def main(argv=None) -> None:
                    help="rows of prompt chunks and rounds in one pass (at least one chunk a pass; default: 1024 on the CPU, "
                         "8192 on a GPU)")
     auth.add_server_args(p, client_tokens=True)
+    return p
+
+
+def main(argv=None) -> None:
+    p = parser()
     args = p.parse_args(argv)
     token_auth = auth.server_interceptor(args)  # reads the token files: fail at start-up, not on the first request
     startup.check_files(args, "tls_cert", "tls_key", "tls_client_ca")
