@@ -144,12 +144,42 @@ def test_a_growth_that_runs_out_of_memory_leaves_the_pool_whole(monkeypatch):
 
     monkeypatch.setattr(torch, "zeros", second_fails)
     with pytest.raises(torch.OutOfMemoryError):
-        pool.layer(0, like)
+        pool.fit()
     assert [t.shape[0] for t in (pool.k[0], pool.v[0])] == before  # as it was
     monkeypatch.setattr(torch, "zeros", zeros)
-    k, v = pool.layer(0, like)  # the next pass grows both
+    pool.fit()  # the next pass grows both
+    k, v = pool.layer(0, like)
     assert k.shape == v.shape and k.shape[0] >= pool.slots
     assert held.pages
+
+
+def test_the_pool_grows_at_a_passs_start_all_layers_alike_and_never_doubles_past_its_limit():
+    """From a review: each layer grew when a pass first wrote it, to the pages handed out at that
+    moment, doubling without a cap. Pages taken on the event loop in the middle of a pass (a
+    session admitted) made later layers grow to other sizes than earlier ones (inside a CUDA
+    graph's capture, too: its replays would then zero a layer), and a burst of admissions
+    followed by one more made the pool twice the verify's cache budget: out of memory on a GPU
+    whose budget was 90% of it. Now `fit` grows every layer once, at the pass's start, and the
+    doubling stops at `limit` (a pass's own need still passes it)."""
+    from specdec.engine import PAGE, Pool
+
+    pool = Pool(torch.float32, torch.device("cpu"))
+    pool.limit = 64 * PAGE + PAGE  # the verify's budget: 64 pages, and the trash page
+    like = torch.zeros(1, 2, 1, 4)
+    pool.fit()
+    pool.layer(0, like)
+    held = [pool.cache(16 * PAGE) for _ in range(3)]  # a burst of admissions: 49 pages handed out
+    pool.fit()
+    pool.layer(1, like)
+    late = pool.cache(2 * PAGE)  # admitted during the pass: not in it
+    sizes = [t.shape[0] for t in pool.k + pool.v]
+    assert sizes == [49 * PAGE] * 4, sizes  # both layers as the pass's start left them
+    held.append(pool.cache(13 * PAGE))  # 64 pages handed out
+    assert pool.fit() == pool.limit  # 64 pages: the doubling stops at the limit (65 pages), not 98
+    assert [t.shape[0] for t in pool.k + pool.v] == [pool.limit] * 4
+    past = pool.cache(4 * PAGE)  # past the limit (a self-test's cache beside full sessions, say): the need wins
+    assert pool.fit() == pool.slots == 68 * PAGE  # 1 + 48 + 2 + 13 + 4 pages
+    assert late.pages and past.pages and held
 
 
 def test_dropped_caches_give_their_pages_back():

@@ -87,6 +87,8 @@ class Scheduler:
             log.warning("--max-cached-tokens %d is more than the free memory's share holds (%d tokens): admission may promise "
                         "cache room the device does not have", max_cached_tokens, budget)
         self.capacity = Capacity(max_sessions, max_cached_tokens or budget, PAGE)
+        # the pool never doubles past what admission can hand out (the budget's pages and the trash page)
+        lm.engine.pool.limit = -(-self.capacity.max_cached_tokens // PAGE) * PAGE + PAGE
         self.sessions: dict[int, Session] = {}
         self._next_sid = 1
         self._lock = threading.Lock()

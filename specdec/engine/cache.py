@@ -9,10 +9,11 @@ per layer, and reads a session's keys back through the same mapping (specdec/eng
 A rejection only moves the session's length back. Page 0 is the trash page: a pass's padding
 rows write there and masked key positions read there, and nothing reads it unmasked.
 
-The pool's tensors start as zeros and grow (doubling) on the thread that runs the passes, when
-pages past their end are handed out; pages come back to a free list when a cache is released or
-garbage-collected, and a cache takes a run of consecutive free pages where there is one (`take`).
-Nothing is copied when sessions join, leave or share a pass.
+The pool's tensors start as zeros and grow (doubling, up to `limit`) on the thread that runs the
+passes, at the start of a pass (`fit`), every layer to the same size: the pages handed out when
+the pass starts (sessions admitted meanwhile are not in it). Pages come back to a free list when a
+cache is released or garbage-collected, and a cache takes a run of consecutive free pages where
+there is one (`take`). Nothing is copied when sessions join, leave or share a pass.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ class Pool:
         self.k: list[torch.Tensor] = []  # per layer [slots, H_kv, D]
         self.v: list[torch.Tensor] = []
         self._pages = 1  # pages handed out so far, the trash page 0 included
+        self.size = 8 * PAGE  # slots every layer holds (`fit`); a layer made later is made at it
+        self.limit: int | None = None  # the most slots growth doubles to (the verify's cache budget); a pass's own need passes it
         self._free: list[int] = []  # free pages, ascending (`take` alone changes it)
         self._back: list[int] = []  # pages given back since the last `take`
         self._lock = threading.RLock()  # a finalizer may hand pages back from inside `take`
@@ -71,24 +74,34 @@ class Pool:
         """Slots the tensors must hold for every page handed out so far."""
         return self._pages * PAGE
 
-    def layer(self, i: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's (K, V) [slots, H_kv, D], made or grown to hold every page handed out so far;
-        like [1, H_kv, T, D] gives the shape of a layer's keys. Called on the passes' thread only."""
+    def fit(self) -> int:
+        """Grows every layer to hold the pages handed out so far (doubling, up to `limit`); returns
+        the slots they hold. Called on the passes' thread only, once at the start of each pass,
+        after its caches are bound: pages taken meanwhile (on the event loop) are not in the pass,
+        so no layer grows in the middle of a pass, nor in a CUDA graph's capture. A growth that
+        fails (out of memory) leaves `size` as it was; the next call grows the layers still short."""
         need = self.slots
-        # K and V are both made before either is kept: an allocation that fails (out of memory)
-        # leaves the layer as it was, not a K that has grown beside a V that has not
+        if need <= self.size:
+            return self.size
+        size = max(need, min(2 * self.size, self.limit or 2 * self.size))
+        for i in range(len(self.k)):
+            if self.k[i].shape[0] < size:  # K and V are both made before either is kept (out of memory: as it was)
+                old_k, old_v = self.k[i], self.v[i]
+                k, v = (torch.zeros((size, *old.shape[1:]), dtype=old.dtype, device=old.device) for old in (old_k, old_v))
+                k[: old_k.shape[0]] = old_k
+                v[: old_v.shape[0]] = old_v
+                self.k[i], self.v[i] = k, v
+        self.size = size
+        return size
+
+    def layer(self, i: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's (K, V) [size, H_kv, D], made at its first pass; like [1, H_kv, T, D] gives the
+        shape of a layer's keys. Called on the passes' thread only."""
         if len(self.k) == i:
-            shape = (max(need, 8 * PAGE), like.shape[1], like.shape[3])
+            shape = (self.size, like.shape[1], like.shape[3])
             k, v = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
             self.k.append(k)
             self.v.append(v)
-        elif self.k[i].shape[0] < need:
-            old_k, old_v = self.k[i], self.v[i]
-            k, v = (torch.zeros((max(need, 2 * old.shape[0]), *old.shape[1:]), dtype=old.dtype, device=old.device)
-                    for old in (old_k, old_v))
-            k[: old_k.shape[0]] = old_k
-            v[: old_v.shape[0]] = old_v
-            self.k[i], self.v[i] = k, v
         return self.k[i], self.v[i]
 
     def nbytes(self) -> int:

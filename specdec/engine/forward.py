@@ -88,6 +88,7 @@ class Engine:
             if L + n > c.capacity:
                 raise ValueError(f"cache overflow: {L} + {n} tokens > capacity {c.capacity}")
             c.bind(self.pool)
+        self.pool.fit()  # every layer holds the pass's pages before anything runs (not in a capture)
         shape = self.uniform.shape(counts) if self.uniform is not None and padded and all(want) and inputs and not trees else None
         if shape is not None:  # rounds only (so in the callers' order): one uniform pass, a CUDA graph where captured
             out = self.uniform.run(inputs, caches, starts, *shape)

@@ -139,8 +139,8 @@ class Uniform:
             sh = self._shapes[key] = _Shape(B, n, P, pool.device)
         sh.buf.copy_(host, non_blocking=True)
         sh.seen += 1
-        slots = pool.k[0].shape[0] if pool.k else 0  # allocated pool slots
-        graphed = self.graphs and slots and slots >= pool.slots
+        slots = pool.fit() if pool.k else 0  # every layer holds this pass's pages (Engine.forward fitted them already)
+        graphed = self.graphs and slots
         if graphed and self._pool_slots != slots:  # the pool grew: its old addresses are baked in
             self._drop()
             self._pool_slots = slots
@@ -151,7 +151,7 @@ class Uniform:
                 log.warning("CUDA graph capture failed (%s: %s); passes run eagerly from now on", type(e).__name__, str(e)[:300])
                 self.graphs = False
                 self._drop()
-        if graphed and sh.graph is not None:  # not while the pool must grow: a replay runs no Python to grow it
+        if graphed and sh.graph is not None:
             sh.graph.replay()
             out = sh.out
         else:
