@@ -11,7 +11,8 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$out/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/device.txt"
-timeout "${TEST_S:-240}" python3 -m pytest -rfEs -p no:cacheprovider tests/test_graphs.py tests/test_compiled.py 2>&1 \
+timeout "${TEST_S:-240}" python3 -m pytest -rfEs -p no:cacheprovider tests/test_graphs.py tests/test_compiled.py \
+    tests/test_tree.py::test_a_draft_on_cuda_grows_sampled_trees 2>&1 \
     | grep -E "passed|failed|FAILED|ERROR|SKIPPED|Error" | tee "$out/tests.txt"
 echo "tests exit $?"
 timeout "${BENCH_S:-420}" python3 -m bench.gpu --shape llama3-8b --device cuda --sessions 1,8,32,64 --repeats 2 \

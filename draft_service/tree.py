@@ -223,7 +223,7 @@ def _children(t: _Tree, parent: int, logits: torch.Tensor, prm, base: int, k: in
         if total <= 0:
             break
         cur = (left / total).float()
-        j = int(sample_with(cur, torch.tensor(u[r], dtype=torch.float64)))
+        j = int(sample_with(cur, torch.tensor(u[r], dtype=torch.float64, device=cur.device)))  # not a CPU tensor beside CUDA's
         keep = cur > 0
         wire = (cur[keep], None if ids is None else ids[keep]) if ids is not None else (cur, None)
         x = j if ids is None else int(ids[j])

@@ -234,6 +234,21 @@ def test_the_drafter_grows_a_tree_within_budget_and_depth(model_dir, temperature
     assert 1 <= len(d.propose_tree(tight, 12, 5).tokens) <= 12 and tight.cache.length == len(st.ids)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", [pb.PROPOSAL_MODE_SPARSE, pb.PROPOSAL_MODE_DENSE])
+def test_a_draft_on_cuda_grows_sampled_trees(model_dir, mode):
+    """From a review: a sampled tree's draw took a CPU uniform of shape [1] beside the CUDA
+    probabilities, which torch refuses, so every sampled tree request to a draft on a GPU ended
+    INTERNAL at its first round."""
+    lm = LM.load(model_dir("draft"), "cuda", "float32")
+    d = Drafter(lm)
+    g = GenParams(prompt_ids=[3, 4, 5, 6], max_new_tokens=40, sampling=Sampling(1.0), seed=11, tau=5, mode=mode, tree_budget=12)
+    st = d.new_state(g, lm.max_context)
+    d.prefill(st)
+    prop = d.propose_tree(st, 12, 5)
+    assert 2 <= len(prop.tokens) <= 12 and all(-1 <= p < i for i, p in enumerate(prop.parents))
+
+
 # ---- through the services --------------------------------------------------------------------
 
 def test_same_seed_same_tokens_with_trees_alone_and_under_load(services):
