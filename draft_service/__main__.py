@@ -49,7 +49,8 @@ async def run(args, token_auth=None) -> None:
                              draft_fallback=args.draft_fallback, goodput=args.goodput,
                              costs=calibrate.parse_costs(args.costs_ms) if args.costs_ms else None,
                              round_timeout_s=args.verify_round_timeout_s, run_tokens=args.run_tokens_per_verdict,
-                             client_write_timeout_s=args.client_write_timeout_s, max_sessions=args.max_sessions)
+                             client_write_timeout_s=args.client_write_timeout_s, max_sessions=args.max_sessions,
+                             max_message_bytes=args.max_message_bytes)
     if target is not None and (args.adaptive or args.draft_fallback):
         await servicer.costs()  # calibrate now, not at the first request
     front = http.FrontDoor(servicer, args, token_auth, model=target.model_name if target is not None else "") if args.http_port is not None else None

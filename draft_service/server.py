@@ -51,8 +51,9 @@ class DraftServicer(pb_grpc.DraftServicer):
                  proposer: int = pb.PROPOSER_DRAFT, draft_fallback: bool = False, goodput: bool = True,
                  round_timeout_s: float | None = None, run_tokens: int = RUN_TOKENS_PER_VERDICT,
                  calibration_retry_s: float = CALIBRATION_RETRY_S, client_write_timeout_s: float = CLIENT_WRITE_TIMEOUT_S,
-                 max_sessions: int = MAX_SESSIONS):
+                 max_sessions: int = MAX_SESSIONS, max_message_bytes: int = 16 << 20):
         self.lm = lm
+        self.max_message_bytes = max_message_bytes  # --max-message-bytes: the largest round it can send
         self.max_sessions, self.sessions = max_sessions, 0  # requests streaming at once (gRPC and HTTP), and the limit
         self.client_write_timeout_s = client_write_timeout_s
         self.drafter = Drafter(lm)
@@ -189,6 +190,7 @@ class DraftServicer(pb_grpc.DraftServicer):
             g = await validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context, self.defaults,
                                                       self.context_whose)
             g.request_id = serving.request_id(context, g.request_id)
+            validation.check_dense_rounds(g, self.lm.vocab_size, self.max_message_bytes)
             if not self._paired:
                 await self.check_pairing()
             if g.tree_budget > self.target.max_tree_budget:

@@ -80,6 +80,21 @@ def check_ids(ids, vocab_size: int, what: str) -> list[int]:
     return list(ids)
 
 
+def check_dense_rounds(g: GenParams, vocab_size: int, max_message_bytes: int) -> None:
+    """A DENSE request's rounds carry each proposal's whole q (4 bytes an id); its largest round
+    (its tree budget, else its tau cap) must fit in one gRPC message, or the round's write fails
+    mid-request. The fixed part of a round (ids, parents, round number) is far under 16 bytes a
+    proposal and 256 bytes a message."""
+    if g.mode != pb.PROPOSAL_MODE_DENSE:
+        return
+    rows, per_row = g.tree_budget or g.tau, 4 * vocab_size + 16
+    if rows * per_row + 256 > max_message_bytes:
+        fit = max(0, (max_message_bytes - 256) // per_row)
+        raise invalid(f"proposal_mode DENSE: a round of {rows} proposals carries {rows} x {vocab_size} probabilities, more than "
+                      f"a message of --max-message-bytes {max_message_bytes} holds; use SPARSE, or at most {fit} proposals a round "
+                      "(num_draft_tokens, tree_budget)")
+
+
 def check_request_id(rid: str, what: str = "request_id") -> str:
     """Printable ASCII of bounded length: it travels as gRPC metadata and into the logs."""
     if not valid_request_id(rid):

@@ -371,3 +371,31 @@ def test_a_text_prompt_with_tokens_past_the_models_rows_is_invalid():
         parse_generate(pb.GenerateRequest(prompt="w3 w12", max_new_tokens=4), tok, 8, 64)
     assert e.value.kind == Refusal.INVALID_ARGUMENT and "prompt: tokenizes to id 12, outside the model's 8 rows" in str(e.value)
     assert parse_generate(pb.GenerateRequest(prompt="w3 w7", max_new_tokens=4), tok, 8, 64).prompt_ids == [3, 7]
+
+
+def test_a_dense_round_past_the_message_limit_is_refused_up_front(services, model_dir):
+    """From a review: nothing held a DENSE request's rounds (tau x V probabilities each) to
+    --max-message-bytes. A round past it failed at its write, which the draft reported as a
+    retryable UNAVAILABLE after marking the verify replicas full, or mid-stream where the first
+    rounds were small. Now such a request is INVALID_ARGUMENT up front, naming the limit and what
+    fits; one that fits runs."""
+    from bench.launch import Service
+
+    v, _ = services("target", "draft")
+    d = Service("draft_service", "--model", model_dir("draft"), "--verify", v.address, "--metrics-port", "0",
+                "--max-message-bytes", "2048")  # V = 16: a round of 22 proposals fits, 23 do not
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.DraftStub(ch)
+            sampled = dict(temperature=1.0, seed=5)
+            for big in (gen(proposal_mode=pb.PROPOSAL_MODE_DENSE, num_draft_tokens=23, sampling=sampled),
+                        gen(proposal_mode=pb.PROPOSAL_MODE_DENSE, tree_budget=32, sampling=sampled)):
+                with pytest.raises(grpc.RpcError) as e:
+                    list(stub.Generate(big, timeout=TIMEOUT))
+                assert e.value.code() == INVALID and "--max-message-bytes 2048" in e.value.details(), e.value.details()
+                assert "at most 22 proposals" in e.value.details()
+            fits = gen(proposal_mode=pb.PROPOSAL_MODE_DENSE, num_draft_tokens=22, max_new_tokens=24, adaptive=False, sampling=sampled)
+            assert [t for c in stub.Generate(fits, timeout=TIMEOUT) for t in c.token_ids]  # ran to its end (EOS or 24 tokens)
+            assert call_generate(stub, gen(proposal_mode=pb.PROPOSAL_MODE_SPARSE, num_draft_tokens=32, sampling=sampled)) == grpc.StatusCode.OK
+    finally:
+        d.stop()
