@@ -294,4 +294,10 @@ class Pace:
         return max(RUN_MIN, min(RUN_MAX, int(left / self.target_only_s)))
 
 
-PACE = Pace()  # the draft process's (decode.py): its sessions share one verdict on the load
+PACES: dict[str, Pace] = {}  # the draft process's, one per verify replica: its sessions there share one verdict on its load
+
+
+def pace_of(replica: str) -> Pace:
+    """The pace of the sessions this process places on `replica` (its address): sessions on
+    another verifier neither share its passes nor its load, so they do not share its verdict."""
+    return PACES.setdefault(replica, Pace())

@@ -49,7 +49,7 @@ from typing import AsyncIterator, Protocol
 
 import grpc
 
-from draft_service.adaptive import PACE, RUN_TOKENS_PER_VERDICT, DraftJudge, ModelRecord, Pace, TauController, load_label
+from draft_service.adaptive import RUN_TOKENS_PER_VERDICT, DraftJudge, ModelRecord, Pace, TauController, load_label, pace_of
 from draft_service.drafter import Drafter, PredraftControl, Proposal
 from draft_service.lookup import lookup
 from draft_service.tree import CALIBRATIONS, Calibration
@@ -107,7 +107,7 @@ class DecodeLoop:
         steer = goodput and (params.sampling.greedy or not params.seeded)
         self.tau = TauController(max_tau=params.tau, costs=costs, predraft=self.predraft, steer=steer) if costs else None
         # the draft process's verdict on whether speculation pays at the verifier's load (adaptive.Pace)
-        self.pace = (PACE if pace is None else pace) if steer and costs else None
+        self.pace = (pace_of("") if pace is None else pace) if steer and costs else None  # "": no replica named (tests, tools)
         self.runs_ok = True  # the verifier runs target-only steps on its own (Round.target_only_steps); an old one does not
         self.stats = pb.Stats(prompt_tokens=len(params.prompt_ids), accepted_per_position=[0] * params.tau)
         use_model = params.proposer != pb.PROPOSER_LOOKUP

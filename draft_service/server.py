@@ -17,7 +17,7 @@ import time
 import grpc
 
 from draft_service import calibrate
-from draft_service.adaptive import RUN_TOKENS_PER_VERDICT
+from draft_service.adaptive import RUN_TOKENS_PER_VERDICT, pace_of
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
 from draft_service.replicas import Replicas
@@ -209,7 +209,8 @@ class DraftServicer(pb_grpc.DraftServicer):
                 loop = DecodeLoop(self.drafter, g, self.lm.fingerprint, self.max_context,
                                   costs=costs if adaptive else None, fallback=costs if self._judge(g) else None,
                                   predraft=g.predraft, goodput=self.goodput,
-                                  round_timeout_s=self.round_timeout_s, skip=skip, run_tokens=self.run_tokens)
+                                  round_timeout_s=self.round_timeout_s, skip=skip, run_tokens=self.run_tokens,
+                                  pace=pace_of(replica.address))
                 skip = loop.skipped
                 out = Chunks(self.lm.tokenizer, g.stop, g.request_id, g.prompt_ids)
                 started = False

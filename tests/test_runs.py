@@ -172,6 +172,22 @@ def test_pace_holds_target_only_while_speculation_loses_and_probes_again():
     assert Pace().run() == 0
 
 
+def test_each_verify_replica_has_its_own_pace():
+    """From a review: one pace per draft process pooled the verdicts of sessions on different
+    verify replicas, so a loss under one replica's load held target-only the sessions on an idle
+    replica too (the highest load of the last second of verdicts, from any replica, was the one
+    acted on). Sessions on another verifier share neither its passes nor its load."""
+    from draft_service.adaptive import pace_of
+
+    busy_one, idle_one = pace_of("10.0.0.1:50051"), pace_of("10.0.0.2:50051")
+    assert busy_one is pace_of("10.0.0.1:50051") and idle_one is not busy_one
+    busy_one.clock = idle_one.clock = Clock()
+    lose(busy_one, 16)
+    for _ in range(4):
+        idle_one.quote(0.01, 1)  # its verdicts: one open session
+    assert busy_one.run() > 0 and idle_one.run() == 0 and idle_one.load == load_class(1)
+
+
 def test_the_pace_keeps_its_verdict_per_load_and_holds_on_busy_time():
     """A loss at 16 open sessions holds target-only at that load (and heavier ones) only. A load that falls to 4
     sessions is acted on once it has lasted LOAD_S of busy time (a batch's sessions ending one by
