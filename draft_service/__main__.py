@@ -166,8 +166,13 @@ def parser() -> startup.Parser:
 def main(argv=None) -> None:
     p = parser()
     args = p.parse_args(argv)
-    if args.chat_template and not os.path.isfile(args.chat_template):
-        p.error(f"--chat-template {args.chat_template}: no such file")
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"--chat-template {args.chat_template}: " + ("no such file" if isinstance(e, FileNotFoundError) else
+                                                                   f"cannot be read as UTF-8 text ({type(e).__name__})"))
     token_auth = auth.server_interceptor(args)  # reads the token files: fail at start-up, not on the first request
     args.verify_token = auth.read_token(args.verify_auth_token_file, "--verify-auth-token-file") if args.verify_auth_token_file else None
     startup.check_files(args, "tls_cert", "tls_key", "tls_client_ca", "verify_tls_ca", "verify_tls_cert", "verify_tls_key")

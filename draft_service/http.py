@@ -172,7 +172,7 @@ class FrontDoor:
         self.servicer, self.args, self.auth = servicer, args, token_auth
         self._served, self._given = getattr(args, "served_model_name", None), model
         self.created = int(time.time())
-        self.template = open(args.chat_template).read() if args.chat_template else None  # noqa: SIM115 - read at start-up
+        self.template = open(args.chat_template, encoding="utf-8").read() if args.chat_template else None  # noqa: SIM115 - read at start-up (checked there)
         self.draining, self.server, self.task = False, None, None
         self.upstream = True  # whether a verify replica answers and takes this draft (the gRPC health's; set by the service)
         errors = {HttpError: _error_response, HTTPException: _error_response, ClientGone: _error_response, Exception: _error_response}

@@ -36,7 +36,16 @@ TESTED = ("llama", "qwen2", "qwen3", "mistral", "starcoder2", "gemma2", "gemma3_
 NON_ATTENTION_LAYERS = ("linear_attention", "mamba", "conv", "recurrent", "mlp_only")
 
 
+def text_config(config):
+    """The config of the language model: a multimodal checkpoint's causal-LM class (Gemma 3's
+    *ForConditionalGeneration, say) keeps its context, windows, rope and layer types in its
+    `text_config`; a text-only config is its own."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def context_limit(config) -> int:
+    config = text_config(config)
     for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
         v = getattr(config, name, None)
         if isinstance(v, int) and v > 0:
@@ -50,6 +59,7 @@ def refusal(model, cfg) -> str | None:
     attention mask, which the engine does not read), or None."""
     if getattr(cfg, "is_encoder_decoder", False):
         return "encoder-decoder models are not served"
+    cfg = text_config(cfg)  # what follows is the language model's (a multimodal config's text_config)
     if getattr(cfg, "is_decoder", True) is False and hasattr(cfg, "add_cross_attention"):
         # the BERT family: an encoder (bidirectional attention) unless is_decoder is set; GPT-NeoX's
         # config carries is_decoder false too, but it has no encoder form (no add_cross_attention)
@@ -173,8 +183,12 @@ def reference(lm) -> tuple[list[int], list[int], torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, lm.vocab_size, (n,), generator=g).tolist()
     other = torch.randint(0, lm.vocab_size, (7,), generator=g).tolist()
-    with torch.inference_mode():
-        ref = model(input_ids=torch.tensor([ids], device=lm.device)).logits[0].float()  # [n, V], the model's own attention
+    try:
+        with torch.inference_mode():
+            ref = model(input_ids=torch.tensor([ids], device=lm.device)).logits[0].float()  # [n, V], the model's own attention
+    except Exception as e:  # noqa: BLE001 - its own forward fails (a config its code cannot run, out of memory): one line
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        raise Unsupported(f"{arch}: its own forward pass fails on a {n}-token probe ({type(e).__name__}: {first[:300]})") from None
     return ids, other, ref
 
 

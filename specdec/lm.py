@@ -153,7 +153,10 @@ def eos_ids(*sources) -> frozenset[int]:
         v = getattr(src, "eos_token_id", None) if src is not None else None
         if v is None:
             continue
-        out.update(int(x) for x in (v if isinstance(v, (list, tuple)) else [v]))
+        ids = v if isinstance(v, (list, tuple)) else [v]
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids):
+            raise ValueError(f"eos_token_id {v!r} in the model's {type(src).__name__}: token ids must be non-negative integers")
+        out.update(ids)
     return frozenset(out)
 
 
@@ -196,7 +199,7 @@ class LM:
     @classmethod
     def _load(cls, path, dev, dtype, check, choices, prepare_engine, timer, graphs, compiled) -> "LM":
         try:
-            tok = AutoTokenizer.from_pretrained(path)
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # never the directory's own code, nor a prompt
         except Exception as e:  # noqa: BLE001 - whatever the loader raises, one line at start-up
             if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
                 raise StartupError(f"--model {path}: no tokenizer files (such as {', '.join(TOKENIZER_FILES)}); "
@@ -207,8 +210,11 @@ class LM:
         cfg_dtype = checkpoint_dtype(path)
         dt = resolve_dtype(dtype, dev, cfg_dtype, weight_bytes(path))
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(dev)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=False).to(dev)
         except ValueError as e:  # encoder-only / encoder-decoder configs: no causal-LM class at all
+            if "trust_remote_code" in str(e):
+                raise Unsupported(f"--model {path}: it needs its own code (auto_map in its config); the services run only "
+                                  "transformers' own model classes and never a model directory's code") from None
             if "Unrecognized configuration class" not in str(e):
                 raise StartupError(f"--model {path}: cannot load the model: {_brief(e)}") from None
             with open(os.path.join(path, "config.json")) as fh:
@@ -221,16 +227,23 @@ class LM:
         cfg = model.config
         try:
             gen = GenerationConfig.from_pretrained(path)
-        except OSError:
+        except OSError as e:  # none (the model's config gives the EOS ids), or one that does not parse: say so
             gen = None
+            if os.path.exists(os.path.join(path, "generation_config.json")):
+                raise StartupError(f"--model {path}: generation_config.json cannot be read ({_brief(e)}); fix or remove it "
+                                   "(its end-of-sequence ids matter)") from None
         vocab = model.get_output_embeddings().weight.shape[0]
+        try:
+            eos = eos_ids(cfg, gen) or eos_ids(tok)
+        except ValueError as e:
+            raise StartupError(f"--model {path}: {e}") from None
         lm = cls(
             model=model,
             tokenizer=tok,
             name=os.path.basename(os.path.normpath(path)),
             vocab_size=vocab,
             max_context=architectures.context_limit(cfg),
-            eos=eos_ids(cfg, gen) or eos_ids(tok),
+            eos=eos,
             fingerprint=vocab_fingerprint(tok, vocab),
             num_parameters=sum(p.numel() for p in model.parameters()),
             device=dev,

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import socket
+import ssl
 import sys
 
 from specdec.choices import parse_choices
@@ -43,6 +44,8 @@ class Parser(argparse.ArgumentParser):
             cert, key = (getattr(ns, f"{pre.replace('-', '_')}_{part}", None) for part in ("cert", "key"))
             if bool(cert) != bool(key):
                 self.error(f"--{pre}-cert needs --{pre}-key" if cert else f"--{pre}-key needs --{pre}-cert")
+        if getattr(ns, "tls_client_ca", None) and not getattr(ns, "tls_cert", None):  # clients are checked over TLS only
+            self.error("--tls-client-ca needs --tls-cert and --tls-key (clients' certificates are checked over TLS)")
         return ns
 
 
@@ -90,6 +93,15 @@ def check_files(args, *names: str) -> None:
         path = getattr(args, name, None)
         if path:
             read_pem(path, "--" + name.replace("_", "-"))
+    for pre in ("tls", "verify_tls"):  # a certificate and its key that are not one pair: gRPC's own refusal came after the
+        cert, key = getattr(args, f"{pre}_cert", None), getattr(args, f"{pre}_key", None)  # model load, behind its log lines
+        if cert and key and f"{pre}_cert" in names:
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert, key)
+            except (ssl.SSLError, ValueError) as e:
+                flag = "--" + pre.replace("_", "-")
+                raise StartupError(f"{flag}-cert {cert} and {flag}-key {key}: not a certificate and its private key "
+                                   f"({getattr(e, 'reason', None) or e})") from None
 
 
 def check_model_dir(path: str) -> None:

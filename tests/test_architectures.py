@@ -238,7 +238,22 @@ def _t5(path: str) -> str:
     return path
 
 
+def _codegen_rotary_past_its_heads(path: str) -> str:
+    from transformers import CodeGenConfig, CodeGenForCausalLM
+
+    from bench.tinymodels import word_tokenizer
+
+    torch.manual_seed(0)  # rotary_dim 64 > the head size of 8: the model's own forward fails
+    cfg = CodeGenConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=64, n_positions=CTX, eos_token_id=EOS, bos_token_id=EOS,
+                        pad_token_id=1)
+    CodeGenForCausalLM(cfg).save_pretrained(path)
+    word_tokenizer(V).save_pretrained(path)
+    return path
+
+
 @pytest.mark.parametrize("build,names,module", [  # each service twice (the refusal is LM.load's, shared by both)
+    # its own forward failed at the start-up probe's reference: a 77-line traceback and exit 1 (review of 2026-11-30)
+    (_codegen_rotary_past_its_heads, ("CodeGenForCausalLM", "codegen", "its own forward pass fails"), "verify_service"),
     (_bloom, ("BloomForCausalLM", "bloom", "attention interface"), "verify_service"),  # attends through its own alibi code
     (_lfm2, ("Lfm2ForCausalLM", "lfm2", "conv", "recurrent state"), "draft_service"),  # short-convolution layers keep a state
     (_t5, ("t5", "decoder-only"), "verify_service"),  # encoder-decoder: transformers has no causal-LM class for it
@@ -320,6 +335,33 @@ def test_minimum_temperature_and_top_p_limits_as_float32(arch):
                 with pytest.raises(grpc.RpcError) as e:
                     c.generate(prompt_ids=prompt, max_new_tokens=3, seed=7, **kw)
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kw
+
+
+def test_a_multimodal_checkpoints_language_model_is_read_from_its_text_config(tmp_path):
+    """From a review: Gemma 3's official checkpoints load as Gemma3ForConditionalGeneration, whose
+    config keeps the context limit, windows, rope and layer types in `text_config`; the checks read
+    the top level, so the service ran with a 2048-token limit (its default) whatever the model's,
+    and sized its cache budget from fields the top level does not have."""
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    from bench.tinymodels import word_tokenizer
+    from specdec.lm import LM
+    from verify_service.capacity import kv_bytes_per_token
+
+    text = Gemma3TextConfig(**dict(SMALL, head_dim=8, max_position_embeddings=96, sliding_window=8))
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                                patch_size=8)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=V - 1, boi_token_index=V - 3,
+                       eoi_token_index=V - 2, eos_token_id=EOS, pad_token_id=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"  # what AutoModelForCausalLM gives for a gemma3 checkpoint
+    path = str(tmp_path / "gemma3-mm")
+    model.save_pretrained(path)
+    word_tokenizer(V).save_pretrained(path)
+    lm = LM.load(path, "cpu", "float32")  # its start-up probe: the engine's logits equal the model's own
+    assert lm.max_context == 96
+    assert kv_bytes_per_token(lm.model.config) == 2 * 2 * 2 * 8 * 4  # K and V, 2 layers, 2 KV heads of 8, float32
 
 
 def test_compressed_kv_layers_are_refused_by_name():

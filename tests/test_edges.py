@@ -108,7 +108,25 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
     def write(name, data):
         return lambda p: open(os.path.join(p, name), "wb").write(data)
 
+    def config_with(**fields):
+        def edit(p):
+            with open(os.path.join(p, "config.json")) as f:
+                cfg = json.load(f)
+            with open(os.path.join(p, "config.json"), "w") as f:
+                json.dump({**cfg, **fields}, f)
+        return edit
+
+    (tok_dir / "latin1.jinja").write_bytes(b"\xff\xfe{{ messages }}")
     models = {
+        # caught since a review of 2026-11-30 (each was a traceback, or a prompt that could run the directory's code)
+        "generation config not JSON": (model_variant(model_dir, tmp_path, "badgen", write("generation_config.json", b"{oops")),
+                                       "generation_config.json cannot be read"),
+        "an EOS id that is not an id": (model_variant(model_dir, tmp_path, "badeos", write("generation_config.json", b'{"eos_token_id": "x"}')),
+                                        "eos_token_id 'x'"),
+        "custom code": (model_variant(model_dir, tmp_path, "custom", config_with(model_type="my-own-arch",
+                                                                                  auto_map={"AutoModelForCausalLM": "modeling_x.MyModel",
+                                                                                            "AutoConfig": "configuration_x.MyConfig"})),
+                        "never a model directory's code"),
         "no weights": (model_variant(model_dir, tmp_path, "noweights", rm("model.safetensors")), "no weights"),
         "corrupt weights": (model_variant(model_dir, tmp_path, "corrupt", write("model.safetensors", b"\x07" * 64)), "cannot load the model"),
         "bad config JSON": (model_variant(model_dir, tmp_path, "badcfg", write("config.json", b"{not json")), "config.json is not valid JSON"),
@@ -126,6 +144,10 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
         "draft max sessions 0": ([*d, "--model", target, "--max-sessions", "0"], "--max-sessions", "must be >= 1"),
         "max cached tokens 0": ([*v, "--model", target, "--max-cached-tokens", "0"], "--max-cached-tokens", "must be >= 1", "or auto"),
         "max cached tokens auto": ([*v, "--model", str(tmp_path / "nope"), "--max-cached-tokens", "auto"], "--model", "no such directory"),
+        "client CA without a certificate": ([*v, "--model", target, "--tls-client-ca", str(tok_dir / "empty.pem")],
+                                            "--tls-client-ca needs --tls-cert"),
+        "chat template not UTF-8": ([*d, "--model", target, "--chat-template", str(tok_dir / "latin1.jinja")], "--chat-template",
+                                    "UTF-8"),
         "gather past a pass": ([*v, "--model", target, "--gather", "2"], "--gather", "<= 1"),
         "threads -1": ([*v, "--model", target, "--threads", "-1"], "--threads"),
         "draft threads -1": ([*d, "--model", target, "--threads", "-1"], "--threads"),

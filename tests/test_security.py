@@ -182,3 +182,15 @@ def test_http_front_door_follows_the_tls_flags_and_the_token(secure_pair, pki):
     with pytest.raises((http.client.HTTPException, ConnectionError)):
         conn.request("GET", "/health")
         conn.getresponse()
+
+
+def test_a_certificate_with_another_key_exits_2_with_one_line(pki, model_dir):
+    """From a review: a --tls-cert / --tls-key that are not one pair were found by gRPC only after
+    the model load, and its three log lines came before the service's own one-line refusal. Now
+    it is checked with the other files, before the model libraries load."""
+    r = subprocess.run([sys.executable, "-m", "verify_service", "--model", model_dir("target"), "--port", "0",
+                        "--tls-cert", pki("server.pem"), "--tls-key", pki("client.key")],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert "--tls-cert" in lines[0] and "not a certificate and its private key" in lines[0], lines[0]

@@ -13,12 +13,14 @@ import threading
 import torch
 
 from specdec import metrics
+from specdec.architectures import text_config
 from specdec.errors import Refusal, RequestError
 from specdec.engine import PAGE, available_memory_bytes
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
     """Bytes one cached token costs: K and V, every layer, in the cache's dtype."""
+    config = text_config(config)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
