@@ -85,6 +85,7 @@ class Drafter:
     def __init__(self, lm: LM):
         self.lm = lm
         self.batcher = StepBatcher(lm.engine)
+        self._embeds = lm.model.get_input_embeddings().weight.shape[0]  # ids the model can be fed
         self._live = 0  # sessions whose decode loops run now, or their last pre-drafts (`serving`)
         self._lock = threading.Lock()
 
@@ -109,6 +110,34 @@ class Drafter:
         """Whether the model serves other sessions beside one: then its spare steps are theirs."""
         return self._live > 1
 
+    @property
+    def rows(self) -> int:
+        """The ids q is over on the wire: the target's output rows (LM.peer_rows, where its model
+        has other rows over the same tokenizer), else the draft's own."""
+        return self.lm.peer_rows or self.lm.vocab_size
+
+    def step(self, cache: KVCache, tokens: list[int], logits: bool = True) -> torch.Tensor | None:
+        """StepBatcher.forward in the target's rows: logits cut to them (the draft's extra rows are
+        padding past the shared tokenizer) or padded with -inf (ids it never proposes); an id past
+        the draft's own rows (a target's padding row, never a token) is fed to the model as 0,
+        which changes its guesses only."""
+        return self._fit(self.batcher.forward(cache, self._ids(tokens), logits))
+
+    def step_tree(self, cache: KVCache, tokens: list[int], tree: Tree) -> torch.Tensor:
+        """StepBatcher.forward_tree in the target's rows (as `step`)."""
+        return self._fit(self.batcher.forward_tree(cache, self._ids(tokens), tree))
+
+    def _ids(self, tokens: list[int]) -> list[int]:
+        return tokens if self.rows <= self._embeds else [t if t < self._embeds else 0 for t in tokens]
+
+    def _fit(self, logits: torch.Tensor | None) -> torch.Tensor | None:
+        R = self.rows
+        if logits is None or logits.shape[-1] == R:
+            return logits
+        if R < logits.shape[-1]:
+            return logits[..., :R]
+        return torch.nn.functional.pad(logits, (0, R - logits.shape[-1]), value=float("-inf"))
+
     def new_state(self, params: GenParams, max_context: int | None = None) -> DraftState:
         limit = max_context or self.lm.max_context
         # pre-drafts look ahead: a greedy round's outcomes, up to CHOICES * tau + 1 (a tree: tau + 1), each a chain of
@@ -127,7 +156,7 @@ class Drafter:
             if stop is not None and stop.is_set():
                 st.cache.crop(0)
                 return
-            self.batcher.forward(st.cache, ids[start : start + PREFILL_CHUNK], logits=False)
+            self.step(st.cache, ids[start : start + PREFILL_CHUNK], logits=False)
         st.cached = ids
 
     def _feed(self, st: DraftState, context: list[int]) -> torch.Tensor:
@@ -138,7 +167,7 @@ class Drafter:
             keep += 1
         st.cache.crop(keep)
         st.cached = st.cached[:keep]
-        logits = self.batcher.forward(st.cache, context[keep:])
+        logits = self.step(st.cache, context[keep:])
         st.cached = list(context)
         return logits
 
@@ -208,7 +237,7 @@ class Drafter:
         tree over them, and every step runs the outcomes still open as one tree pass, each row
         attending its own branch. Once the verdict is known only its outcome runs on. The cache
         holds the context and sent's tokens after (the next feed brings it to the outcome's)."""
-        prm, V, base = st.params, self.lm.vocab_size, len(st.ids)
+        prm, V, base = st.params, self.rows, len(st.ids)
         heads = [(len(sent.tokens), guess, len(sent.tokens) - 1)] + [(j, a, j - 1) for j, alts in enumerate(sent.alts) for a in alts]
         parents = list(range(-1, len(sent.tokens) - 1))  # the chain of sent's tokens: nodes 0..len-1, in the cache
         props, leaf, run = {}, {}, []  # per outcome its proposal and newest node; the outcomes to run and their tokens
@@ -222,7 +251,7 @@ class Drafter:
             for i in range(tau):
                 if ctl.is_set() or base + len(parents) > st.cache.capacity:  # near the context limit the cache has less room
                     break
-                logits = self.batcher.forward_tree(st.cache, [x for _, x in run], Tree(base, tuple(parents)))  # [len(run), V]
+                logits = self.step_tree(st.cache, [x for _, x in run], Tree(base, tuple(parents)))  # [len(run), V]
                 top = torch.topk(logits, 1 + CHOICES, dim=-1).indices.tolist()
                 known, nxt = ctl.outcome(), []
                 for k, (o, _) in enumerate(run):
@@ -245,4 +274,4 @@ class Drafter:
 
     def lookup(self, st: DraftState, tau: int, min_ngram: int = 1) -> Proposal:
         """Prompt-lookup proposal with one-hot q in the session's mode ([] tokens if no match)."""
-        return Proposal.one_hot(lookup(st.ids, tau, min_ngram=min_ngram), st.params.mode, self.lm.vocab_size)
+        return Proposal.one_hot(lookup(st.ids, tau, min_ngram=min_ngram), st.params.mode, self.rows)

@@ -190,9 +190,9 @@ class DraftServicer(pb_grpc.DraftServicer):
             g = await validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context, self.defaults,
                                                       self.context_whose)
             g.request_id = serving.request_id(context, g.request_id)
-            validation.check_dense_rounds(g, self.lm.vocab_size, self.max_message_bytes)
             if not self._paired:
                 await self.check_pairing()
+            validation.check_dense_rounds(g, self.drafter.rows, self.max_message_bytes)  # in the target's rows, once paired
             if g.tree_budget > self.target.max_tree_budget:
                 raise invalid(f"tree_budget: {g.tree_budget} nodes; the verify service allows at most {self.target.max_tree_budget}"
                               + (" (it has no tree speculation: send tree_budget 0)" if not self.target.max_tree_budget else ""))

@@ -116,7 +116,7 @@ def grow(drafter, st, budget: int, depth: int, context: list[int] | None = None,
         (t,) = _grow(drafter, st, Tree(base, ()), [_Tree(-1, logits, [], [])], budget, depth, stop, floor, calibration)
     finally:
         st.cache.crop(base)  # the tree's nodes go; the cache holds the context
-    return _finish(t, budget, st.params, drafter.lm.vocab_size, floor, cost)
+    return _finish(t, budget, st.params, drafter.rows, floor, cost)
 
 
 def grow_outcomes(drafter, st, path: list[int], roots: list[tuple[int, int]], budget: int, depth: int, stop=None,
@@ -134,12 +134,12 @@ def grow_outcomes(drafter, st, path: list[int], roots: list[tuple[int, int]], bu
         return [Proposal(parents=[]) for _ in roots]
     tree = Tree(base, chain + tuple(j - 1 for j, _ in roots))
     try:
-        logits = drafter.batcher.forward_tree(st.cache, [x for _, x in roots], tree)  # [roots, V]
+        logits = drafter.step_tree(st.cache, [x for _, x in roots], tree)  # [roots, V]
         ts = [_Tree(len(path) + k, logits[k], [], []) for k in range(len(roots))]
         ts = _grow(drafter, st, tree, ts, budget, depth, stop, floor, calibration, keys=roots)
     finally:
         st.cache.crop(base + len(path))
-    return [_finish(t, budget, st.params, drafter.lm.vocab_size, floor, cost) for t in ts]
+    return [_finish(t, budget, st.params, drafter.rows, floor, cost) for t in ts]
 
 
 def _grow(drafter, st, tree: Tree, ts: list[_Tree], budget: int, depth: int, stop, floor: float,
@@ -176,7 +176,7 @@ def _grow(drafter, st, tree: Tree, ts: list[_Tree], budget: int, depth: int, sto
             n = t.nodes[i]
             n.written = len(parents)
             parents.append(t.nodes[n.parent].written if n.parent >= 0 else t.at)
-        out = drafter.batcher.forward_tree(st.cache, [t.nodes[i].token for t, i, _ in rows], Tree(tree.base, tuple(parents)))
+        out = drafter.step_tree(st.cache, [t.nodes[i].token for t, i, _ in rows], Tree(tree.base, tuple(parents)))
         for r, (t, i, c) in enumerate(rows):
             _children(t, i, out[r], prm, tree.base, c, floor, calibration)
         level += 1

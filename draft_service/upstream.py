@@ -46,7 +46,17 @@ def replicas(args) -> Replicas:
 async def pairing_error(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) -> str | None:
     """None if the target's vocabulary fingerprint is the draft's and its tokenizer's text rules
     too (where the verify service reports them); else one line saying what differs (asking the
-    verify service for its whole vocabulary to compare)."""
+    verify service for its whole vocabulary to compare). A target whose model has other output
+    rows over the same tokenizer (its fingerprint is the draft tokenizer's with the target's
+    rows: Qwen2.5's 0.5B and 7B) pairs too: the draft takes its fingerprint and sends q over its
+    rows from then on (LM.peer_rows; Drafter.step)."""
+    from specdec.lm import vocab_fingerprint  # noqa: PLC0415 - the model libraries load after the cheap start-up checks
+
+    if (target.vocab_fingerprint != lm.fingerprint and target.vocab_size
+            and vocab_fingerprint(lm.tokenizer, target.vocab_size) == target.vocab_fingerprint):
+        log.info("the target's model has %d output rows over the draft's tokenizer, the draft %d: the draft's q goes over the "
+                 "target's rows", target.vocab_size, lm.vocab_size)
+        lm.fingerprint, lm.peer_rows = target.vocab_fingerprint, target.vocab_size
     if target.vocab_fingerprint == lm.fingerprint:
         own = vocabdiff.tokenizer_info(lm.tokenizer)
         if same_text_rules(target, own.text_rules):

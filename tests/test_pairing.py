@@ -197,3 +197,49 @@ def test_prompts_get_the_tokenizers_bos_unless_the_request_opts_out(tmp_path):
             r = subprocess.run(cli + flag, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
             assert r.returncode == 0, r.stderr
             assert json.loads(r.stdout)["stats"]["prompt_tokens"] == n
+
+
+def _rows(src: str, dst, rows: int, wins: int | None = None) -> str:
+    """A copy of the model at `src` with `rows` output rows (and embeddings) over the same tokenizer;
+    with `wins`, its last row is twice that token's, so it comes out where that token would."""
+    model = AutoModelForCausalLM.from_pretrained(src)
+    model.resize_token_embeddings(rows)
+    if wins is not None:
+        with torch.no_grad():
+            head = model.get_output_embeddings().weight
+            head[rows - 1] = 2 * head[wins]
+    model.save_pretrained(dst)
+    for f in Path(src).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, Path(dst) / f.name)
+    return str(dst)
+
+
+@pytest.mark.parametrize("more", ["draft", "target"])
+def test_a_pair_whose_models_have_other_output_rows_over_one_tokenizer_serves_exactly(model_dir, tmp_path, more):
+    """From a review: the vocabulary fingerprint counts a model's output rows, so a draft and a
+    target over one tokenizer with other row counts (Qwen2.5's 0.5B has 151,936, its 7B 152,064)
+    were refused as "do not share a tokenizer". They pair now: the draft sends q over the target's
+    rows (its own extra rows cut, the target's padded with none of its mass) and feeds an id past
+    its own rows to its model as 0. Greedy output is the target's own, and sampled DENSE rounds
+    (q over the target's rows, checked by it) run."""
+    target = draft = model_dir("target")  # the target as its own draft: where the rows agree, every proposal is accepted
+    rows = AutoModelForCausalLM.from_pretrained(target).get_output_embeddings().weight.shape[0]
+    if more == "draft":
+        draft = _rows(draft, tmp_path / "draft-more-rows", rows + 8)
+    prompts = [[3, 4, 5], [5, 6, 7, 3], [9, 3, 4]]
+    if more == "target":  # one of its padding rows wins where the target's first greedy token would: an id past the draft's rows
+        first = hf_greedy(AutoModelForCausalLM.from_pretrained(target), prompts[0], 1)[0]
+        target = _rows(target, tmp_path / "target-more-rows", rows + 8, wins=first)
+    with service_pair(target, draft) as (vs, ds):  # starts: the pair is accepted
+        with Client(vs.address, target_only=True, timeout=60) as vc:
+            want = [vc.generate(prompt_ids=p, max_new_tokens=24).token_ids for p in prompts]
+        if more == "target":
+            assert rows + 7 in want[0], want[0]  # the draft is fed an id it has no row for
+        with Client(ds.address, timeout=60) as c:
+            got = [c.generate(prompt_ids=p, max_new_tokens=24, num_draft_tokens=3, adaptive=False) for p in prompts]
+            dense = c.generate(prompt_ids=prompts[0], max_new_tokens=16, temperature=1.0, seed=3, proposal_mode="dense",
+                               num_draft_tokens=3, adaptive=False)
+    assert [r.token_ids for r in got] == want
+    assert sum(r.stats["drafted"] for r in got) > 0 and sum(r.stats["accepted"] for r in got) > 0
+    assert dense.token_ids and dense.stats["drafted"] > 0
