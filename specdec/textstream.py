@@ -21,8 +21,9 @@ class TextStream:
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars that may start a stop
         self.ids: list[int] = list((context or [])[-CONTEXT:])  # the context, then the generated ids
-        if self.ids and self._decode(self.ids).endswith("\ufffd"):
-            self.ids = []  # a prompt that ends inside a character is no context
+        # the context's text up to a character it ends inside of (whose completion the generated ids give)
+        self.context_text = self._decode(self.ids).rstrip("\ufffd") if self.ids else ""
+        self.n_context = len(self.ids)
         self.base = ""  # decoded text of the generated ids up to `read`
         self.text = ""  # base, and the complete characters after it: what a stop is looked for in
         self.sent = 0  # chars of self.text already emitted
@@ -34,8 +35,11 @@ class TextStream:
         return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _delta(self) -> str:
-        """The decoded text of ids[read:], in the context of ids[prefix:read]."""
-        before = self._decode(self.ids[self.prefix : self.read])
+        """The decoded text of ids[read:], in the context of ids[prefix:read]. A prompt that ends
+        inside a character (its decode ends in U+FFFD) is context up to that character: the
+        generated ids that complete it give the whole character."""
+        at_context = self.prefix == 0 and self.read == self.n_context > 0  # nothing emitted yet: the context is the window
+        before = self.context_text if at_context else self._decode(self.ids[self.prefix : self.read])
         return self._decode(self.ids[self.prefix :])[len(before) :]
 
     def _advance(self) -> None:

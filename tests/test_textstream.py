@@ -72,6 +72,20 @@ def test_a_stream_that_ends_inside_a_character_loses_nothing(tok):
     assert cut  # the text has tokens that end inside a character
 
 
+def test_a_prompt_cut_inside_a_character_gets_the_character_completed(tok):
+    """From a review: a prompt (ids, say a cut reply sent back to continue) that ends inside a
+    multi-byte character was dropped as context, so the generated ids that complete the character
+    decoded alone, as U+FFFD. The stream now gives the whole character: the prompt's decode
+    without its cut character, then the stream, is the whole text."""
+    ids = tok(TEXT)["input_ids"]
+    cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts
+    for k in cuts:
+        s = TextStream(tok, context=ids[:k])
+        streamed = "".join(s.push([t])[1] for t in ids[k:]) + s.finish()
+        assert tok.decode(ids[:k]).rstrip("\ufffd") + streamed == TEXT, k
+
+
 def test_a_stop_string_is_found_as_soon_as_its_last_character_is_in(tok):
     """The ids kept end at the one that completes the stop string: none lies wholly after it, and
     a stream that ends right there has stopped (where a token ended inside the next character,
