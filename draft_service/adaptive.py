@@ -2,7 +2,8 @@
 under the cost model (specdec/costmodel.py: E(gamma) over the expected round time, pre-drafting
 included), from the session's own acceptance history and costs calibrated once at start-up.
 
-Nothing here reads a clock: the same request with the same calibration chooses the same taus
+Nothing here but the pace (`Pace`, which seeded sampled requests never use) reads a clock: the
+same request with the same calibration chooses the same taus
 whatever else runs, so its random draws, keyed by position, repeat (DESIGN.md §3, §7) — except
 the cap from the verifier's load (`goodput_cap`, the price each verdict carries), which seeded
 sampled requests do without, and for greedy sessions (whose tokens do not depend on tau) the
@@ -38,6 +39,11 @@ class TauController:
     follows: bool = False  # the last pre-draft followed rejections too (drafter.outcomes): the cost model counts those hits
 
     def observe(self, drafted: int, accepted: int) -> None:
+        """A verified round's acceptance. A round without proposals (target-only, as the price
+        held it) tells nothing: the evidence so far is kept, not decayed back to the prior, so a
+        session that the load held at 0 resumes at its own acceptance."""
+        if drafted <= 0:
+            return
         self.accepted = self.decay * self.accepted + accepted
         self.trials = self.decay * self.trials + accepted + (1 if accepted < drafted else 0)
 

@@ -51,6 +51,22 @@ def test_tau_controller_follows_acceptance_and_costs():
     assert far.choose() > near.choose()
 
 
+def test_rounds_the_load_held_at_zero_keep_the_sessions_acceptance():
+    """From a review: each round without proposals (the verifier's price held it at 0) decayed
+    the session's acceptance back to the 0.7 prior, so under a steady price in [0.7, its real
+    acceptance) a session that had measured 0.95 never proposed again, though a proposal paid."""
+    c = TauController(max_tau=8, costs=Costs(0.001, 0.02, 0.0005))
+    for _ in range(30):
+        c.observe(drafted=4, accepted=4)
+    learned = c.estimate()
+    c.load(0.99)  # the verifier is busy: no proposal pays
+    assert learned > 0.9 and c.choose() == 0
+    for _ in range(100):
+        c.observe(drafted=0, accepted=0)  # the target-only rounds the price held it to
+    c.load(0.8)  # busy, but one proposal at 0.9+ acceptance pays
+    assert c.estimate() == learned and c.choose() >= 1
+
+
 def test_tau_choice_reads_no_clock():
     """Same history, same costs: same taus, however the rounds were timed (seeds reproduce)."""
     runs = []
