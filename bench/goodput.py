@@ -74,7 +74,8 @@ def main(argv=None) -> int:
         for kind in KINDS:  # warm-up
             asyncio.run(run_batch(address[kind], kind == "target-only", CODE_PROMPTS[:1], 8, False))
         for n in levels:
-            prompts = (CODE_PROMPTS * (1 + max(n, 4) // len(CODE_PROMPTS)))[: max(n, 4)]
+            count = 4 if n == 1 else n  # level 1: four requests one after another; level n > 1: n at once
+            prompts = (CODE_PROMPTS * (1 + count // len(CODE_PROMPTS)))[:count]
             runs: dict[str, list[dict]] = {k: [] for k in KINDS}
             for rep in range(a.repeats):
                 for kind in (KINDS if rep % 2 == 0 else KINDS[::-1]):
@@ -94,7 +95,8 @@ def main(argv=None) -> int:
         for d in drafts.values():
             d.stop()
         verify.stop()
-    res = dict(**run_header(a), max_new_tokens=a.max_new_tokens, repeats=a.repeats, verify_args=a.verify_args, pin=a.pin, rows=rows)
+    res = dict(**run_header(a), max_new_tokens=a.max_new_tokens, repeats=a.repeats, verify_args=a.verify_args, pin=a.pin, rows=rows,
+               levels=a.levels)
     return write_report(a.out, "goodput", "GOODPUT.md", res, render)
 
 
@@ -104,7 +106,8 @@ def render(res: dict) -> str:
              f"(load-steered tau on / off), one torch thread each, greedy, {res['max_new_tokens']} new tokens per request, code "
              f"prompts from outside the standard library, the services' defaults otherwise; median of {res['repeats']} alternating "
              f"runs{'; the verify service pinned to CPU 0, the draft services and the clients to CPU 1' if res.get('pin') else ''}. "
-             f"Command: `python -m bench.goodput{' --verify-args ' + repr(res['verify_args']) if res.get('verify_args') else ''}"
+             f"Command: `python -m bench.goodput --levels {res.get('levels', '1,4,8,16')} --repeats {res['repeats']} --max-new-tokens "
+             f"{res['max_new_tokens']}{' --verify-args ' + repr(res['verify_args']) if res.get('verify_args') else ''}"
              f"{' --pin' if res.get('pin') else ''}`. "
              "Level 1 is four requests one after another.", "",
              "| sessions | target-only tok/s | steered tok/s | × target-only | mean τ | target-only rounds | tokens from runs "

@@ -226,7 +226,11 @@ def main(argv=None) -> None:
         res["torch"], res["build_and_load_s"] = torch.__version__, round(time.perf_counter() - t_build, 1)
         res["cuda_graphs"] = lm.engine.uniform is not None and lm.engine.uniform.graphs
         res["compiled_layers"] = len(lm.engine.compiled)  # 0 where not asked for, or where the compilation failed
-        weight_bytes = sum(t.numel() * t.element_size() for t in lm.model.parameters())
+        # the weights a decode pass reads: all but the input embedding's table, of which it reads a few rows (a tied head
+        # reads it whole, as the head)
+        embed = lm.model.get_input_embeddings().weight
+        tied = embed is lm.model.get_output_embeddings().weight
+        weight_bytes = sum(t.numel() * t.element_size() for t in lm.model.parameters()) - (0 if tied else embed.numel() * embed.element_size())
         prompt = torch.randint(1, lm.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
         # transformers' generate() on the same weights and dtype, with the model's own (sdpa) attention; every
         # timed run below follows an identical untimed one, so per-shape kernel set-up is paid before timing

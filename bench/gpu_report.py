@@ -112,9 +112,10 @@ def write(res: dict, out: str) -> None:
         return ", ".join(f"{n} x {t:.1f} ms" + (" (prefill)" if kind == "with_prefill" else "") for kind, (n, t) in k.items()) or "-"
 
     lines += ["", "Passes (a round's pass: from the engine's start to the verdicts on the host; device: a replay of its CUDA graph; "
-              "host share = 1 - device / pass; GB/s: weights plus the keys and values read, over the pass; passes: rounds-only "
+              "1 - device / pass: the replay timed apart against the in-run mean, whose passes also hold prompt chunks, so it "
+              "is not the host's share of a pass (the profiler's kernel tables are); GB/s: weights plus the keys and values read, over the pass; passes: rounds-only "
               "and with prompt chunks, count x mean device span):", "",
-              "| sessions | tau | total tok/s | x one session | tokens/round | sessions/pass | round ms | pass ms | device ms | host share | GB/s "
+              "| sessions | tau | total tok/s | x one session | tokens/round | sessions/pass | round ms | pass ms | device ms | 1 - device / pass | GB/s "
               "| passes |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [("1 (target-only)", 0, res["target_only"])] + [(k, res["tau"], r) for k, r in res["batch"].items()]

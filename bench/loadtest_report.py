@@ -59,8 +59,10 @@ def paired(cells: list[dict]) -> list[str]:
         return []
     out = ["## Speculative over target-only, run by run", "",
            "Output tok/s of each cell over the target-only cell of the same load and run (with `--baseline` the two ran "
-           "back to back, the speculative one first in odd runs), and the median of those ratios (of an even count, the "
-           "mean of the middle two, as for the tok/s).", "",
+           "back to back, which went first alternating from run to run: each cell's `order` in the JSON), and the median of "
+           "those ratios (of an even count, the mean of the middle two, as for the tok/s). Request i takes prompt i mod "
+           "the prompts: a ratio marked * compares cells that completed different numbers of requests (one path cut off "
+           "by --duration-s), so over partly different prompts.", "",
            "| path / tags | load | runs | tok/s, median | target-only tok/s, median | ratio by run | median ratio |",
            "|---|---|---|---|---|---|---|"]
     for _, pairs in sorted(rows.items(), key=lambda kv: (_group_order(kv[1][0][0]), kv[0][0], kv[0][2] or 0)):
@@ -69,8 +71,9 @@ def paired(cells: list[dict]) -> list[str]:
         spec = [p[0]["summary"]["output_tokens_per_s"] for p in pairs]
         tonly = [p[1]["summary"]["output_tokens_per_s"] for p in pairs]
         ratios = [a / b if b else math.inf for a, b in zip(spec, tonly)]
+        unlike = ["*" if p[0]["summary"]["completed"] != p[1]["summary"]["completed"] else "" for p in pairs]
         out.append(f"| {g} | {_level(pairs[0][0])} | {len(pairs)} | {statistics.median(spec):.1f} | {statistics.median(tonly):.1f} "
-                   f"| {' / '.join(f'{r:.2f}' for r in ratios)} | **{statistics.median(ratios):.2f}×** |")
+                   f"| {' / '.join(f'{r:.2f}{u}' for r, u in zip(ratios, unlike))} | **{statistics.median(ratios):.2f}×** |")
     return out + [""]
 
 

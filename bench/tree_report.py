@@ -24,7 +24,8 @@ def bars(res: dict) -> dict:
     by = res["sweep"].get("20")
     if by:
         name, chain_tok_s = best_chain(by)
-        trees = {k: v["tok_s_ref_median"] for k, v in by.items() if k.startswith(f"tree B={res['budget']} d=") and "hybrid" not in k}
+        trees = {k: v["tok_s_ref_median"] for k, v in by.items()
+                 if k.startswith(f"tree B={res['budget']} d=") and "hybrid" not in k and not v["errors"]}  # as chains: no errors
         if trees and chain_tok_s:
             tk = max(trees, key=trees.get)
             ratio = trees[tk] / chain_tok_s
