@@ -189,7 +189,7 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
     A port that cannot be bound is a StartupError (before `listening on`). `ready`: the health
     status of `service_name` to start with (default SERVING); `on_start(set_health)` is called once
     serving, with a coroutine function that sets it (the draft follows its verify service) and,
-    with `liveness=True`, the whole server's status ("", what liveness probes check) too (a verify
+    given `liveness=STATUS`, the whole server's status ("", what liveness probes check) (a verify
     service whose passes keep faulting); else "" is SERVING until the drain.
     `http`: a front door served beside it in this event loop (async `start()`, which prints its
     own address line, and `stop()`, which drains it; draft_service/http.py)."""
@@ -215,10 +215,10 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
     except OSError as e:
         raise StartupError(f"--metrics-port {args.metrics_port}: cannot listen on {args.host}:{args.metrics_port}: {e.strerror or e}") from None
     await server.start()
-    async def set_health(status, liveness: bool = False) -> None:  # the service's own name (readiness); with liveness,
-        await health.set(service_name, status)  # "" (the whole server: what liveness probes check) too
-        if liveness:
-            await health.set("", status)
+    async def set_health(status, liveness=None) -> None:  # the service's own name (readiness); with liveness, a status
+        await health.set(service_name, status)  # for "" (the whole server: what liveness probes check) too
+        if liveness is not None:
+            await health.set("", liveness)
 
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     await set_health(health_pb2.HealthCheckResponse.SERVING if ready is None else ready)

@@ -581,12 +581,16 @@ def test_a_fault_outside_the_model_call_fails_its_pass_not_the_scheduler(model_d
     assert v.next_token is not None and len(calls) == 2
 
 
-def test_passes_that_keep_faulting_report_not_serving_until_one_succeeds(model_dir, monkeypatch):
+def test_passes_that_keep_faulting_report_not_serving_until_one_gives_verdicts(model_dir, monkeypatch):
     """A lost device faults every pass. The fault guard failed each pass's jobs, but health stayed
     SERVING, so orchestrators kept routing requests to it and never restarted it. Now FAULT_PASSES
-    faulted passes in a row make the service report NOT_SERVING, readiness and liveness (a real
-    gRPC health service here); one-off faults between successes do not; while idle a self-test
-    pass finds the device back, and it serves again."""
+    faulted passes in a row make readiness and liveness NOT_SERVING (a real gRPC health service
+    here) and Info UNAVAILABLE (drafts rank replicas by it); one-off faults between verdicts do
+    not. While idle a self-test pass makes it ready again, but only a pass that gives verdicts
+    makes it live: a fault the self-test does not meet (here in the acceptance) breaks it again
+    at the next pass and keeps it not live (from a review: the self-test had cleared everything,
+    so such a fault flapped between SERVING and NOT_SERVING and liveness never failed long enough
+    for a restart)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_health.v1.health import aio as health_aio
     from prometheus_client import REGISTRY
@@ -599,16 +603,23 @@ def test_passes_that_keep_faulting_report_not_serving_until_one_succeeds(model_d
     monkeypatch.setattr(scheduler, "SELF_TEST_S", 0.2)
     lm = LM.load(model_dir("target"), "cpu", "float32")
     eng = Scheduler(lm, max_sessions=2)
-    forward, lost = lm.engine.forward, [False]
+    forward, decide, lost = lm.engine.forward, scheduler.decide, {"device": False, "acceptance": False}
 
     def device(*args, **kwargs):
-        if lost[0]:
+        if lost["device"]:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return forward(*args, **kwargs)
 
+    def acceptance(*args, **kwargs):
+        if lost["acceptance"]:
+            raise RuntimeError("a bug in the acceptance")
+        return decide(*args, **kwargs)
+
     monkeypatch.setattr(lm.engine, "forward", device)
+    monkeypatch.setattr(scheduler, "decide", acceptance)
     faults = lambda: REGISTRY.get_sample_value("specdec_verify_pass_faults_total") or 0.0  # noqa: E731
     before = faults()
+    S, N = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
     async def session():  # its prefill is one pass, its round another
         s = eng.open([3, 4, 5], 8, Sampling(), seed=0, mode=pb.PROPOSAL_MODE_GREEDY)
@@ -618,59 +629,77 @@ def test_passes_that_keep_faulting_report_not_serving_until_one_succeeds(model_d
         finally:
             eng.close(s)
 
-    async def failing(n):
-        lost[0] = True
+    async def failing(n, what="device"):
+        lost[what] = True
         for _ in range(n):
-            with pytest.raises(RuntimeError, match="illegal memory access"):
+            with pytest.raises(RuntimeError, match="illegal memory access|a bug in the acceptance"):
                 await session()
-        lost[0] = False
+        lost[what] = False
 
     async def go():
         server, health = grpc.aio.server(), health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        servicer = VerifyServicer(eng)
+        pb_grpc.add_VerifyServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
+        seen = {}
 
-        async def set_health(status, liveness=False):  # as specdec/serving.py `serve` hands it over
+        async def set_health(status, liveness=None):  # as specdec/serving.py `serve` hands it over
             await health.set("specdec.v1.Verify", status)
-            if liveness:
-                await health.set("", status)
+            if liveness is not None:
+                await health.set("", liveness)
 
-        async def statuses():
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                stub = health_pb2_grpc.HealthStub(ch)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+
+            async def statuses():
                 return [(await stub.Check(health_pb2.HealthCheckRequest(service=name))).status for name in ("specdec.v1.Verify", "")]
 
-        async def until(status):
-            for _ in range(100):
-                if await statuses() == [status, status]:
-                    return True
-                await asyncio.sleep(0.1)
-            return False
+            async def until(ready, live):
+                for _ in range(100):
+                    if await statuses() == [ready, live]:
+                        return True
+                    await asyncio.sleep(0.1)
+                return False
 
-        try:
-            await set_health(health_pb2.HealthCheckResponse.SERVING, liveness=True)
-            VerifyServicer(eng).on_start(set_health)
-            await failing(FAULT_PASSES - 1)  # one-off faults: a success in between clears them
-            assert (await session()).next_token is not None and eng.faults == 0 and eng.broken is None
-            await failing(FAULT_PASSES - 1)
-            still = await statuses()
-            await failing(1)
-            gone = await until(health_pb2.HealthCheckResponse.NOT_SERVING)
-            broken = eng.broken
-            back = await until(health_pb2.HealthCheckResponse.SERVING)  # the device is back: a self-test pass finds it
-            return still, gone, broken, back, await session()
-        finally:
-            await server.stop(None)
+            try:
+                await set_health(S, liveness=S)
+                servicer.on_start(set_health)
+                await failing(FAULT_PASSES - 1)  # one-off faults: a verdict in between clears them
+                assert (await session()).next_token is not None and eng.faults == 0 and eng.broken is None
+                await failing(FAULT_PASSES - 1)
+                seen["still"] = await statuses()
+                await failing(1)
+                seen["gone"] = await until(N, N)
+                seen["broken"] = eng.broken
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await pb_grpc.VerifyStub(ch).Info(pb.InfoRequest(), timeout=10)
+                seen["info"] = (e.value.code(), e.value.details())
+                seen["ready"] = await until(S, N)  # the device is back: a self-test pass lets traffic in, not yet live
+                seen["verdict"] = (await session()).next_token is not None
+                seen["back"] = await until(S, S) and eng.broken is None  # a verdict: live again
+                # a fault the self-test does not meet: ready after the self-test, broken again at the next faulted pass
+                await failing(FAULT_PASSES, "acceptance")
+                seen["bug"] = await until(N, N)
+                seen["bug_ready"] = await until(S, N)
+                await failing(1, "acceptance")
+                seen["bug_again"] = await statuses()
+            finally:
+                await server.stop(None)
+        return seen
 
     try:
-        still, gone, broken, back, v = asyncio.run(go())
+        seen = asyncio.run(go())
     finally:
         eng.shutdown()
-    assert still == [health_pb2.HealthCheckResponse.SERVING] * 2
-    assert gone and f"{FAULT_PASSES} verify passes in a row failed" in broken and "illegal memory access" in broken
-    assert back and eng.broken is None and v.next_token is not None
-    assert faults() - before == 2 * FAULT_PASSES - 1  # FAULT_PASSES - 1 sessions, then FAULT_PASSES: a faulted pass each
+    assert seen["still"] == [S, S]
+    assert seen["gone"] and f"{FAULT_PASSES} verify passes in a row failed" in seen["broken"] and "illegal memory access" in seen["broken"]
+    assert seen["info"][0] == grpc.StatusCode.UNAVAILABLE and "not serving" in seen["info"][1]
+    assert seen["ready"] and seen["verdict"] and seen["back"]
+    assert seen["bug"] and seen["bug_ready"]
+    assert seen["bug_again"] == [N, N]  # one more faulted pass: the count was not reset by the self-test
+    assert faults() - before == 2 * FAULT_PASSES - 1 + FAULT_PASSES + 1  # a faulted pass per failed session
 
 
 def test_a_cache_budget_past_what_memory_holds_is_kept_and_logged(model_dir, monkeypatch, caplog):

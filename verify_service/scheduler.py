@@ -49,7 +49,7 @@ GPU_PREFILL_ROWS = 8192  # prompt rows per pass on a GPU, by default: arrivals a
 SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a process that runs a scheduler (Scheduler.__init__)
 GATHER_SHARE = 0.25  # a pass waits at most this share of the last pass's time for the last pass's sessions' next rounds
 FAULT_PASSES = 3  # passes in a row that faulted (nothing succeeded, something failed other than by a refusal) mark the service broken
-SELF_TEST_S = 2.0  # while broken and idle, a one-token pass this often: one that succeeds clears it
+SELF_TEST_S = 2.0  # while broken and idle, a one-token pass this often: one that succeeds lets traffic back in
 
 
 class Scheduler:
@@ -99,8 +99,9 @@ class Scheduler:
         metrics.PASS_UTILISATION.set_function(lambda: cost.utilisation_at(time.perf_counter()))
         metrics.ROW_PRICE.set_function(lambda: cost.price_at(time.perf_counter()))
         self.faults = 0  # passes in a row that faulted (`_judge`)
-        self.broken: str | None = None  # why the passes keep failing, while they do
-        self.on_health: Callable[[str | None], None] | None = None  # told, on this thread, when `broken` changes
+        self.broken: str | None = None  # why the passes keep failing, until a verdict is given again
+        self.retrying = False  # broken, but a self-test pass succeeded: ready for traffic, not yet live
+        self.on_health: Callable[[bool, bool], None] | None = None  # (ready, live), told on this thread when they change
         self._thread_context = thread_context or contextlib.nullcontext
         self._worker = threading.Thread(target=self._thread, name="verify-scheduler", daemon=True)
         self._worker.start()
@@ -278,7 +279,7 @@ class Scheduler:
             job = None
             if not rounds and not prefills:  # idle: block (while broken, test the engine now and then meanwhile)
                 try:
-                    job = self._queue.get(timeout=SELF_TEST_S if self.broken else None)
+                    job = self._queue.get(timeout=SELF_TEST_S if self.broken and not self.retrying else None)
                 except queue.Empty:
                     self._self_test()
                     continue
@@ -316,7 +317,7 @@ class Scheduler:
                 finally:  # before the hand-off: a session its verdict ends is closed after the pass
                     with self._lock:
                         self._passing = False
-            self._judge(outcomes, fault)
+                self._judge(outcomes, fault)  # before the hand-off too: a caller that has its result sees the health it made
             self._pass_s = time.perf_counter() - t0
             for j in batch + filling:  # a Generate stream's session that finished gives its pages and room back now: its
                 if isinstance(j, Stream) and j.left is None and j.session.finish:  # handler may wait long on a slow reader
@@ -331,12 +332,15 @@ class Scheduler:
             metrics.CACHED_TOKENS.set(self.cached_tokens())
 
     def _judge(self, outcomes: list[tuple[bool, object]], fault: Exception | None) -> None:
-        """Counts the passes in a row that faulted: the pass itself raised, or nothing in it succeeded
+        """Counts the passes in a row that faulted: the pass itself raised, or it gave no verdict
         and something failed other than by a refusal (a RequestError: a closed session, NaN logits,
-        bad input). At FAULT_PASSES the service is broken (a lost device, a bug every pass meets):
-        logged, and `on_health` told, so its health checks stop traffic and, if it lasts, get the
-        process restarted. A pass with a success (or a self-test that passes) ends it."""
-        if any(ok for ok, _ in outcomes):
+        bad input); a prompt chunk going in is neither. At FAULT_PASSES the service is broken (a
+        lost device, a bug every pass meets): logged, and `on_health` told, so both its readiness
+        and its liveness are NOT_SERVING. While broken and idle it runs a self-test pass now and
+        then; one that succeeds makes it ready again (traffic comes back), but only a verdict makes
+        it live again: a fault the self-test's short path does not meet breaks it at the next pass
+        (the count is not reset), and so keeps it not live until the orchestrator restarts it."""
+        if any(ok and r is not None for ok, r in outcomes):  # a verdict: the passes work
             self.faults = 0
             self._health(None)
             return
@@ -349,27 +353,35 @@ class Scheduler:
             self._health(f"{self.faults} verify passes in a row failed, the last with {type(fault).__name__}: {fault}")
 
     def _self_test(self) -> None:
-        """A pass over one token in a fresh cache, while broken and idle: one that succeeds ends it."""
+        """A pass over one token in a fresh cache, while broken and idle: one that succeeds makes the
+        service ready for traffic again (`retrying`); the next pass's verdicts decide the rest."""
         try:
             self._timed_pass([[0]], [[0]])
         except Exception as e:  # noqa: BLE001 - still broken
             log.warning("verify self-test pass failed (%s: %s); still not serving", type(e).__name__, e)
             return
-        self.faults = 0
-        self._health(None)
+        log.warning("verify self-test pass succeeded: ready for traffic again; live once a pass gives verdicts")
+        self.retrying = True
+        self._tell()
 
     def _health(self, broken: str | None) -> None:
-        if bool(broken) == bool(self.broken):
+        if broken is None and self.broken is None:
             return
-        self.broken = broken
+        if broken is not None and self.broken is not None and not self.retrying:
+            return  # broken already
         if broken:
-            log.error("%s: reporting NOT_SERVING until a pass succeeds (a self-test pass every %gs while idle)", broken, SELF_TEST_S)
+            log.error("%s: reporting NOT_SERVING until a pass gives verdicts (a self-test pass every %gs while idle)", broken,
+                      SELF_TEST_S)
         else:
-            log.warning("verify passes succeed again: serving")
-        metrics.VERIFY_BROKEN.set(1 if broken else 0)
+            log.warning("verify passes give verdicts again: serving")
+        self.broken, self.retrying = broken, False
+        self._tell()
+
+    def _tell(self) -> None:
+        metrics.VERIFY_BROKEN.set(0 if self.broken is None else 1)
         if self.on_health is not None:
             try:
-                self.on_health(broken)
+                self.on_health(self.broken is None or self.retrying, self.broken is None)
             except Exception:  # noqa: BLE001 - the event loop is gone (shutting down): nobody to tell
                 log.debug("health not updated", exc_info=True)
 

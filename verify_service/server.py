@@ -30,19 +30,25 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         self.idle_timeout_s = idle_timeout_s
 
     def on_start(self, set_health) -> None:
-        """Once serving (specdec/serving.py `serve`): the health follows the scheduler's passes; while
-        they keep faulting (Scheduler._judge) both readiness and liveness are NOT_SERVING."""
+        """Once serving (specdec/serving.py `serve`): the health follows the scheduler's passes
+        (Scheduler._judge): while they keep faulting, readiness and liveness are NOT_SERVING (and
+        Info is UNAVAILABLE, so drafts place sessions elsewhere); after a self-test pass, ready but
+        not live until a pass gives verdicts."""
         loop = asyncio.get_running_loop()
+        status = {True: health_pb2.HealthCheckResponse.SERVING, False: health_pb2.HealthCheckResponse.NOT_SERVING}
 
-        def tell(broken: str | None) -> None:  # on the scheduler thread
-            status = health_pb2.HealthCheckResponse.NOT_SERVING if broken else health_pb2.HealthCheckResponse.SERVING
-            asyncio.run_coroutine_threadsafe(set_health(status, liveness=True), loop)
+        def tell(ready: bool, live: bool) -> None:  # on the scheduler thread
+            asyncio.run_coroutine_threadsafe(set_health(status[ready], liveness=status[live]), loop)
 
         self.engine.on_health = tell
         if self.engine.broken:  # broken before serving began
-            tell(self.engine.broken)
+            tell(self.engine.retrying, False)
 
     async def Info(self, request, context):
+        if self.engine.broken and not self.engine.retrying:  # drafts rank a replica by its Info: not this one now
+            await serving.fail(context, SERVICE, "Info", RequestError(Refusal.UNAVAILABLE,
+                                                                      f"this verify service is not serving: {self.engine.broken}"))
+            return None
         info = serving.model_info(self.lm, request.include_vocab, TESTED)
         info.capacity.CopyFrom(pb.Capacity(**self.engine.capacity.free()))
         info.max_tree_budget = MAX_ROUND_TOKENS
