@@ -52,14 +52,15 @@ async def pairing_error(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) ->
     rows from then on (LM.peer_rows; Drafter.step)."""
     from specdec.lm import vocab_fingerprint  # noqa: PLC0415 - the model libraries load after the cheap start-up checks
 
-    if (target.vocab_fingerprint != lm.fingerprint and target.vocab_size
-            and vocab_fingerprint(lm.tokenizer, target.vocab_size) == target.vocab_fingerprint):
-        log.info("the target's model has %d output rows over the draft's tokenizer, the draft %d: the draft's q goes over the "
-                 "target's rows", target.vocab_size, lm.vocab_size)
-        lm.fingerprint, lm.peer_rows = target.vocab_fingerprint, target.vocab_size
-    if target.vocab_fingerprint == lm.fingerprint:
+    rows = (target.vocab_fingerprint != lm.fingerprint and target.vocab_size
+            and vocab_fingerprint(lm.tokenizer, target.vocab_size) == target.vocab_fingerprint)
+    if target.vocab_fingerprint == lm.fingerprint or rows:
         own = vocabdiff.tokenizer_info(lm.tokenizer)
         if same_text_rules(target, own.text_rules):
+            if rows:  # paired: from now on the draft speaks the target's vocabulary, its rows included
+                log.info("the target's model has %d output rows over the draft's tokenizer, the draft %d: the draft's q goes "
+                         "over the target's rows", target.vocab_size, lm.vocab_size)
+                lm.fingerprint, lm.peer_rows = target.vocab_fingerprint, target.vocab_size
             return None
         what = (f"the target's adds special tokens (such as BOS) to a prompt {'and' if target.tokenizer.adds_special_tokens else 'but'} "
                 f"the draft's {'does' if own.adds_special_tokens else 'does not'}"

@@ -97,11 +97,11 @@ def check_files(args, *names: str) -> None:
         cert, key = getattr(args, f"{pre}_cert", None), getattr(args, f"{pre}_key", None)  # model load, behind its log lines
         if cert and key and f"{pre}_cert" in names:
             try:
-                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert, key)
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert, key, password=lambda: b"")  # never a prompt
             except (ssl.SSLError, ValueError) as e:
                 flag = "--" + pre.replace("_", "-")
-                raise StartupError(f"{flag}-cert {cert} and {flag}-key {key}: not a certificate and its private key "
-                                   f"({getattr(e, 'reason', None) or e})") from None
+                raise StartupError(f"{flag}-cert {cert} and {flag}-key {key}: not a certificate and its private key, "
+                                   f"unencrypted as gRPC needs it ({getattr(e, 'reason', None) or e})") from None
 
 
 def check_model_dir(path: str) -> None:

@@ -216,11 +216,12 @@ def first_round_on_fresh_pages(eng: Engine, reference) -> None:
 
 def test_a_graph_is_not_replayed_while_the_pool_must_grow(model_dir, monkeypatch):
     """A replay runs no Python, so it cannot grow the pool: a pass whose sessions hold pages past
-    the pool's tensors runs eagerly (it replayed, and read and wrote slots past the tensors'
-    end: a device-side assert on CUDA). Here a replay is emulated on the CPU: the captured pass
-    with the pool's tensors as they were at capture."""
+    the pool's tensors grows it first (`Pool.fit`) and drops the graphs, whose kernels hold the
+    old tensors' addresses (it replayed, and read and wrote slots past the tensors' end: a
+    device-side assert on CUDA). Here a replay is emulated on the CPU: the captured pass run on
+    the pool's tensors as they were at its capture, as a graph's baked addresses are; a replay
+    after a growth without the drop reads past their end and fails."""
     from specdec.engine import graphs
-    from specdec.engine.cache import Pool
 
     eng, reference = engine_on(model_dir, "cpu", graphs=None)
     eng.uniform.graphs = True
@@ -228,16 +229,16 @@ def test_a_graph_is_not_replayed_while_the_pool_must_grow(model_dir, monkeypatch
 
     class Replay:
         def __init__(self, sh):
-            self.sh = sh
+            self.sh, self.tensors = sh, (list(eng.pool.k), list(eng.pool.v))  # the addresses a capture bakes in
 
         def replay(self):
             replays.append(eng.pool.slots)
-            grow = Pool.layer
-            monkeypatch.setattr(Pool, "layer", lambda pool, i, like: (pool.k[i], pool.v[i]))  # as captured: no growing
+            now = eng.pool.k, eng.pool.v
+            eng.pool.k, eng.pool.v = self.tensors
             try:
                 self.sh.out = uniform_pass(eng, self.sh.head, self.sh.table)
             finally:
-                monkeypatch.setattr(Pool, "layer", grow)
+                eng.pool.k, eng.pool.v = now
 
     def capture(self, sh):
         sh.graph = Replay(sh)

@@ -83,7 +83,9 @@ class Pool:
         need = self.slots
         if need <= self.size:
             return self.size
-        size = max(need, min(2 * self.size, self.limit or 2 * self.size))
+        size = max(need, min(2 * self.size, self.limit or 2 * self.size))  # doubling, up to the limit
+        if self.limit and need > self.limit:  # a need past it (a probe's page beside a full budget): some room past
+            size = max(size, min(2 * self.size, need + 8 * PAGE))  # it too, not a copy of every layer at each page more
         for i in range(len(self.k)):
             if self.k[i].shape[0] < size:  # K and V are both made before either is kept (out of memory: as it was)
                 old_k, old_v = self.k[i], self.v[i]
