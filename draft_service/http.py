@@ -103,8 +103,8 @@ class _Observe:
             status, duration = call["status"], time.perf_counter() - t0
             fields = {"service": "draft", "method": f"{scope['method']} {path}", "request_id": call.get("request_id") or uuid.uuid4().hex,
                       "code": status, "tokens": call["tokens"], "duration_s": round(duration, 6)}
-            if "error" in call:
-                fields["error"] = call["error"]
+            if "error" in call:  # bounded: what a message quotes of a client's input is cut already (quoted)
+                fields["error"] = call["error"][:2000]
             if status in (401, 403) and scope.get("client"):  # as the gRPC observer logs a refused caller
                 fields["peer"] = "%s:%s" % tuple(scope["client"])
             log.log(logging.WARNING if status in (401, 403) else logging.INFO, "request done", extra={"fields": fields})
@@ -251,7 +251,7 @@ class FrontDoor:
         self._authorize(request)
         name = request.path_params["model"]
         if name not in self.accepted:
-            raise HttpError(404, f"the model {name!r} does not exist; this server serves {self.model!r}", "model", "model_not_found")
+            raise HttpError(404, f"the model {s.quoted(name)} does not exist; this server serves {self.model!r}", "model", "model_not_found")
         return JSONResponse(self._card(name))
 
     def _card(self, name: str) -> dict:
@@ -298,7 +298,7 @@ class FrontDoor:
         except (ValueError, RecursionError):  # JSON's (and UTF-8's) errors; nesting deeper than the parser goes
             raise HttpError(400, "the body is not valid JSON") from None
         if r.model not in self.accepted:
-            raise HttpError(404, f"the model {r.model!r} does not exist; this server serves {self.model!r}", "model", "model_not_found")
+            raise HttpError(404, f"the model {s.quoted(r.model)} does not exist; this server serves {self.model!r}", "model", "model_not_found")
         return r, self._grpc_request(r, rid, chat)
 
     async def _body(self, request: Request) -> bytes:

@@ -111,6 +111,13 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1, lt=MAX_TOKENS)  # the newer name of max_tokens; wins
 
 
+def quoted(text, limit: int = 64) -> str:
+    """A client's string as an error message quotes it: its repr, cut to `limit` characters with its
+    length said (a 16 MiB body can name a model or a field of megabytes; messages are logged)."""
+    text = str(text)
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 def parse(model: type[_Request], body) -> _Request:
     """The validated request, or Refused naming the first bad field."""
     if not isinstance(body, dict):
@@ -120,7 +127,8 @@ def parse(model: type[_Request], body) -> _Request:
         body["messages"] = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in body["messages"]]
     unknown = [k for k in body if k not in model.model_fields]
     if unknown:
-        raise Refused(f"unsupported field(s): {', '.join(unknown)} (this server does not implement them)", unknown[0])
+        names = ", ".join(quoted(k) for k in unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
+        raise Refused(f"unsupported field(s): {names} (this server does not implement them)", unknown[0][:64])
     try:
         return model.model_validate(body, strict=True)  # JSON types as sent: no "0.5" for a number, no 1 for a bool
     except ValidationError as e:

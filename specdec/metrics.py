@@ -44,7 +44,7 @@ PACE_COMPARISONS = Counter("specdec_draft_pace_comparisons_total", "The pace's c
                            ["load", "outcome"])
 
 # draft side (vLLM names)
-NUM_DRAFTS = Counter("specdec_spec_decode_num_drafts_total", "Speculative rounds")
+NUM_DRAFTS = Counter("specdec_spec_decode_num_drafts_total", "Verify rounds, target-only ones (tau 0, a run's steps) included")
 NUM_DRAFT_TOKENS = Counter("specdec_spec_decode_num_draft_tokens_total", "Draft tokens proposed")
 NUM_ACCEPTED = Counter("specdec_spec_decode_num_accepted_tokens_total", "Draft tokens accepted")
 ACCEPTED_PER_POS = Counter("specdec_spec_decode_num_accepted_tokens_per_pos_total", "Accepted draft tokens by position", ["position"])

@@ -129,6 +129,14 @@ def test_request_id_on_both_hops(pair):
     assert wait_for(lambda: json_log_lines(v, msg="request done", request_id="direct-1"), 5), v.stderr[-5:]
     (t,) = json_log_lines(v, msg="request done", request_id="direct-1")
     assert t["code"] == "OK" and t["tokens"] == 3 and t["finish_reason"] == "length"
+    # a header and a field that disagree: the verify's response and its logs take the header, as the draft's do (they
+    # took the field, while the request observer logged the header)
+    with grpc.insecure_channel(v.address) as ch:
+        chunks = list(pb_grpc.VerifyStub(ch).Generate(pb.GenerateRequest(prompt_ids=[3], max_new_tokens=2, request_id="field-2"),
+                                                      metadata=[("x-request-id", "header-2")], timeout=60))
+    assert chunks[0].request_id == "header-2"
+    assert wait_for(lambda: json_log_lines(v, msg="request done", request_id="header-2"), 5), v.stderr[-5:]
+    assert not json_log_lines(v, msg="request done", request_id="field-2")
 
 
 def test_opentelemetry_spans_link_both_hops(model_dir):

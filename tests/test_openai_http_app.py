@@ -379,3 +379,25 @@ def test_the_off_values_of_fields_not_implemented_are_taken_as_absent(field, val
     assert (r.status_code == 200) == ok, r.text
     if not ok:
         assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def test_a_clients_huge_strings_are_quoted_cut_in_errors_and_logs(caplog):
+    """From a review: a model name or an unknown field name of megabytes (a body may be 16 MiB)
+    came back whole in the error message and in the `request done` log line: one line of 2 MB in
+    the logs for anyone who can reach the port. They are quoted cut, with their length."""
+    import logging
+
+    a = args()
+    a.max_message_bytes = 16 << 20
+    c = TestClient(FrontDoor(Stub(word_tokenizer(16)), a, model="the-target").app)
+    huge = "m" * 200_000
+    with caplog.at_level(logging.INFO, logger="specdec.draft"):
+        r1 = c.post("/v1/completions", json={"model": huge, "prompt": "w3"})
+        r2 = c.post("/v1/completions", json={"model": "stub", "prompt": "w3", huge: 1})
+    assert r1.status_code == 404 and r2.status_code == 400
+    for r in (r1, r2):
+        msg = r.json()["error"]["message"]
+        assert "200000 characters" in msg and len(msg) < 400, msg[:400]
+    assert r2.json()["error"]["param"] == "m" * 64
+    done = [rec for rec in caplog.records if rec.getMessage() == "request done"]
+    assert len(done) == 2 and all(len(json.dumps(rec.fields)) < 3000 for rec in done)

@@ -187,6 +187,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         s = None
         try:
             g = await validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size, self.lm.max_context)
+            g.request_id = serving.request_id(context, g.request_id)  # the header's, as the draft and the logs take it
             s = self.engine.open(g.prompt_ids, g.max_new_tokens, g.sampling, g.seed, pb.PROPOSAL_MODE_GREEDY, g.request_id)
             stats = pb.Stats(prompt_tokens=len(g.prompt_ids))
             out = Chunks(self.lm.tokenizer, g.stop, g.request_id, g.prompt_ids)
