@@ -49,7 +49,7 @@ from typing import AsyncIterator, Protocol
 
 import grpc
 
-from draft_service.adaptive import RUN_TOKENS_PER_VERDICT, DraftJudge, ModelRecord, Pace, TauController, load_label, pace_of
+from draft_service.adaptive import RUN_MIN, RUN_TOKENS_PER_VERDICT, DraftJudge, ModelRecord, Pace, TauController, load_label, pace_of
 from draft_service.drafter import Drafter, PredraftControl, Proposal
 from draft_service.lookup import lookup
 from draft_service.tree import CALIBRATIONS, Calibration
@@ -424,12 +424,17 @@ class DecodeLoop:
 
     def _run_wanted(self) -> int:
         """Target-only steps to ask the verifier for now (0: a round): the rest of the request once
-        the draft model does not pay and nothing else proposes; else what the load asks (Pace)."""
+        the draft model does not pay and nothing else proposes; else what the load asks (Pace).
+        A request with stop strings asks for RUN_MIN at a time: its stop is found here, after the
+        verifier has stepped on, which reads nothing in a run, so the rest of a long run would be
+        passes spent on a finished request and an end that waits for them."""
         if not self.runs_ok:
             return 0
         if self.fallen_back and not self._lookup_left():
-            return self._left()
-        return min(self.pace.run(), self._left()) if self.pace else 0
+            n = self._left()
+        else:
+            n = min(self.pace.run(), self._left()) if self.pace else 0
+        return min(n, RUN_MIN) if self.params.stop else n
 
     async def _run(self, call: VerifyStream, n: int) -> AsyncIterator[tuple[list[int], int]]:
         """A run of n target-only steps on the verifier (Round.target_only_steps): one message out,

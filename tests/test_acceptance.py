@@ -75,6 +75,17 @@ def test_zero_p_is_always_rejected_and_residual_excludes_q_mass():
     assert set(nexts) == {1, 2} and abs(nexts[1] - 200) < 60
 
 
+def test_a_rejection_resamples_from_the_residual_where_p_and_q_overlap():
+    """p and q share their support: x = 0 is accepted with p/q = 1/3, and a rejection draws from
+    max(0, p - q) = token 1 alone. A rule that resampled from p would give token 0 a quarter of
+    its rejections (the table cases above cannot tell the two apart: their residual is p)."""
+    p = T([[0.25, 0.75, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    q = T([[0.75, 0.25, 0.0, 0.0]])
+    out = collections.Counter(accept(p, T([0]), q, gen(s)) for s in range(600))
+    assert set(out) == {(1, 3), (0, 1)}, out  # accepted (bonus 3), or rejected to token 1: never token 0
+    assert abs(out[1, 3] - 200) < 60, out
+
+
 def test_residual_summing_to_zero_falls_back_to_p():
     # the proposed token has q~ = 0 and p == q~ elsewhere: max(0, p - q~) is all zero
     p = T([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])

@@ -380,7 +380,7 @@ def late_pair(model_dir):
         v = Service("verify_service", "--model", model_dir("long-target"), "--port", str(port), "--metrics-port", "0",
                     "--threads", "1", *PIN)
         # every test starts with a draft that has reached its verify service (their order does not matter)
-        wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 30)
+        assert wait_for(lambda: health(d.address) == health_pb2.HealthCheckResponse.SERVING, 30), d.stderr[-5:]
         yield v, d, before
     finally:
         d.stop()

@@ -138,9 +138,9 @@ def test_seeded_sampled_requests_ignore_the_price(model_dir):
 
 
 def test_verdicts_carry_the_price_and_the_verifier_exports_its_load(services):
-    """Through real services: the verifier measures its passes and says so, in every verdict
-    (row_cost_s, row_price) and in its metrics (the gauges as of the scrape: they fall while the
-    verifier is idle, tests/test_passcost.py)."""
+    """Through real services: the verifier measures its passes and says so in its metrics (the
+    gauges as of the scrape: they fall while the verifier is idle, tests/test_passcost.py); that
+    every verdict carries row_cost_s and row_price is the next test's, on a fixed cost model."""
     from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
     v, d = services()

@@ -93,14 +93,18 @@ def test_the_uniform_pass_compiles_whole_without_graph_breaks(model_dir):
     head = torch.tensor([[n, 12, *s[12:16]] for s in seqs] + [[1, 0, *[0] * n]])  # three sessions' rounds and a padding input
     table = torch.tensor([[*c.pages[:P], *[0] * (P - len(c.pages[:P]))] for c in caches] + [[0] * P])  # a bucket of 4
     with torch.inference_mode():
+        before = [t.clone() for t in eng.pool.k + eng.pool.v]  # the pool without the round's keys and values
         eager = uniform_pass(eng, head, table)
-        kv = [t.clone() for t in eng.pool.k]
+        written = [t.clone() for t in eng.pool.k + eng.pool.v]
         explained = torch._dynamo.explain(uniform_pass)(eng, head, table)
         assert explained.graph_break_count == 0, explained.break_reasons
+        for t, b in zip(eng.pool.k + eng.pool.v, before):  # the round's slots as they were: the compiled pass must write them
+            t.copy_(b)
         compiled = torch.compile(uniform_pass, fullgraph=True)(eng, head, table)
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-4)
-    for a, b in zip(kv, eng.pool.k):  # the same keys written again in place (inductor's fused kernels round their own way)
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert any(not torch.equal(a, b) for a, b in zip(written, before))  # the eager pass wrote the round's keys and values
+    for a, b in zip(written, eng.pool.k + eng.pool.v):  # and so did the compiled one, in place (inductor's fused kernels
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)  # round their own way)
 
 
 @CUDA

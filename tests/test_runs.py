@@ -116,6 +116,42 @@ def test_runs_on_the_verifier_are_exact_and_speculation_resumes(model_dir):
         v.stop()
 
 
+def test_a_request_with_stop_strings_runs_a_few_steps_at_a_time(model_dir):
+    """From a review: a session whose draft model fell back asked for the rest of the request as
+    one run, and the verifier reads nothing during a run: where the client's stop string matched
+    early, it stepped on to the end of the request, and the request's end waited a second for it
+    and then cancelled the session. A request with stop strings asks for RUN_MIN steps at a time."""
+    from draft_service import decode
+    from draft_service.adaptive import RUN_MIN
+
+    target = model_dir("long-target")
+    v = Service("verify_service", "--model", target)
+    lm = LM.load(target, "cpu", "float32")
+    decode.RECORDS[lm.name] = ModelRecord(streak=RECORD_STREAK)  # the model's record skips it: target-only throughout
+    try:
+        with Client(v.address, target_only=True, timeout=60) as c:
+            greedy = c.generate(prompt_ids=PROMPT, max_new_tokens=40).token_ids
+        runs = {}
+        for stop in ([], ["never in this text"]):
+            loop = DecodeLoop(Drafter(lm), dataclasses.replace(params(40), stop=stop), lm.fingerprint, lm.max_context,
+                              costs=COSTS, fallback=COSTS)
+            asked, run = [], loop._run
+
+            async def recording(call, n, run=run, asked=asked):
+                asked.append(n)
+                async for x in run(call, n):
+                    yield x
+
+            loop._run = recording
+            assert loop.fallen_back and asyncio.run(_session(v.address, loop)) == greedy
+            runs[bool(stop)] = asked
+    finally:
+        decode.RECORDS.pop(lm.name, None)
+        v.stop()
+    assert runs[False] == [40]  # the rest of the request as one run
+    assert len(runs[True]) == 40 // RUN_MIN and set(runs[True]) == {RUN_MIN}
+
+
 def busy(p: Pace, clock: Clock, seconds: float, sessions: int = 16) -> None:
     """Verdicts every 62.5 ms (a binary fraction: exact sums) for `seconds`, at a verifier with `sessions` open."""
     for _ in range(round(seconds / 0.0625)):
