@@ -99,6 +99,10 @@ class DecodeLoop:
         self.params = params
         self.fingerprint = fingerprint
         self.max_context = max_context
+        # the verifier knows its own context limit only: where the pair's (the draft's) is smaller, the session asks for
+        # no more tokens than fit under it, and the end there is CONTEXT, not LENGTH (`_reason`)
+        room = max(1, max_context - len(params.prompt_ids))
+        self._max_new, self._context_cut = min(params.max_new_tokens, room), params.max_new_tokens > room
         # prompt lookup alone drafts nothing ahead: there is no model to run
         self.predraft = predraft and params.proposer != pb.PROPOSER_LOOKUP
         self.state = drafter.new_state(params, max_context)
@@ -130,14 +134,18 @@ class DecodeLoop:
         g = self.params
         sampling = pb.SamplingParams(temperature=g.sampling.temperature, top_k=g.sampling.top_k, top_p=g.sampling.top_p, seed=g.seed)
         return pb.VerifyRequest(start=pb.SessionStart(
-            prompt_ids=g.prompt_ids, max_new_tokens=g.max_new_tokens, sampling=sampling,
+            prompt_ids=g.prompt_ids, max_new_tokens=self._max_new, sampling=sampling,
             proposal_mode=g.mode, vocab_fingerprint=self.fingerprint, request_id=g.request_id, tree_budget=g.tree_budget))
+
+    def _reason(self, finish: int) -> int:
+        """A verdict's finish reason as the request's: LENGTH at the pair's context limit is CONTEXT."""
+        return pb.FINISH_REASON_CONTEXT if finish == pb.FINISH_REASON_LENGTH and self._context_cut else finish
 
     def cap(self, extra: int = 0) -> int:
         """Most proposals a round may carry once `extra` more tokens are committed: never more
         than the tokens still allowed minus the verifier's next token, nor past the context."""
         st = self.state
-        left = st.params.max_new_tokens - (len(st.ids) + extra - st.prompt_len)
+        left = self._max_new - (len(st.ids) + extra - st.prompt_len)
         return max(0, min(left - 1, self.max_context - len(st.ids) - extra))
 
     def tree_budget(self, tau: int) -> int:
@@ -313,7 +321,7 @@ class DecodeLoop:
                 caught_up = caught_up or (bool(sent.tokens) and not sent.lookup)
                 t_mark = t3
                 if v.finish_reason:
-                    yield new, v.finish_reason
+                    yield new, self._reason(v.finish_reason)
                     return
                 if self.params.stop:  # the caller may end the request at these tokens (a stop string): they go to it now,
                     yield new, 0  # so a stop costs the verifier no round written ahead
@@ -420,7 +428,7 @@ class DecodeLoop:
     def _left(self) -> int:
         """Tokens the session may still commit."""
         st = self.state
-        return max(0, min(self.params.max_new_tokens - (len(st.ids) - st.prompt_len), self.max_context - len(st.ids)))
+        return max(0, min(self._max_new - (len(st.ids) - st.prompt_len), self.max_context - len(st.ids)))
 
     def _run_wanted(self) -> int:
         """Target-only steps to ask the verifier for now (0: a round): the rest of the request once
@@ -467,7 +475,7 @@ class DecodeLoop:
                 if not first:  # the first verdict's wait holds the request's trip (and a prefill)
                     self.pace.ran((t1 - t0) / k, v.target_only_s)
             t0 = t1
-            yield self._committed(v), v.finish_reason
+            yield self._committed(v), self._reason(v.finish_reason)
             if v.finish_reason:
                 return
             if not v.steps_left:
@@ -483,7 +491,7 @@ class DecodeLoop:
         st, stats, g = self.state, self.stats, self.params
         ahead, open_ = 0, True  # open_: the verifier still takes rounds
         while True:
-            while open_ and ahead < 2 and len(st.ids) - st.prompt_len + ahead < g.max_new_tokens and len(st.ids) + ahead < self.max_context:
+            while open_ and ahead < 2 and len(st.ids) - st.prompt_len + ahead < self._max_new and len(st.ids) + ahead < self.max_context:
                 try:
                     await self._timed(call.write(pb.VerifyRequest(round=pb.Round(round=stats.rounds + ahead + 1))))
                 except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
@@ -503,7 +511,7 @@ class DecodeLoop:
             stats.target_only_rounds += 1
             metrics.PROPOSALS_PER_ROUND.observe(0)
             stats.verify_s += time.perf_counter() - t0
-            yield self._committed(v), v.finish_reason
+            yield self._committed(v), self._reason(v.finish_reason)
             if v.finish_reason:
                 return
 

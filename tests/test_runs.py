@@ -152,6 +152,44 @@ def test_a_request_with_stop_strings_runs_a_few_steps_at_a_time(model_dir):
     assert len(runs[True]) == 40 // RUN_MIN and set(runs[True]) == {RUN_MIN}
 
 
+def test_a_draft_context_below_the_verifiers_ends_the_session_there(model_dir):
+    """From a review: where the draft's context limit is the pair's (the smaller), the verifier,
+    which knows only its own, was asked for max_new_tokens past it: a session went on past the
+    limit Draft.Info reports, and one whose draft fell back ran to the limit, then failed with a
+    false UNAVAILABLE in the middle of its reply. Both end at the limit with CONTEXT now."""
+    from draft_service import decode
+
+    target = model_dir("long-target")
+    v = Service("verify_service", "--model", target)
+    lm = LM.load(target, "cpu", "float32")
+    limit = len(PROMPT) + 9  # the pair's limit, the draft's, far below the verifier's own
+
+    async def session(loop):
+        async with grpc.aio.insecure_channel(v.address) as ch:
+            call = pb_grpc.VerifyStub(ch).Session(timeout=60)
+            out, finish = [], None
+            async for new, finish in loop.rounds(call):
+                out += new
+            call.cancel()
+            return out, finish
+
+    try:
+        with Client(v.address, target_only=True, timeout=60) as c:
+            greedy = c.generate(prompt_ids=PROMPT, max_new_tokens=40).token_ids
+        got = {"drafting": asyncio.run(session(DecodeLoop(Drafter(lm), params(40), lm.fingerprint, limit, costs=COSTS)))}
+        decode.RECORDS[lm.name] = ModelRecord(streak=RECORD_STREAK)  # fallen back from the start: runs of target-only steps
+        try:
+            loop = DecodeLoop(Drafter(lm), params(40), lm.fingerprint, limit, costs=COSTS, fallback=COSTS)
+            assert loop.fallen_back
+            got["fallen back"] = asyncio.run(session(loop))
+        finally:
+            decode.RECORDS.pop(lm.name, None)
+    finally:
+        v.stop()
+    for how, (ids, finish) in got.items():
+        assert ids == greedy[:9] and finish == pb.FINISH_REASON_CONTEXT, (how, ids, finish)
+
+
 def busy(p: Pace, clock: Clock, seconds: float, sessions: int = 16) -> None:
     """Verdicts every 62.5 ms (a binary fraction: exact sums) for `seconds`, at a verifier with `sessions` open."""
     for _ in range(round(seconds / 0.0625)):
