@@ -134,10 +134,10 @@ def parse(model: type[_Request], body) -> _Request:
     except ValidationError as e:
         err = e.errors()[0]
         msg = err["msg"].removeprefix("Value error, ")
-        param = ".".join(str(p) for p in err["loc"] if not _union_tag(p)) or msg.split(":")[0]
+        param = ".".join(str(p)[:64] for p in err["loc"] if not _union_tag(p))[:256] or msg.split(":")[0]  # a nested key is the client's
         if err["type"] == "extra_forbidden":
             raise Refused(f"{param}: unsupported field", param) from None
-        raise Refused(msg if msg.startswith(f"{param}:") else f"{param}: {msg}", param) from None
+        raise Refused(msg if msg.startswith(f"{param}:") else f"{param}: {msg[:512]}", param) from None
 
 
 def _neutral(field: str, v) -> bool:

@@ -677,6 +677,7 @@ def test_passes_that_keep_faulting_report_not_serving_until_one_gives_verdicts(m
                     await pb_grpc.VerifyStub(ch).Info(pb.InfoRequest(), timeout=10)
                 seen["info"] = (e.value.code(), e.value.details())
                 seen["ready"] = await until(S, N)  # the device is back: a self-test pass lets traffic in, not yet live
+                seen["retry_free"] = (await pb_grpc.VerifyStub(ch).Info(pb.InfoRequest(), timeout=10)).capacity.free_sessions
                 seen["verdict"] = (await session()).next_token is not None
                 seen["back"] = await until(S, S) and eng.broken is None  # a verdict: live again
                 # a fault the self-test does not meet: ready after the self-test, broken again at the next faulted pass
@@ -697,6 +698,7 @@ def test_passes_that_keep_faulting_report_not_serving_until_one_gives_verdicts(m
     assert seen["gone"] and f"{FAULT_PASSES} verify passes in a row failed" in seen["broken"] and "illegal memory access" in seen["broken"]
     assert seen["info"][0] == grpc.StatusCode.UNAVAILABLE and "not serving" in seen["info"][1]
     assert seen["ready"] and seen["verdict"] and seen["back"]
+    assert seen["retry_free"] == 0  # drafts rank it last while it is not live
     assert seen["bug"] and seen["bug_ready"]
     assert seen["bug_again"] == [N, N]  # one more faulted pass: the count was not reset by the self-test
     assert faults() - before == 2 * FAULT_PASSES - 1 + FAULT_PASSES + 1  # a faulted pass per failed session

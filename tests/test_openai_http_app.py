@@ -394,10 +394,13 @@ def test_a_clients_huge_strings_are_quoted_cut_in_errors_and_logs(caplog):
     with caplog.at_level(logging.INFO, logger="specdec.draft"):
         r1 = c.post("/v1/completions", json={"model": huge, "prompt": "w3"})
         r2 = c.post("/v1/completions", json={"model": "stub", "prompt": "w3", huge: 1})
-    assert r1.status_code == 404 and r2.status_code == 400
+        r3 = c.post("/v1/chat/completions", json={"model": "stub", "messages": [{"role": "user", "content": "w3", huge: 1}]})
+    assert r1.status_code == 404 and r2.status_code == 400 and r3.status_code == 400
     for r in (r1, r2):
         msg = r.json()["error"]["message"]
         assert "200000 characters" in msg and len(msg) < 400, msg[:400]
     assert r2.json()["error"]["param"] == "m" * 64
+    nested = r3.json()["error"]  # a nested key: pydantic's location names it
+    assert len(nested["message"]) < 400 and nested["param"] == "messages.0." + "m" * 64, nested["param"][:100]
     done = [rec for rec in caplog.records if rec.getMessage() == "request done"]
-    assert len(done) == 2 and all(len(json.dumps(rec.fields)) < 3000 for rec in done)
+    assert len(done) == 3 and all(len(json.dumps(rec.fields)) < 3000 for rec in done)

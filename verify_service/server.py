@@ -51,6 +51,8 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             return None
         info = serving.model_info(self.lm, request.include_vocab, TESTED)
         info.capacity.CopyFrom(pb.Capacity(**self.engine.capacity.free()))
+        if self.engine.broken:  # retrying after a self-test: drafts rank it last (they rank by free sessions), so it gets
+            info.capacity.free_sessions = 0  # sessions where no other replica has room, until a verdict makes it live
         info.max_tree_budget = MAX_ROUND_TOKENS
         return info
 
