@@ -99,7 +99,7 @@ def refusal(model, cfg) -> str | None:
         return ("LongRoPE (rope_type longrope) picks its rotary factors from the longest position in a call, so sessions packed "
                 "into one pass, and a prompt's chunks, would change each other's encodings")
     window = getattr(cfg, "sliding_window", None)
-    if isinstance(window, int) and 0 < window < context_limit(cfg) and not _passes_window(model):
+    if isinstance(window, int) and 0 < window < context_limit(cfg) and not _passes_window(model) and _names_window(model):
         return (f"its sliding window ({window}) is applied by the attention mask only (its attention layers do not pass it "
                 "on), which the packed pass does not use")
     return None
@@ -169,6 +169,19 @@ def _passes_window(model) -> bool:
         except (OSError, TypeError):
             return True
     return not kinds
+
+
+def _names_window(model) -> bool:
+    """Whether any of the model's modules' code names a sliding window (a mask built with one):
+    a config field that no code reads (Llama's classes ignore `sliding_window`) changes nothing.
+    True where the code cannot be read."""
+    for kind in {type(m) for m in model.modules()}:
+        try:
+            if "sliding_window" in inspect.getsource(kind.forward):
+                return True
+        except (OSError, TypeError):
+            return True
+    return False
 
 
 def reference(lm) -> tuple[list[int], list[int], torch.Tensor]:

@@ -364,6 +364,28 @@ def test_a_multimodal_checkpoints_language_model_is_read_from_its_text_config(tm
     assert kv_bytes_per_token(lm.model.config) == 2 * 2 * 2 * 8 * 4  # K and V, 2 layers, 2 KV heads of 8, float32
 
 
+def test_a_window_no_code_reads_is_not_refused(tmp_path):
+    """From a review: a Llama config that carries a `sliding_window` field (fine-tunes copy it from
+    Mistral's) was refused as "applied by the attention mask only", though Llama's classes never
+    read it (the same logits with or without it). It is refused only where some module's code
+    names a window; Mistral's and Qwen2-MoE's still are, or serve it (§ the table above)."""
+    import transformers
+
+    fields = dict(SMALL, sliding_window=8)
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+    assert architectures.refusal(llama, llama.config) is None
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval()
+    plain.load_state_dict(llama.state_dict())
+    ids = torch.randint(0, V, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # why it may be served: the field changes nothing in this model's own forward
+        assert torch.equal(llama(ids).logits, plain(ids).logits)
+    moe = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**dict(
+        SMALL, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        use_sliding_window=True, sliding_window=48, max_window_layers=2)))
+    assert "sliding window (48)" in (architectures.refusal(moe, moe.config) or "")
+
+
 def test_compressed_kv_layers_are_refused_by_name():
     """DeepSeek-V4's compressed attention layers were not named, and its engine preparation then
     failed in the CPU tier's calibration: a traceback and exit 1, not a refusal."""
