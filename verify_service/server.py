@@ -76,7 +76,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             raise RequestError(Refusal.DEADLINE_EXCEEDED, f"the client took no verdict for {self.idle_timeout_s:g}s "
                                "(--idle-timeout-s); session closed") from None
 
-    def _open(self, st: pb.SessionStart):
+    def _open(self, st: pb.SessionStart, header_id: str = ""):
         if st.vocab_fingerprint != self.lm.fingerprint:
             tok = self.lm.tokenizer
             raise RequestError(Refusal.FAILED_PRECONDITION, f"vocabulary fingerprint mismatch: draft {st.vocab_fingerprint[:12]!r}, "
@@ -96,7 +96,8 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             raise invalid(f"start.tree_budget: {st.tree_budget} nodes; this verify service allows at most {MAX_ROUND_TOKENS} (Info.max_tree_budget)")
         sampling = validation.parse_sampling(st.sampling)
         seed = validation.parse_seed(st.sampling)
-        return self.engine.open(list(st.prompt_ids), st.max_new_tokens, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE, st.request_id,
+        return self.engine.open(list(st.prompt_ids), st.max_new_tokens, sampling, seed, st.proposal_mode or pb.PROPOSAL_MODE_SPARSE,
+                                header_id or st.request_id,  # the header's, as the request observer logs it
                                 tree_budget=st.tree_budget)
 
     async def _check_round(self, s, r: pb.Round):
@@ -117,7 +118,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                 return
             if first.WhichOneof("kind") != "start":
                 raise invalid("start: the first message of a session must be `start`")
-            s = self._open(first.start)
+            s = self._open(first.start, serving.request_id(context))
             # the prompt goes in while the draft prefills its own cache; a run sent right after the start
             # takes the queued prefill over, so its first step shares the prompt's last pass
             prefill = asyncio.ensure_future(self.engine.prefill(s))
