@@ -101,8 +101,7 @@ class DecodeLoop:
         self.max_context = max_context
         # the verifier knows its own context limit only: where the pair's (the draft's) is smaller, the session asks for
         # no more tokens than fit under it, and the end there is CONTEXT, not LENGTH (`_reason`)
-        room = max(1, max_context - len(params.prompt_ids))
-        self._max_new, self._context_cut = min(params.max_new_tokens, room), params.max_new_tokens > room
+        self._max_new = min(params.max_new_tokens, max(1, max_context - len(params.prompt_ids)))
         # prompt lookup alone drafts nothing ahead: there is no model to run
         self.predraft = predraft and params.proposer != pb.PROPOSER_LOOKUP
         self.state = drafter.new_state(params, max_context)
@@ -139,7 +138,8 @@ class DecodeLoop:
 
     def _reason(self, finish: int) -> int:
         """A verdict's finish reason as the request's: LENGTH at the pair's context limit is CONTEXT."""
-        return pb.FINISH_REASON_CONTEXT if finish == pb.FINISH_REASON_LENGTH and self._context_cut else finish
+        cut = self._max_new < self.params.max_new_tokens
+        return pb.FINISH_REASON_CONTEXT if finish == pb.FINISH_REASON_LENGTH and cut else finish
 
     def cap(self, extra: int = 0) -> int:
         """Most proposals a round may carry once `extra` more tokens are committed: never more

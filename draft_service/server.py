@@ -21,7 +21,7 @@ from draft_service.adaptive import RUN_TOKENS_PER_VERDICT, pace_of
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
 from draft_service.replicas import Replicas
-from draft_service.upstream import pairing_error
+from draft_service.upstream import pair
 from specdec import edge, metrics, serving, validation, vocabdiff
 from specdec.architectures import TESTED
 from specdec.errors import Refusal, RequestError, invalid
@@ -126,7 +126,7 @@ class DraftServicer(pb_grpc.DraftServicer):
         request, so a refusal says what differs (the verify service refuses every session anyway)."""
         stub = self._stub()
         info = await stub.Info(pb.InfoRequest(), timeout=30)
-        problem = await pairing_error(stub, self.lm, info)
+        problem = await pair(stub, self.lm, info)
         if problem:
             log.error("the verify service's model does not pair with this draft", extra={"fields": {"reason": problem}})
             raise RequestError(Refusal.FAILED_PRECONDITION, problem)

@@ -43,13 +43,13 @@ def replicas(args) -> Replicas:
     return Replicas(args.verify, lambda address, authority: verify_channel(args, address, authority), timeout_s=PROBE_INTERVAL_S)
 
 
-async def pairing_error(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) -> str | None:
-    """None if the target's vocabulary fingerprint is the draft's and its tokenizer's text rules
-    too (where the verify service reports them); else one line saying what differs (asking the
-    verify service for its whole vocabulary to compare). A target whose model has other output
-    rows over the same tokenizer (its fingerprint is the draft tokenizer's with the target's
-    rows: Qwen2.5's 0.5B and 7B) pairs too: the draft takes its fingerprint and sends q over its
-    rows from then on (LM.peer_rows; Drafter.step)."""
+async def pair(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) -> str | None:
+    """Pairs the draft with the target: None if the target's vocabulary fingerprint is the draft's
+    and its tokenizer's text rules too (where the verify service reports them); else one line
+    saying what differs (asking the verify service for its whole vocabulary to compare). A
+    target whose model has other output rows over the same tokenizer (its fingerprint is the
+    draft tokenizer's with the target's rows: Qwen2.5's 0.5B and 7B) pairs too: the draft takes
+    its fingerprint and sends q over its rows from then on (LM.peer_rows; Drafter.step)."""
     from specdec.lm import vocab_fingerprint  # noqa: PLC0415 - the model libraries load after the cheap start-up checks
 
     rows = (target.vocab_fingerprint != lm.fingerprint and target.vocab_size
@@ -96,7 +96,7 @@ class VerifyCheck:
 
     async def refusal(self, info, stub) -> str | None:
         """Why the verify service that answered Info with `info` cannot serve this draft, or None."""
-        problem = await pairing_error(stub, self.lm, info)
+        problem = await pair(stub, self.lm, info)
         if problem:
             return f"--verify {self.args.verify}: the verify service has {problem}"
         if not self.token_ok:

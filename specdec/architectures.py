@@ -158,30 +158,28 @@ def _calls_interface(model) -> bool:
         return False
 
 
-def _passes_window(model) -> bool:
-    """Whether the model's attention layers hand a sliding window to the attention function (their
-    forward's code names it), where the engine applies it; True where the code cannot be read."""
-    kinds = _attention_kinds(model)
+def _names(kinds, word: str) -> bool:
+    """Whether any of these classes' forward code names `word`; True where the code cannot be read."""
     for kind in kinds:
         try:
-            if "sliding_window" in inspect.getsource(kind.forward):
-                return True
-        except (OSError, TypeError):
-            return True
-    return not kinds
-
-
-def _names_window(model) -> bool:
-    """Whether any of the model's modules' code names a sliding window (a mask built with one):
-    a config field that no code reads (Llama's classes ignore `sliding_window`) changes nothing.
-    True where the code cannot be read."""
-    for kind in {type(m) for m in model.modules()}:
-        try:
-            if "sliding_window" in inspect.getsource(kind.forward):
+            if word in inspect.getsource(kind.forward):
                 return True
         except (OSError, TypeError):
             return True
     return False
+
+
+def _passes_window(model) -> bool:
+    """Whether the model's attention layers hand a sliding window to the attention function (their
+    forward's code names it), where the engine applies it; True where the code cannot be read."""
+    kinds = _attention_kinds(model)
+    return _names(kinds, "sliding_window") or not kinds
+
+
+def _names_window(model) -> bool:
+    """Whether any of the model's modules' code names a sliding window (a mask built with one):
+    a config field that no code reads (Llama's classes ignore `sliding_window`) changes nothing."""
+    return _names({type(m) for m in model.modules()}, "sliding_window")
 
 
 def reference(lm) -> tuple[list[int], list[int], torch.Tensor]:

@@ -174,7 +174,7 @@ class LM:
     dtype: torch.dtype
     engine: Engine | None = None  # None only when loaded with prepare=False
     # a draft paired with a target whose model has other output rows over the same tokenizer (Qwen2.5's 0.5B and 7B):
-    # the target's rows, which its q is sent over (draft_service/upstream.py `pairing_error`); 0: its own
+    # the target's rows, which its q is sent over (draft_service/upstream.py `pair`); 0: its own
     peer_rows: int = 0
 
     @property

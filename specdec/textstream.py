@@ -21,9 +21,9 @@ class TextStream:
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars that may start a stop
         self.ids: list[int] = list((context or [])[-CONTEXT:])  # the context, then the generated ids
-        # the context's text up to a character it ends inside of (whose completion the generated ids give)
-        self.context_text = self._decode(self.ids).rstrip("\ufffd") if self.ids else ""
-        self.n_context = len(self.ids)
+        # the context's text up to a character it ends inside of (whose completion the generated ids give): the
+        # window's text until the first delta moves the window past the context (None then, or with no context)
+        self.context_text = self._decode(self.ids).rstrip("\ufffd") if self.ids else None
         self.base = ""  # decoded text of the generated ids up to `read`
         self.text = ""  # base, and the complete characters after it: what a stop is looked for in
         self.sent = 0  # chars of self.text already emitted
@@ -38,8 +38,7 @@ class TextStream:
         """The decoded text of ids[read:], in the context of ids[prefix:read]. A prompt that ends
         inside a character (its decode ends in U+FFFD) is context up to that character: the
         generated ids that complete it give the whole character."""
-        at_context = self.prefix == 0 and self.read == self.n_context > 0  # nothing emitted yet: the context is the window
-        before = self.context_text if at_context else self._decode(self.ids[self.prefix : self.read])
+        before = self.context_text if self.context_text is not None else self._decode(self.ids[self.prefix : self.read])
         return self._decode(self.ids[self.prefix :])[len(before) :]
 
     def _advance(self) -> None:
@@ -48,7 +47,7 @@ class TextStream:
             self.text = self.base + delta.rstrip("\ufffd")
         elif delta:
             self.base = self.text = self.base + delta
-            self.prefix, self.read = self.read, len(self.ids)
+            self.prefix, self.read, self.context_text = self.read, len(self.ids), None
 
     def push(self, ids: list[int]) -> tuple[list[int], str]:
         """Adds generated ids; returns (ids kept, text safe to emit now). Ids after a stop string

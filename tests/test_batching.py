@@ -597,7 +597,8 @@ def test_passes_that_keep_faulting_report_not_serving_until_one_gives_verdicts(m
 
     from specdec.sampling import Sampling
     from verify_service import scheduler
-    from verify_service.scheduler import FAULT_PASSES, Scheduler
+    from verify_service.health import FAULT_PASSES
+    from verify_service.scheduler import Scheduler
     from verify_service.server import VerifyServicer
 
     monkeypatch.setattr(scheduler, "SELF_TEST_S", 0.2)
@@ -667,19 +668,19 @@ def test_passes_that_keep_faulting_report_not_serving_until_one_gives_verdicts(m
                 await set_health(S, liveness=S)
                 servicer.on_start(set_health)
                 await failing(FAULT_PASSES - 1)  # one-off faults: a verdict in between clears them
-                assert (await session()).next_token is not None and eng.faults == 0 and eng.broken is None
+                assert (await session()).next_token is not None and eng.health.faults == 0 and eng.health.broken is None
                 await failing(FAULT_PASSES - 1)
                 seen["still"] = await statuses()
                 await failing(1)
                 seen["gone"] = await until(N, N)
-                seen["broken"] = eng.broken
+                seen["broken"] = eng.health.broken
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await pb_grpc.VerifyStub(ch).Info(pb.InfoRequest(), timeout=10)
                 seen["info"] = (e.value.code(), e.value.details())
                 seen["ready"] = await until(S, N)  # the device is back: a self-test pass lets traffic in, not yet live
                 seen["retry_free"] = (await pb_grpc.VerifyStub(ch).Info(pb.InfoRequest(), timeout=10)).capacity.free_sessions
                 seen["verdict"] = (await session()).next_token is not None
-                seen["back"] = await until(S, S) and eng.broken is None  # a verdict: live again
+                seen["back"] = await until(S, S) and eng.health.broken is None  # a verdict: live again
                 # a fault the self-test does not meet: ready after the self-test, broken again at the next faulted pass
                 await failing(FAULT_PASSES, "acceptance")
                 seen["bug"] = await until(N, N)

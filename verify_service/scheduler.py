@@ -38,6 +38,7 @@ from specdec.engine import PAGE, PREFILL_CHUNK, KVCache, Tree
 from specdec.lm import LM
 from specdec.sampling import Sampling, to_host, wait
 from verify_service.capacity import Capacity, default_cache_budget, full_cache_tokens
+from verify_service.health import SELF_TEST_S, PassHealth
 from verify_service.jobs import Job, Prefill, Round, Stream, check, decide, holding, unfilled
 from verify_service.passcost import PassCost, probe
 from verify_service.session import Session, Verdict, commit, kept
@@ -48,8 +49,6 @@ MAX_BATCH_TOKENS = 1024  # new rows of rounds per pass, by default (fairness: DE
 GPU_PREFILL_ROWS = 8192  # prompt rows per pass on a GPU, by default: arrivals are admitted in a few compute-bound passes
 SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a process that runs a scheduler (Scheduler.__init__)
 GATHER_SHARE = 0.25  # a pass waits at most this share of the last pass's time for the last pass's sessions' next rounds
-FAULT_PASSES = 3  # passes in a row that faulted (nothing succeeded, something failed other than by a refusal) mark the service broken
-SELF_TEST_S = 2.0  # while broken and idle, a one-token pass this often: one that succeeds lets traffic back in
 
 
 class Scheduler:
@@ -98,10 +97,7 @@ class Scheduler:
         cost = self.cost  # the gauges read it when scraped: an idle verifier's utilisation and price fall, not freeze
         metrics.PASS_UTILISATION.set_function(lambda: cost.utilisation_at(time.perf_counter()))
         metrics.ROW_PRICE.set_function(lambda: cost.price_at(time.perf_counter()))
-        self.faults = 0  # passes in a row that faulted (`_judge`)
-        self.broken: str | None = None  # why the passes keep failing, until a verdict is given again
-        self.retrying = False  # broken, but a self-test pass succeeded: ready for traffic, not yet live
-        self.on_health: Callable[[bool, bool], None] | None = None  # (ready, live), told on this thread when they change
+        self.health = PassHealth()  # whether the passes work (verify_service/health.py)
         self._thread_context = thread_context or contextlib.nullcontext
         self._worker = threading.Thread(target=self._thread, name="verify-scheduler", daemon=True)
         self._worker.start()
@@ -279,9 +275,14 @@ class Scheduler:
             job = None
             if not rounds and not prefills:  # idle: block (while broken, test the engine now and then meanwhile)
                 try:
-                    job = self._queue.get(timeout=SELF_TEST_S if self.broken and not self.retrying else None)
-                except queue.Empty:
-                    self._self_test()
+                    job = self._queue.get(timeout=SELF_TEST_S if self.health.wants_self_test else None)
+                except queue.Empty:  # a pass over one token in a fresh cache
+                    try:
+                        self._timed_pass([[0]], [[0]])
+                    except Exception as e:  # noqa: BLE001 - still broken
+                        self.health.self_tested(e)
+                    else:
+                        self.health.self_tested(None)
                     continue
             if not self._take(job, rounds, prefills):
                 return
@@ -317,7 +318,7 @@ class Scheduler:
                 finally:  # before the hand-off: a session its verdict ends is closed after the pass
                     with self._lock:
                         self._passing = False
-                self._judge(outcomes, fault)  # before the hand-off too: a caller that has its result sees the health it made
+                self.health.judge(outcomes, fault)  # before the hand-off too: a caller that has its result sees the health it made
             self._pass_s = time.perf_counter() - t0
             for j in batch + filling:  # a Generate stream's session that finished gives its pages and room back now: its
                 if isinstance(j, Stream) and j.left is None and j.session.finish:  # handler may wait long on a slow reader
@@ -330,60 +331,6 @@ class Scheduler:
                     if not j.finished:  # a stream with its prompt in: its steps go on as rounds
                         rounds.append(j)
             metrics.CACHED_TOKENS.set(self.cached_tokens())
-
-    def _judge(self, outcomes: list[tuple[bool, object]], fault: Exception | None) -> None:
-        """Counts the passes in a row that faulted: the pass itself raised, or it gave no verdict
-        and something failed other than by a refusal (a RequestError: a closed session, NaN logits,
-        bad input); a prompt chunk going in is neither. At FAULT_PASSES the service is broken (a
-        lost device, a bug every pass meets): logged, and `on_health` told, so both its readiness
-        and its liveness are NOT_SERVING. While broken and idle it runs a self-test pass now and
-        then; one that succeeds makes it ready again (traffic comes back), but only a verdict makes
-        it live again: a fault the self-test's short path does not meet breaks it at the next pass
-        (the count is not reset), and so keeps it not live until the orchestrator restarts it."""
-        if any(ok and r is not None for ok, r in outcomes):  # a verdict: the passes work
-            self.faults = 0
-            self._health(None)
-            return
-        fault = fault or next((r for ok, r in outcomes if not ok and not isinstance(r, RequestError)), None)
-        if fault is None:
-            return
-        self.faults += 1
-        metrics.PASS_FAULTS.inc()
-        if self.faults >= FAULT_PASSES:
-            self._health(f"{self.faults} verify passes in a row failed, the last with {type(fault).__name__}: {fault}")
-
-    def _self_test(self) -> None:
-        """A pass over one token in a fresh cache, while broken and idle: one that succeeds makes the
-        service ready for traffic again (`retrying`); the next pass's verdicts decide the rest."""
-        try:
-            self._timed_pass([[0]], [[0]])
-        except Exception as e:  # noqa: BLE001 - still broken
-            log.warning("verify self-test pass failed (%s: %s); still not serving", type(e).__name__, e)
-            return
-        log.warning("verify self-test pass succeeded: ready for traffic again; live once a pass gives verdicts")
-        self.retrying = True
-        self._tell()
-
-    def _health(self, broken: str | None) -> None:
-        if broken is None and self.broken is None:
-            return
-        if broken is not None and self.broken is not None and not self.retrying:
-            return  # broken already
-        if broken:
-            log.error("%s: reporting NOT_SERVING until a pass gives verdicts (a self-test pass every %gs while idle)", broken,
-                      SELF_TEST_S)
-        else:
-            log.warning("verify passes give verdicts again: serving")
-        self.broken, self.retrying = broken, False
-        self._tell()
-
-    def _tell(self) -> None:
-        metrics.VERIFY_BROKEN.set(0 if self.broken is None else 1)
-        if self.on_health is not None:
-            try:
-                self.on_health(self.broken is None or self.retrying, self.broken is None)
-            except Exception:  # noqa: BLE001 - the event loop is gone (shutting down): nobody to tell
-                log.debug("health not updated", exc_info=True)
 
     def _run(self, batch: list[Job], prefills: list[Job]) -> None:
         """One pass over the rounds in `batch` and the next chunk of each prompt in `prefills`;

@@ -31,7 +31,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
 
     def on_start(self, set_health) -> None:
         """Once serving (specdec/serving.py `serve`): the health follows the scheduler's passes
-        (Scheduler._judge): while they keep faulting, readiness and liveness are NOT_SERVING (and
+        (verify_service/health.py): while they keep faulting, readiness and liveness are NOT_SERVING (and
         Info is UNAVAILABLE, so drafts place sessions elsewhere); after a self-test pass, ready but
         not live until a pass gives verdicts."""
         loop = asyncio.get_running_loop()
@@ -40,18 +40,20 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         def tell(ready: bool, live: bool) -> None:  # on the scheduler thread
             asyncio.run_coroutine_threadsafe(set_health(status[ready], liveness=status[live]), loop)
 
-        self.engine.on_health = tell
-        if self.engine.broken:  # broken before serving began
-            tell(self.engine.retrying, False)
+        health = self.engine.health
+        health.on_health = tell
+        if health.broken:  # broken before serving began
+            tell(health.retrying, False)
 
     async def Info(self, request, context):
-        if self.engine.broken and not self.engine.retrying:  # drafts rank a replica by its Info: not this one now
+        health = self.engine.health
+        if health.wants_self_test:  # broken, not retrying: drafts rank a replica by its Info, so not this one now
             await serving.fail(context, SERVICE, "Info", RequestError(Refusal.UNAVAILABLE,
-                                                                      f"this verify service is not serving: {self.engine.broken}"))
+                                                                      f"this verify service is not serving: {health.broken}"))
             return None
         info = serving.model_info(self.lm, request.include_vocab, TESTED)
         info.capacity.CopyFrom(pb.Capacity(**self.engine.capacity.free()))
-        if self.engine.broken:  # retrying after a self-test: drafts rank it last (they rank by free sessions), so it gets
+        if health.broken:  # retrying after a self-test: drafts rank it last (they rank by free sessions), so it gets
             info.capacity.free_sessions = 0  # sessions where no other replica has room, until a verdict makes it live
         info.max_tree_budget = MAX_ROUND_TOKENS
         return info

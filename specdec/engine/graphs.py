@@ -139,7 +139,7 @@ class Uniform:
             sh = self._shapes[key] = _Shape(B, n, P, pool.device)
         sh.buf.copy_(host, non_blocking=True)
         sh.seen += 1
-        slots = pool.fit() if pool.k else 0  # every layer holds this pass's pages (Engine.forward fitted them already)
+        slots = pool.size if pool.k else 0  # every layer holds this pass's pages: Engine.forward fitted them (Pool.fit)
         graphed = self.graphs and slots
         if graphed and self._pool_slots != slots:  # the pool grew: its old addresses are baked in
             self._drop()
