@@ -20,7 +20,7 @@ from google.protobuf.json_format import MessageToDict
 
 from specdec.files import StartupError
 
-from .core import MODES, PROPOSERS, Client, add_credential_args, credential_kwargs, make_request
+from .core import MAX_RETRIES, MODES, PROPOSERS, Client, add_credential_args, credential_kwargs, field_error, make_request
 
 
 def _ids(s: str) -> list[int]:
@@ -45,7 +45,8 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-only", action="store_true", help="--server is a verify service: generate with the target alone")
     p.add_argument("--fallback", help="verify service HOST:PORT to use when the draft service is unavailable")
     p.add_argument("--timeout", type=_seconds, default=None, help="deadline in seconds (> 0; inf: none, the default)")
-    p.add_argument("--retries", type=int, default=0, help="retries (at most 4, gRPC's retry policy) on UNAVAILABLE or RESOURCE_EXHAUSTED before the first token, "
+    p.add_argument("--retries", type=int, choices=range(MAX_RETRIES + 1), default=0, metavar=f"0..{MAX_RETRIES}",
+                   help=f"retries (at most {MAX_RETRIES}, gRPC's retry policy) on UNAVAILABLE or RESOURCE_EXHAUSTED before the first token, "
                    "after the server's pushback")
     add_credential_args(p)
 
@@ -82,16 +83,8 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def _out_of_range(a) -> str | None:
-    """Why a number cannot go in its GenerateRequest field (the proto's unsigned and 32-bit ones), or None."""
-    for name in ("max_new_tokens", "top_k", "tau", "sparse_k", "tree_budget"):
-        if not 0 <= getattr(a, name) < 1 << 32:
-            return f"--{name.replace('_', '-')} must be in [0, {(1 << 32) - 1}]"
-    if a.seed is not None and not 0 <= a.seed < 1 << 64:
-        return f"--seed must be in [0, {(1 << 64) - 1}]"
-    if any(not 0 <= i < 1 << 31 for i in a.prompt_ids or ()):
-        return "--prompt-ids: token ids are in [0, 2147483647]"
-    return None
+def _flag(field: str) -> str:
+    return "--tau" if field == "num_draft_tokens" else f"--{field.replace('_', '-')}"
 
 
 def main(argv=None) -> int:
@@ -130,7 +123,9 @@ def _run(a) -> int:
         if a.cmd == "info":
             print(json.dumps(MessageToDict(client.info(), preserving_proto_field_name=True), indent=2))
             return 0
-        why = _out_of_range(a)
+        why = field_error(dict(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens, top_k=a.top_k, seed=a.seed,
+                               stop=a.stop, num_draft_tokens=a.tau, sparse_k=a.sparse_k, request_id=a.request_id,
+                               tree_budget=a.tree_budget), name=_flag)
         if why:
             print(f"error: INVALID_ARGUMENT: {why}", file=sys.stderr)
             return 1

@@ -33,6 +33,7 @@ MODES = {"greedy": pb.PROPOSAL_MODE_GREEDY, "sparse": pb.PROPOSAL_MODE_SPARSE, "
 PROPOSERS = {"draft": pb.PROPOSER_DRAFT, "lookup": pb.PROPOSER_LOOKUP, "hybrid": pb.PROPOSER_HYBRID}
 FALLBACK_ON = (grpc.StatusCode.UNAVAILABLE,)
 MAX_ATTEMPTS = 5  # gRPC's own cap on a retry policy's attempts
+MAX_RETRIES = MAX_ATTEMPTS - 1
 MAX_TIMEOUT_S = 1e9  # gRPC's deadline arithmetic overflows past about 1e10 s (an instant DEADLINE_EXCEEDED); beyond this, no deadline
 
 
@@ -65,6 +66,14 @@ def check_timeout(timeout: float | None) -> float | None:
     return None if timeout > MAX_TIMEOUT_S or math.isinf(timeout) else float(timeout)
 
 
+def check_retries(retries: int) -> int:
+    """Retries before a request's first token: an int in 0..MAX_RETRIES (gRPC's own cap); ValueError
+    otherwise (a fraction made a service config gRPC refuses on every call)."""
+    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
+        raise ValueError(f"retries must be an integer in [0, {MAX_RETRIES}] (gRPC's cap), got {retries!r}")
+    return retries
+
+
 def _request(request: pb.GenerateRequest | None, params: dict) -> pb.GenerateRequest:
     """The request to send: `request`, or one made from `params` (make_request); not both."""
     if request is not None and params:
@@ -81,8 +90,37 @@ def retry_service_config(retries: int) -> str:
     UNAVAILABLE and RESOURCE_EXHAUSTED, before any response (gRPC's rule)."""
     return json.dumps({"methodConfig": [{
         "name": [{"service": "specdec.v1.Draft", "method": "Generate"}, {"service": "specdec.v1.Verify", "method": "Generate"}],
-        "retryPolicy": {"maxAttempts": min(retries + 1, MAX_ATTEMPTS), "initialBackoff": "0.1s", "maxBackoff": "2s",
+        "retryPolicy": {"maxAttempts": retries + 1, "initialBackoff": "0.1s", "maxBackoff": "2s",
                         "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]}}]})
+
+
+UINT32_FIELDS = ("max_new_tokens", "top_k", "num_draft_tokens", "sparse_k", "tree_budget")
+
+
+def field_error(values: dict, name=lambda field: field) -> str | None:
+    """Why one of `values` (GenerateRequest fields by name) cannot go in its field: the proto's
+    unsigned and 32-bit integers, stop strings that are strings, and text that is UTF-8 (a command
+    line's undecodable bytes arrive as surrogates). None if all can. `name` names a field in the
+    message (the CLI: its flag)."""
+    def integer(value, end) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < end
+
+    for f in UINT32_FIELDS:
+        if f in values and not integer(values[f], 1 << 32):
+            return f"{name(f)} must be an integer in [0, {(1 << 32) - 1}], got {values[f]!r}"
+    if values.get("seed") is not None and not integer(values["seed"], 1 << 64):
+        return f"{name('seed')} must be an integer in [0, {(1 << 64) - 1}], got {values['seed']!r}"
+    if any(not integer(i, 1 << 31) for i in values.get("prompt_ids") or ()):
+        return f"{name('prompt_ids')}: token ids are integers in [0, {(1 << 31) - 1}]"
+    stop = values.get("stop") or []
+    if any(not isinstance(x, str) for x in stop):
+        return f"{name('stop')}: stop strings are strings"
+    for f, text in (("prompt", values.get("prompt")), ("request_id", values.get("request_id")), *(("stop", x) for x in stop)):
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError:
+            return f"{name(f)} is not UTF-8 text"
+    return None
 
 
 @dataclass
@@ -107,16 +145,23 @@ def make_request(prompt: str | None = None, prompt_ids: list[int] | None = None,
                  add_special_tokens: bool | None = None, tree_budget: int = 0) -> pb.GenerateRequest:
     """add_special_tokens: None = the server's default (the tokenizer's own: BOS where it adds one).
     tree_budget: tree speculation's nodes per round (0: chains; num_draft_tokens is then the depth cap).
-    stop: a list of strings, or one string (one stop string, not one per character)."""
+    stop: a list of strings, or one string (one stop string, not one per character).
+    A value that cannot go in its field (a negative count, an id past 32 bits, text that is not
+    UTF-8) is a ValueError naming the field."""
     for name, value, names in (("proposal_mode", proposal_mode, MODES), ("proposer", proposer, PROPOSERS)):
         if value is not None and value not in names:
             raise ValueError(f"{name} must be one of {', '.join(sorted(names))}, got {value!r}")
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    why = field_error(dict(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, top_k=top_k, seed=seed, stop=stop,
+                           num_draft_tokens=num_draft_tokens, sparse_k=sparse_k, request_id=request_id, tree_budget=tree_budget))
+    if why:
+        raise ValueError(why)
     sampling = pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if seed is not None:
         sampling.seed = seed
     return pb.GenerateRequest(
         prompt=prompt or "", prompt_ids=prompt_ids or [], max_new_tokens=max_new_tokens, sampling=sampling,
-        stop=[stop] if isinstance(stop, str) else stop or [], num_draft_tokens=num_draft_tokens, sparse_k=sparse_k, request_id=request_id,
+        stop=stop, num_draft_tokens=num_draft_tokens, sparse_k=sparse_k, request_id=request_id,
         proposal_mode=MODES[proposal_mode] if proposal_mode is not None else pb.PROPOSAL_MODE_UNSPECIFIED,
         proposer=PROPOSERS[proposer] if proposer is not None else pb.PROPOSER_UNSPECIFIED,
         adaptive=adaptive, predraft=predraft, early_stop_p=early_stop_p, add_special_tokens=add_special_tokens,
@@ -194,11 +239,14 @@ class _Base:
         """token: bearer token for `server`. fallback_token: for the `fallback` verify service
         (default: the same token, for a verify service that accepts the clients' token)."""
         self.server, self.target_only, self.fallback = server, target_only, fallback
-        self.timeout, self.retries = check_timeout(timeout), retries
+        self.timeout, self.retries = check_timeout(timeout), check_retries(retries)
         self._creds = _credentials(tls_ca, tls_cert, tls_key)
         self._opts = [("grpc.max_receive_message_length", max_message_bytes)]
         if retries > 0:
-            self._opts += [("grpc.enable_retries", 1), ("grpc.service_config", retry_service_config(retries))]
+            # gRPC keeps a copy of a request to send it again only up to this size (256 KiB by default): a larger
+            # request (a long prompt) would not be retried at all
+            self._opts += [("grpc.enable_retries", 1), ("grpc.service_config", retry_service_config(retries)),
+                           ("grpc.per_rpc_retry_buffer_size", max(max_message_bytes, 256 << 10))]
         self._metadata = _auth(token)
         self._fallback_metadata = _auth(fallback_token or token)
 
@@ -275,6 +323,9 @@ class Client(_Base):
                 continue
             except StopIteration:
                 raise StreamError(NO_RESPONSE) from None
+            except BaseException:  # Ctrl-C before the first token: the traceback (kept by a REPL) would keep the call open
+                it.cancel()
+                raise
 
             def chunks(first=first, it=it):
                 try:
@@ -306,16 +357,23 @@ class AsyncClient(_Base):
         super().__init__(server, **kw)
         self._channels: list = []
         self._made: list[_Target] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop _made's channels belong to
 
     @property
     def _targets(self) -> list[_Target]:
-        if self._made is None:
-            self._made = self._stubs(grpc.aio)
+        loop = asyncio.get_running_loop()
+        if self._made is None or self._loop is not loop:  # first use, after close(), or in another loop (a second asyncio.run)
+            self._made, self._loop = self._stubs(grpc.aio), loop
         return self._made
 
     async def close(self) -> None:
-        for c in self._channels:
-            await c.close()
+        """Closes its channels (those of the running loop; another loop's are gone with it); a later
+        call opens new ones."""
+        channels, same = self._channels, self._loop is asyncio.get_running_loop()
+        self._channels, self._made, self._loop = [], None, None
+        if same:
+            for c in channels:
+                await c.close()
 
     async def __aenter__(self):
         return self

@@ -33,8 +33,8 @@ next token and yields them with the verifier's finish reason, until that reason 
 
 The caller owns the stream (opens it and cancels it) and the text: it turns the ids into
 GenerateResponse chunks and may stop early (a stop string) by closing the generator; closing it
-stops a pre-draft, or the draft's prefill of the prompt, after its current step or chunk (the session
-is counted as served until then). Anything with async `write(VerifyRequest)` and `read()` returning
+stops a pre-draft, or the draft's prefill of the prompt (or its catch-up after a run), after its
+current step or chunk (the session is counted as served until then). Anything with async `write(VerifyRequest)` and `read()` returning
 VerifyResponse or grpc.aio.EOF works as the stream, so the loop runs in-process in tests.
 """
 from __future__ import annotations
@@ -43,7 +43,6 @@ import asyncio
 import contextvars
 import functools
 import logging
-import threading
 import time
 from typing import AsyncIterator, Protocol
 
@@ -203,7 +202,6 @@ class DecodeLoop:
         # the draft's thread in flight, which holds its cache until it returns: (its task, the PredraftControl of a
         # pre-draft; None for a prefill or a proposal)
         thread = None
-        gone = threading.Event()  # set when the loop ends: a prefill still in its thread stops after its current chunk
         serving = self.drafter.serving()
         serving.__enter__()
 
@@ -226,7 +224,7 @@ class DecodeLoop:
             # catches up when it first drafts (_feed)
             if not self.fallen_back and not self._run_wanted():
                 t1 = time.perf_counter()
-                in_thread(self.drafter.prefill, st, gone)  # the verifier prefills meanwhile
+                in_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
                 await result()
                 stats.prefill_s = time.perf_counter() - t1
             prop = None
@@ -332,7 +330,7 @@ class DecodeLoop:
                 yield pending
             raise
         finally:
-            gone.set()
+            st.gone.set()  # a long feed still in its thread (a prefill, a catch-up) stops before its next chunk
             task, ahead_ctl = thread if thread is not None else (None, None)
             if ahead_ctl is not None:  # a failure or a close with a pre-draft in flight: its thread stops after its current step
                 ahead_ctl.verdict(None)

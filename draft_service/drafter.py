@@ -69,6 +69,11 @@ class PredraftControl:
         return self._known and (self._verdict is None or (self.wanted is not None and self._verdict not in self.wanted))
 
 
+class Gone(Exception):
+    """The session ended while its draft fed the model a long span in a thread (Drafter._fill); the
+    loop that started the thread has ended, so no one awaits this but the thread's own end."""
+
+
 @dataclass
 class DraftState:
     ids: list[int]  # committed: prompt + generated
@@ -76,6 +81,9 @@ class DraftState:
     cache: KVCache
     cached: list[int] = field(default_factory=list)  # tokens the cache holds
     prompt_len: int = field(init=False)
+    # set when the session ends (its client left): a long feed in a thread (the prompt's prefill, a catch-up after a
+    # run) stops before its next chunk (Drafter._fill)
+    gone: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self):
         self.prompt_len = len(self.ids)
@@ -148,26 +156,37 @@ class Drafter:
         room = min(len(params.prompt_ids) + params.max_new_tokens + ahead, limit)
         return DraftState(ids=list(params.prompt_ids), params=params, cache=KVCache(room))
 
-    def prefill(self, st: DraftState, stop: threading.Event | None = None) -> None:
-        """The prompt (all but its last token) into the cache, a chunk at a time; once `stop` is set
-        (the session is gone) it stops after the chunk in flight, and the cache is left empty."""
+    def prefill(self, st: DraftState) -> None:
+        """The prompt (all but its last token) into the cache (_fill: a session gone meanwhile
+        raises Gone and leaves the cache empty)."""
         ids = st.ids[:-1]
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            if stop is not None and stop.is_set():
-                st.cache.crop(0)
-                return
-            self.step(st.cache, ids[start : start + PREFILL_CHUNK], logits=False)
+        self._fill(st, ids, logits=False)
         st.cached = ids
 
+    def _fill(self, st: DraftState, tokens: list[int], logits: bool = True) -> torch.Tensor | None:
+        """`tokens` after what the cache holds, PREFILL_CHUNK at a time (StepBatcher.forward's own
+        chunks); the logits after the last [V], or None. Once `st.gone` is set it stops before the
+        next chunk, crops the cache back to where it began and raises Gone: a client that left does
+        not hold the draft's model for the rest of a long prompt."""
+        begin, out = st.cache.length, None
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            if st.gone.is_set():
+                st.cache.crop(begin)
+                raise Gone
+            chunk = tokens[start : start + PREFILL_CHUNK]
+            out = self.step(st.cache, chunk, logits and start + len(chunk) == len(tokens))
+        return out
+
     def _feed(self, st: DraftState, context: list[int]) -> torch.Tensor:
-        """Brings the cache to hold all of `context`; returns the logits after it [V]."""
+        """Brings the cache to hold all of `context`; returns the logits after it [V]. The first
+        feed after a session started in a run is its whole prompt (_fill: stops if the session ends)."""
         keep = 0
         limit = min(len(st.cached), len(context) - 1)  # always feed at least the last token
         while keep < limit and st.cached[keep] == context[keep]:
             keep += 1
         st.cache.crop(keep)
         st.cached = st.cached[:keep]
-        logits = self.step(st.cache, context[keep:])
+        logits = self._fill(st, context[keep:])
         st.cached = list(context)
         return logits
 

@@ -22,6 +22,7 @@ from typing import Callable
 
 import grpc
 
+from draft_service import adaptive
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -108,6 +109,8 @@ class Replicas:
         self._leaving = [r for r in self._leaving if r.open]
         for r in drained:
             await r.channel.close()
+            if r.address not in self.replicas:
+                adaptive.PACES.pop(r.address, None)  # a pod's address is not reused for long: no pace kept for every one ever seen
         await asyncio.gather(*(self._poll(r) for r in list(self.replicas.values())))
 
     async def _poll(self, r: Replica) -> None:

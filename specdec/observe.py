@@ -88,11 +88,12 @@ def _finish_name(finish: int) -> str:
 
 
 def code_name(context, exc: BaseException | None) -> str:
-    """The status a handler ended with."""
-    if exc is None:
-        return "OK"
+    """The status a handler ended with (CANCELLED where its caller left, also when the handler
+    then returned quietly: serving.fail has no one to tell of a failed write to a caller gone)."""
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) or context.cancelled():
         return "CANCELLED"
+    if exc is None:
+        return "OK"
     code = context.code()
     return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
 

@@ -26,12 +26,35 @@ ENV = dict(os.environ, PYTHONPATH=ROOT)
 
 
 class Odd(pb_grpc.DraftServicer):
+    calls: dict[str, int] = {}  # Generate calls by request_id (a retried call arrives again)
+    active: dict[str, int] = {}  # ... running now
+
     def Generate(self, request, context):
+        rid = request.request_id
+        self.calls[rid] = self.calls.get(rid, 0) + 1
+        self.active[rid] = self.active.get(rid, 0) + 1
+        try:
+            yield from self._generate(request, context)
+        finally:
+            self.active[rid] -= 1
+
+    def _generate(self, request, context):
+        if request.prompt.startswith("full"):  # refused, to be tried again 10 ms later
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", "10"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+        if request.prompt == "hang":  # no token for up to 30 s
+            for _ in range(600):
+                if not context.is_active():
+                    return
+                time.sleep(0.05)
         if request.prompt == "empty":  # OK with no message
             return
         yield pb.GenerateResponse(token_ids=[3], text="w3")
         if request.prompt == "nofinish":  # OK before the final chunk
             return
+        if request.prompt == "dies":  # a token, then a failure a retry policy would take before any token
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", "10"),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "gone mid-stream")
         if request.prompt == "slow":  # a chunk every 50 ms, for at most 30 s
             for _ in range(600):
                 if not context.is_active():
@@ -183,3 +206,99 @@ def test_a_request_and_its_parameters_are_not_both_taken(odd):
         make_request(prompt="ok", proposal_mode="Greedy")
     with pytest.raises(ValueError, match="proposer must be one of"):
         make_request(prompt="ok", proposer="oracle")
+
+
+def test_retries_reach_requests_past_grpcs_default_retry_buffer(odd):
+    """gRPC keeps a copy of a request to send again only up to its retry buffer (256 KiB by
+    default): a request of 300 KB (a long prompt) was sent once and never retried."""
+    for rid, prompt in (("small", "full"), ("large", "full" + "x" * 300_000)):
+        with Client(odd, timeout=30, retries=4) as c, pytest.raises(grpc.RpcError) as e:
+            c.generate(prompt=prompt, request_id=rid)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and Odd.calls[rid] == 5, (rid, Odd.calls)
+
+
+def test_a_stream_that_failed_after_a_token_is_not_sent_again(odd):
+    """The server streams a token, then fails with a retryable status and a pushback: the call
+    reaches it once (gRPC does not retry a call that has had a response), so no token comes twice."""
+    for sync in (True, False):
+        rid = f"dies-{sync}"
+        if sync:
+            with Client(odd, timeout=30, retries=4) as c, pytest.raises(grpc.RpcError) as e:
+                ids = []
+                for chunk in c.stream(prompt="dies", request_id=rid):
+                    ids += chunk.token_ids
+        else:
+            async def run():
+                ids = []
+                async with AsyncClient(odd, timeout=30, retries=4) as c:
+                    async for chunk in c.stream(prompt="dies", request_id=rid):
+                        ids += chunk.token_ids
+            with pytest.raises(grpc.RpcError) as e:
+                asyncio.run(run())
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and Odd.calls[rid] == 1
+    assert ids == [3]
+
+
+def test_an_interrupt_before_the_first_token_cancels_the_call(odd):
+    """Ctrl-C while the sync client waits for its first token: the call is cancelled at once, not
+    when the traceback (which a REPL keeps, and with it the call) is dropped."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with Client(odd, timeout=30) as c:
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+            try:
+                c.generate(prompt="hang", request_id="interrupted")
+            except KeyboardInterrupt as e:
+                kept = e  # its traceback holds the frames, as a REPL's last traceback does
+            deadline = time.monotonic() + 10
+            while Odd.active.get("interrupted") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert kept is not None and Odd.calls["interrupted"] == 1 and Odd.active["interrupted"] == 0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_an_async_client_serves_one_loop_after_another_and_after_close(odd):
+    """Its channels were made once: a second asyncio.run failed with 'Event loop is closed' (not a
+    gRPC error), and a client used again after close() with 'Channel is closed'."""
+    c = AsyncClient(odd, timeout=10)
+
+    async def once():
+        return (await c.generate(prompt="ok")).token_ids
+
+    assert asyncio.run(once()) == [3, 5] and asyncio.run(once()) == [3, 5]
+
+    async def twice():
+        out = []
+        for _ in range(2):
+            async with c:
+                out.append(await once())
+        return out
+
+    assert asyncio.run(twice()) == [[3, 5], [3, 5]]
+
+
+def test_values_that_cannot_go_in_a_request_name_their_field(odd):
+    """make_request raised protobuf's bare 'Value out of range: -1' (no field named) or a TypeError
+    for a stop that is not a string; the CLI printed a traceback for a prompt that is not UTF-8
+    (bytes a shell passed through); retries=1.5 made every call fail with a service-config error."""
+    from client import make_request
+
+    for kw, field in ((dict(max_new_tokens=-1), "max_new_tokens"), (dict(seed=-1), "seed"), (dict(top_k=2**32), "top_k"),
+                      (dict(prompt_ids=[2**31]), "prompt_ids"), (dict(stop=["x", None]), "stop"),
+                      (dict(prompt="\udcff"), "prompt"), (dict(num_draft_tokens=1.5), "num_draft_tokens")):
+        with pytest.raises(ValueError, match=f"^{field}"):
+            make_request(**kw)
+    for bad in (-1, 5, 1.5, True):
+        with pytest.raises(ValueError, match="retries must be an integer in \\[0, 4\\]"):
+            Client(odd, retries=bad)
+    p = cli("generate", "--server", odd, "--prompt", os.fsdecode(b"\xff"))
+    assert p.returncode == 1 and p.stderr.strip().splitlines() == ["error: INVALID_ARGUMENT: --prompt is not UTF-8 text"], p.stderr
+    p = cli("generate", "--server", odd, "--prompt", "ok", "--tau", "-1")
+    assert p.returncode == 1 and "--tau must be an integer in [0, 4294967295]" in p.stderr, p.stderr
+    p = cli("generate", "--server", odd, "--prompt", "ok", "--retries", "7")
+    assert p.returncode == 2 and "--retries" in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -71,9 +71,10 @@ def test_a_retry_gets_the_slot_once_it_is_free(full):
     assert refusals(full) - before >= 1
 
 
-def test_no_retry_once_tokens_have_streamed(model_dir):
-    """A call that has streamed tokens and then fails is not replayed (the caller would see the
-    tokens twice): the verify service is killed mid-stream, and UNAVAILABLE reaches the caller."""
+def test_a_server_killed_mid_stream_is_unavailable_to_its_caller(model_dir):
+    """The verify service is killed mid-stream with retries on: UNAVAILABLE reaches the caller
+    after the tokens it had (that the call is not sent again is tested where the server stays up:
+    tests/test_client_edges.py)."""
     v = Service("verify_service", "--model", model_dir("long-target"), "--threads", "1")
     try:
         with Client(v.address, target_only=True, timeout=60, retries=4) as c:

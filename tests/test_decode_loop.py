@@ -21,7 +21,7 @@ from specdec.costmodel import Costs
 from specdec.engine import PREFILL_CHUNK
 from draft_service import decode
 from draft_service.decode import DecodeLoop
-from draft_service.drafter import CHOICES, Drafter, PredraftControl
+from draft_service.drafter import CHOICES, Drafter, Gone, PredraftControl
 from specdec.errors import Refusal, RequestError
 from specdec.lm import LM
 from specdec.validation import parse_generate
@@ -518,6 +518,31 @@ def test_a_cancel_during_the_drafts_prefill_stops_it_after_its_chunk(drafters, m
         gc.collect()
     assert chunks == [PREFILL_CHUNK]  # four chunks of prompt; the three after the cancel never ran
     assert not reported
+
+
+def test_a_catch_up_after_a_run_stops_after_its_chunk_once_the_session_is_gone(drafters, monkeypatch):
+    """A session that started in a run has nothing in the draft's cache: its first proposal feeds
+    the whole prompt (Drafter._feed). If the session ends meanwhile (its loop sets st.gone), the
+    feed stops after the chunk in flight, raises Gone (awaited by no one but the thread's end) and
+    leaves the cache as it began; a session still there feeds the whole prompt and proposes."""
+    d = drafters("long-draft")
+    forward, chunks = d.batcher.forward, []
+    prompt = [3 + i % 12 for i in range(4 * PREFILL_CHUNK + 1)]
+    st = d.new_state(request(d, prompt_ids=prompt, max_new_tokens=8))
+
+    def held(cache, tokens, logits=True):
+        chunks.append(len(tokens))
+        st.gone.set()  # the client leaves while the first chunk runs
+        return forward(cache, tokens, logits)
+
+    monkeypatch.setattr(d.batcher, "forward", held)
+    with pytest.raises(Gone):
+        d.propose(st, 4)
+    assert chunks == [PREFILL_CHUNK] and st.cache.length == 0
+
+    monkeypatch.setattr(d.batcher, "forward", forward)
+    st = d.new_state(request(d, prompt_ids=prompt, max_new_tokens=8))
+    assert len(d.propose(st, 4).tokens) == 4 and st.cache.length == len(prompt) + 3
 
 
 def test_a_round_the_verifier_refuses_is_not_counted(drafters):

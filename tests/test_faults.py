@@ -94,7 +94,7 @@ def test_kill_9_verify_fails_the_request_with_unavailable_then_a_restart_serves_
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         # a new verify process on the same port: the client library's retries get through
         v2 = Service(*verify_args)
-        with Client(d.address, timeout=60, retries=12) as c:
+        with Client(d.address, timeout=60, retries=4) as c:
             after = c.generate(prompt_ids=[3, 4], max_new_tokens=20)
         assert after.token_ids == before and after.served_by == "draft"
     finally:

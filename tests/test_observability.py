@@ -203,3 +203,24 @@ def test_a_bad_request_id_field_is_refused_and_never_logged(pair):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert wait_for(lambda: sum(bad in line for line in v.stderr) >= 2, 10), v.stderr[-3:]
     assert not any("x" * 1000 in line for line in d.stderr + v.stderr)
+
+
+def test_a_call_whose_caller_left_is_logged_cancelled_even_when_its_handler_returned_quietly():
+    """serving.fail returns without a status when the caller is gone (no one to tell of a failed
+    write); the observer then names the call CANCELLED, not OK, and counts no error."""
+    from specdec.observe import code_name
+
+    class Context:  # the one question code_name asks of a grpc.aio.ServicerContext, and its code
+        def __init__(self, cancelled, code=None):
+            self._cancelled, self._code = cancelled, code
+
+        def cancelled(self):
+            return self._cancelled
+
+        def code(self):
+            return self._code
+
+    assert code_name(Context(True), None) == "CANCELLED"
+    assert code_name(Context(False), None) == "OK"
+    assert code_name(Context(False), RuntimeError()) == "UNKNOWN"
+    assert code_name(Context(False, grpc.StatusCode.INTERNAL), RuntimeError()) == "INTERNAL"

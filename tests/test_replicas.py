@@ -264,6 +264,39 @@ def test_a_replica_that_leaves_twice_has_both_channels_closed_once_drained(monke
     asyncio.run(run())
 
 
+def test_a_replica_that_left_and_drained_takes_its_pace_with_it(monkeypatch):
+    """The draft keeps one pace per verify address (draft_service/adaptive.py); a replica that
+    left the name and whose sessions ended drops its pace, so a tier whose pods come and go does
+    not keep one for every address it ever saw. One that stays keeps its pace."""
+    from draft_service import adaptive
+    from draft_service import replicas as placement
+
+    answers: list[list[str]] = []
+
+    async def resolve(name):
+        return answers[-1]
+
+    monkeypatch.setattr(placement, "resolve", resolve)
+    monkeypatch.setattr(adaptive, "PACES", {})
+
+    async def run():
+        r = placement.Replicas("dns:verify.example:50052", lambda a, authority: grpc.aio.insecure_channel(a), timeout_s=0.2)
+        stays, leaves = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        answers.append([stays, leaves])
+        await r.refresh()
+        kept, dropped = adaptive.pace_of(stays), adaptive.pace_of(leaves)
+        r.replicas[leaves].open = 1
+        answers.append([stays])
+        await r.refresh()
+        assert adaptive.PACES[leaves] is dropped  # a session still runs there
+        r._leaving[0].open = 0
+        await r.refresh()
+        assert adaptive.PACES == {stays: kept}
+        await r.close()
+
+    asyncio.run(run())
+
+
 def test_a_session_goes_only_to_replicas_whose_info_says_they_serve_it():
     """During a rolling change of replicas, a session is placed only where the replica's last
     Info says it serves it: the draft's vocabulary, and a tree of the request's tree_budget (a
