@@ -160,6 +160,8 @@ async def _error_response(request: Request, e: Exception) -> Response:
         log.exception("internal error in %s", request.url.path)
         e = HttpError(500, f"internal error: {type(e).__name__}: {e}")
     call["error"] = e.message
+    if call.get("request_id"):  # known once the request's headers were read: a failure is traced as a success is
+        e.headers.setdefault("X-Request-Id", call["request_id"])
     return e.response()
 
 

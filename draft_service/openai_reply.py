@@ -69,11 +69,14 @@ def from_grpc(code: grpc.StatusCode, details: str, trailing=(), names: dict[str,
     if status == 400 and (m := re.match(r"[\w.]+", details)):  # validation's messages start with the field's name
         param = names.get(m.group(), m.group() if m.group() in FIELDS else None)
         details = (param or m.group()) + details[m.end():]
-    retry, trailers = None, dict(trailing)
-    if status in (429, 503) and trailers.get(serving.PUSHBACK_KEY) != "-1":  # -1: no wait cures it (too large)
-        ms = trailers.get(serving.RETRY_AFTER_KEY)
-        retry = max(1, math.ceil(int(ms) / 1000)) if ms else 1
-    return HttpError(status, details, param, code.name.lower(), retry)
+    retry, headers, trailers = None, {}, dict(trailing)
+    if status in (429, 503):
+        if trailers.get(serving.PUSHBACK_KEY) == "-1":  # no wait cures it (too large): no Retry-After, and the OpenAI
+            headers["x-should-retry"] = "false"  # SDKs, which retry every 429 and 5xx, are told not to
+        else:
+            ms = trailers.get(serving.RETRY_AFTER_KEY)
+            retry = max(1, math.ceil(int(ms) / 1000)) if ms else 1
+    return HttpError(status, details, param, code.name.lower(), retry, headers)
 
 
 class Context:

@@ -404,3 +404,34 @@ def test_a_clients_huge_strings_are_quoted_cut_in_errors_and_logs(caplog):
     assert len(nested["message"]) < 400 and nested["param"] == "messages.0." + "m" * 64, nested["param"][:100]
     done = [rec for rec in caplog.records if rec.getMessage() == "request done"]
     assert len(done) == 3 and all(len(json.dumps(rec.fields)) < 3000 for rec in done)
+
+
+def test_the_openai_sdk_does_not_retry_a_request_no_wait_can_fit_and_gets_error_request_ids():
+    """The official SDK retries every 429 and 5xx unless told `x-should-retry: false`: a request
+    larger than every verify replica's cache reached the servicer three times and failed after
+    1.4 s. Error responses carried no X-Request-Id, so the SDK's error had no request_id to match
+    the server's logs with."""
+    import openai
+
+    async def go():
+        stubs = {"never": Stub(word_tokenizer(16), fail=Refusal.RESOURCE_EXHAUSTED, retry=False),
+                 "full": Stub(word_tokenizer(16), fail=Refusal.RESOURCE_EXHAUSTED)}
+        out = {}
+        for name, stub in stubs.items():
+            front = FrontDoor(stub, args(), model="the-target")
+            port = await front.start()
+            try:
+                async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=30) as c:
+                    with pytest.raises(openai.RateLimitError) as e:
+                        await c.completions.create(model="stub", prompt="w3", max_tokens=2, extra_headers={"X-Request-Id": f"r-{name}"})
+                    out[name] = (len(stub.requests), e.value.request_id)
+                    with pytest.raises(openai.BadRequestError) as e:
+                        await c.completions.create(model="stub", prompt="w3", max_tokens=0, extra_headers={"X-Request-Id": "r-bad"})
+                    assert e.value.request_id == "r-bad"
+            finally:
+                await front.stop()
+        return out
+
+    out = asyncio.run(go())
+    assert out["never"] == (1, "r-never")
+    assert out["full"] == (3, "r-full")  # a refusal a wait can cure is retried, by the SDK's default max_retries=2
