@@ -14,7 +14,7 @@ at every step) is what a pre-draft assumes.
   before children (a child's score never exceeds its parent's, so the best nodes form a tree).
 * Sampled sessions: a node's children are draws without replacement from its q (its top-k in
   sparse mode), each from what the earlier draws left, renormalized; the draws are keyed
-  (seed, the round's base position, DRAFT_TREE, parent * 64 + rank), so a round's tree depends on
+  (seed, the round's base position, DRAFT_TREE, (parent + 1) * 64 + rank), so a round's tree depends on
   its context and seed only. The rule is exact only if whether a child is sent does not depend on
   the child's own token (else the sent child is no longer a draw from its q): so how many children
   a node gets is fixed before they are drawn (BRANCH, while the budget lasts, in the order the

@@ -208,7 +208,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the float32 weights fit in 40%% of free memory, else bfloat16 where the CPU has native bf16 "
                         "instructions (avx512_bf16 / AMX), else float32 [env SPECDEC_DTYPE]")
     p.add_argument("--engine-choices", type=_choices_arg, default=os.environ.get("SPECDEC_ENGINE_CHOICES") or "",
-                   help="on the CPU, pin the engine's timed load-time choices, e.g. 'attention=float32,prepack=on,per-row=off' "
+                   help="on the CPU, pin the engine's timed load-time choices, e.g. 'attention=float32,prepack=on,per-row=off,attention-kernel=on' "
                         "(default: timed at start-up; each service logs what it chose in this form; pinned, a restart "
                         "computes the same numbers, so a seeded request samples the same tokens) [env SPECDEC_ENGINE_CHOICES]")
 

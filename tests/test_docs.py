@@ -92,6 +92,10 @@ def test_results_name_no_scratch_folder():
     ran it."""
     hits = [p for p in tracked() if p.startswith(("bench/results/", "deploy/loadtest/")) and "/tmp/" in (text_of(p) or "")]
     assert not hits, "result files naming a scratch folder:\n" + "\n".join(hits)
+    # nor the install folder of the machine's Python (a warning's file name in a committed log): site-packages/... only
+    installed = re.compile(r"/\S*/(site|dist)-packages/")
+    hits = [p for p in tracked() if p.startswith(("bench/results/", "deploy/loadtest/")) and installed.search(text_of(p) or "")]
+    assert not hits, "result files naming the machine's Python install folder:\n" + "\n".join(hits)
 
 
 def test_a_recorded_command_names_its_output_folder_in_repository_terms():

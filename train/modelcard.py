@@ -192,8 +192,8 @@ def render(ev: dict, ts: dict, ds: dict, target_dir: Path, draft_dir: Path, engi
 A matched target/draft pair for speculative decoding of Python code, trained from scratch by the
 project's own code (`train/`), so that the demo, tests and benchmarks run on real models with real
 acceptance rates, offline. Both directories load with `AutoModelForCausalLM.from_pretrained(DIR)` /
-`AutoTokenizer.from_pretrained(DIR)`; weights are bfloat16 safetensors, run in bfloat16 (the
-services' `auto` on a CPU with bf16 instructions) or float32. The names are the first pair's: the
+`AutoTokenizer.from_pretrained(DIR)`; weights are bfloat16 safetensors, run in float32 (the
+services' `auto` where their row kernel builds, or without bf16 instructions) or bfloat16. The names are the first pair's: the
 corpus is now the standard library plus {len(sources) - 1} permissively licensed packages.
 
 Trained on one {hw} (lent to development sessions): the target for {ts['elapsed_s'] / 60:.1f} minutes
