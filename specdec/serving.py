@@ -109,8 +109,10 @@ def server_options(args) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.so_reuseport", 0),  # gRPC's default is on: a second server on the port would share its connections
     ]
-    if args.max_connection_age_s:
-        opts += [("grpc.max_connection_age_ms", int(args.max_connection_age_s * 1000)), ("grpc.max_connection_age_grace_ms", int(args.drain_s * 1000))]
+    if args.max_connection_age_s:  # no new streams on an older connection (its clients re-resolve); running ones go on
+        opts.append(("grpc.max_connection_age_ms", int(args.max_connection_age_s * 1000)))
+        if args.max_connection_age_grace_s is not None:  # gRPC's default: until they end
+            opts.append(("grpc.max_connection_age_grace_ms", int(args.max_connection_age_grace_s * 1000)))
     return opts
 
 

@@ -15,6 +15,7 @@ import errno
 import json
 import math
 import os
+import signal
 import socket
 import ssl
 import sys
@@ -153,13 +154,28 @@ def check_port(host: str, port: int | None, flag: str) -> None:
         raise StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {bad[0].strerror or bad[0]}")
 
 
+class _Stopped(BaseException):
+    """SIGTERM before the service serves."""
+
+
+def _stop(signum, frame):
+    raise _Stopped
+
+
 def main(prog: str, fn) -> None:
-    """Runs a service's start-up `fn()`; a StartupError ends the process with one line and exit 2."""
+    """Runs a service's start-up `fn()`; a StartupError ends the process with one line and exit 2.
+    SIGTERM before it serves (a pod deleted while it loads its model) ends it with one line and
+    exit 143: as a container's PID 1 a process without a handler ignores SIGTERM, and would load
+    and serve until the kubelet's kill. Once serving, serving.serve takes SIGTERM over (the drain)."""
+    signal.signal(signal.SIGTERM, _stop)
     try:
         fn()
     except StartupError as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except _Stopped:
+        print(f"{prog}: stopped by SIGTERM before serving", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGTERM)
 
 
 def env(name: str) -> str | None:
@@ -187,6 +203,8 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--max-message-bytes", type=number(int, low=1024, high=2**31 - 1), default=16 << 20)  # gRPC's options are C ints
     p.add_argument("--max-connection-age-s", type=number(float, above=0, high=(2**31 - 1) // 1000), default=None,  # ... in ms
                    help="close connections after this age so clients re-resolve")
+    p.add_argument("--max-connection-age-grace-s", type=number(float, low=0, high=(2**31 - 1) // 1000), default=None,
+                   help="how long streams on a connection past its max age may run on (default: until they end)")
     p.add_argument("--drain-s", type=number(float, low=0), default=30.0, help="grace period for running streams on SIGTERM")
     p.add_argument("--tls-cert", default=env("SPECDEC_TLS_CERT"), help="server certificate (PEM); enables TLS [env SPECDEC_TLS_CERT]")
     p.add_argument("--tls-key", default=env("SPECDEC_TLS_KEY"), help="server private key (PEM) [env SPECDEC_TLS_KEY]")

@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 
 import pytest
@@ -38,7 +37,11 @@ def by_name(docs):
 
 
 def config(docs) -> dict:
-    return next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("specdec-config"))["data"]
+    """The settings of both tiers' ConfigMaps (their keys do not overlap)."""
+    maps = [d["data"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith(("specdec-verify-config",
+                                                                                                      "specdec-draft-config"))]
+    assert len(maps) == 2 and not set(maps[0]) & set(maps[1])
+    return {k: v for m in maps for k, v in m.items()}
 
 
 def container(docs, name) -> dict:
@@ -128,6 +131,8 @@ def test_manifests_match_threads_to_cpu_limits_and_recycle_client_connections(ov
         omp = resolve(next(e["value"] for e in c["env"] if e["name"] == "OMP_NUM_THREADS"), c, cfg)
         limit = CPU_LIMIT[c["resources"]["limits"]["cpu"]]
         assert int(args["--threads"]) == int(omp) == limit, (name, args["--threads"], omp, limit)
+        if overlay != "local-cpu":  # production: threads past the CPUs a busy node gives it slow each step (local-cpu fits a laptop)
+            assert CPU_LIMIT[c["resources"]["requests"]["cpu"]] == limit, (name, c["resources"])
     draft_args = [resolve(a, container(docs, "specdec-draft"), cfg) for a in container(docs, "specdec-draft")["args"]]
     age = [float(a.split("=", 1)[1]) for a in draft_args if a.startswith("--max-connection-age-s=")]
     assert age and 0 < age[0] <= 600  # long-lived client channels move to new draft pods within minutes
@@ -169,7 +174,7 @@ def exported_metrics() -> set[str]:
     return {name + s for name, kind in (line.split() for line in out) if name.startswith("specdec_") for s in suffixes[kind]}
 
 
-def test_the_readmes_own_overlay_recipe_points_the_pods_at_your_images():
+def test_the_readmes_own_overlay_recipe_points_the_pods_at_your_images(tmp_path):
     """deploy/README.md's recipe (an overlay on ../gpu, then `kustomize edit set image OLD=NEW`),
     its image lines applied as that command writes them: every pod then pulls the new images."""
     with open(os.path.join(ROOT, "deploy", "README.md")) as f:
@@ -181,13 +186,14 @@ def test_the_readmes_own_overlay_recipe_points_the_pods_at_your_images():
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("needs kubectl")
-    prod = tempfile.mkdtemp(prefix="readme-", dir=os.path.join(ROOT, "deploy", "k8s", "overlays"))  # beside ../gpu, as the recipe's
-    try:
-        with open(os.path.join(prod, "kustomization.yaml"), "w") as f:
-            f.write(f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - ../gpu\nimages:\n{images}")
-        out = subprocess.run([kubectl, "kustomize", prod], capture_output=True, text=True, check=True, timeout=120).stdout
-    finally:
-        shutil.rmtree(prod)
+    # the recipe's overlay sits beside ../gpu: here in a copy of the tree, not in the source tree (where deploy/check.sh,
+    # which renders every overlay, could meet it half written; kustomize takes no absolute path to a base)
+    shutil.copytree(os.path.join(ROOT, "deploy", "k8s"), tmp_path / "k8s")
+    prod = tmp_path / "k8s" / "overlays" / "prod"
+    prod.mkdir()
+    (prod / "kustomization.yaml").write_text(f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+                                             f"resources:\n  - ../gpu\nimages:\n{images}")
+    out = subprocess.run([kubectl, "kustomize", str(prod)], capture_output=True, text=True, check=True, timeout=120).stdout
     pulled = {c["image"] for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"
               for c in d["spec"]["template"]["spec"]["containers"]}
     assert pulled == {f"{new}:{tag}" for _, new, tag in edits}, pulled
@@ -282,3 +288,38 @@ def test_the_installed_package_holds_every_module_the_services_import(tmp_path):
     assert not want - have, f"not installed: {sorted(want - have)}"
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"specdec/engine/cpu/rowkernel.c", "specdec/engine/cpu/attend.c"} <= names  # the CPU tier's kernels' sources
+
+
+def test_a_connection_past_its_max_age_lets_its_streams_finish_unless_a_grace_is_set():
+    """--max-connection-age-s recycles connections (no new streams on an old one); its grace was
+    --drain-s, so a draft's client stream still running 105 s past its connection's 5 minutes was
+    cut with UNAVAILABLE after tokens had gone out. Now running streams end on their own unless
+    --max-connection-age-grace-s bounds them."""
+    from specdec import serving
+    from verify_service.__main__ import parser
+
+    def options(*flags):
+        return dict(serving.server_options(parser().parse_args(["--model", "m", *flags])))
+
+    aged = options("--max-connection-age-s", "300", "--drain-s", "105")
+    assert aged["grpc.max_connection_age_ms"] == 300_000 and "grpc.max_connection_age_grace_ms" not in aged
+    bounded = options("--max-connection-age-s", "300", "--max-connection-age-grace-s", "600")
+    assert bounded["grpc.max_connection_age_grace_ms"] == 600_000
+    assert "grpc.max_connection_age_ms" not in options()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rollouts_outwait_model_loads_and_disruption_budgets_do_not_block_drains(overlay):
+    """A Deployment whose pods may take their whole startup-probe budget to load a model has a
+    progress deadline above it (the default 600 s failed a gpu rollout whose verify loaded for
+    11 minutes); the disruption budgets evict unready pods (drafts are unready while no verify
+    replica answers, which blocked every node drain)."""
+    docs = render(overlay)
+    for name in ("specdec-verify", "specdec-draft"):
+        d = by_name(docs)["Deployment", name]
+        probe = container(docs, name)["startupProbe"]
+        budget = probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3) + probe.get("initialDelaySeconds", 0)
+        assert d["spec"].get("progressDeadlineSeconds", 600) > budget, (name, budget)
+    for d in docs:
+        if d["kind"] == "PodDisruptionBudget":
+            assert d["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow", d["metadata"]["name"]

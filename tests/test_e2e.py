@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -161,3 +162,39 @@ def test_sigterm_drains_running_streams(model_dir):
     finally:
         d.stop()
         v.stop()
+
+
+def test_sigterm_before_serving_ends_the_service_with_one_line(model_dir, tmp_path):
+    """A pod deleted while its service loads: SIGTERM before `listening on` ends the process with
+    one line and exit 143. Without a handler, a container's PID 1 ignores SIGTERM and went on to
+    load and serve until the kubelet's kill. The service is held at start-up reading its token
+    file, a FIFO that has a writer but no data yet."""
+    import os
+    import signal
+
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo)
+    for module in ("verify_service", "draft_service"):
+        extra = ["--verify", "127.0.0.1:1"] if module == "draft_service" else []
+        p = subprocess.Popen([sys.executable, "-m", module, "--model", model_dir("target"), "--port", "0",
+                              "--auth-token-file", str(fifo), *extra], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        try:
+            for _ in range(600):  # until the service opens the FIFO to read (a non-blocking writer needs a reader)
+                try:
+                    writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                    break
+                except OSError:
+                    assert p.poll() is None, p.stderr.read()
+                    time.sleep(0.05)
+            else:
+                pytest.fail("the service never opened its token file")
+            try:
+                p.send_signal(signal.SIGTERM)  # it waits in read(): past the handler's installation, before serving
+                out, err = p.communicate(timeout=30)
+            finally:
+                os.close(writer)
+        finally:
+            p.kill()
+        assert p.returncode == 143 and err.strip().splitlines()[-1] == f"{module}: stopped by SIGTERM before serving", (module, err)
+        assert "listening on" not in out
