@@ -153,12 +153,14 @@ class DraftServicer(pb_grpc.DraftServicer):
 
     async def Info(self, request, context):
         """The draft model's Info, but with what a request through the pair meets: the pair's
-        context limit (the smaller one) and the ids that end generation (the target's, once known)."""
+        context limit (the smaller one), the ids that end generation and the tree budget allowed
+        (the target's, once known)."""
         info = serving.model_info(self.lm, request.include_vocab, TESTED)
         info.max_context = self.max_context
         if self.target is not None:
             info.eos_token_id = self.target.eos_token_id
             info.eos_token_ids[:] = self.target.eos_token_ids
+            info.max_tree_budget = self.target.max_tree_budget  # what a request's tree_budget is checked against
         return info
 
     async def Generate(self, request, context):

@@ -44,6 +44,9 @@ def test_node_client_streams_chains_and_trees_from_the_proto(services):
                         "--timeout", "1e300")  # no deadline (it was an invalid Date: DEADLINE_EXCEEDED at once)
     assert rc == 0, err
     assert json.loads(out)["token_ids"] == want
+    rc, out, err = node("--server", v.address, "--target-only", "--prompt-ids", "3,4,5", "--max-new-tokens", "12",
+                        "--timeout", "inf")  # the Python client's word for none (it was refused as not a number)
+    assert rc == 0 and json.loads(out)["token_ids"] == want, err
 
 
 def test_node_client_sampled_seed_round_trips_as_uint64(services):
@@ -65,6 +68,8 @@ def test_node_client_sampled_seed_round_trips_as_uint64(services):
     (["--max-new-tokens", "4294967296"], "--max-new-tokens"), (["--temperature", "x"], "--temperature"), (["--tau"], "--tau"),
     (["--prompt-ids", "2147483648"], "--prompt-ids"),  # int32 on the wire: 3000000000 was sent as -1294967296
     (["--timeout", "0"], "--timeout"), (["--timeout", "-1"], "--timeout"), (["--timeout", "nan"], "--timeout"),
+    # a float32 on the wire: 1e-50 was sent as 0 (greedy while the caller believed it sampled), 1e39 as inf
+    (["--temperature", "1e-50"], "--temperature"), (["--temperature", "1e39"], "--temperature"), (["--temperature", "-1"], "--temperature"),
 ])
 def test_node_client_refuses_bad_flags_before_calling(args, says):
     """What the wire would silently wrap or zero (a uint64 or uint32 out of range, an unknown enum

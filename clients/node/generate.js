@@ -51,10 +51,21 @@ function real(text, flag) {
   return x;
 }
 
+const MIN_TEMPERATURE = 1e-4;  // the services' least sampled temperature (specdec/validation.py); 0 is greedy
+const MAX_FLOAT32 = 3.4028234663852886e38;
+
+function temperature(text) {  // a float32 on the wire: 1e-50 would round to 0 (greedy) and 1e39 to inf
+  const x = real(text, "--temperature");
+  if (x < 0 || (x > 0 && x < MIN_TEMPERATURE) || x > MAX_FLOAT32) {
+    throw new Error(`--temperature must be 0 (greedy) or in [${MIN_TEMPERATURE}, ${MAX_FLOAT32}], got ${JSON.stringify(text)}`);
+  }
+  return x;
+}
+
 const MAX_TIMEOUT_S = 1e9;  // beyond this (or inf): no deadline (a Date past its range is invalid: an instant DEADLINE_EXCEEDED)
 
 function deadlineOf(text) {
-  const x = Number(text);
+  const x = /^\+?inf(inity)?$/i.test(text.trim()) ? Infinity : Number(text);  // "inf", as the Python client takes it
   if (text.trim() === "" || !(x > 0)) throw new Error(`--timeout must be seconds > 0 (inf: none), got ${JSON.stringify(text)}`);
   return x > MAX_TIMEOUT_S ? Infinity : new Date(Date.now() + 1000 * x);
 }
@@ -70,7 +81,7 @@ function request(a) {
     req.proposer = "PROPOSER_" + a.proposer.toUpperCase();
   }
   if (a.temperature !== undefined || a.seed !== undefined) {
-    req.sampling = { temperature: a.temperature === undefined ? 0 : real(a.temperature, "--temperature") };
+    req.sampling = { temperature: a.temperature === undefined ? 0 : temperature(a.temperature) };
     if (a.seed !== undefined) req.sampling.seed = uint(a.seed, "--seed", 64);  // uint64: a decimal string
   }
   return req;

@@ -69,7 +69,8 @@ class VerifyServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """One stream = one session: SessionStart, then Rounds; one VerifyResponse per Round.
+        """One stream = one session: SessionStart, then Rounds; one VerifyResponse per Round, except for a
+        Round of target_only_steps > 1 (a run): one per step, or per several steps (run_tokens).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
