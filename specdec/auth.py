@@ -108,6 +108,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         async def deny(request, context):
             await context.abort(code, reason)
 
+        deny.refuses = True  # the request observer leaves its request unread: an undecodable one is refused as this caller
+
         # a coroutine handler of the same kind (and codecs) as the real one, which only aborts
         kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
                 (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}

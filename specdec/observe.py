@@ -175,9 +175,11 @@ _KINDS = {(False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
           (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler)}
 
 
-async def _received(request, context, call: _Call, method: str, streaming: bool) -> None:
-    """A call's request is in: an undecodable one ends it with INVALID_ARGUMENT; a unary one is counted."""
-    if isinstance(request, Undecodable):
+async def _received(request, context, call: _Call, method: str, streaming: bool, refused: bool = False) -> None:
+    """A call's request is in: an undecodable one ends it with INVALID_ARGUMENT (unless a later
+    interceptor refuses the caller: `refused`, so a caller without a token learns nothing of its
+    bytes); a unary one is counted."""
+    if isinstance(request, Undecodable) and not refused:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
     if not streaming:
         call.received(request)
@@ -200,12 +202,13 @@ class RequestObserver(grpc.aio.ServerInterceptor):
         behavior = getattr(handler, attr)
         observe = self._observe
         metadata = details.invocation_metadata
+        refused = getattr(behavior, "refuses", False)  # specdec/auth.py's handler for a caller it refuses
 
         if inspect.isasyncgenfunction(behavior):  # the handler yields its responses
             async def wrapped(request, context):
                 call = _Call(method, metadata)
                 with observe(call, context):
-                    await _received(request, context, call, method, handler.request_streaming)
+                    await _received(request, context, call, method, handler.request_streaming, refused)
                     # aclosing: a caller that goes away ends the handler's generator now (its finally runs)
                     async with contextlib.aclosing(behavior(request, _ObservedContext(context, call))) as responses:
                         async for msg in responses:
@@ -215,7 +218,7 @@ class RequestObserver(grpc.aio.ServerInterceptor):
             async def wrapped(request, context):
                 call = _Call(method, metadata)
                 with observe(call, context):
-                    await _received(request, context, call, method, handler.request_streaming)
+                    await _received(request, context, call, method, handler.request_streaming, refused)
                     response = await behavior(request, _ObservedContext(context, call))
                     if response is not None:
                         call.sent(response)

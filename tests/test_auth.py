@@ -242,3 +242,17 @@ def test_split_bench_passes_credentials_as_files():
                             "--auth-token-file": "client"}
     assert flags(load) == {"--tls-ca": "ca.pem", "--tls-cert": "c.pem", "--tls-key": "c.key", "--token-file": "client"}
     assert all(os.path.isabs(x) for x in (verify + draft + load)[1::2])
+
+
+def test_a_caller_without_a_token_is_refused_before_its_bytes_are_judged(pair, tokens):
+    """An undecodable request from a caller without a valid token was answered INVALID_ARGUMENT
+    (logged at INFO, not as a refused caller at WARNING): the request observer judged the bytes
+    before the token check. Now it is UNAUTHENTICATED; with the token, still INVALID_ARGUMENT."""
+    v, _ = pair
+    bad = b"\x0a\x02\xff\xfe" + b"\x10\x04"  # prompt = b"\xff\xfe" (not UTF-8), max_new_tokens = 4
+    with grpc.insecure_channel(v.address) as ch:
+        send = ch.unary_stream("/specdec.v1.Verify/Generate", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        for token, code in ((None, UNAUTH), (WRONG_TOKEN, UNAUTH), (SESSION_TOKEN, grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(grpc.RpcError) as e:
+                list(send(bad, timeout=30, metadata=md(token)))
+            assert e.value.code() == code, (token, e.value.code(), e.value.details())
