@@ -228,7 +228,8 @@ def test_site_permissive_expands_to_permissive_installed_packages_minus_the_excl
 
 def test_corpus_tokens_are_the_same_in_parallel_and_come_back_from_the_cache(tmp_path):
     """Sources tokenized in worker processes give the serial stream, in spec order, with one
-    row per source; a cached stream is reused for the same specs and split only."""
+    row per source; a cached stream is reused for the same specs, split and files only (a file
+    changed or added under a directory spec was read from the stale cache)."""
     from train.data import corpus_tokens
 
     tok = _tiny_tokenizer()
@@ -245,11 +246,17 @@ def test_corpus_tokens_are_the_same_in_parallel_and_come_back_from_the_cache(tmp
     assert [r["spec"] for r in rows] == dirs and sum(r["tokens"] for r in rows) == serial.numel()
     cache = tmp_path / "tokens.pt"
     first, _ = corpus_tokens(tok, dirs, "all", cache=str(cache))
-    (Path(dirs[0]) / "m0.py").write_text("x = 1\n" * 50)  # a changed source: the cache still answers for these specs
     again, _ = corpus_tokens(tok, dirs, "all", cache=str(cache))
     assert cache.exists() and torch.equal(first, again) and torch.equal(first, serial)
     other, _ = corpus_tokens(tok, dirs[:2], "all", cache=str(cache))  # other specs: tokenized afresh
     assert other.numel() < serial.numel()
+    first, _ = corpus_tokens(tok, dirs, "all", cache=str(cache))
+    (Path(dirs[0]) / "m0.py").write_text("x = 1\n" * 50)  # a changed source: tokenized afresh
+    changed, _ = corpus_tokens(tok, dirs, "all", cache=str(cache))
+    assert torch.equal(changed, corpus_tokens(tok, dirs, "all", workers=1)[0]) and not torch.equal(changed, first)
+    (Path(dirs[1]) / "new.py").write_text("y = 2\n" * 30)  # an added one too
+    added, _ = corpus_tokens(tok, dirs, "all", cache=str(cache))
+    assert added.numel() > changed.numel() and torch.equal(added, corpus_tokens(tok, dirs, "all", workers=1)[0])
 
 
 def _distill_args(tdir, cdir, out, run) -> list[str]:
@@ -485,3 +492,222 @@ def test_benchmark_prompts_are_not_in_a_trained_copy_of_their_module():
     if fancy is not None and "fancy_getopt" in trained:  # the case found: its prompt is left out
         assert not any(p in fancy for p in kept)
     assert all(s[-prompts.SEEN_CHARS:] not in trained for s in prompts.stdlib_snippets(40, 400, 0))
+
+
+def _save_llama(path: Path, tok, rows: int | None = None, hidden: int = 16, seed: int = 0):
+    """A tiny random Llama with `tok` (and `rows` output rows, default the tokenizer's) saved in `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=rows or len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                         max_position_embeddings=128, bos_token_id=tok.bos_token_id,
+                                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model
+
+
+def _quick(tdir, cdir, out, run, steps: int = 1) -> list[str]:
+    return ["--target", str(tdir), "--corpus", str(cdir), "--out", str(out), "--run-dir", str(run), "--layers", "1",
+            "--hidden", "16", "--heads", "2", "--intermediate", "32", "--seq-len", "16", "--batch-size", "2",
+            "--steps", str(steps), "--threads", "1", "--verdict-prompts", "0"]
+
+
+def _refusal(argv) -> str:
+    """The one line distill.main exits with."""
+    from train import distill
+
+    with pytest.raises(SystemExit) as e:
+        distill.main(argv)
+    msg = e.value.code
+    assert isinstance(msg, str) and msg.startswith("distill: ") and "\n" not in msg, msg
+    return msg
+
+
+def test_distill_refuses_to_resume_a_run_of_another_target_or_draft_shape(tmp_path, tiny_pair_inputs):
+    """A re-run with another --target (or draft shape) resumed the checkpoint in the run dir, and
+    exported a draft trained against the other target; another shape died in load_state_dict."""
+    from transformers import AutoTokenizer
+
+    from train import checkpoint, distill
+
+    tdir, cdir, _ = tiny_pair_inputs
+    out, run = tmp_path / "draft", tmp_path / "run"
+    assert distill.main(_quick(tdir, cdir, out, run))["steps"] == 1
+    weights = (out / "model.safetensors").read_bytes()
+    msg = _refusal(_quick(tdir, cdir, out, run, 2)[:-8] + ["--hidden", "32", "--heads", "2", "--steps", "2", "--verdict-prompts", "0"])
+    assert "--hidden 16 (now 32)" in msg and "--intermediate" not in msg and str(run) in msg and "--run-dir" in msg
+    other = tmp_path / "other-target"
+    _save_llama(other, AutoTokenizer.from_pretrained(tdir), hidden=32)
+    msg = _refusal(_quick(other, cdir, out, run, 2))
+    assert f"target {tdir.resolve()} (now {other.resolve()})" in msg and "config.json" in msg and "--hidden" not in msg
+    assert (out / "model.safetensors").read_bytes() == weights and checkpoint.load(run)["step"] == 1
+    # a checkpoint from before identities resumes as it did
+    state = checkpoint.load(run)
+    del state["extra"]["identity"]
+    torch.save(state, run / checkpoint.CKPT_NAME)
+    s = distill.main(_quick(tdir, cdir, out, run, 2))
+    assert (s["resumed_from_step"], s["steps"]) == (1, 2) and checkpoint.load(run)["extra"]["identity"]["--hidden"] == 16
+
+
+def test_distill_refuses_an_out_that_is_the_target_or_a_model_it_did_not_make(tmp_path, tiny_pair_inputs):
+    """--out equal to --target overwrote the target's weights, then died in shutil.SameFileError."""
+    tdir, cdir, _ = tiny_pair_inputs
+    before = {f.name: f.read_bytes() for f in tdir.iterdir()}
+    msg = _refusal(_quick(tdir, cdir, tdir, tmp_path / "run"))
+    assert "is the --target directory" in msg
+    assert {f.name: f.read_bytes() for f in tdir.iterdir()} == before and not (tmp_path / "run").exists()
+    other = tmp_path / "someone-elses"
+    (other).mkdir()
+    (other / "config.json").write_text("{}")
+    msg = _refusal(_quick(tdir, cdir, other, tmp_path / "run"))
+    assert "already holds a model" in msg and str(tmp_path / "run") in msg
+    assert (other / "config.json").read_text() == "{}"
+
+
+def test_distill_bad_input_exits_with_one_line(tmp_path, tiny_pair_inputs):
+    """A --target that is no local directory (it even tried the Hub), one without a tokenizer,
+    a missing corpus path, a package that is not installed and an empty corpus were tracebacks."""
+    tdir, cdir, _ = tiny_pair_inputs
+    out, run = tmp_path / "draft", tmp_path / "run"
+    assert "not a local model directory" in _refusal(_quick(tmp_path / "nowhere", cdir, out, run))
+    assert "not a local model directory" in _refusal(_quick("someone/some-model", cdir, out, run))
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((tdir / name).read_bytes())
+    assert "no tokenizer loads from --target" in _refusal(_quick(bare, cdir, out, run))
+    assert "no such file or directory" in _refusal(_quick(tdir, tmp_path / "missing.py", out, run))
+    assert "no installed package" in _refusal(_quick(tdir, "package:no_such_package_here", out, run))
+    assert "no installed package" in _refusal(_quick(tdir, "package:no_such_parent.child", out, run))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blob.bin").write_bytes(b"\x00\x01")
+    assert "no text to train on" in _refusal(_quick(tdir, empty, out, run))
+    assert not out.exists()
+
+
+def test_a_single_module_package_is_a_corpus():
+    """package:typing_extensions (one module, no package directory) was refused as not installed."""
+    docs = corpus.documents(["package:typing_extensions"], "all")
+    assert [d.name for d in docs] == ["typing_extensions/typing_extensions.py"] and "def " in docs[0].text
+    assert corpus.source_files("package:typing_extensions")[0].name == "typing_extensions.py"
+
+
+@pytest.mark.parametrize("flag,value", [("--steps", "0"), ("--max-minutes", "0"), ("--max-minutes", "-1"),
+                                        ("--seq-len", "0"), ("--batch-size", "0"), ("--temperature", "0"),
+                                        ("--verdict-prompts", "-1"), ("--layers", "0"), ("--hidden", "0"),
+                                        ("--heads", "0"), ("--heads", "3")])
+def test_distill_argument_ranges_are_argparse_errors(tmp_path, tiny_pair_inputs, capsys, flag, value):
+    from train import distill
+
+    tdir, cdir, _ = tiny_pair_inputs
+    with pytest.raises(SystemExit) as e:
+        distill.main(_quick(tdir, cdir, tmp_path / "draft", tmp_path / "run") + [flag, value])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_a_rerun_exports_the_checkpoint_an_interrupted_run_left(tmp_path, tiny_pair_inputs, monkeypatch):
+    """An interrupted run checkpoints and exports nothing; a re-run with nothing left to train
+    reported the checkpoint's step and loss but kept the older export."""
+    from transformers import AutoModelForCausalLM
+
+    from train import checkpoint, distill
+    from train.data import WindowSampler
+
+    tdir, cdir, _ = tiny_pair_inputs
+    out, run = tmp_path / "draft", tmp_path / "run"
+    assert distill.main(_quick(tdir, cdir, out, run, 1))["exported"]
+    batch = WindowSampler.batch
+
+    def interrupted(self, step):
+        if step == 2:
+            raise FloatingPointError("interrupted")
+        return batch(self, step)
+
+    monkeypatch.setattr(WindowSampler, "batch", interrupted)
+    with pytest.raises(FloatingPointError):
+        distill.main(_quick(tdir, cdir, out, run, 3))
+    monkeypatch.setattr(WindowSampler, "batch", batch)
+    assert checkpoint.load(run)["step"] == 2
+    s = distill.main(_quick(tdir, cdir, out, run, 2))
+    saved = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert torch.equal(saved["model.embed_tokens.weight"], checkpoint.load(run)["model"]["model.embed_tokens.weight"])
+    assert s["steps_this_run"] == 0 and s["exported"] and s["exported_step"] == 2
+    again = distill.main(_quick(tdir, cdir, out, run, 2))  # now nothing to do: the export is left as it is
+    assert not again["exported"] and again["exported_step"] == 2
+
+
+def _evaluate_args(tdir, ddir, cdir) -> list[str]:
+    return ["--target", str(tdir), "--draft", str(ddir), "--corpus", str(cdir), "--loss-seq-len", "64",
+            "--loss-windows", "2", "--prompts", "2", "--prompt-len", "16", "--continuation", "4", "--batch", "2",
+            "--code-tokens", "2", "--latency-steps", "2", "--latency-rounds", "1", "--threads", "1"]
+
+
+def test_evaluate_falls_back_to_the_training_text_on_a_small_corpus(tmp_path, tiny_pair_inputs):
+    """A corpus that holds nothing out (here: every held-out file is a copy of a trained one)
+    crashed in ZeroDivisionError; it is measured on the end of the training text, and says so."""
+    from transformers import AutoTokenizer
+
+    from train import evaluate
+
+    tdir, cdir, _ = tiny_pair_inputs
+    _save_llama(tmp_path / "d", AutoTokenizer.from_pretrained(tdir))
+    res = evaluate.main(_evaluate_args(tdir, tmp_path / "d", cdir))
+    assert res["heldout_tokens"] == 0 and res["text"].startswith("the end of the training text (too little held out")
+    assert res["heldout_loss_nats_per_token"]["tokens"] == 128 and res["greedy"]["positions"] == 8
+    (tmp_path / "tiny.py").write_text("x = 1\n")
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(_evaluate_args(tdir, tmp_path / "d", cdir) + ["--ood-corpus", str(tmp_path / "tiny.py")])
+    assert str(e.value.code).startswith("evaluate: --ood-corpus") and "too few" in str(e.value.code)
+
+
+def test_evaluate_pairs_a_draft_with_other_output_rows_and_refuses_another_vocabulary(tmp_path, tiny_pair_inputs):
+    """The services pair a draft whose model has other output rows over the target's tokenizer;
+    evaluate died in torch.minimum(ps, qs). A draft of another vocabulary is refused in one line."""
+    from transformers import AutoTokenizer
+
+    from train import evaluate
+
+    tdir, cdir, target = tiny_pair_inputs
+    tok = AutoTokenizer.from_pretrained(tdir)
+    wide = _save_llama(tmp_path / "wide", tok, rows=len(tok) + 16)
+    torch.manual_seed(0)
+    prompts = torch.randint(3, len(tok), (2, 8))
+    # q over the target's rows: the draft's extra rows cut, or (a draft with fewer rows) q = 0 on the target's extra rows
+    for t, d in ((target.eval(), wide), (wide, target.eval())):
+        t1 = evaluate.sampled_acceptance(t, d, prompts, gamma=2, batch=2, seed=0)
+        assert 0.0 <= t1["beta_mean"] <= 1.0 + 1e-6
+        assert 0.0 <= evaluate.greedy_acceptance(t, d, prompts, steps=3, batch=2)["alpha"] <= 1.0
+    res = evaluate.main(_evaluate_args(tdir, tmp_path / "wide", cdir))
+    assert 0.0 <= res["sampled_T1"]["beta_mean"] <= 1.0 + 1e-6 and 0.0 <= res["greedy"]["alpha"] <= 1.0
+    _save_llama(tmp_path / "alien", train_tokenizer(SNIPPETS[:2] * 20, vocab_size=270, model_max_length=128))
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(_evaluate_args(tdir, tmp_path / "alien", cdir))
+    assert str(e.value.code).startswith("evaluate: the draft") and "does not pair" in str(e.value.code)
+    assert "\n" not in str(e.value.code)
+
+
+def test_verdict_leaves_out_held_out_copies_of_trained_files(tmp_path, tiny_pair_inputs):
+    """measure called held-out documents identical to trained ones "held-out files"."""
+    from transformers import AutoTokenizer
+
+    from train import verdict
+    from train.data import corpus_tokens
+
+    tdir, _, target = tiny_pair_inputs
+    tok = AutoTokenizer.from_pretrained(tdir)
+    src = tmp_path / "src"
+    src.mkdir()
+    text = "".join(SNIPPETS) * 3
+    (src / "m34.py").write_text(text)  # held out by its name ...
+    (src / "a.py").write_text(text)  # ... and a copy trained on
+    (src / "b.py").write_text(SNIPPETS[0] * 5)
+    assert corpus.is_heldout("m34.py") and not corpus.is_heldout("a.py") and not corpus.is_heldout("b.py")
+    train_tokens, _ = corpus_tokens(tok, [str(src)], "train", workers=1)
+    draft = _save_llama(tmp_path / "d", tok)
+    v = verdict.measure(target.eval(), draft, tok, [str(src)], train_tokens, prompts=2, prompt_len=8, continuation=4,
+                        latency_rounds=1, latency_steps=2)
+    assert v["text"].startswith("the end of the training text")

@@ -161,6 +161,20 @@ def package_root(name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def package_location(name: str) -> Path:
+    """An installed package's directory, or the ``.py`` file of a single-module one
+    (``typing_extensions``); FileNotFoundError if neither is installed."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a parent package that is not installed, an empty name
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    if spec is not None and spec.origin and spec.origin.endswith(".py"):
+        return Path(spec.origin)
+    raise FileNotFoundError(f"no installed package or Python module named {name!r}")
+
+
 # Larger package files are generated tables and data, not code anyone writes; they are skipped.
 MAX_PACKAGE_FILE_BYTES = 256_000
 # At most this much source per package and split, so a few giant packages do not make up the
@@ -172,9 +186,7 @@ def package_documents(name: str, split: str = "train") -> List[Document]:
     """The ``.py`` files of an installed package, named ``<name>/<relative path>`` (the held-out
     split is chosen by that name, so it does not depend on where the package is installed).
     Files over ``MAX_PACKAGE_FILE_BYTES`` are left out, and at most ``MAX_PACKAGE_BYTES`` are read."""
-    root = package_root(name)
-    names = sorted(n for n in _walk_text_files(root)
-                   if n.endswith(".py") and (root / n).stat().st_size <= MAX_PACKAGE_FILE_BYTES)
+    root, names = package_files(name)
     docs = [Document(f"{name}/{d.name}", d.text) for d in select_documents(root, names, split, prefix=f"{name}/")]
     kept, total = [], 0
     for d in sorted(docs, key=lambda d: hashlib.sha256(d.name.encode("utf-8")).digest()):
@@ -183,6 +195,26 @@ def package_documents(name: str, split: str = "train") -> List[Document]:
             break
         kept.append(d)
     return sorted(kept, key=lambda d: d.name)
+
+
+def package_files(name: str) -> tuple[Path, List[str]]:
+    """The root of an installed package (a single module: its directory) and its ``.py`` files
+    under ``MAX_PACKAGE_FILE_BYTES``, relative to the root, sorted."""
+    loc = package_location(name)
+    root, names = (loc.parent, [loc.name]) if loc.is_file() else (loc, _walk_text_files(loc))
+    return root, sorted(n for n in names if n.endswith(".py") and (root / n).stat().st_size <= MAX_PACKAGE_FILE_BYTES)
+
+
+def source_files(spec: str, include_tests: bool = True) -> List[Path]:
+    """The files a corpus spec (``stdlib``, ``package:NAME``, a file or a directory) reads, in
+    both splits: what a token stream made from it depends on."""
+    if spec == "stdlib":
+        return [stdlib_root() / n for n in stdlib_files(include_tests)]
+    if spec.startswith("package:"):
+        root, names = package_files(spec.split(":", 1)[1])
+        return [root / n for n in names]
+    path = Path(spec)
+    return [path / n for n in sorted(_walk_text_files(path))] if path.is_dir() else [path]
 
 
 @functools.lru_cache(maxsize=1)

@@ -50,9 +50,12 @@ def corpus_tokens(tokenizer, specs: Sequence[str], split: str = "train", include
     """The token stream of a corpus (specs as ``corpus.documents`` takes them, already expanded)
     and one row per spec: its license, files and tokens.  Specs are tokenized in ``workers``
     processes (default: one per CPU), then joined in order.  With ``cache``, a stream saved there
-    by an earlier call with the same specs and split is loaded instead of tokenizing again."""
+    by an earlier call with the same specs, split, tokenizer and files (paths, sizes and
+    modification times) is loaded instead of tokenizing again."""
     global _WORKER_TOKENIZER
     key = {"specs": list(specs), "split": split, "include_tests": include_tests, "tokenizer": _fingerprint(tokenizer)}
+    if cache:
+        key["files"] = _files_digest(specs, include_tests)
     if cache and Path(cache).exists():
         saved = torch.load(cache, weights_only=False)
         if all(saved.get(k) == v for k, v in key.items()):  # another tokenizer (or --no-tests) tokenizes anew
@@ -73,6 +76,19 @@ def corpus_tokens(tokenizer, specs: Sequence[str], split: str = "train", include
         Path(cache).parent.mkdir(parents=True, exist_ok=True)
         torch.save({**key, "tokens": tokens, "rows": rows}, cache)
     return tokens, rows
+
+
+def _files_digest(specs: Sequence[str], include_tests: bool) -> str:
+    """A digest of every file the specs read: path, size and modification time."""
+    h = hashlib.sha256()
+    for spec in specs:
+        for path in corpus.source_files(spec, include_tests):
+            try:
+                st = path.stat()
+                h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            except OSError:
+                h.update(f"{path}\0missing\n".encode())
+    return h.hexdigest()
 
 
 def _fingerprint(tokenizer) -> str:

@@ -21,7 +21,10 @@ an installed package's Python source.  About 5% of the files
 Running the same command again resumes from ``RUN_DIR/checkpoint.pt`` (default
 ``runs/distill-<name of --out>``): ``--steps`` counts all the steps so far, ``--max-minutes`` is
 this run's budget. The loss log is ``RUN_DIR/log.jsonl``. A run that trains nothing (``--steps``
-already reached) leaves an existing export as it is.
+already reached) leaves an existing export as it is, unless that export is of another step than
+the checkpoint (an interrupted run checkpoints without exporting: ``RUN_DIR/exported.json``
+records the step exported). The checkpoint records the target (its path, config.json and
+vocabulary) and the draft's shape; a run with another target or shape refuses to resume it.
 
 At the end the run checks that the exported draft's tokenizer gives the target's vocabulary
 fingerprint (and fails if not, saying what differs), measures greedy acceptance and the cost
@@ -32,7 +35,9 @@ that serve the pair (train/verdict.py). ``RUN_DIR/summary.json`` records all of 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -40,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
-from train import corpus, loop, verdict
+from specdec.lm import vocab_fingerprint
+from train import checkpoint, corpus, loop, verdict
 from train.architecture import draft_config
 from train.data import WindowSampler, corpus_tokens
 from train.pretrain import seed_everything
@@ -90,6 +96,45 @@ def distillation_loss(target, temperature: float = 1.0, ce_weight: float = 0.0):
     return loss_fn
 
 
+def _number(kind, low: float, above: bool = False):
+    """An argparse type: a `kind` number >= low (> low with `above`), finite."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(v) and (v > low if above else v >= low)):
+            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {low}{'' if kind is int else ' and finite'}, not {text}")
+        return v
+    return parse
+
+
+POSITIVE_INT, COUNT, POSITIVE = _number(int, 1), _number(int, 0), _number(float, 0, above=True)
+
+
+def check_corpus(specs) -> None:
+    """One line for a corpus spec that names nothing: a missing path, a package not installed."""
+    for spec in specs:
+        if spec.startswith("package:"):
+            try:
+                corpus.package_location(spec.split(":", 1)[1])
+            except FileNotFoundError as e:
+                raise SystemExit(f"distill: --corpus {spec}: {e}") from None
+        elif spec != "stdlib" and not Path(spec).exists():
+            raise SystemExit(f"distill: --corpus {spec}: no such file or directory")
+
+
+def identity(target_dir: Path, tokenizer, target, draft) -> dict:
+    """What a checkpoint was trained for: the target (path, config.json, vocabulary) and the draft's shape."""
+    c = draft.config
+    return {"target": str(target_dir.resolve()),
+            "target config.json sha256": hashlib.sha256((target_dir / "config.json").read_bytes()).hexdigest()[:16],
+            "target vocabulary fingerprint": vocab_fingerprint(tokenizer, verdict.output_rows(target))[:16],
+            "--layers": c.num_hidden_layers, "--hidden": c.hidden_size, "--heads": c.num_attention_heads,
+            "--intermediate": c.intermediate_size, "--untie": not c.tie_word_embeddings,
+            "--max-positions": c.max_position_embeddings}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m train.distill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,19 +146,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--init-from", default=None, help="start from this draft directory instead of random weights")
     ap.add_argument("--out", required=True, help="output directory of the draft model")
     ap.add_argument("--run-dir", default=None, help="checkpoints and loss log (default runs/distill-<out name>)")
-    ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default 4 x hidden)")
+    ap.add_argument("--layers", type=POSITIVE_INT, default=1)
+    ap.add_argument("--hidden", type=POSITIVE_INT, default=256)
+    ap.add_argument("--heads", type=POSITIVE_INT, default=4)
+    ap.add_argument("--intermediate", type=POSITIVE_INT, default=None, help="MLP width (default 4 x hidden)")
     ap.add_argument("--untie", action="store_true", help="separate output layer (default: tied to the embedding)")
-    ap.add_argument("--max-positions", type=int, default=None, help="default: the target's")
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--max-minutes", type=float, default=None, help="this run's training time budget (a re-run trains this long again)")
+    ap.add_argument("--max-positions", type=POSITIVE_INT, default=None, help="default: the target's")
+    ap.add_argument("--seq-len", type=POSITIVE_INT, default=256)
+    ap.add_argument("--batch-size", type=POSITIVE_INT, default=16)
+    ap.add_argument("--steps", type=POSITIVE_INT, default=2000)
+    ap.add_argument("--max-minutes", type=POSITIVE, default=None, help="this run's training time budget (a re-run trains this long again)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
+    ap.add_argument("--temperature", type=POSITIVE, default=1.0, help="distillation temperature")
     ap.add_argument("--ce-weight", type=float, default=0.1, help="weight of the corpus cross-entropy")
     ap.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32")
@@ -123,23 +168,42 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-ratio", type=float, default=0.1, help="warn if draft/target parameters exceed this")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--verdict-prompts", type=int, default=16, help="held-out prompts the closing acceptance estimate uses (0: skip it)")
+    ap.add_argument("--verdict-prompts", type=COUNT, default=16, help="held-out prompts the closing acceptance estimate uses (0: skip it)")
     args = ap.parse_args(argv)
+    if args.hidden % args.heads:
+        ap.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+
+    target_dir, out_dir = Path(args.target), Path(args.out)
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"distill-{out_dir.name}"
+    if not (target_dir / "config.json").is_file():
+        raise SystemExit(f"distill: --target {args.target} is not a local model directory (no config.json in it)")
+    if out_dir.resolve() == target_dir.resolve():
+        raise SystemExit(f"distill: --out {args.out} is the --target directory: the export would overwrite the target; give another --out")
+    if (out_dir / "config.json").is_file() and not (run_dir / checkpoint.CKPT_NAME).is_file():
+        raise SystemExit(f"distill: --out {args.out} already holds a model (config.json) that this run did not make "
+                         f"({run_dir} has no checkpoint): give another --out, or remove it")
+    specs = corpus.expand(args.corpus, args.exclude)
+    check_corpus(specs)
 
     if args.threads:
         torch.set_num_threads(args.threads)
     seed_everything(args.seed)
-    target_dir, out_dir = Path(args.target), Path(args.out)
-    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"distill-{out_dir.name}"
-
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, args.target_dtype))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise SystemExit(f"distill: no tokenizer loads from --target {args.target} ({_first_line(e)})") from None
+    try:
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, args.target_dtype), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"distill: the model in --target {args.target} does not load ({_first_line(e)})") from None
     target.to(args.device).eval().requires_grad_(False)
 
-    specs = corpus.expand(args.corpus, args.exclude)
     tokens, rows = corpus_tokens(tokenizer, specs, "train", cache=args.tokens_cache)
     n_files = sum(r["files"] for r in rows)
     print(f"corpus: {len(specs)} sources, {n_files} files, {tokens.numel():,} tokens", flush=True)
+    if tokens.numel() < 2:
+        raise SystemExit(f"distill: the corpus has no text to train on ({n_files} readable text files, "
+                         f"{tokens.numel()} tokens in --corpus {' '.join(args.corpus)})")
 
     torch.manual_seed(args.seed)
     cfg = draft_config(target.config, args.hidden, args.layers, args.heads,
@@ -156,9 +220,12 @@ def main(argv=None) -> dict:
     summary = loop.run(draft, sampler.batch, distillation_loss(target, args.temperature, args.ce_weight),
                        loop.LoopConfig(run_dir=run_dir, max_steps=args.steps, max_minutes=args.max_minutes,
                                        lr=args.lr, warmup_steps=args.warmup, bf16=not args.no_bf16,
-                                       checkpoint_minutes=args.checkpoint_minutes, desc="distill", compile=args.compile))
+                                       checkpoint_minutes=args.checkpoint_minutes, desc="distill", compile=args.compile,
+                                       identity=identity(target_dir, tokenizer, target, draft)))
 
-    exported = summary["steps_this_run"] > 0 or (summary["steps"] > 0 and not (out_dir / "config.json").is_file())
+    # export the checkpoint unless --out holds it already (an interrupted run checkpointed, exported nothing)
+    record = {"step": summary["steps"], "out": str(out_dir.resolve())}
+    exported = summary["steps"] > 0 and (not (out_dir / "config.json").is_file() or _exported(run_dir) != record)
     if exported:
         draft.generation_config = GenerationConfig.from_dict(target.generation_config.to_dict()) \
             if target.generation_config is not None else GenerationConfig()
@@ -166,7 +233,8 @@ def main(argv=None) -> dict:
         m.config.use_cache = True
         m.save_pretrained(out_dir, safe_serialization=True, max_shard_size="40MB")
         copy_tokenizer(target_dir, out_dir, tokenizer)
-    summary.update(exported=exported, out=str(out_dir), target=str(target_dir))
+        (run_dir / EXPORTED).write_text(json.dumps(record) + "\n")
+    summary.update(exported=exported, exported_step=(_exported(run_dir) or {}).get("step"), out=str(out_dir), target=str(target_dir))
     summary.update(target_parameters=n_t, draft_parameters=n_d, ratio=n_d / n_t,
                    corpus_tokens=int(tokens.numel()), corpus_files=n_files, device=str(args.device),
                    seq_len=sampler.seq_len, batch_size=args.batch_size, max_steps=args.steps, lr=args.lr,
@@ -190,6 +258,20 @@ def main(argv=None) -> dict:
     _write(run_dir, summary)
     print(f"summary: {run_dir / 'summary.json'}", flush=True)
     return summary
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
+EXPORTED = "exported.json"  # in the run directory: the step exported last, and where to
+
+
+def _exported(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / EXPORTED).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _write(run_dir: Path, summary: dict) -> None:

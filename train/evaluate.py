@@ -3,7 +3,10 @@
     python -m train.evaluate --target models/stdlib-code-target --draft models/stdlib-code-draft \
         --out models/eval.json
 
-Everything is measured in float32 with batch-1 KV-cache decoding, the way the services run:
+Everything is measured in float32 with batch-1 KV-cache decoding, the way the services run, on
+held-out text of ``--corpus`` (where it holds out too little: the end of its training text, as
+``text`` says). The draft must pair with the target as the services pair them (the same vocabulary
+fingerprint, or the same tokenizer over other output rows: then q is taken over the target's rows):
 
 * held-out loss (nats/token) of each model on held-out windows;
 * greedy acceptance α: teacher-forced agreement of the draft's argmax with the target's argmax
@@ -63,6 +66,25 @@ def heldout_loss(model, tokens: torch.Tensor, seq_len: int, max_windows: int) ->
     return total / count
 
 
+def rows(model) -> int:
+    """The model's output rows (its vocabulary size, padding rows included)."""
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def fit_rows(logits: torch.Tensor, n: int) -> torch.Tensor:
+    """A draft's logits over the target's `n` output rows (as the draft service sends q, Drafter._fit):
+    rows past `n` cut (padding past the shared tokenizer), missing rows -inf (never proposed)."""
+    if logits.shape[-1] >= n:
+        return logits[..., :n]
+    return F.pad(logits, (0, n - logits.shape[-1]), value=float("-inf"))
+
+
+def feedable(model, ids: torch.Tensor) -> torch.Tensor:
+    """`ids` with any past the model's embedding rows (the target's padding rows, never a token) as 0."""
+    n = model.get_input_embeddings().num_embeddings
+    return ids.masked_fill(ids >= n, 0)
+
+
 def prompts_from(tokens: torch.Tensor, n: int, length: int) -> torch.Tensor:
     """``n`` prompts of ``length`` tokens at evenly spaced offsets of the held-out stream."""
     span = tokens.numel() - length - 1
@@ -94,8 +116,9 @@ def greedy_acceptance(target, draft, prompts: torch.Tensor, steps: int, batch: i
         cont = greedy_continue(target, p, steps)
         full = torch.cat([p, cont], dim=1)
         L = p.size(1)
-        t_arg = target(input_ids=full[:, :-1]).logits[:, L - 1:].argmax(-1)
-        d_arg = draft(input_ids=full[:, :-1]).logits[:, L - 1:].argmax(-1)
+        t_logits = target(input_ids=full[:, :-1]).logits[:, L - 1:]
+        t_arg = t_logits.argmax(-1)
+        d_arg = fit_rows(draft(input_ids=feedable(draft, full[:, :-1])).logits[:, L - 1:], t_logits.size(-1)).argmax(-1)
         # t_arg re-derives the continuation in one parallel pass; use it as the reference so
         # tiny numeric differences between cached and parallel passes cannot bias α.
         agree_rows.append((d_arg == t_arg).float())
@@ -148,11 +171,12 @@ def sampled_acceptance(target, draft, prompts: torch.Tensor, gamma: int, batch: 
     """T=1 acceptance per proposal position along the draft's own samples."""
     gen = torch.Generator().manual_seed(seed)
     betas, ratios = [], []
+    n = rows(target)  # q over the target's rows, as the draft service sends it
     for i in range(0, len(prompts), batch):
         p = prompts[i:i + batch]
-        out = draft(input_ids=p, use_cache=True)
+        out = draft(input_ids=feedable(draft, p), use_cache=True)
         past, qs, xs = returned_cache(out), [], []
-        logits = out.logits[:, -1].float()
+        logits = fit_rows(out.logits[:, -1].float(), n)
         for k in range(gamma):
             q = F.softmax(logits, dim=-1)
             x = torch.multinomial(q, 1, generator=gen)
@@ -161,7 +185,7 @@ def sampled_acceptance(target, draft, prompts: torch.Tensor, gamma: int, batch: 
             if k + 1 < gamma:
                 out = draft(input_ids=x, use_cache=True, **cache_kwargs(draft, past))
                 past = returned_cache(out)
-                logits = out.logits[:, -1].float()
+                logits = fit_rows(out.logits[:, -1].float(), n)
         xs_t = torch.cat(xs, dim=1)
         L = p.size(1)
         t_logits = target(input_ids=torch.cat([p, xs_t[:, :-1]], dim=1)).logits[:, L - 1:].float()
@@ -213,8 +237,17 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
+    from train.verdict import check_pair  # noqa: PLC0415 - train.verdict imports this module
+
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target, draft = load(args.target), load(args.draft)
+    n_t, n_d = rows(target), rows(draft)
+    pair = check_pair(tokenizer, n_t, args.draft, n_d)
+    if not pair["match"] and n_d != n_t:  # other rows over the same tokenizer pair too (the draft's q goes over the target's)
+        pair = check_pair(tokenizer, n_t, args.draft, n_t)
+    if not pair["match"]:
+        raise SystemExit(f"evaluate: the draft {args.draft} does not pair with the target {args.target}: vocabulary fingerprint "
+                         f"{pair['draft_fingerprint'][:12]}, the target's {pair['target_fingerprint'][:12]} ({pair['problem']})")
     ood_names = [x.split(":", 1)[1] for x in args.ood_corpus if x.startswith("package:")]
     trained = corpus.documents(args.corpus, "train", exclude=ood_names)  # as train.gpu.sh trains: --exclude the OOD packages
     held = corpus.documents(args.corpus, "heldout", exclude=ood_names)
@@ -222,24 +255,36 @@ def main(argv=None) -> dict:
     print(f"held-out: {len(held) - len(docs)} files left out, copies of trained ones", flush=True)
     tokens = tokenize_documents(tokenizer, docs)
     print(f"held-out: {len(docs)} files, {tokens.numel():,} tokens", flush=True)
+    seq = min(args.loss_seq_len, target.config.max_position_embeddings)
+    text, held_tokens = "held-out files", tokens.numel()
+    if tokens.numel() < max(seq, args.prompt_len) + args.prompts + 1:  # as train.verdict.measure does
+        text = (f"the end of the training text (too little held out: {len(docs)} files, {tokens.numel():,} tokens; "
+                f"--loss-seq-len {seq} and --prompt-len {args.prompt_len} need {max(seq, args.prompt_len) + args.prompts + 1})")
+        tokens = tokenize_documents(tokenizer, trained)
+        tokens = tokens[-max(args.loss_windows * seq + 1, args.prompt_len + args.prompts + 1):]
+        seq = max(1, min(seq, tokens.numel() - 1))
+        print(f"measured on {text}: {tokens.numel():,} tokens", flush=True)
+    if tokens.numel() < 2:
+        raise SystemExit(f"evaluate: nothing to measure on: --corpus {' '.join(args.corpus)} gives {tokens.numel()} tokens")
+    prompt_len = min(args.prompt_len, tokens.numel() - 1)
     res: dict = {
         "target": args.target, "draft": args.draft,
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "draft_parameters": sum(p.numel() for p in draft.parameters()),
         "vocab_size": target.config.vocab_size, "prompts": args.prompts,
-        "heldout_files": len(docs), "heldout_tokens": int(tokens.numel()), "heldout_files_left_out_as_trained": len(held) - len(docs),
+        "text": text, "heldout_files": len(docs), "heldout_tokens": int(held_tokens),
+        "heldout_files_left_out_as_trained": len(held) - len(docs),
         "machine": {"processor": platform.processor() or platform.machine(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
     }
     t0 = time.time()
-    seq = min(args.loss_seq_len, target.config.max_position_embeddings)
     res["heldout_loss_nats_per_token"] = {
         "target": heldout_loss(target, tokens, seq, args.loss_windows),
         "draft": heldout_loss(draft, tokens, seq, args.loss_windows),
         "tokens": min(args.loss_windows, (tokens.numel() - 1) // seq) * seq,
     }
     print("loss", res["heldout_loss_nats_per_token"], flush=True)
-    prompts = prompts_from(tokens, args.prompts, args.prompt_len)
+    prompts = prompts_from(tokens, args.prompts, prompt_len)
     res["greedy"] = greedy_acceptance(target, draft, prompts, args.continuation, args.batch)
     print("greedy", res["greedy"], flush=True)
     res["code_prompts"] = code_prompts_quality(target, draft, tokenizer, CODE_PROMPTS, args.code_tokens)
@@ -248,9 +293,12 @@ def main(argv=None) -> dict:
         ood_docs = corpus.documents(args.ood_corpus, "all")
         kept = corpus.unseen(ood_docs, trained)  # pip vendors rich: its trained copy is not out of domain
         ood = tokenize_documents(tokenizer, kept)
+        if ood.numel() < prompt_len + 1:
+            raise SystemExit(f"evaluate: --ood-corpus {' '.join(args.ood_corpus)} gives {len(kept)} files and {ood.numel()} tokens "
+                             f"not trained on: too few for prompts of {prompt_len} tokens")
         res["out_of_domain"] = {"corpus": args.ood_corpus, "tokens": int(ood.numel()), "files": len(kept),
                                 "files_left_out_as_trained": len(ood_docs) - len(kept),
-                                **greedy_acceptance(target, draft, prompts_from(ood, args.prompts, args.prompt_len),
+                                **greedy_acceptance(target, draft, prompts_from(ood, args.prompts, prompt_len),
                                                     args.continuation, args.batch)}
         print("out of domain", res["out_of_domain"]["alpha"], flush=True)
     res["sampled_T1"] = sampled_acceptance(target, draft, prompts, 8, args.batch, args.seed)

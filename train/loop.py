@@ -38,6 +38,8 @@ class LoopConfig:
     log_every: int = 10
     desc: str = "train"
     compile: bool = False  # torch.compile the forward and loss (H100: 33 s of warm-up, then 2x the tokens/s)
+    identity: dict | None = None  # what the run trains (distill: the target, the draft's shape); saved with each
+    # checkpoint, and a checkpoint saved with another is refused (one without any resumes)
 
 
 def _param_groups(model, weight_decay: float):
@@ -57,6 +59,16 @@ def _last_logged(run_dir: Path) -> dict:
     except OSError:
         return {}
     return json.loads(lines[-1]) if lines else {}
+
+
+def _check_identity(run_dir: Path, saved: dict | None, cfg: LoopConfig) -> None:
+    """Refuses to resume a checkpoint saved with another identity, in one line saying what differs."""
+    if saved is None or cfg.identity is None or saved == cfg.identity:
+        return
+    diff = "; ".join(f"{k} {saved.get(k)} (now {cfg.identity.get(k)})"
+                     for k in dict.fromkeys([*cfg.identity, *saved]) if saved.get(k) != cfg.identity.get(k))
+    raise SystemExit(f"{cfg.desc}: the checkpoint in {run_dir} is of another run ({diff}): give another --run-dir, "
+                     f"or remove {run_dir} to start over")
 
 
 def planned_steps(step: int, max_steps: int, run_steps: int, run_elapsed_s: float, budget_s: float | None) -> int:
@@ -80,6 +92,7 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
     step, elapsed, last = 0, 0.0, {}
     state = checkpoint.load(run_dir)
     if state is not None:
+        _check_identity(run_dir, (state.get("extra") or {}).get("identity"), cfg)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, elapsed = state["step"], state["elapsed_s"]
@@ -99,6 +112,7 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
     tokens_per_step = None
     run_s = 0.0
     total_s = elapsed + max_s if max_s is not None else None
+    ident = {"identity": cfg.identity} if cfg.identity is not None else {}
     try:
         while step < cfg.max_steps and not (max_s is not None and run_s >= max_s):
             frac = schedule.progress(step, cfg.max_steps, elapsed, total_s)
@@ -135,14 +149,14 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
             bar.total = planned_steps(step, cfg.max_steps, step - first_step, run_s, max_s)
             bar.update(1)
             if time.monotonic() - last_ckpt >= cfg.checkpoint_minutes * 60:
-                checkpoint.save(run_dir, model, opt, step, elapsed, {"last": last})
+                checkpoint.save(run_dir, model, opt, step, elapsed, {"last": last, **ident})
                 last_ckpt = time.monotonic()
     finally:
         bar.total = step  # the run ended here, whichever limit ended it
         bar.close()
         if step > first_step:
             log.write(json.dumps(last) + "\n")
-            checkpoint.save(run_dir, model, opt, step, elapsed, {"last": last})
+            checkpoint.save(run_dir, model, opt, step, elapsed, {"last": last, **ident})
         log.close()
     model.eval()
     run_steps = step - first_step

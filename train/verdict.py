@@ -23,11 +23,8 @@ from specdec.v1 import specdec_pb2 as pb
 from train import corpus
 from train.data import tokenize_documents
 from train.evaluate import greedy_acceptance, prompts_from, speedup_table
+from train.evaluate import rows as output_rows  # noqa: F401 - train.distill's name for it
 from train.latency import compare_latency
-
-
-def output_rows(model) -> int:
-    return model.get_output_embeddings().weight.shape[0]
 
 
 def check_pair(target_tokenizer, target_rows: int, draft_dir, draft_rows: int) -> dict:
@@ -53,7 +50,8 @@ def measure(target, draft, tokenizer, specs, train_tokens: torch.Tensor, prompts
     limit = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
     continuation = max(1, min(continuation, limit // 4))
     prompt_len = max(1, min(prompt_len, limit - continuation - 1))
-    tokens = tokenize_documents(tokenizer, corpus.documents(specs, "heldout"))
+    held = corpus.unseen(corpus.documents(specs, "heldout"), corpus.documents(specs, "train"))  # not copies of trained files
+    tokens = tokenize_documents(tokenizer, held)
     source = "held-out files"
     if tokens.numel() < prompt_len + prompts + 1:
         tokens, source = train_tokens[-max(prompt_len + prompts + 1, 4 * prompt_len):], "the end of the training text (too little held out)"
