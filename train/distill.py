@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 from specdec.lm import vocab_fingerprint
-from train import checkpoint, corpus, loop, verdict
+from train import checkpoint, corpus, loop, pairing, verdict
 from train.architecture import draft_config
 from train.data import WindowSampler, corpus_tokens
 from train.pretrain import seed_everything
@@ -129,7 +129,7 @@ def identity(target_dir: Path, tokenizer, target, draft) -> dict:
     c = draft.config
     return {"target": str(target_dir.resolve()),
             "target config.json sha256": hashlib.sha256((target_dir / "config.json").read_bytes()).hexdigest()[:16],
-            "target vocabulary fingerprint": vocab_fingerprint(tokenizer, verdict.output_rows(target))[:16],
+            "target vocabulary fingerprint": vocab_fingerprint(tokenizer, pairing.rows(target))[:16],
             "--layers": c.num_hidden_layers, "--hidden": c.hidden_size, "--heads": c.num_attention_heads,
             "--intermediate": c.intermediate_size, "--untie": not c.tie_word_embeddings,
             "--max-positions": c.max_position_embeddings}
@@ -245,7 +245,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"distill: nothing trained (--steps {args.steps}, --max-minutes {args.max_minutes}) and no draft "
                          f"in {out_dir}: nothing exported")
     saved = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
-    pair = verdict.check_pair(tokenizer, verdict.output_rows(target), out_dir, verdict.output_rows(saved))
+    pair = pairing.check_pair(tokenizer, pairing.rows(target), out_dir, pairing.rows(saved))
     summary.update(pair)
     if not pair["match"]:
         _write(run_dir, summary)

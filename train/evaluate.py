@@ -43,6 +43,7 @@ from train import corpus
 from train.code_prompts import CODE_PROMPTS
 from train.data import tokenize_documents
 from train.latency import compare_latency
+from train.pairing import check_pair, feedable, fit_rows, rows
 
 GAMMAS = range(1, 9)
 
@@ -64,25 +65,6 @@ def heldout_loss(model, tokens: torch.Tensor, seq_len: int, max_windows: int) ->
         total += F.cross_entropy(logits[0], w[0, 1:], reduction="sum").item()
         count += seq_len
     return total / count
-
-
-def rows(model) -> int:
-    """The model's output rows (its vocabulary size, padding rows included)."""
-    return model.get_output_embeddings().weight.shape[0]
-
-
-def fit_rows(logits: torch.Tensor, n: int) -> torch.Tensor:
-    """A draft's logits over the target's `n` output rows (as the draft service sends q, Drafter._fit):
-    rows past `n` cut (padding past the shared tokenizer), missing rows -inf (never proposed)."""
-    if logits.shape[-1] >= n:
-        return logits[..., :n]
-    return F.pad(logits, (0, n - logits.shape[-1]), value=float("-inf"))
-
-
-def feedable(model, ids: torch.Tensor) -> torch.Tensor:
-    """`ids` with any past the model's embedding rows (the target's padding rows, never a token) as 0."""
-    n = model.get_input_embeddings().num_embeddings
-    return ids.masked_fill(ids >= n, 0)
 
 
 def prompts_from(tokens: torch.Tensor, n: int, length: int) -> torch.Tensor:
@@ -237,7 +219,6 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    from train.verdict import check_pair  # noqa: PLC0415 - train.verdict imports this module
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target, draft = load(args.target), load(args.draft)

@@ -1,6 +1,6 @@
 """The end of a distillation run: does the pair work, and does it pay?
 
-* ``check_pair``: the draft directory's tokenizer must load as the target's does (same class,
+* ``check_pair`` (train/pairing.py): the draft directory's tokenizer must load as the target's does (same class,
   same vocabulary, same special tokens) and the two vocabulary fingerprints the services compare
   at start-up (specdec/lm.py) must match; otherwise it says what differs (specdec/vocabdiff.py).
 * ``measure``: greedy acceptance α of the draft along the target's own greedy continuations of
@@ -15,29 +15,11 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoTokenizer
 
-from specdec import vocabdiff
-from specdec.lm import vocab_fingerprint
-from specdec.v1 import specdec_pb2 as pb
 from train import corpus
 from train.data import tokenize_documents
 from train.evaluate import greedy_acceptance, prompts_from, speedup_table
-from train.evaluate import rows as output_rows  # noqa: F401 - train.distill's name for it
 from train.latency import compare_latency
-
-
-def check_pair(target_tokenizer, target_rows: int, draft_dir, draft_rows: int) -> dict:
-    """Both fingerprints and whether they match; `problem` says what differs when they do not."""
-    dtok = AutoTokenizer.from_pretrained(draft_dir)
-    t_fp, d_fp = vocab_fingerprint(target_tokenizer, target_rows), vocab_fingerprint(dtok, draft_rows)
-    out = {"target_fingerprint": t_fp, "draft_fingerprint": d_fp, "match": t_fp == d_fp,
-           "tokenizer_class": type(target_tokenizer).__name__, "draft_tokenizer_class": type(dtok).__name__}
-    if t_fp != d_fp:
-        out["problem"] = vocabdiff.explain(
-            pb.ModelInfo(vocab_size=target_rows, tokenizer=vocabdiff.tokenizer_info(target_tokenizer, True)),
-            pb.ModelInfo(vocab_size=draft_rows, tokenizer=vocabdiff.tokenizer_info(dtok, True)))
-    return out
 
 
 @torch.no_grad()
