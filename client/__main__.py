@@ -123,7 +123,8 @@ def _run(a) -> int:
         if a.cmd == "info":
             print(json.dumps(MessageToDict(client.info(), preserving_proto_field_name=True), indent=2))
             return 0
-        why = field_error(dict(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens, top_k=a.top_k, seed=a.seed,
+        why = field_error(dict(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                               top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                                stop=a.stop, num_draft_tokens=a.tau, sparse_k=a.sparse_k, request_id=a.request_id,
                                tree_budget=a.tree_budget), name=_flag)
         if why:

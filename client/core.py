@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -95,6 +96,9 @@ def retry_service_config(retries: int) -> str:
 
 
 UINT32_FIELDS = ("max_new_tokens", "top_k", "num_draft_tokens", "sparse_k", "tree_budget")
+MIN_TEMPERATURE = 1e-4  # the services' least sampled temperature (specdec/validation.py)
+MAX_FLOAT32 = 3.4028234663852886e38
+MIN_TOP_P = 2.0 ** -126  # the least normal float32: smaller ones round toward 0, which means unset
 
 
 def field_error(values: dict, name=lambda field: field) -> str | None:
@@ -102,8 +106,11 @@ def field_error(values: dict, name=lambda field: field) -> str | None:
     unsigned and 32-bit integers, stop strings that are strings, and text that is UTF-8 (a command
     line's undecodable bytes arrive as surrogates). None if all can. `name` names a field in the
     message (the CLI: its flag)."""
-    def integer(value, end) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < end
+    def integer(value, end) -> bool:  # ints, and what stands for one (numpy's, a 0-d tensor): protobuf takes those
+        try:
+            return not isinstance(value, bool) and 0 <= operator.index(value) < end
+        except TypeError:
+            return False
 
     for f in UINT32_FIELDS:
         if f in values and not integer(values[f], 1 << 32):
@@ -112,6 +119,11 @@ def field_error(values: dict, name=lambda field: field) -> str | None:
         return f"{name('seed')} must be an integer in [0, {(1 << 64) - 1}], got {values['seed']!r}"
     if any(not integer(i, 1 << 31) for i in values.get("prompt_ids") or ()):
         return f"{name('prompt_ids')}: token ids are integers in [0, {(1 << 31) - 1}]"
+    t, p = values.get("temperature", 0.0), values.get("top_p", 1.0)  # float32 fields: a tiny value would arrive as 0
+    if not (math.isfinite(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_FLOAT32)):
+        return f"{name('temperature')} must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_FLOAT32:.4g}], got {t!r}"
+    if not (MIN_TOP_P <= p <= 1 or p == 0):  # 0 is unset (1); a value that rounds to 0 in float32 would be read so too
+        return f"{name('top_p')} must be in [{MIN_TOP_P:g}, 1] (0: unset), got {p!r}"
     stop = values.get("stop") or []
     if any(not isinstance(x, str) for x in stop):
         return f"{name('stop')}: stop strings are strings"
@@ -152,7 +164,8 @@ def make_request(prompt: str | None = None, prompt_ids: list[int] | None = None,
         if value is not None and value not in names:
             raise ValueError(f"{name} must be one of {', '.join(sorted(names))}, got {value!r}")
     stop = [stop] if isinstance(stop, str) else list(stop or [])
-    why = field_error(dict(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, top_k=top_k, seed=seed, stop=stop,
+    why = field_error(dict(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=seed, stop=stop,
                            num_draft_tokens=num_draft_tokens, sparse_k=sparse_k, request_id=request_id, tree_budget=tree_budget))
     if why:
         raise ValueError(why)

@@ -166,6 +166,7 @@ def parser() -> startup.Parser:
 def main(argv=None) -> None:
     p = parser()
     args = p.parse_args(argv)
+    startup.check_server_args(p, args)
     if args.chat_template:
         try:
             with open(args.chat_template, encoding="utf-8") as f:

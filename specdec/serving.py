@@ -216,7 +216,12 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
         mport = metrics.serve_metrics(args.metrics_port, args.host)
     except OSError as e:
         raise StartupError(f"--metrics-port {args.metrics_port}: cannot listen on {args.host}:{args.metrics_port}: {e.strerror or e}") from None
+    stop = asyncio.Event()  # SIGTERM from here on is the drain (before, startup.main's one-line exit): set before the
+    loop = asyncio.get_running_loop()  # server starts, so a signal that lands as it starts drains it
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     await server.start()
+
     async def set_health(status, liveness=None) -> None:  # the service's own name (readiness); with liveness, a status
         await health.set(service_name, status)  # for "" (the whole server: what liveness probes check) too
         if liveness is not None:
@@ -234,10 +239,6 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
     log.info("serving", extra={"fields": {"address": f"{args.host}:{port}", "metrics_port": mport, "service": service_name,
                                           "startup_s": process_age_s()}})
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("draining", extra={"fields": {"grace_s": args.drain_s}})
     await health.enter_graceful_shutdown()  # orchestrators stop routing here at once

@@ -87,6 +87,12 @@ def or_auto(parse):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # one of them: a tokenizer transformers can load
 
 
+def check_server_args(p: argparse.ArgumentParser, args) -> None:
+    """The server flags that only mean something together (add_server_args): a usage error otherwise."""
+    if args.max_connection_age_grace_s is not None and not args.max_connection_age_s:
+        p.error("--max-connection-age-grace-s bounds streams on connections past --max-connection-age-s: give that too")
+
+
 def check_files(args, *names: str) -> None:
     """Each file flag that is set (args.<name>, e.g. tls_cert: PEM certificates and keys) names a
     readable PEM file (an empty or other file failed later, inside gRPC, blaming --port or not at all)."""
@@ -154,8 +160,9 @@ def check_port(host: str, port: int | None, flag: str) -> None:
         raise StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {bad[0].strerror or bad[0]}")
 
 
-class _Stopped(BaseException):
-    """SIGTERM before the service serves."""
+class _Stopped(SystemExit):
+    """SIGTERM before the service serves (a SystemExit: asyncio passes it out of a callback, where
+    another exception would be logged and dropped)."""
 
 
 def _stop(signum, frame):
@@ -204,7 +211,8 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--max-connection-age-s", type=number(float, above=0, high=(2**31 - 1) // 1000), default=None,  # ... in ms
                    help="close connections after this age so clients re-resolve")
     p.add_argument("--max-connection-age-grace-s", type=number(float, low=0, high=(2**31 - 1) // 1000), default=None,
-                   help="how long streams on a connection past its max age may run on (default: until they end)")
+                   help="with --max-connection-age-s: how long streams on a connection past its max age may run on "
+                        "(default: until they end)")
     p.add_argument("--drain-s", type=number(float, low=0), default=30.0, help="grace period for running streams on SIGTERM")
     p.add_argument("--tls-cert", default=env("SPECDEC_TLS_CERT"), help="server certificate (PEM); enables TLS [env SPECDEC_TLS_CERT]")
     p.add_argument("--tls-key", default=env("SPECDEC_TLS_KEY"), help="server private key (PEM) [env SPECDEC_TLS_KEY]")

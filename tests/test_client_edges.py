@@ -221,45 +221,41 @@ def test_a_stream_that_failed_after_a_token_is_not_sent_again(odd):
     """The server streams a token, then fails with a retryable status and a pushback: the call
     reaches it once (gRPC does not retry a call that has had a response), so no token comes twice."""
     for sync in (True, False):
-        rid = f"dies-{sync}"
+        rid, ids = f"dies-{sync}", []
         if sync:
             with Client(odd, timeout=30, retries=4) as c, pytest.raises(grpc.RpcError) as e:
-                ids = []
                 for chunk in c.stream(prompt="dies", request_id=rid):
                     ids += chunk.token_ids
         else:
             async def run():
-                ids = []
                 async with AsyncClient(odd, timeout=30, retries=4) as c:
                     async for chunk in c.stream(prompt="dies", request_id=rid):
-                        ids += chunk.token_ids
+                        ids.extend(chunk.token_ids)
             with pytest.raises(grpc.RpcError) as e:
                 asyncio.run(run())
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and Odd.calls[rid] == 1
-    assert ids == [3]
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and Odd.calls[rid] == 1 and ids == [3], (sync, ids)
 
 
 def test_an_interrupt_before_the_first_token_cancels_the_call(odd):
     """Ctrl-C while the sync client waits for its first token: the call is cancelled at once, not
     when the traceback (which a REPL keeps, and with it the call) is dropped."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
+    import _thread
+    import threading
 
-    old = signal.signal(signal.SIGALRM, interrupt)
-    try:
-        with Client(odd, timeout=30) as c:
-            signal.setitimer(signal.ITIMER_REAL, 0.5)
-            try:
-                c.generate(prompt="hang", request_id="interrupted")
-            except KeyboardInterrupt as e:
-                kept = e  # its traceback holds the frames, as a REPL's last traceback does
-            deadline = time.monotonic() + 10
-            while Odd.active.get("interrupted") and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert kept is not None and Odd.calls["interrupted"] == 1 and Odd.active["interrupted"] == 0
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    with Client(odd, timeout=30) as c:
+        timer = threading.Timer(0.5, _thread.interrupt_main)  # Ctrl-C's KeyboardInterrupt, in the main thread
+        timer.start()
+        kept = None
+        try:
+            c.generate(prompt="hang", request_id="interrupted")
+        except (KeyboardInterrupt, RuntimeError) as e:  # inside gRPC's locks it can surface as RuntimeError (client/__main__.py)
+            kept = e  # its traceback holds the frames, as a REPL's last traceback does
+        finally:
+            timer.cancel()
+        deadline = time.monotonic() + 10
+        while Odd.active.get("interrupted") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert kept is not None and Odd.calls["interrupted"] == 1 and Odd.active["interrupted"] == 0
 
 
 def test_an_async_client_serves_one_loop_after_another_and_after_close(odd):
@@ -290,9 +286,18 @@ def test_values_that_cannot_go_in_a_request_name_their_field(odd):
 
     for kw, field in ((dict(max_new_tokens=-1), "max_new_tokens"), (dict(seed=-1), "seed"), (dict(top_k=2**32), "top_k"),
                       (dict(prompt_ids=[2**31]), "prompt_ids"), (dict(stop=["x", None]), "stop"),
-                      (dict(prompt="\udcff"), "prompt"), (dict(num_draft_tokens=1.5), "num_draft_tokens")):
+                      (dict(prompt="\udcff"), "prompt"), (dict(num_draft_tokens=1.5), "num_draft_tokens"),
+                      # float32 fields: 1e-50 arrived as 0 (greedy; for top_p, unset, i.e. no nucleus)
+                      (dict(temperature=1e-50), "temperature"), (dict(temperature=float("inf")), "temperature"),
+                      (dict(top_p=1e-50), "top_p")):
         with pytest.raises(ValueError, match=f"^{field}"):
             make_request(**kw)
+    import numpy as np
+    import torch
+
+    # what stands for an int (a tokenizer's numpy or torch ids) is taken, as protobuf takes it
+    r = make_request(prompt_ids=list(np.array([3, 4])) + [torch.tensor(5)], max_new_tokens=np.int64(8))
+    assert list(r.prompt_ids) == [3, 4, 5] and r.max_new_tokens == 8
     for bad in (-1, 5, 1.5, True):
         with pytest.raises(ValueError, match="retries must be an integer in \\[0, 4\\]"):
             Client(odd, retries=bad)

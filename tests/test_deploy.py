@@ -306,6 +306,9 @@ def test_a_connection_past_its_max_age_lets_its_streams_finish_unless_a_grace_is
     bounded = options("--max-connection-age-s", "300", "--max-connection-age-grace-s", "600")
     assert bounded["grpc.max_connection_age_grace_ms"] == 600_000
     assert "grpc.max_connection_age_ms" not in options()
+    r = subprocess.run([sys.executable, "-m", "verify_service", "--model", "m", "--max-connection-age-grace-s", "5"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--max-connection-age-grace-s bounds streams" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

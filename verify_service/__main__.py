@@ -41,6 +41,7 @@ def parser() -> startup.Parser:
 def main(argv=None) -> None:
     p = parser()
     args = p.parse_args(argv)
+    startup.check_server_args(p, args)
     token_auth = auth.server_interceptor(args)  # reads the token files: fail at start-up, not on the first request
     startup.check_files(args, "tls_cert", "tls_key", "tls_client_ca")
     startup.check_model_dir(args.model)
