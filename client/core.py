@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import operator
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -96,9 +97,14 @@ def retry_service_config(retries: int) -> str:
 
 
 UINT32_FIELDS = ("max_new_tokens", "top_k", "num_draft_tokens", "sparse_k", "tree_budget")
-MIN_TEMPERATURE = 1e-4  # the services' least sampled temperature (specdec/validation.py)
-MAX_FLOAT32 = 3.4028234663852886e38
-MIN_TOP_P = 2.0 ** -126  # the least normal float32: smaller ones round toward 0, which means unset
+
+
+def _float32(x: float) -> float:
+    """x as a float32 field carries it (inf past its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def field_error(values: dict, name=lambda field: field) -> str | None:
@@ -119,11 +125,12 @@ def field_error(values: dict, name=lambda field: field) -> str | None:
         return f"{name('seed')} must be an integer in [0, {(1 << 64) - 1}], got {values['seed']!r}"
     if any(not integer(i, 1 << 31) for i in values.get("prompt_ids") or ()):
         return f"{name('prompt_ids')}: token ids are integers in [0, {(1 << 31) - 1}]"
-    t, p = values.get("temperature", 0.0), values.get("top_p", 1.0)  # float32 fields: a tiny value would arrive as 0
-    if not (math.isfinite(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_FLOAT32)):
-        return f"{name('temperature')} must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_FLOAT32:.4g}], got {t!r}"
-    if not (MIN_TOP_P <= p <= 1 or p == 0):  # 0 is unset (1); a value that rounds to 0 in float32 would be read so too
-        return f"{name('top_p')} must be in [{MIN_TOP_P:g}, 1] (0: unset), got {p!r}"
+    # float32 fields: a value so small it arrives as 0 would be read as greedy (temperature) or unset (top_p: 1) by the
+    # server, which cannot tell; what arrives as itself the server checks (specdec/validation.py)
+    for f in ("temperature", "top_p"):
+        if values.get(f) and _float32(values[f]) == 0:
+            meaning = "greedy" if f == "temperature" else "unset, i.e. 1: no nucleus"
+            return f"{name(f)} {values[f]!r} arrives as 0 in its float32 field ({meaning}): give 0 or a larger value"
     stop = values.get("stop") or []
     if any(not isinstance(x, str) for x in stop):
         return f"{name('stop')}: stop strings are strings"

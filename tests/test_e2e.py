@@ -50,7 +50,7 @@ def test_cli_prompt_ids_and_sampling_flags(services):
 
 @pytest.mark.parametrize("args,field", [
     (["--prompt", ""], "prompt"),
-    (["--prompt", "w3", "--top-p", "1.5"], "--top-p"),  # checked before the call too (a float32 field), as --temperature
+    (["--prompt", "w3", "--top-p", "1.5"], "top_p"),
     (["--prompt", "w3", "--temperature", "-1"], "temperature"),
     (["--prompt-ids", "3,99"], "prompt_ids"),
     (["--prompt", "w3", "--max-new-tokens", "0"], "max_new_tokens"),
