@@ -711,3 +711,17 @@ def test_verdict_leaves_out_held_out_copies_of_trained_files(tmp_path, tiny_pair
     v = verdict.measure(target.eval(), draft, tok, [str(src)], train_tokens, prompts=2, prompt_len=8, continuation=4,
                         latency_rounds=1, latency_steps=2)
     assert v["text"].startswith("the end of the training text")
+
+
+def test_distill_warns_when_its_loss_would_not_fit_in_memory(monkeypatch, capsys):
+    """The loss holds several float32 tensors of the logits' size: a large vocabulary at the
+    default batch (16 x 256 x 151,936: about 16 GiB) ran out of memory with no word; now a warning
+    names the size and a batch that fits, and says nothing where the memory is there."""
+    from train import distill
+
+    monkeypatch.setattr(distill, "available_memory_bytes", lambda device: 8 << 30)
+    distill.warn_loss_memory(16, 256, 151_936, "cpu")
+    out = capsys.readouterr().out
+    assert "WARNING: the loss needs about 16.2 GiB" in out and "8.0 GiB is free: --batch-size 3 would fit" in out, out
+    distill.warn_loss_memory(16, 256, 8192, "cpu")
+    assert capsys.readouterr().out == ""

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
+from specdec.engine.cache import available_memory_bytes
 from specdec.lm import vocab_fingerprint
 from train import checkpoint, corpus, loop, pairing, verdict
 from train.architecture import draft_config
@@ -110,6 +111,20 @@ def _number(kind, low: float, above: bool = False):
 
 
 POSITIVE_INT, COUNT, POSITIVE = _number(int, 1), _number(int, 0), _number(float, 0, above=True)
+
+
+LOSS_TENSORS = 7  # float32 tensors of the logits' size the loss holds at once (both models' logits, log-softmaxes, grads)
+
+
+def warn_loss_memory(batch_size: int, seq_len: int, vocab: int, device) -> None:
+    """A warning, with a batch size that fits, when the loss alone would take more than half the
+    free memory: it grows with the vocabulary (about 16 GiB at the default batch for 152k tokens)."""
+    need = LOSS_TENSORS * batch_size * seq_len * vocab * 4
+    free = available_memory_bytes(torch.device(device))
+    if free and need > free / 2:
+        fits = max(1, int(batch_size * free / 2 / need))
+        print(f"WARNING: the loss needs about {need / 2**30:.1f} GiB ({LOSS_TENSORS} x batch {batch_size} x seq-len {seq_len} "
+              f"x vocabulary {vocab} x 4 bytes), {free / 2**30:.1f} GiB is free: --batch-size {fits} would fit", flush=True)
 
 
 def check_corpus(specs) -> None:
@@ -216,6 +231,7 @@ def main(argv=None) -> dict:
     if n_d > args.max_ratio * n_t:
         print(f"WARNING: the draft is larger than {args.max_ratio} of the target", flush=True)
 
+    warn_loss_memory(args.batch_size, args.seq_len, pairing.rows(target), args.device)
     sampler = WindowSampler(tokens, args.seq_len, args.batch_size, seed=args.seed)
     summary = loop.run(draft, sampler.batch, distillation_loss(target, args.temperature, args.ce_weight),
                        loop.LoopConfig(run_dir=run_dir, max_steps=args.steps, max_minutes=args.max_minutes,
