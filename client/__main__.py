@@ -124,7 +124,7 @@ def _run(a) -> int:
             print(json.dumps(MessageToDict(client.info(), preserving_proto_field_name=True), indent=2))
             return 0
         why = field_error(dict(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                               top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                               top_k=a.top_k, top_p=a.top_p, early_stop_p=a.early_stop_p, seed=a.seed,
                                stop=a.stop, num_draft_tokens=a.tau, sparse_k=a.sparse_k, request_id=a.request_id,
                                tree_budget=a.tree_budget), name=_flag)
         if why:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import math
+import numbers
 import operator
 import struct
 import time
@@ -101,10 +102,7 @@ UINT32_FIELDS = ("max_new_tokens", "top_k", "num_draft_tokens", "sparse_k", "tre
 
 def _float32(x: float) -> float:
     """x as a float32 field carries it (inf past its range)."""
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def field_error(values: dict, name=lambda field: field) -> str | None:
@@ -127,10 +125,14 @@ def field_error(values: dict, name=lambda field: field) -> str | None:
         return f"{name('prompt_ids')}: token ids are integers in [0, {(1 << 31) - 1}]"
     # float32 fields: a value so small it arrives as 0 would be read as greedy (temperature) or unset (top_p: 1) by the
     # server, which cannot tell; what arrives as itself the server checks (specdec/validation.py)
-    for f in ("temperature", "top_p"):
-        if values.get(f) and _float32(values[f]) == 0:
-            meaning = "greedy" if f == "temperature" else "unset, i.e. 1: no nucleus"
-            return f"{name(f)} {values[f]!r} arrives as 0 in its float32 field ({meaning}): give 0 or a larger value"
+    for f, meaning in (("temperature", "greedy"), ("top_p", "unset, i.e. 1: no nucleus"), ("early_stop_p", "off")):
+        v = values.get(f)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            return f"{name(f)} must be a number, got {v!r}"
+        if v and _float32(v) == 0:
+            return f"{name(f)} {v!r} arrives as 0 in its float32 field ({meaning}): give 0 or a larger value"
     stop = values.get("stop") or []
     if any(not isinstance(x, str) for x in stop):
         return f"{name('stop')}: stop strings are strings"
@@ -172,7 +174,7 @@ def make_request(prompt: str | None = None, prompt_ids: list[int] | None = None,
             raise ValueError(f"{name} must be one of {', '.join(sorted(names))}, got {value!r}")
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     why = field_error(dict(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                           top_p=top_p, seed=seed, stop=stop,
+                           top_p=top_p, early_stop_p=early_stop_p, seed=seed, stop=stop,
                            num_draft_tokens=num_draft_tokens, sparse_k=sparse_k, request_id=request_id, tree_budget=tree_budget))
     if why:
         raise ValueError(why)

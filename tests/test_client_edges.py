@@ -288,7 +288,8 @@ def test_values_that_cannot_go_in_a_request_name_their_field(odd):
                       (dict(prompt_ids=[2**31]), "prompt_ids"), (dict(stop=["x", None]), "stop"),
                       (dict(prompt="\udcff"), "prompt"), (dict(num_draft_tokens=1.5), "num_draft_tokens"),
                       # float32 fields: 1e-50 arrived as 0 (greedy; for top_p, unset, i.e. no nucleus)
-                      (dict(temperature=1e-50), "temperature"), (dict(top_p=1e-50), "top_p")):
+                      (dict(temperature=1e-50), "temperature"), (dict(top_p=1e-50), "top_p"), (dict(early_stop_p=1e-50), "early_stop_p"),
+                      (dict(temperature="0.7"), "temperature")):
         with pytest.raises(ValueError, match=f"^{field}"):
             make_request(**kw)
     import numpy as np

@@ -198,3 +198,27 @@ def test_sigterm_before_serving_ends_the_service_with_one_line(model_dir, tmp_pa
             p.kill()
         assert p.returncode == 143 and err.strip().splitlines()[-1] == f"{module}: stopped by SIGTERM before serving", (module, err)
         assert "listening on" not in out
+
+
+def test_sigterm_before_serving_passes_out_of_an_event_loop_callback(capsys):
+    """The draft does part of its start-up inside its event loop (waiting for its verify service,
+    calibrating): a SIGTERM that lands in a loop callback must still end it. asyncio logs and drops
+    an exception from a callback unless it is a SystemExit (or KeyboardInterrupt), so the first
+    version's exception was swallowed there and the service went on to serve."""
+    import asyncio
+    import signal
+
+    from specdec import startup
+
+    async def starting():
+        asyncio.get_running_loop().call_soon(startup._stop, signal.SIGTERM, None)  # the handler, run as a callback
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as e:
+            startup.main("svc", lambda: asyncio.run(starting()))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert e.value.code == 143 and capsys.readouterr().err.strip() == "svc: stopped by SIGTERM before serving"

@@ -723,5 +723,7 @@ def test_distill_warns_when_its_loss_would_not_fit_in_memory(monkeypatch, capsys
     distill.warn_loss_memory(16, 256, 151_936, "cpu")
     out = capsys.readouterr().out
     assert "WARNING: the loss needs about 16.2 GiB" in out and "8.0 GiB is free: --batch-size 3 would fit" in out, out
+    distill.warn_loss_memory(1, 8192, 151_936, "cpu")  # 32.5 GiB at batch 1
+    assert "even --batch-size 1 would not: a shorter --seq-len too" in capsys.readouterr().out
     distill.warn_loss_memory(16, 256, 8192, "cpu")
     assert capsys.readouterr().out == ""

@@ -122,9 +122,10 @@ def warn_loss_memory(batch_size: int, seq_len: int, vocab: int, device) -> None:
     need = LOSS_TENSORS * batch_size * seq_len * vocab * 4
     free = available_memory_bytes(torch.device(device))
     if free and need > free / 2:
-        fits = max(1, int(batch_size * free / 2 / need))
+        fits = int(batch_size * free / 2 / need)
+        advice = f"--batch-size {fits} would fit" if fits else "even --batch-size 1 would not: a shorter --seq-len too"
         print(f"WARNING: the loss needs about {need / 2**30:.1f} GiB ({LOSS_TENSORS} x batch {batch_size} x seq-len {seq_len} "
-              f"x vocabulary {vocab} x 4 bytes), {free / 2**30:.1f} GiB is free: --batch-size {fits} would fit", flush=True)
+              f"x vocabulary {vocab} x 4 bytes), {free / 2**30:.1f} GiB is free: {advice}", flush=True)
 
 
 def check_corpus(specs) -> None:
