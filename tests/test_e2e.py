@@ -168,7 +168,7 @@ def test_sigterm_before_serving_ends_the_service_with_one_line(model_dir, tmp_pa
     """A pod deleted while its service loads: SIGTERM before `listening on` ends the process with
     one line and exit 143. Without a handler, a container's PID 1 ignores SIGTERM and went on to
     load and serve until the kubelet's kill. The service is held at start-up reading its token
-    file, a FIFO that has a writer but no data yet."""
+    file, a FIFO: the signal is sent while it waits there, and the token written after it."""
     import os
     import signal
 
@@ -190,10 +190,16 @@ def test_sigterm_before_serving_ends_the_service_with_one_line(model_dir, tmp_pa
             else:
                 pytest.fail("the service never opened its token file")
             try:
-                p.send_signal(signal.SIGTERM)  # it waits in read(): past the handler's installation, before serving
-                out, err = p.communicate(timeout=30)
+                p.send_signal(signal.SIGTERM)  # it reads its token file: past the handler's installation, before serving
             finally:
+                # then the token: the read returns (whether or not the signal interrupted it; a signal taken by another
+                # thread does not), and the handler runs at the main thread's next step, long before it could serve
+                try:
+                    os.write(writer, b"a-token\n")
+                except BrokenPipeError:  # it has already stopped: no reader left
+                    pass
                 os.close(writer)
+            out, err = p.communicate(timeout=60)
         finally:
             p.kill()
         assert p.returncode == 143 and err.strip().splitlines()[-1] == f"{module}: stopped by SIGTERM before serving", (module, err)
