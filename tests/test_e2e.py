@@ -199,7 +199,14 @@ def test_sigterm_before_serving_ends_the_service_with_one_line(model_dir, tmp_pa
                 except BrokenPipeError:  # it has already stopped: no reader left
                     pass
                 os.close(writer)
-            out, err = p.communicate(timeout=60)
+            try:
+                out, err = p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:  # say where it waits, for whoever meets this
+                proc = f"/proc/{p.pid}"
+                where = {name: open(f"{proc}/{name}").read().strip() for name in ("wchan",)}
+                signals = [line for line in open(f"{proc}/status") if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))]
+                pytest.fail(f"{module} did not end within 60 s of SIGTERM: {where}, {len(os.listdir(proc + '/task'))} threads, "
+                            f"{''.join(signals)}")
         finally:
             p.kill()
         assert p.returncode == 143 and err.strip().splitlines()[-1] == f"{module}: stopped by SIGTERM before serving", (module, err)
