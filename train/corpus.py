@@ -153,14 +153,6 @@ def _user_split(paths: Sequence[str], split: str) -> List[Document]:
     return docs
 
 
-def package_root(name: str) -> Path:
-    """Directory of an installed package, found without importing it."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"no installed package named {name!r}")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def package_location(name: str) -> Path:
     """An installed package's directory, or the ``.py`` file of a single-module one
     (``typing_extensions``); FileNotFoundError if neither is installed."""
@@ -268,7 +260,7 @@ def permissive_packages(exclude: Sequence[str] = ()) -> List[str]:
         if name in exclude or name.startswith("_") or not name.isidentifier():
             continue
         try:
-            if package_root(name) and is_permissive(package_license(name)):
+            if package_location(name).is_dir() and is_permissive(package_license(name)):  # packages, not single modules
                 names.add(name)
         except (FileNotFoundError, ImportError, ValueError):
             continue

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from specdec.engine.cache import available_memory_bytes
 from specdec.lm import vocab_fingerprint
+from specdec.startup import number
 from train import checkpoint, corpus, loop, pairing, verdict
 from train.architecture import draft_config
 from train.data import WindowSampler, corpus_tokens
@@ -97,20 +97,7 @@ def distillation_loss(target, temperature: float = 1.0, ce_weight: float = 0.0):
     return loss_fn
 
 
-def _number(kind, low: float, above: bool = False):
-    """An argparse type: a `kind` number >= low (> low with `above`), finite."""
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not (math.isfinite(v) and (v > low if above else v >= low)):
-            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {low}{'' if kind is int else ' and finite'}, not {text}")
-        return v
-    return parse
-
-
-POSITIVE_INT, COUNT, POSITIVE = _number(int, 1), _number(int, 0), _number(float, 0, above=True)
+POSITIVE_INT, COUNT, POSITIVE = number(int, low=1), number(int, low=0), number(float, above=0)  # specdec/startup.py's flag types
 
 
 LOSS_TENSORS = 7  # float32 tensors of the logits' size the loss holds at once (both models' logits, log-softmaxes, grads)
