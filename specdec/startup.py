@@ -111,27 +111,27 @@ def check_files(args, *names: str) -> None:
                                    f"unencrypted as gRPC needs it ({getattr(e, 'reason', None) or e})") from None
 
 
-def check_model_dir(path: str) -> None:
+def check_model_dir(path: str, flag: str = "--model") -> None:
     """What --model must hold, checked before the model libraries load: a directory with a
     config.json that is a JSON object, weights (*.safetensors / *.bin, or their index), and
     tokenizer files. What these checks pass, loading checks again (specdec/lm.py)."""
     if not os.path.isdir(path):
-        raise StartupError(f"--model {path}: {'not a directory' if os.path.exists(path) else 'no such directory'}")
+        raise StartupError(f"{flag} {path}: {'not a directory' if os.path.exists(path) else 'no such directory'}")
     names = os.listdir(path)
     cfg = os.path.join(path, "config.json")
     try:
         with open(cfg) as f:
             ok = isinstance(json.load(f), dict)
     except OSError as e:
-        raise StartupError(f"--model {path}: config.json: {e.strerror or e}") from None
+        raise StartupError(f"{flag} {path}: config.json: {e.strerror or e}") from None
     except ValueError as e:
-        raise StartupError(f"--model {path}: config.json is not valid JSON: {e}") from None
+        raise StartupError(f"{flag} {path}: config.json is not valid JSON: {e}") from None
     if not ok:
-        raise StartupError(f"--model {path}: config.json is not a JSON object")
+        raise StartupError(f"{flag} {path}: config.json is not a JSON object")
     if not any(n.endswith((".safetensors", ".bin", ".index.json")) for n in names):
-        raise StartupError(f"--model {path}: no weights (model.safetensors, pytorch_model.bin or a sharded index)")
+        raise StartupError(f"{flag} {path}: no weights (model.safetensors, pytorch_model.bin or a sharded index)")
     if not any(n in TOKENIZER_FILES or n.endswith((".model", ".tiktoken")) for n in names):
-        raise StartupError(f"--model {path}: no tokenizer files (such as {', '.join(TOKENIZER_FILES)}); "
+        raise StartupError(f"{flag} {path}: no tokenizer files (such as {', '.join(TOKENIZER_FILES)}); "
                            "the services need the model's tokenizer")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -640,6 +641,33 @@ def test_a_rerun_exports_the_checkpoint_an_interrupted_run_left(tmp_path, tiny_p
     assert not again["exported"] and again["exported_step"] == 2
 
 
+def test_ctrl_c_in_distill_checkpoints_and_says_so_in_one_line(tmp_path, tiny_pair_inputs, monkeypatch, capsys):
+    """Ctrl-C during training ended in a KeyboardInterrupt traceback; the run keeps its checkpoint,
+    says where in one line and exits 130, and the same command resumes from it."""
+    from train import checkpoint, distill
+    from train.data import WindowSampler
+
+    tdir, cdir, _ = tiny_pair_inputs
+    out, run = tmp_path / "draft", tmp_path / "run"
+    batch = WindowSampler.batch
+
+    def ctrl_c(self, step):
+        if step == 2:
+            raise KeyboardInterrupt
+        return batch(self, step)
+
+    monkeypatch.setattr(WindowSampler, "batch", ctrl_c)
+    with pytest.raises(SystemExit) as e:
+        distill.main(_quick(tdir, cdir, out, run, 4))
+    assert e.value.code == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"distill: interrupted at step 2; the checkpoint in {run} keeps step 2: the same command resumes there"
+    assert "Traceback" not in "\n".join(err) and checkpoint.load(run)["step"] == 2 and not (out / "config.json").exists()
+    monkeypatch.setattr(WindowSampler, "batch", batch)
+    s = distill.main(_quick(tdir, cdir, out, run, 4))
+    assert s["resumed_from_step"] == 2 and s["steps"] == 4 and s["exported"]
+
+
 def _evaluate_args(tdir, ddir, cdir) -> list[str]:
     return ["--target", str(tdir), "--draft", str(ddir), "--corpus", str(cdir), "--loss-seq-len", "64",
             "--loss-windows", "2", "--prompts", "2", "--prompt-len", "16", "--continuation", "4", "--batch", "2",
@@ -688,6 +716,27 @@ def test_evaluate_pairs_a_draft_with_other_output_rows_and_refuses_another_vocab
         evaluate.main(_evaluate_args(tdir, tmp_path / "alien", cdir))
     assert str(e.value.code).startswith("evaluate: the draft") and "does not pair" in str(e.value.code)
     assert "\n" not in str(e.value.code)
+
+
+def test_evaluate_refuses_a_draft_without_tokenizer_files_in_one_line(tmp_path, tiny_pair_inputs):
+    """A draft directory without tokenizer files (a bare export) ended evaluate in a transformers
+    traceback; it is refused, naming the flag, as the services refuse it."""
+    from transformers import AutoTokenizer
+
+    from train import evaluate
+
+    tdir, cdir, _ = tiny_pair_inputs
+    _save_llama(tmp_path / "bare", AutoTokenizer.from_pretrained(tdir))
+    for name in os.listdir(tmp_path / "bare"):
+        if "token" in name:
+            os.remove(tmp_path / "bare" / name)
+    assert sorted(os.listdir(tmp_path / "bare")) == ["config.json", "generation_config.json", "model.safetensors"]
+    for args, start, reason in ((_evaluate_args(tdir, tmp_path / "bare", cdir), "evaluate: --draft ", "no tokenizer files"),
+                                (_evaluate_args(tmp_path / "nowhere", tdir, cdir), "evaluate: --target ", "no such directory")):
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(args)
+        msg = str(e.value.code)
+        assert msg.startswith(start) and reason in msg and "\n" not in msg, msg
 
 
 def test_verdict_leaves_out_held_out_copies_of_trained_files(tmp_path, tiny_pair_inputs):

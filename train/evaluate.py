@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specdec import startup
 from specdec.costmodel import best_gamma, round_cost, speedup
 from specdec.engine import cache_kwargs, returned_cache
 from train import corpus
@@ -220,6 +221,11 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
 
 
+    for flag, path in (("--target", args.target), ("--draft", args.draft)):  # one line, as the services say it
+        try:
+            startup.check_model_dir(path, flag)
+        except startup.StartupError as e:
+            raise SystemExit(f"evaluate: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target, draft = load(args.target), load(args.draft)
     n_t, n_d = rows(target), rows(draft)

@@ -13,6 +13,7 @@ before plus this run's budget), so a resumed run picks the cosine up again part-
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,7 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
     run_s = 0.0
     total_s = elapsed + max_s if max_s is not None else None
     ident = {"identity": cfg.identity} if cfg.identity is not None else {}
+    interrupted = False
     try:
         while step < cfg.max_steps and not (max_s is not None and run_s >= max_s):
             frac = schedule.progress(step, cfg.max_steps, elapsed, total_s)
@@ -151,6 +153,8 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
             if time.monotonic() - last_ckpt >= cfg.checkpoint_minutes * 60:
                 checkpoint.save(run_dir, model, opt, step, elapsed, {"last": last, **ident})
                 last_ckpt = time.monotonic()
+    except KeyboardInterrupt:  # Ctrl-C: the checkpoint below keeps the run; one line, not a traceback
+        interrupted = True
     finally:
         bar.total = step  # the run ended here, whichever limit ended it
         bar.close()
@@ -158,6 +162,11 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
             log.write(json.dumps(last) + "\n")
             checkpoint.save(run_dir, model, opt, step, elapsed, {"last": last, **ident})
         log.close()
+    if interrupted:
+        kept = (f"the checkpoint in {run_dir} keeps step {step}: the same command resumes there" if step
+                else "nothing trained yet")
+        print(f"{cfg.desc}: interrupted at step {step}; {kept}", file=sys.stderr, flush=True)
+        raise SystemExit(130)
     model.eval()
     run_steps = step - first_step
     finals = {f"final_{k}": v for k, v in last.items() if k not in ("step", "loss", "lr", "grad_norm", "elapsed_s", "tokens")}
