@@ -113,6 +113,12 @@ class Replicas:
                 adaptive.PACES.pop(r.address, None)  # a pod's address is not reused for long: no pace kept for every one ever seen
         await asyncio.gather(*(self._poll(r) for r in list(self.replicas.values())))
 
+    def pace(self, r: Replica) -> adaptive.Pace:
+        """The pace of a session placed on `r`: the one its replica's sessions share while `r` is
+        listed; one of its own, not kept, once `r` has left (its shared pace goes when it drains,
+        and a session placed just before must not bring it back for good)."""
+        return adaptive.pace_of(r.address) if self.replicas.get(r.address) is r else adaptive.Pace()
+
     async def _poll(self, r: Replica) -> None:
         try:
             open_now = r.open

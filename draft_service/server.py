@@ -17,7 +17,7 @@ import time
 import grpc
 
 from draft_service import calibrate
-from draft_service.adaptive import RUN_TOKENS_PER_VERDICT, Pace, pace_of
+from draft_service.adaptive import RUN_TOKENS_PER_VERDICT
 from draft_service.decode import DecodeLoop
 from draft_service.drafter import Drafter
 from draft_service.replicas import Replicas
@@ -212,8 +212,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                                   costs=costs if adaptive else None, fallback=costs if self._judge(g) else None,
                                   predraft=g.predraft, goodput=self.goodput,
                                   round_timeout_s=self.round_timeout_s, skip=skip, run_tokens=self.run_tokens,
-                                  # a replica that left meanwhile (its pace dropped once drained) gets a pace of its own, not kept
-                                  pace=pace_of(replica.address) if self.replicas.replicas.get(replica.address) is replica else Pace())
+                                  pace=self.replicas.pace(replica))
                 skip = loop.skipped
                 out = Chunks(self.lm.tokenizer, g.stop, g.request_id, g.prompt_ids)
                 started = False

@@ -289,9 +289,12 @@ def test_a_replica_that_left_and_drained_takes_its_pace_with_it(monkeypatch):
         answers.append([stays])
         await r.refresh()
         assert adaptive.PACES[leaves] is dropped  # a session still runs there
-        r._leaving[0].open = 0
+        gone = r._leaving[0]
+        assert r.pace(gone) is not dropped and r.pace(r.replicas[stays]) is kept  # placed there after it left: a pace of its own
+        gone.open = 0
         await r.refresh()
         assert adaptive.PACES == {stays: kept}
+        assert r.pace(gone) is not r.pace(gone) and adaptive.PACES == {stays: kept}  # never kept for the address that left
         await r.close()
 
     asyncio.run(run())
