@@ -70,6 +70,8 @@ def test_node_client_sampled_seed_round_trips_as_uint64(services):
     (["--timeout", "0"], "--timeout"), (["--timeout", "-1"], "--timeout"), (["--timeout", "nan"], "--timeout"),
     # a float32 on the wire: 1e-50 was sent as 0 (greedy while the caller believed it sampled), 1e39 as inf
     (["--temperature", "1e-50"], "--temperature"), (["--temperature", "1e39"], "--temperature"), (["--temperature", "-1"], "--temperature"),
+    (["--tls-cert", "c.pem"], "--tls-key"), (["--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem: no such file"),
+    (["--token-file", "/nonexistent/token"], "--token-file /nonexistent/token"), (["--token", ""], "--token: empty token"),
 ])
 def test_node_client_refuses_bad_flags_before_calling(args, says):
     """What the wire would silently wrap or zero (a uint64 or uint32 out of range, an unknown enum

@@ -158,6 +158,31 @@ def test_cli_with_tls_and_token(secure_pair, pki):
     assert bad.returncode == 1 and "error: UNAUTHENTICATED: missing bearer token" in bad.stderr
 
 
+NODE_CLIENT = os.path.join(ROOT, "clients", "node", "generate.js")
+
+
+@pytest.mark.skipif(shutil.which("node") is None or not os.path.isdir(os.path.join(ROOT, "clients", "node", "node_modules", "@grpc")),
+                    reason="needs node and clients/node's packages (make test runs npm ci there where npm is installed)")
+def test_node_client_with_tls_and_token(secure_pair, pki, tmp_path):
+    """The client written from the .proto had no TLS or token: it could not reach a secured service."""
+    _, d = secure_pair
+    with Client(d.address, token=TOKEN, timeout=60, **tls(pki)) as c:
+        want = c.generate(prompt_ids=[3, 4], max_new_tokens=5)
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    base = ["node", NODE_CLIENT, "--server", d.address, "--prompt-ids", "3,4", "--max-new-tokens", "5",
+            "--tls-ca", pki("ca.pem"), "--tls-cert", pki("client.pem"), "--tls-key", pki("client.key")]
+    for creds in (["--token-file", str(token)], ["--token", TOKEN]):
+        ok = subprocess.run(base + creds, capture_output=True, text=True, timeout=120)
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(ok.stdout)["token_ids"] == want.token_ids
+    for args, says in ((base, "UNAUTHENTICATED: missing bearer token"),
+                       (base + ["--token", "wrong"], "UNAUTHENTICATED"),
+                       (base[:-4] + ["--token", TOKEN], "UNAVAILABLE")):  # no client certificate: the handshake fails
+        bad = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 1 and bad.stderr.startswith(says), bad.stderr
+
+
 def https(pki, d, cert="client", token=TOKEN, scheme="Bearer"):
     ctx = ssl.create_default_context(cafile=pki("ca.pem"))
     if cert:

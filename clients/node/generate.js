@@ -5,13 +5,20 @@
 //   node clients/node/generate.js --server HOST:PORT (--prompt TEXT | --prompt-ids 3,4,5)
 //        [--max-new-tokens N] [--tau T] [--tree-budget B] [--proposer draft|lookup|hybrid]
 //        [--temperature X] [--seed S] [--timeout SECONDS (default 120; inf: none)] [--target-only]
+//        [--tls-ca PEM] [--tls-cert PEM --tls-key PEM] [--token-file FILE | --token TOKEN]
 //
+// TLS as the Python client's flags: --tls-ca checks the server's certificate against that CA
+// (with only --tls-cert/--tls-key: against the system's roots); --tls-cert/--tls-key send a client
+// certificate (mTLS). A token goes as `authorization: Bearer <token>` metadata.
 // Draft.Generate (speculative) unless --target-only (Verify.Generate on a verify service). Prints
 // one JSON object: token_ids, text, finish_reason, seed (a uint64, as a decimal string), stats.
 // A gRPC error, or a stream that ends without its last chunk, exits 1 with "CODE: details" on
 // stderr; a bad flag exits 2 before anything is sent (the wire would wrap a number out of range).
 "use strict";
 
+process.noDeprecation = true;  // stderr is the one error line: grpc-js's TLS to an IP address makes Node warn (DEP0123)
+
+const fs = require("fs");
 const path = require("path");
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
@@ -20,7 +27,8 @@ const PROTO = path.join(__dirname, "..", "..", "protos", "specdec", "v1", "specd
 const FLAGS = {
   "--server": "server", "--prompt": "prompt", "--prompt-ids": "promptIds", "--max-new-tokens": "maxNewTokens",
   "--tau": "tau", "--tree-budget": "treeBudget", "--proposer": "proposer", "--temperature": "temperature",
-  "--seed": "seed", "--timeout": "timeout",
+  "--seed": "seed", "--timeout": "timeout", "--tls-ca": "tlsCa", "--tls-cert": "tlsCert", "--tls-key": "tlsKey",
+  "--token-file": "tokenFile", "--token": "token",
 };
 
 function parse(argv) {
@@ -33,6 +41,8 @@ function parse(argv) {
   }
   if (!a.server) throw new Error("--server is required");
   if ((a.prompt === undefined) === (a.promptIds === undefined)) throw new Error("give exactly one of --prompt and --prompt-ids");
+  if ((a.tlsCert === undefined) !== (a.tlsKey === undefined)) throw new Error("give --tls-cert and --tls-key together");
+  if (a.token !== undefined && a.tokenFile !== undefined) throw new Error("give one of --token and --token-file");
   return a;
 }
 
@@ -70,6 +80,32 @@ function deadlineOf(text) {
   return x > MAX_TIMEOUT_S ? Infinity : new Date(Date.now() + 1000 * x);
 }
 
+function readFlag(file, flag) {  // a file a flag names: its bytes, or one line saying why not
+  try {
+    return fs.readFileSync(file);
+  } catch (e) {
+    throw new Error(`${flag} ${file}: ${e.code === "ENOENT" ? "no such file" : e.message}`);
+  }
+}
+
+function credentials(a) {  // the channel's: TLS where any --tls-* flag is given, else plaintext
+  if (a.tlsCa === undefined && a.tlsCert === undefined) return grpc.credentials.createInsecure();
+  const ca = a.tlsCa === undefined ? null : readFlag(a.tlsCa, "--tls-ca");
+  const key = a.tlsKey === undefined ? null : readFlag(a.tlsKey, "--tls-key");
+  const cert = a.tlsCert === undefined ? null : readFlag(a.tlsCert, "--tls-cert");
+  return grpc.credentials.createSsl(ca, key, cert);
+}
+
+function metadata(a) {  // the bearer token, as the services' --auth-token-file checks it
+  const md = new grpc.Metadata();
+  const token = a.tokenFile === undefined ? a.token : readFlag(a.tokenFile, "--token-file").toString().trim();
+  if (token !== undefined) {
+    if (token === "") throw new Error(`${a.tokenFile === undefined ? "--token" : "--token-file " + a.tokenFile}: empty token`);
+    md.add("authorization", `Bearer ${token}`);
+  }
+  return md;
+}
+
 function request(a) {
   const req = { max_new_tokens: uint(a.maxNewTokens, "--max-new-tokens") };
   if (a.prompt !== undefined) req.prompt = a.prompt;
@@ -91,12 +127,13 @@ function main() {
   const a = parse(process.argv.slice(2));
   const req = request(a);  // a bad flag throws here, before anything connects
   const deadline = deadlineOf(a.timeout);
+  const creds = credentials(a), md = metadata(a);  // a file that cannot be read throws here too
   const def = protoLoader.loadSync(PROTO, { keepCase: true, longs: String, enums: String, defaults: true });
   const v1 = grpc.loadPackageDefinition(def).specdec.v1;
   const Service = a.targetOnly ? v1.Verify : v1.Draft;
-  const stub = new Service(a.server, grpc.credentials.createInsecure());
+  const stub = new Service(a.server, creds);
   const out = { token_ids: [], text: "", finish_reason: null, seed: null, stats: null };
-  const call = stub.Generate(req, { deadline });
+  const call = stub.Generate(req, md, { deadline });
   call.on("data", (r) => {
     out.token_ids.push(...r.token_ids);
     out.text += r.text;
