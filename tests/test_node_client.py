@@ -63,6 +63,34 @@ def test_node_client_sampled_seed_round_trips_as_uint64(services):
     assert got["seed"] == str(seed) and got["token_ids"] == want.token_ids
 
 
+def test_node_client_sends_every_request_field(services):
+    """The client sent only the prompt, length, tau, tree budget, proposer, temperature and seed:
+    top-k, top-p, stop strings, the proposal mode, sparse K, the request id and the adaptive and
+    pre-drafting switches reach the service as the Python client sends them (same seeded tokens)."""
+    _, d = services("target", "draft")
+    fixed = dict(prompt_ids=[3, 4, 5], max_new_tokens=16, temperature=0.8, num_draft_tokens=3, adaptive=False, predraft=False)
+    with Client(d.address, timeout=60) as c:
+        greedy = c.generate(prompt_ids=[3, 4, 5], max_new_tokens=16)
+        for seed in range(10):  # a seed whose draws top-k / top-p change, so the test sees whether they arrive
+            want = c.generate(**fixed, top_k=2, top_p=0.5, seed=seed, proposal_mode="sparse", sparse_k=3)
+            if want.token_ids != c.generate(**fixed, seed=seed).token_ids:
+                break
+        else:
+            pytest.fail("top-k and top-p changed no seed's tokens")
+    rc, out, err = node("--server", d.address, "--prompt-ids", "3,4,5", "--max-new-tokens", "16", "--temperature", "0.8",
+                        "--top-k", "2", "--top-p", "0.5", "--seed", str(seed), "--mode", "sparse", "--sparse-k", "3", "--tau", "3",
+                        "--no-adaptive", "--no-predraft", "--request-id", "node-req-1")
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["token_ids"] == want.token_ids and got["request_id"] == "node-req-1"
+    stop = greedy.text[len(greedy.text) // 2:][:3]
+    assert stop, greedy.text
+    rc, out, err = node("--server", d.address, "--prompt-ids", "3,4,5", "--max-new-tokens", "16", "--stop", "zzz-never", "--stop", stop)
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["finish_reason"] == "FINISH_REASON_STOP" and got["text"] == greedy.text[:greedy.text.index(stop)]
+
+
 @pytest.mark.parametrize("args,says", [
     (["--seed", "-1"], "--seed"), (["--seed", "18446744073709551616"], "--seed"), (["--proposer", "drafts"], "--proposer"),
     (["--max-new-tokens", "4294967296"], "--max-new-tokens"), (["--temperature", "x"], "--temperature"), (["--tau"], "--tau"),

@@ -4,14 +4,16 @@
 //
 //   node clients/node/generate.js --server HOST:PORT (--prompt TEXT | --prompt-ids 3,4,5)
 //        [--max-new-tokens N] [--tau T] [--tree-budget B] [--proposer draft|lookup|hybrid]
-//        [--temperature X] [--seed S] [--timeout SECONDS (default 120; inf: none)] [--target-only]
+//        [--temperature X] [--top-k K] [--top-p P] [--seed S] [--stop TEXT]... [--mode greedy|sparse|dense]
+//        [--sparse-k K] [--request-id ID] [--[no-]adaptive] [--[no-]predraft]
+//        [--timeout SECONDS (default 120; inf: none)] [--target-only]
 //        [--tls-ca PEM] [--tls-cert PEM --tls-key PEM] [--token-file FILE | --token TOKEN]
 //
 // TLS as the Python client's flags: --tls-ca checks the server's certificate against that CA
 // (with only --tls-cert/--tls-key: against the system's roots); --tls-cert/--tls-key send a client
 // certificate (mTLS). A token goes as `authorization: Bearer <token>` metadata.
 // Draft.Generate (speculative) unless --target-only (Verify.Generate on a verify service). Prints
-// one JSON object: token_ids, text, finish_reason, seed (a uint64, as a decimal string), stats.
+// one JSON object: token_ids, text, finish_reason, seed (a uint64, as a decimal string), request_id, stats.
 // A gRPC error, or a stream that ends without its last chunk, exits 1 with "CODE: details" on
 // stderr; a bad flag exits 2 before anything is sent (the wire would wrap a number out of range).
 "use strict";
@@ -28,13 +30,18 @@ const FLAGS = {
   "--server": "server", "--prompt": "prompt", "--prompt-ids": "promptIds", "--max-new-tokens": "maxNewTokens",
   "--tau": "tau", "--tree-budget": "treeBudget", "--proposer": "proposer", "--temperature": "temperature",
   "--seed": "seed", "--timeout": "timeout", "--tls-ca": "tlsCa", "--tls-cert": "tlsCert", "--tls-key": "tlsKey",
-  "--token-file": "tokenFile", "--token": "token",
+  "--token-file": "tokenFile", "--token": "token", "--top-k": "topK", "--top-p": "topP", "--mode": "mode",
+  "--sparse-k": "sparseK", "--request-id": "requestId",
 };
+const SWITCHES = { "--adaptive": ["adaptive", true], "--no-adaptive": ["adaptive", false],
+  "--predraft": ["predraft", true], "--no-predraft": ["predraft", false] };
 
 function parse(argv) {
-  const a = { maxNewTokens: "64", timeout: "120", targetOnly: false };
+  const a = { maxNewTokens: "64", timeout: "120", targetOnly: false, stop: [] };
   for (let i = 0; i < argv.length; i++) {
     if (argv[i] === "--target-only") { a.targetOnly = true; continue; }
+    if (SWITCHES[argv[i]]) { a[SWITCHES[argv[i]][0]] = SWITCHES[argv[i]][1]; continue; }
+    if (argv[i] === "--stop" && i + 1 < argv.length) { a.stop.push(argv[++i]); continue; }  // repeatable
     const key = FLAGS[argv[i]];
     if (key === undefined || i + 1 >= argv.length) throw new Error(`unknown flag or missing value: ${argv[i]}`);
     a[key] = argv[++i];
@@ -47,6 +54,12 @@ function parse(argv) {
 }
 
 const PROPOSERS = ["draft", "lookup", "hybrid"];
+const MODES = ["greedy", "sparse", "dense"];
+
+function choice(text, flag, names, prefix) {  // an enum by its lower-case short name
+  if (!names.includes(text)) throw new Error(`${flag} must be one of ${names.join(", ")}, got ${JSON.stringify(text)}`);
+  return prefix + text.toUpperCase();
+}
 
 function uint(text, flag, bits = 32) {  // a uint32 (a token id: 31 bits, an int32's range; or a uint64, returned as its decimal string)
   if (!/^\d+$/.test(text) || BigInt(text) >= 2n ** BigInt(bits)) {
@@ -112,13 +125,21 @@ function request(a) {
   else req.prompt_ids = a.promptIds.split(",").map((x) => uint(x.trim(), "--prompt-ids", 31));  // int32 on the wire
   if (a.tau !== undefined) req.num_draft_tokens = uint(a.tau, "--tau");
   if (a.treeBudget !== undefined) req.tree_budget = uint(a.treeBudget, "--tree-budget");
-  if (a.proposer !== undefined) {
-    if (!PROPOSERS.includes(a.proposer)) throw new Error(`--proposer must be one of ${PROPOSERS.join(", ")}, got ${JSON.stringify(a.proposer)}`);
-    req.proposer = "PROPOSER_" + a.proposer.toUpperCase();
-  }
-  if (a.temperature !== undefined || a.seed !== undefined) {
+  if (a.proposer !== undefined) req.proposer = choice(a.proposer, "--proposer", PROPOSERS, "PROPOSER_");
+  if (a.mode !== undefined) req.proposal_mode = choice(a.mode, "--mode", MODES, "PROPOSAL_MODE_");
+  if (a.sparseK !== undefined) req.sparse_k = uint(a.sparseK, "--sparse-k");
+  if (a.requestId !== undefined) req.request_id = a.requestId;
+  if (a.stop.length) req.stop = a.stop;
+  for (const k of ["adaptive", "predraft"]) if (a[k] !== undefined) req[k] = a[k];
+  if ([a.temperature, a.seed, a.topK, a.topP].some((x) => x !== undefined)) {
     req.sampling = { temperature: a.temperature === undefined ? 0 : temperature(a.temperature) };
     if (a.seed !== undefined) req.sampling.seed = uint(a.seed, "--seed", 64);  // uint64: a decimal string
+    if (a.topK !== undefined) req.sampling.top_k = uint(a.topK, "--top-k");
+    if (a.topP !== undefined) {  // a float32 in (0, 1] (0 on the wire means 1)
+      const p = real(a.topP, "--top-p");
+      if (!(p > 0 && p <= 1)) throw new Error(`--top-p must be in (0, 1], got ${JSON.stringify(a.topP)}`);
+      req.sampling.top_p = p;
+    }
   }
   return req;
 }
@@ -132,11 +153,12 @@ function main() {
   const v1 = grpc.loadPackageDefinition(def).specdec.v1;
   const Service = a.targetOnly ? v1.Verify : v1.Draft;
   const stub = new Service(a.server, creds);
-  const out = { token_ids: [], text: "", finish_reason: null, seed: null, stats: null };
+  const out = { token_ids: [], text: "", finish_reason: null, seed: null, request_id: "", stats: null };
   const call = stub.Generate(req, md, { deadline });
   call.on("data", (r) => {
     out.token_ids.push(...r.token_ids);
     out.text += r.text;
+    if (r.request_id) out.request_id = r.request_id;
     if (r.finish_reason !== "FINISH_REASON_UNSPECIFIED") {
       out.finish_reason = r.finish_reason;
       out.seed = r.seed;
