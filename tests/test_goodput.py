@@ -161,11 +161,17 @@ def test_verdicts_carry_the_price_and_the_verifier_exports_its_load(services):
     assert "specdec_verify_row_price " in text  # its value (0 where the fit finds rows free) is pinned below
 
 
-def test_the_verifiers_costs_reach_every_verdict_and_its_price_gauge(model_dir):
+def test_the_verifiers_costs_reach_every_verdict_and_its_price_gauge(model_dir, monkeypatch):
     """What the verifier's cost model says goes out with each verdict (row_cost_s, row_price,
-    target_only_s), through a real gRPC server, and the price gauge reads the model as of the
-    scrape. The model here is fixed (the measured one may fit rows as free on a busy machine)."""
+    target_only_s), through a real gRPC server, and the price and utilisation gauges read the
+    model as of the scrape: just after the last pass, its price; ten idle seconds later, almost
+    nothing (a gauge frozen at the last pass's value passed the check this test had). The model
+    in the verdicts is fixed (the measured one may fit rows as free on a busy machine)."""
+    import types
+
     from prometheus_client import REGISTRY
+
+    import verify_service.scheduler as scheduler
 
     from specdec.v1 import specdec_pb2_grpc as pb_grpc
     from verify_service.passcost import PassCost
@@ -210,11 +216,21 @@ def test_the_verifiers_costs_reach_every_verdict_and_its_price_gauge(model_dir):
 
     try:
         verdict = asyncio.run(go())
-        price = REGISTRY.get_sample_value("specdec_verify_row_price")
     finally:
         eng.shutdown()
     assert (verdict.row_cost_s, verdict.row_price, verdict.target_only_s) == (0.25, 0.5, 0.125)
-    assert measured.per_row_s > 0 and 0 < price <= measured.price
+    clock = [0.0]  # the scrape's clock, once the scheduler thread (the other reader of scheduler.time) has stopped
+    monkeypatch.setattr(scheduler, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    last_end = 39 * 0.01 + 0.001 + 0.0005 * (1 + 39 % 9)
+
+    def scrape(at: float) -> tuple[float, float]:
+        clock[0] = at
+        return (REGISTRY.get_sample_value("specdec_verify_row_price"),
+                REGISTRY.get_sample_value("specdec_verify_pass_utilisation"))
+
+    (fresh, busy), (stale, idle) = scrape(last_end), scrape(last_end + 10.0)
+    assert measured.per_row_s > 0 and fresh == pytest.approx(measured.price, rel=0.1) and 0.2 < busy <= 1
+    assert stale < 0.05 * fresh and idle < 0.05
 
 
 def test_a_pass_takes_rounds_in_arrival_order_within_its_row_bound(model_dir, monkeypatch):
