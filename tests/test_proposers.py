@@ -67,17 +67,30 @@ def test_rounds_the_load_held_at_zero_keep_the_sessions_acceptance():
     assert c.estimate() == learned and c.choose() >= 1
 
 
-def test_tau_choice_reads_no_clock():
-    """Same history, same costs: same taus, however the rounds were timed (seeds reproduce)."""
-    runs = []
-    for _ in range(2):
+def test_tau_choice_reads_no_clock(monkeypatch):
+    """Same history, same costs: same taus, however the rounds were timed (seeds reproduce). The
+    second run has no clock to read: any read of one fails it (two runs back to back could not
+    tell a controller that reads the time from one that does not)."""
+    import time
+
+    def run() -> list[int]:
         ctl = TauController(max_tau=8, costs=Costs(0.004, 0.03, 0.0008), predraft=True)
         taus = []
         for accepted in [4, 0, 2, 8, 8, 1, 3, 5, 0, 7]:
             taus.append(ctl.choose())
             ctl.observe(drafted=taus[-1], accepted=min(accepted, taus[-1]))
-        runs.append(taus)
-    assert runs[0] == runs[1]
+        return taus
+
+    timed = run()
+
+    def no_clock(*args):
+        raise AssertionError("the tau choice read a clock")
+
+    with monkeypatch.context() as m:
+        for name in ("time", "monotonic", "perf_counter", "process_time", "time_ns", "monotonic_ns", "perf_counter_ns"):
+            m.setattr(time, name, no_clock)
+        clockless = run()
+    assert clockless == timed and len(set(timed)) > 1
 
 
 FEATURES = [
