@@ -16,13 +16,21 @@ import pytest
 from bench.launch import ENV, ROOT, Forked, Service, _forked
 
 
+def _needs(forkserver) -> None:
+    """Skips where the fork server is turned off; fails where it should run but did not start
+    (the conftest warning says why): that skipped under the same reason before."""
+    if forkserver is None:
+        if os.environ.get("SPECDEC_FORKSERVER") == "0":
+            pytest.skip("SPECDEC_FORKSERVER=0")
+        pytest.fail("the fork server did not start (the session's warning has its log)")
+
+
 def _cmd(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
 def test_a_forked_child_reports_its_output_and_exit_status(forkserver):
-    if forkserver is None:
-        pytest.skip("SPECDEC_FORKSERVER=0")
+    _needs(forkserver)
     p = _forked(forkserver, _cmd("bench.forkserver"), dict(ENV, SPECDEC_PROBE="seen"))  # no socket argument: a usage error
     assert isinstance(p, Forked) and p.pid != os.getpid()
     assert p.wait(60) == 1
@@ -30,8 +38,7 @@ def test_a_forked_child_reports_its_output_and_exit_status(forkserver):
 
 
 def test_a_signal_is_reported_as_subprocess_reports_it(forkserver):
-    if forkserver is None:
-        pytest.skip("SPECDEC_FORKSERVER=0")
+    _needs(forkserver)
     p = _forked(forkserver, _cmd("http.server", "0", "--bind", "127.0.0.1"), ENV)
     assert p.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
@@ -42,8 +49,7 @@ def test_a_signal_is_reported_as_subprocess_reports_it(forkserver):
 
 
 def test_an_environment_read_at_import_is_refused_and_started_the_usual_way(forkserver, model_dir):
-    if forkserver is None:
-        pytest.skip("SPECDEC_FORKSERVER=0")
+    _needs(forkserver)
     other = dict(ENV, OMP_NUM_THREADS=str(int(ENV.get("OMP_NUM_THREADS", "1")) + 1))  # read by libgomp when torch loads
     assert _forked(forkserver, _cmd("http.server"), other) is None
     v = Service("verify_service", "--model", model_dir("target"), env=other)
@@ -59,8 +65,7 @@ def test_an_environment_read_at_import_is_refused_and_started_the_usual_way(fork
 
 
 def test_the_child_runs_in_the_callers_environment_and_directory(forkserver, tmp_path):
-    if forkserver is None:
-        pytest.skip("SPECDEC_FORKSERVER=0")
+    _needs(forkserver)
     check = f"import os; assert os.environ.get('SPECDEC_PROBE') == 'seen' and os.getcwd() == {str(tmp_path)!r}, 'not the caller'"
     seen = _forked(forkserver, _cmd("timeit", "-n", "1", "-r", "1", check), dict(ENV, SPECDEC_PROBE="seen"), cwd=str(tmp_path))
     assert seen.wait(60) == 0, seen.stderr.read()

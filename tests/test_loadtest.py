@@ -30,7 +30,11 @@ def test_target_only_baseline_and_capacity_side_by_side(services, tmp_path):
     table = report[report.index("## Capacity at 1 tokens/s per session"):]
     rows = [line for line in table.splitlines()[6:] if line.startswith("|")]
     assert [r.split("|")[1].strip() for r in rows] == ["path=speculative", "path=target-only"]
-    assert all(r.split("|")[2].strip() == "2" for r in rows)  # both sustain 2 sessions at 1 tok/s each
+    for r in rows:  # the sessions sustained are what the cells measured, not a speed this test expects
+        path = r.split("|")[1].strip().removeprefix("path=")
+        met = [c["concurrency"] for c in cells if c["tags"]["path"] == path
+               and c["summary"]["output_tokens_per_s"] / c["concurrency"] >= 1]
+        assert r.split("|")[2].strip() == (str(max(met)) if met else "none")
 
 
 def test_latency_panels_have_several_log_ticks():
