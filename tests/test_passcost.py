@@ -82,3 +82,35 @@ def test_the_busy_share_falls_while_the_verifier_is_idle():
     later = [pc.utilisation_at(end + idle) for idle in (0.1, 1.0, 10.0)]
     assert later[0] > later[1] > later[2] and later[2] < 0.05
     assert pc.utilisation == pytest.approx(1.0) and pc.price_at(end + 10.0) < 0.05 * pc.price
+
+
+def test_a_model_with_a_short_context_starts_and_serves(tmp_path, monkeypatch):
+    """The start-up probe put 32 tokens of context before up to 9 rows: a model with learned
+    positions and a context under 41 (a tiny gpt2, an architecture on the tested list) ended the
+    verify service's start in an IndexError traceback. Its probes now fit the context (shorter
+    contexts; a layout whose rows cannot fit is left out), and it serves."""
+    import asyncio
+
+    from helpers import archmodels
+    from specdec.lm import LM
+    from specdec.sampling import Sampling
+    from specdec.v1 import specdec_pb2 as pb
+    from verify_service.scheduler import Scheduler
+
+    cfg, model, kw, extra = archmodels.SPECS["gpt2"]
+    monkeypatch.setitem(archmodels.SPECS, "gpt2", (cfg, model, dict(kw, n_positions=16), extra))
+    lm = LM.load(archmodels.build(str(tmp_path), "gpt2"), "cpu", "float32")
+    eng = Scheduler(lm, max_sessions=2)
+
+    async def serve() -> list[int]:
+        s = eng.open([3, 4, 5], 5, Sampling(temperature=0.0), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)
+        try:
+            return [v.next_token async for v in eng.steps(s)]
+        finally:
+            eng.close(s)
+
+    try:
+        got = asyncio.run(asyncio.wait_for(serve(), 60))
+    finally:
+        eng.shutdown()
+    assert lm.max_context == 16 and 1 <= len(got) <= 5

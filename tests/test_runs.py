@@ -593,3 +593,49 @@ def test_a_seeded_sampled_request_at_fixed_tau_is_judged_alike_with_pre_drafting
     decode.RECORDS.clear()
     assert sent[False] == sent[True], sent
     assert sent[False] == [("round", 1)] + [("round", 4)] * 4 + [("run", 40 - 8)]  # it drafted 8 tokens, then fell back
+
+
+def test_a_pass_waiting_for_the_last_passs_sessions_goes_once_each_sent_a_run_or_closed(model_dir):
+    """The pass that waits a little for the sessions of the last one (`--gather`) was woken by
+    their rounds only: a session whose next work was a run, or that closed (a cancel, a stop
+    string), kept it waiting out its whole time. The scheduler thread is held while the waiting
+    set is as `_gather` publishes it."""
+    import contextlib
+    import threading
+
+    import verify_service.scheduler as scheduler
+
+    lm = LM.load(model_dir("target"), "cpu", "float32")
+    go = threading.Event()
+
+    @contextlib.contextmanager
+    def held():
+        go.wait(60)
+        yield
+
+    eng = scheduler.Scheduler(lm, max_sessions=4, gather=1.0, thread_context=held)
+
+    async def session():
+        a, b, c = (eng.open(PROMPT, 4, Sampling(temperature=0.0), seed=7, mode=pb.PROPOSAL_MODE_GREEDY) for _ in range(3))
+        eng._arrived.clear()
+        eng._awaited = {a.sid, b.sid, c.sid}  # the last pass's sessions, none of whose next work is queued yet
+        eng.close(a)
+        assert eng._awaited == {b.sid, c.sid} and not eng._arrived.is_set()
+        run = eng.steps(b, 2)
+        first = asyncio.ensure_future(run.__anext__())  # queues b's run
+        await asyncio.sleep(0)
+        assert eng._awaited == {c.sid} and not eng._arrived.is_set()
+        eng.close(c)
+        assert not eng._awaited and eng._arrived.is_set()  # the last one it waited for: the pass goes now
+        eng._awaited = set()
+        go.set()
+        try:
+            return [(await first).next_token] + [v.next_token async for v in run]
+        finally:
+            eng.close(b)
+
+    try:
+        got = asyncio.run(asyncio.wait_for(session(), 60))
+    finally:
+        eng.shutdown()
+    assert len(got) == 2

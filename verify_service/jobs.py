@@ -134,10 +134,17 @@ def decide(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor, forced=No
     largest tree's nodes). lg [B, T+1, V]; proposals [B, T]. forced (benchmarks only,
     Scheduler(forced_acceptance=)): a chain round accepts that many and takes the target's token after them."""
     tree = [i for i, j in enumerate(jobs) if j.parents]
-    chain = [i for i, j in enumerate(jobs) if not j.parents]
+    # target-only steps apart from the rounds with proposals: a step's acceptance reads its one row, not
+    # the longest round's padding (runs beside speculating sessions are the mixed load of a hold)
+    steps = [i for i, j in enumerate(jobs) if not j.parents and not j.tokens]
+    chain = [i for i, j in enumerate(jobs) if not j.parents and j.tokens]
     parts, W = [], max((len(jobs[i].tokens) for i in tree), default=0)
-    if chain:
-        cj, c_lg, c_pr = ([jobs[i] for i in chain], lg[chain], proposals[chain]) if tree else (jobs, lg, proposals)
+    for group in (steps, chain):
+        if not group:
+            continue
+        T = max(len(jobs[i].tokens) for i in group)
+        whole = len(group) == len(jobs) and T + 1 == lg.shape[1]
+        cj, c_lg, c_pr = (jobs, lg, proposals) if whole else ([jobs[i] for i in group], lg[group, : T + 1], proposals[group, :T])
         n, nxt = accept(cj, c_lg, c_pr)
         if forced is not None:
             n = torch.tensor([max(0, min(forced(j.session, len(j.tokens)), len(j.tokens))) for j in cj], device=lg.device)
@@ -146,7 +153,7 @@ def decide(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor, forced=No
         parts.append(torch.nn.functional.pad(verdicts, (0, W)) if W else verdicts)
     if tree:
         parts.append(accept_trees([jobs[i] for i in tree], lg[tree, : 1 + W], proposals[tree]))
-    return chain + tree, torch.cat(parts) if len(parts) > 1 else parts[0]
+    return steps + chain + tree, torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def accept_trees(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:

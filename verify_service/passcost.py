@@ -133,13 +133,17 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return out
 
 
-def probe(timed_pass, vocab_size: int, tries: int = 3) -> list[tuple[int, int, float]]:
+def probe(timed_pass, vocab_size: int, max_context: int, tries: int = 3) -> list[tuple[int, int, float]]:
     """(rows, sessions, seconds) for each layout of PROBE_LAYOUTS, best of `tries`:
     `timed_pass(contexts, inputs)` puts each context into a fresh session's cache, then returns
-    the seconds of one packed pass over the inputs (verify_service/scheduler.py)."""
+    the seconds of one packed pass over the inputs (verify_service/scheduler.py). Within the
+    model's context: shorter contexts where it is small, no layout whose rows do not fit."""
     out = []
     for sessions, rows in PROBE_LAYOUTS:
-        ids = [[(7 * i + 3 * j + 1) % vocab_size for j in range(PROBE_CONTEXT + rows)] for i in range(sessions)]
-        best = min(timed_pass([x[:PROBE_CONTEXT] for x in ids], [x[PROBE_CONTEXT:] for x in ids]) for _ in range(tries))
+        context = min(PROBE_CONTEXT, max_context - rows)
+        if context < 1:
+            continue
+        ids = [[(7 * i + 3 * j + 1) % vocab_size for j in range(context + rows)] for i in range(sessions)]
+        best = min(timed_pass([x[:context] for x in ids], [x[context:] for x in ids]) for _ in range(tries))
         out.append((sessions * rows, sessions, best))
     return out

@@ -93,7 +93,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._passing = False  # a pass is in flight (the scheduler thread sets it under _lock; `close` reads it)
         self._queue: queue.Queue = queue.Queue()
-        self.cost = PassCost(probe(self._timed_pass, lm.vocab_size))  # before the scheduler thread owns the model
+        self.cost = PassCost(probe(self._timed_pass, lm.vocab_size, lm.max_context))  # before the scheduler thread owns the model
         cost = self.cost  # the gauges read it when scraped: an idle verifier's utilisation and price fall, not freeze
         metrics.PASS_UTILISATION.set_function(lambda: cost.utilisation_at(time.perf_counter()))
         metrics.ROW_PRICE.set_function(lambda: cost.price_at(time.perf_counter()))
@@ -134,6 +134,7 @@ class Scheduler:
             s.closed = True
             del self.sessions[s.sid]
             now = not self._passing  # no pass reads its pages, and the next one drops its jobs (`_dropped`)
+        self._arrive(s.sid)  # a pass that waits for its next round waits no longer
         if now:
             s.cache.release()
             self.capacity.release(s.reserved)
@@ -175,6 +176,7 @@ class Scheduler:
         take its verdict (DESIGN.md §6). Stops when the caller closes the session."""
         verdicts: asyncio.Queue = asyncio.Queue()
         self._queue.put(Stream(s, asyncio.get_running_loop(), verdicts, limit))
+        self._arrive(s.sid)  # a run is the session's next work too: a pass waiting for its round goes now
         while True:
             ok, v = await verdicts.get()
             if not ok:
@@ -188,12 +190,17 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         job = Round(s, loop, loop.create_future(), tokens, q, parents) if tokens is not None else Prefill(s, loop, loop.create_future())
         self._queue.put(job)
+        self._arrive(s.sid)
+        return await job.future
+
+    def _arrive(self, sid: int) -> None:
+        """Session `sid`'s next work is queued, or it closed: the scheduler thread, if it is
+        gathering (`_gather`) and this was the last session it waited for, is woken."""
         awaited = self._awaited
-        if awaited:  # the scheduler thread is gathering (`_gather`): wake it when the last awaited session is in
-            awaited.discard(s.sid)
+        if awaited:
+            awaited.discard(sid)
             if not awaited:
                 self._arrived.set()
-        return await job.future
 
     def _timed_pass(self, contexts: list[list[int]], inputs: list[list[int]]) -> float:
         """Seconds of one pass over `inputs`, each after its context in a fresh cache (PassCost's
@@ -256,7 +263,7 @@ class Scheduler:
         back a pass of many ready ones. The thread sleeps until the last of
         them is queued (`_submit` wakes it once) or the time is up, so it takes no GIL meanwhile
         from the event loop that is queueing them. False once told to stop."""
-        missing = self._back - {j.session.sid for j in rounds} if self.gather else None
+        missing = {sid for sid in self._back - {j.session.sid for j in rounds} if sid in self.sessions} if self.gather else None
         if missing:
             self._arrived.clear()
             self._awaited = missing  # published: from now on `_submit` takes sessions out of it

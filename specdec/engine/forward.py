@@ -111,22 +111,30 @@ class Engine:
         rows_of = [R or (1 if last[at[i]] else counts[at[i]]) for i in callers]  # each caller's rows of logits
         keep = [offsets[at[i]] + (counts[at[i]] - 1 if last[at[i]] and not R else min(j, counts[at[i]] - 1))
                 for i, k in zip(callers, rows_of) for j in range(k)]  # the head's rows
+        heads = list(dict.fromkeys(keep))  # the output layer runs on each row once: a padding row is a copy (below)
         p = layout(self.pool, caches, counts, starts, offsets, T, lead, plan.per_query, trees, tree_paths, plan.query_attention)
         with running(p):
             cache = PassCache(p)
-            if keep:
+            if heads:
                 # >= pad_to rows for the head too; every row (0): no index to copy to the device. cpu/rows.py tells the
                 # pass's own rows (a lead chunk's product first) by their count: picked rows as many as those take one more
-                picked = keep + [keep[-1]] * (plan.pad_to - len(keep))
-                picked += [keep[-1]] * (bool(lead) and len(picked) == T)
-                rows = 0 if keep == list(range(T)) else torch.tensor(picked, device=device)
+                picked = heads + [heads[-1]] * (plan.pad_to - len(heads))
+                picked += [heads[-1]] * (bool(lead) and len(picked) == T)
+                rows = 0 if heads == list(range(T)) else torch.tensor(picked, device=device)
                 out = self._model(ids, position_ids, cache, rows)[0]
             else:
                 self._model(ids, position_ids, cache, None)
         for c, n in zip(caches, counts):
             c.length += n
         if padded:
-            return out[: len(keep)].view(len(callers), R, -1).float() if keep else torch.empty(0, 0, 0, device=device)
+            if not keep:
+                return torch.empty(0, 0, 0, device=device)
+            out = out[: len(heads)]
+            if len(heads) < len(keep):  # each input's rows past its own repeat its last: copies of its logits, not
+                # the output layer again (one long round beside many one-row steps multiplied the head's work)
+                index = {r: k for k, r in enumerate(heads)}
+                out = out.index_select(0, torch.tensor([index[r] for r in keep], device=device))
+            return out.view(len(callers), R, -1).float()
         res: list[torch.Tensor | None] = [None] * len(inputs)
         row = 0
         for i, n in zip(callers, rows_of):  # back to the callers' order
