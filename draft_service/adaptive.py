@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from specdec.costmodel import Costs, choose_gamma, tokens_per_second
 
 
+PRICED_OUT_PROBE = 16  # a session the price holds at no proposals proposes one every this many rounds (below)
+
+
 @dataclass
 class TauController:
     max_tau: int
@@ -37,6 +40,7 @@ class TauController:
     second_hits: float = 0.0  # rejections whose verifier token was the draft's second choice (a greedy chain's pre-drafts follow those)
     second_trials: float = 0.0
     follows: bool = False  # the last pre-draft followed rejections too (drafter.outcomes): the cost model counts those hits
+    priced_out: int = 0  # rounds in a row the price held at no proposals
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verified round's acceptance. A round without proposals (target-only, as the price
@@ -75,9 +79,18 @@ class TauController:
         return k
 
     def choose(self) -> int:
-        """The tau of the best predicted tokens/s for the session, capped by the verifier's load."""
+        """The tau of the best predicted tokens/s for the session, capped by the verifier's load.
+        A round without proposals tells nothing of the draft (`observe`), so a session whose
+        estimate is at or below the price would stay there for as long as the price does (one
+        that started inside a hold, at the prior, or whose first proposal was rejected): every
+        PRICED_OUT_PROBE-th round the price holds at 0, it proposes one token, its acceptance
+        learned again at a row's cost per that many tokens."""
         second = self.second() if self.follows else 0.0
-        return min(choose_gamma(self.costs, self.estimate(), self.max_tau, self.predraft, second), self.goodput_cap())
+        cap = self.goodput_cap()
+        self.priced_out = self.priced_out + 1 if cap == 0 else 0
+        if self.priced_out >= PRICED_OUT_PROBE:
+            self.priced_out, cap = 0, 1
+        return min(choose_gamma(self.costs, self.estimate(), self.max_tau, self.predraft, second), cap)
 
 
 @dataclass

@@ -189,11 +189,13 @@ class DraftServicer(pb_grpc.DraftServicer):
                                    "(--max-sessions); retry later")
             self.sessions += 1
             admitted = True
-            g = await validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size, self.max_context, self.defaults,
-                                                      self.context_whose)
-            g.request_id = serving.request_id(context, g.request_id)
+            parse = lambda: validation.parse_generate_async(request, self.lm.tokenizer, self.lm.vocab_size,  # noqa: E731
+                                                            self.max_context, self.defaults, self.context_whose)
+            g = await parse()
             if not self._paired:
                 await self.check_pairing()
+                g = await parse()  # again: the pairing may have lowered the context to the target's
+            g.request_id = serving.request_id(context, g.request_id)
             validation.check_dense_rounds(g, self.drafter.rows, self.max_message_bytes)  # in the target's rows, once paired
             if g.tree_budget > self.target.max_tree_budget:
                 raise invalid(f"tree_budget: {g.tree_budget} nodes; the verify service allows at most {self.target.max_tree_budget}"

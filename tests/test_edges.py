@@ -422,6 +422,28 @@ def test_a_pair_started_side_by_side_moves_off_a_port_taken_before_its_verify_bi
         v.stop()
 
 
+def test_a_prompt_past_the_targets_context_at_a_late_pairing_is_invalid_argument(model_dir):
+    """From a review: a draft started before its verify service checked the first request against
+    its own context (4096) and paired only then: a prompt between the target's context (64) and
+    the draft's failed in the draft's prefill (INTERNAL, a cache overflow). It is INVALID_ARGUMENT
+    naming the target's limit. The request goes as soon as the verify service is up, before the
+    draft's own probe (every 2 s) has most likely paired them."""
+    port = free_port()
+    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", f"127.0.0.1:{port}", "--verify-wait-s", "0.5",
+                "--metrics-port", "0", "--threads", "1", *PIN)
+    v = None
+    try:
+        v = Service("verify_service", "--model", model_dir("target"), "--port", str(port), "--metrics-port", "0", "--threads", "1", *PIN)
+        with grpc.insecure_channel(d.address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(pb_grpc.DraftStub(ch).Generate(pb.GenerateRequest(prompt_ids=[3, 4] * 40, max_new_tokens=4), timeout=TIMEOUT))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "64" in e.value.details(), e.value.details()
+    finally:
+        d.stop()
+        if v is not None:
+            v.stop()
+
+
 def test_a_second_service_on_a_busy_port_exits_2(late_pair, model_dir):
     """Case 3 with real services: a second verify service on the first one's port, and a
     second draft service on the draft's port, refuse to start (no shared port)."""

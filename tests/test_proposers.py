@@ -67,6 +67,31 @@ def test_rounds_the_load_held_at_zero_keep_the_sessions_acceptance():
     assert c.estimate() == learned and c.choose() >= 1
 
 
+def test_a_session_the_price_holds_at_no_proposals_probes_now_and_then():
+    """From a review: a round without proposals teaches nothing, so a session whose estimate sat
+    at or below a steady price (one that started inside a hold, at the 0.7 prior; one whose first
+    proposal was rejected) never proposed again, whatever its draft could do. It proposes one
+    token every PRICED_OUT_PROBE rounds, and a draft that is better than the price comes back."""
+    from draft_service.adaptive import PRICED_OUT_PROBE
+
+    c = TauController(max_tau=8, costs=Costs(0.001, 0.02, 0.0005))
+    c.observe(drafted=1, accepted=0)  # its first proposal rejected: 0.62, below the price
+    c.load(0.65)
+    taus = []
+    for _ in range(3 * PRICED_OUT_PROBE):
+        taus.append(c.choose())
+        c.observe(drafted=taus[-1], accepted=0)  # a draft worse than the price: it stays out but for the probes
+    assert taus == ([0] * (PRICED_OUT_PROBE - 1) + [1]) * 3, taus
+    for _ in range(20 * PRICED_OUT_PROBE):  # a draft that is in fact good: the probes find it out
+        tau = c.choose()
+        c.observe(drafted=tau, accepted=tau)
+        if tau > 1:
+            break
+    assert tau > 1 and c.estimate() > 0.65
+    c.load(0.0)
+    assert c.choose() >= 1 and c.priced_out == 0
+
+
 def test_tau_choice_reads_no_clock(monkeypatch):
     """Same history, same costs: same taus, however the rounds were timed (seeds reproduce). The
     second run has no clock to read: any read of one fails it (two runs back to back could not

@@ -478,9 +478,10 @@ class ScriptedVerifier:
     them (so a greedy pre-draft's guess comes true) where `bonus_is_draft(k)`, else a token that is
     neither of the draft's two likeliest. Runs (Round.target_only_steps) are served as one verdict."""
 
-    def __init__(self, draft_dir: str, max_new: int, accept, bonus_is_draft=lambda k: False):
+    def __init__(self, draft_dir: str, max_new: int, accept, bonus_is_draft=lambda k: False, target_only_s: float = 0.0):
         self.model = AutoModelForCausalLM.from_pretrained(draft_dir).eval()
         self.max_new, self.accept, self.bonus_is_draft = max_new, accept, bonus_is_draft
+        self.target_only_s = target_only_s  # the quote each verdict carries (0: none, so a pace never runs)
         self.sent: list[tuple[str, int]] = []  # ("round", proposals) or ("run", steps), in order
         self.queue: list = []
 
@@ -499,7 +500,8 @@ class ScriptedVerifier:
             n = min(r.target_only_steps, left)
             self.ids += [5] * n
             self.queue.append(pb.VerifyResponse(round=r.round, run_tokens=[5] * (n - 1), next_token=5, steps_left=0,
-                                                finish_reason=pb.FINISH_REASON_LENGTH if n == left else 0))
+                                                finish_reason=pb.FINISH_REASON_LENGTH if n == left else 0,
+                                                target_only_s=self.target_only_s, open_sessions=1))
             return
         tokens = list(r.tokens)
         self.sent.append(("round", len(tokens)))
@@ -510,7 +512,8 @@ class ScriptedVerifier:
             nxt = next(t for t in range(16) if t not in self.top2(self.ids + tokens[:n]) and t not in tokens[n:n + 1])
         self.ids += tokens[:n] + [nxt]
         finish = pb.FINISH_REASON_LENGTH if len(self.ids) - self.prompt >= self.max_new else 0
-        self.queue.append(pb.VerifyResponse(round=r.round, num_accepted=n, next_token=nxt, finish_reason=finish))
+        self.queue.append(pb.VerifyResponse(round=r.round, num_accepted=n, next_token=nxt, finish_reason=finish,
+                                            target_only_s=self.target_only_s, open_sessions=1))
 
     async def read(self):
         return self.queue.pop(0) if self.queue else grpc.aio.EOF
@@ -521,6 +524,39 @@ def _loop_run(loop, verifier):
         async for _ in loop.rounds(verifier):
             pass
     asyncio.run(go())
+
+
+class HoldingPace(Pace):
+    """A pace whose comparison is lost at its third verdict: target-only holds from there on (its
+    clock stands still, so the hold never ends)."""
+
+    quotes = 0
+
+    def quote(self, target_only_s: float, sessions: int = 0) -> None:
+        super().quote(target_only_s, sessions)
+        self.quotes += 1
+        if self.quotes == 3:
+            self.holds[load_class(1)] = Hold(left=5.0, lost=True)
+
+
+def test_a_predraft_that_came_true_gives_way_to_the_paces_hold(model_dir):
+    """A session whose pre-draft came true sent it, and pre-drafted again, while the pace held
+    target-only: with a draft whose guesses keep coming true it speculated through the whole hold
+    (DESIGN §7: every session there runs target-only). With pre-drafting on or off, the message
+    after the hold began is a run."""
+    lm = LM.load(model_dir("draft"), "cpu", "float32")
+    for predraft in (False, True):
+        g = dataclasses.replace(params(60), predraft=predraft)
+        loop = DecodeLoop(Drafter(lm), g, lm.fingerprint, lm.max_context, costs=COSTS, predraft=predraft,
+                          pace=HoldingPace(clock=Clock(), probe_rounds=10**6))
+        v = ScriptedVerifier(model_dir("draft"), 60, accept=lambda k, tokens: len(tokens), bonus_is_draft=lambda k: True,
+                             target_only_s=0.01)
+        _loop_run(loop, v)
+        assert [kind for kind, _ in v.sent[:3]] == ["round"] * 3 and v.sent[3:4] == [("run", 60 - sum(n + 1 for _, n in v.sent[:3]))], \
+            (predraft, v.sent)
+        assert len(v.sent) == 4, (predraft, v.sent)
+        if predraft:  # its pre-drafts came true until the hold: the one it had then is counted a miss, not sent
+            assert loop.stats.predraft_hits >= 1 and loop.stats.predraft_misses >= 1, loop.stats
 
 
 def test_a_fallback_decided_in_a_round_whose_predraft_came_true_drops_the_predraft(model_dir):
