@@ -13,6 +13,13 @@ wall time from sending the N rounds to having all N verdicts back in the event l
 N sessions pipelined, each sending its next round as soon as its verdict is back (as sessions
 do): rounds a second, and how many rounds shared a pass with all N. Writes PASSES.md and
 passes.json.
+
+    python -m bench.passes --mixed "63x0+1x60,63x0+1x8" [--model DIR] [--out DIR]
+
+Mixed passes instead: per layout (COUNTxTAU terms joined by +, e.g. 63 target-only steps beside
+one round of 60 proposals), the median pass time of the sessions' rounds sent together, greedy,
+on --model (a model directory, loaded as the verify service loads it) or the tiny target.
+Writes PASSES_MIXED.md and passes_mixed.json.
 """
 from __future__ import annotations
 
@@ -65,6 +72,63 @@ async def pass_seconds(eng: Scheduler, n: int, tau: int, context: int, repeats: 
         return times[1:], cycles[1:]  # the first pass warms up
 
 
+def layout(spec: str) -> list[int]:
+    """'63x0+1x60' -> 63 zeros then one 60: each session's proposals."""
+    taus = []
+    for term in spec.split("+"):
+        count, _, tau = term.partition("x")
+        taus += [int(tau)] * int(count)
+    return taus
+
+
+async def mixed_seconds(eng: Scheduler, taus: list[int], context: int, repeats: int) -> list[float]:
+    """forward_s of `repeats` passes that held every session's round (session i proposing taus[i]
+    tokens, none for 0: a target-only step), all sent together."""
+    room = eng.lm.max_context - context  # proposals past a session's room are cut: rounds of ids[-1] are rarely accepted
+    async with prefilled(eng, len(taus), context, min((max(taus) + 1) * (4 * repeats + 2), room)) as ss:
+        times: list[float] = []
+        for _ in range(4 * repeats):
+            vs = await asyncio.gather(*(eng.step(s, [s.ids[-1]] * tau, None) for s, tau in zip(ss, taus)))
+            if all(v.pass_rounds == len(taus) for v in vs):
+                times.append(vs[0].forward_s)
+            if len(times) > repeats:
+                break
+        return times[1:]
+
+
+def run_mixed(a) -> None:
+    layouts = a.mixed.split(",")
+    need = max(max(layout(x)) for x in layouts)
+    with tempfile.TemporaryDirectory() as d:
+        if a.model is None:
+            tinymodels.build(d, vocab_size=256, hidden=a.hidden, layers=2, heads=4, max_context=a.context + (need + 1) * (4 * a.repeats + 4))
+        lm = LM.load(a.model or d, "cpu", "float32")
+        most = max(len(layout(x)) for x in layouts)
+        eng = Scheduler(lm, max_sessions=most, max_cached_tokens=most * lm.max_context)
+        try:
+            rows = []
+            for spec in layouts:
+                taus = layout(spec)
+                ts = asyncio.run(mixed_seconds(eng, taus, a.context, a.repeats))
+                rows.append(dict(layout=spec, sessions=len(taus), rows=sum(t + 1 for t in taus), passes=len(ts),
+                                 median_ms=1e3 * statistics.median(ts) if ts else None))
+        finally:
+            eng.shutdown()
+    res = dict(model=a.model or f"tiny Llama (hidden {a.hidden})", context=a.context, repeats=a.repeats, plan=repr(lm.engine.plan), rows=rows)
+    write_report(a.out, "passes_mixed", "PASSES_MIXED.md", res, render_mixed)
+
+
+def render_mixed(res: dict) -> str:
+    out = ["# Verify passes of mixed rounds", "",
+           f"{res['model']}, float32, one thread; context {res['context']}, greedy; median of up to {res['repeats']} passes "
+           "that held every session's round (scheduler's forward_s: pass, acceptance, host transfer). A layout's COUNTxTAU terms: "
+           f"that many sessions proposing tau tokens each (0: a target-only step). Engine plan: `{res['plan']}`.", "",
+           "| layout | sessions | real rows | passes | pass ms (median) |", "|---|---|---|---|---|"]
+    out += [f"| {r['layout']} | {r['sessions']} | {r['rows']} | {r['passes']} | "
+            + (f"{r['median_ms']:.1f} |" if r["median_ms"] is not None else "- |") for r in res["rows"]]
+    return "\n".join(out) + "\n"
+
+
 async def pipelined(eng: Scheduler, n: int, tau: int, context: int, rounds: int) -> tuple[float, float]:
     """n sessions that each send their next round of tau proposals as soon as their verdict is back
     (as sessions do), `rounds` rounds each: (rounds a second, the share of rounds verified in a pass
@@ -91,8 +155,12 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=32, help="the tiny target's width (32: its own compute is small)")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--mixed", default=None, help="mixed passes instead, e.g. 63x0+1x60,63x0+1x8 (COUNTxTAU terms)")
+    p.add_argument("--model", default=None, help="with --mixed: a model directory (default: the tiny target)")
     a = p.parse_args()
     torch.set_num_threads(1)
+    if a.mixed:
+        return run_mixed(a)
     counts = [int(x) for x in a.sessions.split(",")]
     with tempfile.TemporaryDirectory() as d:
         tinymodels.build(d, vocab_size=256, hidden=a.hidden, layers=2, heads=4, max_context=a.context + (a.tau + 1) * (4 * a.repeats + 4))

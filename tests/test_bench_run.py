@@ -21,3 +21,18 @@ def test_bench_run_measures_the_services_and_generate_in_one_dtype(tmp_path):
     assert rows["target-only"]["tokens"] == 12 and rows["hf generate"]["tokens"] == 12
     assert rows["hf generate"]["exact"] == "yes" and rows["spec tau=4"]["exact"] == "yes"
     assert "every model in float32" in (tmp_path / "REPORT.md").read_text()
+
+
+def test_bench_passes_times_uniform_and_mixed_passes(tmp_path):
+    """bench.passes on its tiny target: passes of N sessions' rounds, and mixed layouts (target-only
+    steps beside rounds of several proposals) whose rounds all shared a pass."""
+    for args in (["--sessions", "1,2", "--repeats", "2"], ["--mixed", "2x0+1x3,1x1", "--repeats", "2"]):
+        p = subprocess.run([sys.executable, "-m", "bench.passes", *args, "--out", str(tmp_path)], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+    uniform = json.loads((tmp_path / "passes.json").read_text())["rows"]
+    assert [r["sessions"] for r in uniform] == [1, 2] and all(r["median_ms"] > 0 for r in uniform)
+    mixed = json.loads((tmp_path / "passes_mixed.json").read_text())["rows"]
+    assert [(r["layout"], r["sessions"], r["rows"]) for r in mixed] == [("2x0+1x3", 3, 6), ("1x1", 1, 2)]
+    assert all(r["passes"] >= 1 and r["median_ms"] > 0 for r in mixed)
+    assert "| 2x0+1x3 | 3 | 6 |" in (tmp_path / "PASSES_MIXED.md").read_text()
