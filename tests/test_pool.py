@@ -381,3 +381,80 @@ def test_an_input_asking_for_its_last_rows_logits_gets_them_bitwise_and_alone(wi
     assert head_rows[0] < sum(map(len, seqs)) and head_rows[0] >= 1 + 7 + 1
     assert lasts[0].shape == (1, V) and lasts[1].shape == (7, V) and lasts[2].shape == (1, V)
     assert torch.equal(lasts[0][0], whole[0][-1]) and torch.equal(lasts[1], whole[1]) and torch.equal(lasts[2][0], whole[2][-1])
+
+
+def test_pages_given_back_are_cleared_before_a_new_owner_reads_them(model_dir):
+    """From a review: a freed page kept its last owner's values, and SDPA reads a session's masked
+    key positions too (weight exactly 0), so a non-finite value there (an overflow) made 0 * inf =
+    NaN in another session's attention: its logits were NaN until its own writes covered the slots.
+    Pages given back are zeroed at the next pass's start."""
+    torch.set_num_threads(1)
+    eng = LM.load(model_dir("target"), "cpu", "bfloat16", choices={"per_row": False, "attention": "model"}).engine
+    a = eng.cache(64)
+    eng.forward([[3] * 20], [a], logits=False)
+    clean = eng.forward([[5, 6]], [a])[0]
+    pages = list(a.pages)
+    with torch.inference_mode():  # a session whose values overflowed: its pages hold inf when it ends
+        for t in eng.pool.v:
+            t.view(-1, PAGE, *t.shape[1:])[pages] = float("inf")
+    a.release()
+    b = eng.cache(64)
+    assert b.pages == pages  # the new session takes the same pages; positions 22.. of them are never written
+    eng.forward([[3] * 20], [b], logits=False)
+    got = eng.forward([[5, 6]], [b])[0]
+    assert torch.isfinite(got).all() and torch.equal(got, clean)
+    assert all(torch.isfinite(t).all() for t in eng.pool.v)
+
+
+def test_a_pass_that_fails_making_its_output_leaves_every_length_as_it_was(model_dir, monkeypatch):
+    """From a review: the cache lengths moved on right after the model's call, so a failure in
+    making the pass's logits (an out-of-memory on the float32 copy) left them advanced, and the
+    scheduler's retry of each session alone wrote its round past where it belonged (wrong logits,
+    no error). Forward's promise: a failed pass leaves every cache's length as it was."""
+    torch.set_num_threads(1)
+    eng = LM.load(model_dir("target"), "cpu", "float32").engine
+    a, b = eng.cache(64), eng.cache(64)
+    eng.forward([[3] * 10, [4] * 10], [a, b], logits=False)
+    model = eng._model
+
+    class Boom:  # the model's logits, whose float32 copy runs out of memory
+        def __getitem__(self, _):
+            return self
+
+        def index_select(self, *_):
+            return self
+
+        def view(self, *_):
+            return self
+
+        def float(self):
+            raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(eng, "_model", lambda *args: (model(*args), [Boom()])[1])
+    for padded in (True, False):
+        with pytest.raises(torch.OutOfMemoryError):
+            eng.forward([[5, 6, 7], [5]], [a, b], padded=padded)
+        assert (a.length, b.length) == (10, 10), padded
+    monkeypatch.setattr(eng, "_model", model)
+    assert eng.forward([[5, 6, 7], [5]], [a, b], padded=True).shape[:2] == (2, 3) and (a.length, b.length) == (13, 11)
+
+
+def test_the_longest_round_the_verifier_takes_is_bitwise_its_steps(model_dir):
+    """From a review: a chain of 64 proposals (the most a round may carry) makes a 65-row input,
+    which the layout attended with the long inputs (all queries together), not a query at a time as
+    steps are: its logits differed from the steps' in the last bits in float32 with the CPU tier's
+    query attention. Every round the verifier takes attends a query at a time."""
+    from specdec.engine.layout import GROUPS, ROW_BY_ROW
+    from specdec.proposal import MAX_ROUND_TOKENS
+
+    assert ROW_BY_ROW >= MAX_ROUND_TOKENS + 1 and GROUPS[-1] == ROW_BY_ROW
+    torch.set_num_threads(1)
+    eng = LM.load(model_dir("long-target"), "cpu", "float32").engine
+    g = torch.Generator().manual_seed(5)
+    prompt, chain = torch.randint(2, 16, (40,), generator=g).tolist(), torch.randint(2, 16, (MAX_ROUND_TOKENS + 1,), generator=g).tolist()
+    a, b = eng.cache(200), eng.cache(200)
+    eng.forward([prompt], [a], logits=False)
+    eng.forward([prompt], [b], logits=False)
+    round_ = eng.forward([chain], [a])[0]
+    steps = torch.cat([eng.forward([[t]], [b])[0] for t in chain])
+    assert torch.equal(round_, steps), float((round_ - steps).abs().max())

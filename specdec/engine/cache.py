@@ -38,6 +38,7 @@ class Pool:
         self.limit: int | None = None  # the most slots growth doubles to (the verify's cache budget); a pass's own need passes it
         self._free: list[int] = []  # free pages, ascending (`take` alone changes it)
         self._back: list[int] = []  # pages given back since the last `take`
+        self._stale: list[int] = []  # pages given back since the last `fit`: cleared there, before a pass may read them
         self._lock = threading.RLock()  # a finalizer may hand pages back from inside `take`
 
     def cache(self, capacity: int) -> "KVCache":
@@ -68,6 +69,7 @@ class Pool:
     def give(self, pages: list[int]) -> None:
         with self._lock:
             self._back.extend(pages)
+            self._stale.extend(pages)
 
     @property
     def slots(self) -> int:
@@ -79,7 +81,11 @@ class Pool:
         the slots they hold. Called on the passes' thread only, once at the start of each pass,
         after its caches are bound: pages taken meanwhile (on the event loop) are not in the pass,
         so no layer grows in the middle of a pass, nor in a CUDA graph's capture. A growth that
-        fails (out of memory) leaves `size` as it was; the next call grows the layers still short."""
+        fails (out of memory) leaves `size` as it was; the next call grows the layers still short.
+        Pages given back since the last call are zeroed first: a new owner's masked key positions
+        read them, and a masked weight of exactly 0 times a non-finite value its last owner left
+        (an overflow) would be NaN in the attention's sum (SDPA; the CPU tier's kernel skips them)."""
+        self._clear()
         need = self.slots
         if need <= self.size:
             return self.size
@@ -95,6 +101,18 @@ class Pool:
                 self.k[i], self.v[i] = k, v
         self.size = size
         return size
+
+    def _clear(self) -> None:
+        """Zeroes the pages given back since the last call, in every layer (one fill per tensor)."""
+        with self._lock:
+            stale, self._stale = self._stale, []
+        stale = sorted({p for p in stale if p * PAGE < self.size})  # pages past the layers are zeros when they grow
+        if not stale or not self.k:
+            return
+        with torch.inference_mode():
+            slots = (torch.tensor(stale)[:, None] * PAGE + torch.arange(PAGE)).flatten().to(self.device, non_blocking=True)
+            for t in self.k + self.v:
+                t.index_fill_(0, slots, 0)
 
     def layer(self, i: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's (K, V) [size, H_kv, D], made at its first pass; like [1, H_kv, T, D] gives the

@@ -124,22 +124,23 @@ class Engine:
                 out = self._model(ids, position_ids, cache, rows)[0]
             else:
                 self._model(ids, position_ids, cache, None)
-        for c, n in zip(caches, counts):
-            c.length += n
         if padded:
-            if not keep:
-                return torch.empty(0, 0, 0, device=device)
-            out = out[: len(heads)]
-            if len(heads) < len(keep):  # each input's rows past its own repeat its last: copies of its logits, not
-                # the output layer again (one long round beside many one-row steps multiplied the head's work)
-                index = {r: k for k, r in enumerate(heads)}
-                out = out.index_select(0, torch.tensor([index[r] for r in keep], device=device))
-            return out.view(len(callers), R, -1).float()
-        res: list[torch.Tensor | None] = [None] * len(inputs)
-        row = 0
-        for i, n in zip(callers, rows_of):  # back to the callers' order
-            res[i] = out[row : row + n].float()
-            row += n
+            res = torch.empty(0, 0, 0, device=device)
+            if keep:
+                out = out[: len(heads)]
+                if len(heads) < len(keep):  # each input's rows past its own repeat its last: copies of its logits, not
+                    # the output layer again (one long round beside many one-row steps multiplied the head's work)
+                    index = {r: k for k, r in enumerate(heads)}
+                    out = out.index_select(0, torch.tensor([index[r] for r in keep], device=device))
+                res = out.view(len(callers), R, -1).float()
+        else:
+            res = [None] * len(inputs)
+            row = 0
+            for i, n in zip(callers, rows_of):  # back to the callers' order
+                res[i] = out[row : row + n].float()
+                row += n
+        for c, n in zip(caches, counts):  # only once the output is made: a pass that fails leaves every length as it was
+            c.length += n
         return res
 
     def _model(self, ids: torch.Tensor, position_ids: torch.Tensor, cache: PassCache, rows) -> torch.Tensor | None:

@@ -27,7 +27,8 @@ import torch
 from specdec.engine.cache import PAGE, KVCache, Pool
 from specdec.engine.tree import Tree
 
-ROW_BY_ROW = 64  # inputs of up to this many tokens attend a query at a time (in one call per group); longer ones together
+ROW_BY_ROW = 65  # inputs of up to this many tokens attend a query at a time (in one call per group); longer ones together:
+# a round of the most proposals a round may carry (specdec/proposal.py MAX_ROUND_TOKENS, 64) and its pending token is one
 GROUPS = (8, 16, 32, ROW_BY_ROW)  # short inputs are grouped by the first of these their length fits
 VIEW_BYTES = 64 * 1024  # per-query layout: an input whose consecutive pages hold at least this many bytes of a layer's keys attends alone (`_viewed`)
 
