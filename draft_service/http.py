@@ -37,6 +37,7 @@ from draft_service import openai_schemas as s
 from draft_service.openai_reply import CLIENT_GONE, STATUS, ClientGone, Context, HttpError, Reply, http_names
 from specdec import metrics, serving, validation
 from specdec.errors import Refusal, RequestError
+from specdec.files import StartupError
 from specdec.v1 import specdec_pb2 as pb
 
 log = logging.getLogger("specdec.draft")
@@ -175,7 +176,7 @@ class FrontDoor:
         self._served, self._given = getattr(args, "served_model_name", None), model
         self.created = int(time.time())
         self.template = open(args.chat_template, encoding="utf-8").read() if args.chat_template else None  # noqa: SIM115 - read at start-up (checked there)
-        self.draining, self.server, self.task = False, None, None
+        self.draining, self.server, self.task, self.sock = False, None, None, None
         self.upstream = True  # whether a verify replica answers and takes this draft (the gRPC health's; set by the service)
         errors = {HttpError: _error_response, HTTPException: _error_response, ClientGone: _error_response, Exception: _error_response}
         self.app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"]),
@@ -200,15 +201,29 @@ class FrontDoor:
         """The model ids a request may name: the served one, the target's and the draft's own."""
         return {self.model, self._target(), self._given, self.servicer.lm.name} - {"", None}
 
-    async def start(self) -> int:
-        """Binds --host:--http-port, serves, prints `http on HOST:PORT`; returns the port."""
+    def bind(self) -> None:
+        """Binds --host:--http-port (before the gRPC server starts: a port taken while the model
+        loaded is a one-line start-up failure, not a traceback behind a serving gRPC server)."""
         a = self.args
         # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on connections of such a socket, and without
         # it a response's body waits for the client's delayed ACK of its headers (40 ms on Linux)
         sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((a.host.strip("[]"), a.http_port))
-        sock.listen(1024)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((a.host.strip("[]"), a.http_port))
+            sock.listen(1024)
+        except OSError as e:
+            sock.close()
+            raise StartupError(f"--http-port {a.http_port}: cannot listen on {a.host}:{a.http_port}: {e.strerror or e}") from None
+        self.sock = sock
+
+    async def start(self) -> int:
+        """Serves on the socket `bind` made (binding it now if it has not), prints `http on
+        HOST:PORT`; returns the port."""
+        a = self.args
+        if self.sock is None:
+            self.bind()
+        sock = self.sock
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", server_header=False,
                                 timeout_graceful_shutdown=max(1, math.ceil(a.drain_s)), ssl_certfile=a.tls_cert, ssl_keyfile=a.tls_key,
                                 ssl_ca_certs=a.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED if a.tls_client_ca else ssl.CERT_NONE)
@@ -221,12 +236,14 @@ class FrontDoor:
         if not self.server.started:
             raise RuntimeError(f"the HTTP server did not start: {self.task.exception() if self.task.done() else 'timed out'}")
         port = sock.getsockname()[1]
-        print(f"http on {a.host}:{port}", flush=True)
-        log.info("serving http", extra={"fields": {"address": f"{a.host}:{port}", "tls": bool(a.tls_cert)}})
+        host = f"[{a.host}]" if ":" in a.host and not a.host.startswith("[") else a.host
+        print(f"http on {host}:{port}", flush=True)
+        log.info("serving http", extra={"fields": {"address": f"{host}:{port}", "tls": bool(a.tls_cert)}})
         return port
 
     async def stop(self) -> None:
-        """New requests get 503; running ones get the drain period (--drain-s)."""
+        """The listener closes (new connections are refused; a request on a connection still open gets
+        503); running ones get the drain period (--drain-s)."""
         self.draining = True
         if self.server is not None:
             self.server.should_exit = True

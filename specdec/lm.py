@@ -213,7 +213,8 @@ class LM:
         cfg_dtype = checkpoint_dtype(path)
         dt = resolve_dtype(dtype, dev, cfg_dtype, weight_bytes(path))
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=False).to(dev)
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=False, output_loading_info=True)
+            model = model.to(dev)
         except ValueError as e:  # encoder-only / encoder-decoder configs: no causal-LM class at all
             if "trust_remote_code" in str(e):
                 raise Unsupported(f"--model {path}: it needs its own code (auto_map in its config); the services run only "
@@ -226,6 +227,10 @@ class LM:
                               "are served") from None
         except Exception as e:  # noqa: BLE001 - missing or corrupt weights, bad config JSON, ...
             raise StartupError(f"--model {path}: cannot load the model: {_brief(e)}") from None
+        missing = sorted(info.get("missing_keys") or [])
+        if missing:  # transformers initialises them at random and goes on: the service would serve noise
+            raise StartupError(f"--model {path}: the weights lack {len(missing)} of the model's tensors "
+                               f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); they would be served at random")
         model.eval()
         cfg = model.config
         try:

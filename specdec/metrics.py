@@ -21,7 +21,7 @@ CACHED_TOKENS = Gauge("specdec_cached_tokens", "Tokens held in target KV caches"
 RESERVED_TOKENS = Gauge("specdec_reserved_tokens", "Cache tokens reserved by admitted sessions")
 CACHE_BUDGET = Gauge("specdec_cache_budget_tokens", "Cache tokens the verify service admits sessions into (--max-cached-tokens, "
                      "or its share of the memory free at start-up)")
-BATCH_SIZE = Histogram("specdec_verify_batch_size", "Sessions per target forward pass", buckets=(1, 2, 4, 8, 16, 32, 64))
+BATCH_SIZE = Histogram("specdec_verify_batch_size", "Sessions per target forward pass", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))  # --max-sessions may pass 64
 BATCH_TOKENS = Histogram("specdec_verify_batch_tokens", "Tokens per target forward pass", buckets=(1, 4, 16, 64, 256, 1024, 4096))
 QUEUE_WAIT = Histogram("specdec_verify_queue_wait_seconds", "Time a job waited for the target", buckets=_FAST)
 FORWARD_TIME = Histogram("specdec_verify_forward_seconds", "Time of one target forward pass (+ acceptance)", buckets=_FAST)
@@ -37,7 +37,7 @@ DRAFT_FALLBACK = Counter("specdec_draft_fallback_sessions_total", "Sessions that
                          "target-only rounds because its measured acceptance made speculation slower", ["model"])
 PROPOSALS_PER_ROUND = Histogram("specdec_draft_proposals_per_round", "Proposals sent per verify round (the tau chosen; 0 = a target-only round)",
                                 buckets=(0, 1, 2, 4, 8, 16, 32))
-DRAFT_BATCH_SIZE = Histogram("specdec_draft_batch_size", "Sessions per draft forward pass", buckets=(1, 2, 4, 8, 16, 32, 64))
+DRAFT_BATCH_SIZE = Histogram("specdec_draft_batch_size", "Sessions per draft forward pass", buckets=(1, 2, 4, 8, 16, 32, 64, 128))  # up to stepbatch.MAX_BATCH
 PACE_COMPARISONS = Counter("specdec_draft_pace_comparisons_total", "The pace's comparisons of speculation with target-only runs, by the "
                            "verifier's open sessions (a power-of-two range) and outcome (lost: sessions hold target-only there; won; "
                            "unconfirmed: a win after a loss, or a lone session's loss after a win, which the next window decides)",
@@ -54,5 +54,5 @@ def serve_metrics(port: int | None, host: str = "0.0.0.0") -> int | None:
     """Starts the /metrics HTTP endpoint; port 0 picks a free port. Returns the bound port."""
     if port is None:
         return None
-    server, _ = start_http_server(port, addr=host)
+    server, _ = start_http_server(port, addr=host.strip("[]"))  # an IPv6 host as --host takes it, [::] or ::
     return server.server_address[1]

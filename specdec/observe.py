@@ -87,10 +87,18 @@ def _finish_name(finish: int) -> str:
     return pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
 
 
-def code_name(context, exc: BaseException | None) -> str:
+def code_name(context, exc: BaseException | None, cut_at: float | None = None) -> str:
     """The status a handler ended with (CANCELLED where its caller left, also when the handler
-    then returned quietly: serving.fail has no one to tell of a failed write to a caller gone)."""
+    then returned quietly: serving.fail has no one to tell of a failed write to a caller gone).
+    A call cancelled past its deadline is DEADLINE_EXCEEDED, one the drain cut at the end of its
+    grace (`cut_at`, monotonic) UNAVAILABLE, as their callers see them: neither is a caller that
+    left, and both count as errors."""
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) or context.cancelled():
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return "DEADLINE_EXCEEDED"
+        if cut_at is not None and time.monotonic() >= cut_at - 0.05:
+            return "UNAVAILABLE"
         return "CANCELLED"
     if exc is None:
         return "OK"
@@ -192,6 +200,7 @@ class RequestObserver(grpc.aio.ServerInterceptor):
     def __init__(self, service: str, logger: logging.Logger | None = None):
         self.service = service
         self.log = logger or logging.getLogger(f"specdec.{service}")
+        self.cut_at: float | None = None  # when a drain's grace ends (serving.serve): calls cut then are UNAVAILABLE
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -238,7 +247,7 @@ class RequestObserver(grpc.aio.ServerInterceptor):
                 raise
             finally:
                 duration = time.perf_counter() - t0
-                code = code_name(context, exc)
+                code = code_name(context, exc, self.cut_at)
                 fields = {"service": self.service, "method": call.method, "request_id": call.request_id or uuid.uuid4().hex,
                           "code": code, "tokens": call.tokens, "duration_s": round(duration, 6)}
                 if call.rounds or call.method == "Session":

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -203,7 +204,8 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection([service_name, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
-    address = f"{args.host}:{args.port}"
+    host = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host  # ::1 as gRPC reads it: [::1]
+    address = f"{host}:{args.port}"
     creds = server_credentials(args)
     try:
         port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
@@ -216,6 +218,8 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
         mport = metrics.serve_metrics(args.metrics_port, args.host)
     except OSError as e:
         raise StartupError(f"--metrics-port {args.metrics_port}: cannot listen on {args.host}:{args.metrics_port}: {e.strerror or e}") from None
+    if http is not None:
+        http.bind()  # before the gRPC server starts: a port taken since the start-up check is one line, exit 2
     stop = asyncio.Event()  # SIGTERM from here on is the drain (before, startup.main's one-line exit): set before the
     loop = asyncio.get_running_loop()  # server starts, so a signal that lands as it starts drains it
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -232,16 +236,17 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
     if on_start:
         on_start(set_health)  # the service reports its own health from now on
     if mport is not None:
-        print(f"metrics on {args.host}:{mport}", flush=True)
+        print(f"metrics on {host}:{mport}", flush=True)
     if http is not None:
         await http.start()
-    print(f"listening on {args.host}:{port}", flush=True)
-    log.info("serving", extra={"fields": {"address": f"{args.host}:{port}", "metrics_port": mport, "service": service_name,
+    print(f"listening on {host}:{port}", flush=True)
+    log.info("serving", extra={"fields": {"address": f"{host}:{port}", "metrics_port": mport, "service": service_name,
                                           "startup_s": process_age_s()}})
 
     await stop.wait()
     log.info("draining", extra={"fields": {"grace_s": args.drain_s}})
     await health.enter_graceful_shutdown()  # orchestrators stop routing here at once
+    observer.cut_at = time.monotonic() + args.drain_s  # streams still running then are cut: UNAVAILABLE to their callers
     # new RPCs (and HTTP requests) refused; running streams get the grace period
     await asyncio.gather(server.stop(args.drain_s), *([http.stop()] if http is not None else []))
     if on_stop:

@@ -100,6 +100,13 @@ def check_files(args, *names: str) -> None:
         path = getattr(args, name, None)
         if path:
             read_pem(path, "--" + name.replace("_", "-"))
+    for name in ("tls_client_ca", "verify_tls_ca", "tls_ca"):  # a CA bundle must hold a certificate: a key there went
+        path = getattr(args, name, None)  # through to gRPC (a server that failed to start blaming --port, a draft never serving)
+        if path and name in names:
+            try:
+                ssl.create_default_context(cafile=path)
+            except (ssl.SSLError, ValueError) as e:
+                raise StartupError(f"--{name.replace('_', '-')} {path}: no CA certificate in it ({getattr(e, 'reason', None) or e})") from None
     for pre in ("tls", "verify_tls"):  # a certificate and its key that are not one pair: gRPC's own refusal came after the
         cert, key = getattr(args, f"{pre}_cert", None), getattr(args, f"{pre}_key", None)  # model load, behind its log lines
         if cert and key and f"{pre}_cert" in names:
@@ -166,7 +173,7 @@ class _Stopped(SystemExit):
 
 
 def _stop(signum, frame):
-    raise _Stopped
+    raise _Stopped(signum)
 
 
 def main(prog: str, fn) -> None:
@@ -174,15 +181,17 @@ def main(prog: str, fn) -> None:
     SIGTERM before it serves (a pod deleted while it loads its model) ends it with one line and
     exit 143: as a container's PID 1 a process without a handler ignores SIGTERM, and would load
     and serve until the kubelet's kill. Once serving, serving.serve takes SIGTERM over (the drain)."""
-    signal.signal(signal.SIGTERM, _stop)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C while the model loads: one line too, not a traceback
+        signal.signal(sig, _stop)
     try:
         fn()
     except StartupError as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except _Stopped:
-        print(f"{prog}: stopped by SIGTERM before serving", file=sys.stderr, flush=True)
-        sys.exit(128 + signal.SIGTERM)
+    except _Stopped as e:
+        sig = signal.Signals(e.code)
+        print(f"{prog}: stopped by {sig.name} before serving", file=sys.stderr, flush=True)
+        sys.exit(128 + sig)
 
 
 def env(name: str) -> str | None:

@@ -217,13 +217,25 @@ def test_cli_and_load_tester_take_a_token_file(pair, tokens, tmp_path):
     (["--client-token-file", "{client}"], "--client-token-file needs --auth-token-file"),
     (["--auth-token-file", "{client}", "--client-token-file", "{client}"], "hold the same token"),
     (["--auth-token-file", "{empty}"], "is empty"),
+    # what an authorization header cannot carry: gRPC refused it at the draft's first call, in a traceback, after the load
+    (["--auth-token-file", "{two_lines}"], "one word of printable ASCII"),
+    (["--auth-token-file", "{accented}"], "one word of printable ASCII"),
 ])
 def test_verify_refuses_to_start_with_unusable_tokens(model_dir, tokens, setup, error):
     empty = write(tokens["dir"] / "empty", "\n")
-    args = [a.format(client=tokens["client"], empty=empty) for a in setup]
+    two_lines, accented = write(tokens["dir"] / "two-lines", "abc\ndef\n"), write(tokens["dir"] / "accented", "t\u00f6ken\n")
+    args = [a.format(client=tokens["client"], empty=empty, two_lines=two_lines, accented=accented) for a in setup]
     r = subprocess.run([sys.executable, "-m", "verify_service", "--model", model_dir("target"), "--port", "0", *args],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and error in r.stderr
+
+
+def test_a_draft_refuses_a_verify_token_no_header_can_carry_in_one_line(model_dir, tokens):
+    bad = write(tokens["dir"] / "spaced", "two words\n")
+    r = subprocess.run([sys.executable, "-m", "draft_service", "--model", model_dir("draft"), "--port", "0", "--verify", "127.0.0.1:1",
+                        "--verify-auth-token-file", bad], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(f"draft_service: error: --verify-auth-token-file {bad}: the token must be")
 
 
 def test_split_bench_passes_credentials_as_files():

@@ -225,25 +225,31 @@ def test_sigterm_before_serving_ends_the_service_with_one_line(model_dir, tmp_pa
         assert "listening on" not in out
 
 
-def test_sigterm_before_serving_passes_out_of_an_event_loop_callback(capsys):
+@pytest.mark.parametrize("name,code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_sigterm_before_serving_passes_out_of_an_event_loop_callback(capsys, name, code):
     """The draft does part of its start-up inside its event loop (waiting for its verify service,
     calibrating): a SIGTERM that lands in a loop callback must still end it. asyncio logs and drops
     an exception from a callback unless it is a SystemExit (or KeyboardInterrupt), so the first
-    version's exception was swallowed there and the service went on to serve."""
+    version's exception was swallowed there and the service went on to serve. Ctrl-C (SIGINT) in
+    the model's load was a KeyboardInterrupt traceback: it ends the same way, in one line."""
     import asyncio
     import signal
 
     from specdec import startup
 
+    sig = getattr(signal, name)
+
     async def starting():
-        asyncio.get_running_loop().call_soon(startup._stop, signal.SIGTERM, None)  # the handler, run as a callback
+        asyncio.get_running_loop().call_soon(startup._stop, sig, None)  # the handler, run as a callback
         for _ in range(100):
             await asyncio.sleep(0.01)
 
-    old = signal.getsignal(signal.SIGTERM)
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with pytest.raises(SystemExit) as e:
             startup.main("svc", lambda: asyncio.run(starting()))
+        assert signal.getsignal(sig) is startup._stop  # installed for both
     finally:
-        signal.signal(signal.SIGTERM, old)
-    assert e.value.code == 143 and capsys.readouterr().err.strip() == "svc: stopped by SIGTERM before serving"
+        for s, h in old.items():
+            signal.signal(s, h)
+    assert e.value.code == code and capsys.readouterr().err.strip() == f"svc: stopped by {name} before serving"

@@ -210,9 +210,11 @@ def test_a_call_whose_caller_left_is_logged_cancelled_even_when_its_handler_retu
     write); the observer then names the call CANCELLED, not OK, and counts no error."""
     from specdec.observe import code_name
 
-    class Context:  # the one question code_name asks of a grpc.aio.ServicerContext, and its code
-        def __init__(self, cancelled, code=None):
-            self._cancelled, self._code = cancelled, code
+    import time
+
+    class Context:  # the questions code_name asks of a grpc.aio.ServicerContext
+        def __init__(self, cancelled, code=None, remaining=None):
+            self._cancelled, self._code, self._remaining = cancelled, code, remaining
 
         def cancelled(self):
             return self._cancelled
@@ -220,7 +222,29 @@ def test_a_call_whose_caller_left_is_logged_cancelled_even_when_its_handler_retu
         def code(self):
             return self._code
 
+        def time_remaining(self):
+            return self._remaining
+
     assert code_name(Context(True), None) == "CANCELLED"
+    assert code_name(Context(True, remaining=5.0), None) == "CANCELLED"  # a deadline not reached: the caller left
     assert code_name(Context(False), None) == "OK"
     assert code_name(Context(False), RuntimeError()) == "UNKNOWN"
     assert code_name(Context(False, grpc.StatusCode.INTERNAL), RuntimeError()) == "INTERNAL"
+    # from a review: a deadline past, or the drain's cut at the end of its grace, were logged CANCELLED and never counted
+    assert code_name(Context(True, remaining=0.0), None) == "DEADLINE_EXCEEDED"
+    assert code_name(Context(True), None, cut_at=time.monotonic()) == "UNAVAILABLE"
+    assert code_name(Context(True), None, cut_at=time.monotonic() + 30) == "CANCELLED"  # left during the grace: its own choice
+
+
+def test_a_call_past_its_deadline_is_counted_deadline_exceeded(services):
+    """Through real services: a Generate whose deadline passes mid-stream is DEADLINE_EXCEEDED in
+    both services' error counters (it was CANCELLED, which the error-rate alert leaves out)."""
+    v, d = services("long-target", "long-draft")
+    before = {s: metric(s.metrics(), "specdec_request_errors_total", code="DEADLINE_EXCEEDED") for s in (v, d)}
+    for svc, stub in ((v, pb_grpc.VerifyStub), (d, pb_grpc.DraftStub)):
+        with grpc.insecure_channel(svc.address) as ch:
+            with pytest.raises(grpc.RpcError) as e:  # 3,000 tokens: the deadline passes while the service still generates
+                list(stub(ch).Generate(pb.GenerateRequest(prompt_ids=[3, 4], max_new_tokens=3000), timeout=0.3))
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert wait_for(lambda: metric(svc.metrics(), "specdec_request_errors_total", code="DEADLINE_EXCEEDED") > before[svc], 10), \
+            svc.metrics()[-2000:]

@@ -219,3 +219,17 @@ def test_a_certificate_with_another_key_exits_2_with_one_line(pki, model_dir):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
     assert "--tls-cert" in lines[0] and "not a certificate and its private key" in lines[0], lines[0]
+
+
+def test_a_ca_flag_without_a_certificate_is_one_line_exit_2(pki, model_dir):
+    """From a review: a CA flag naming a PEM file that holds no certificate (a key) passed the
+    start-up checks: the verify service loaded its model, then failed to start its server blaming
+    --port; the draft given such a --verify-tls-ca never served (NOT_SERVING for ever)."""
+    cert = ["--tls-cert", pki("server.pem"), "--tls-key", pki("server.key")]
+    for module, args, flag in (("verify_service", [*cert, "--tls-client-ca", pki("client.key")], "--tls-client-ca"),
+                               ("draft_service", ["--verify", "127.0.0.1:1", "--verify-tls-ca", pki("client.key")], "--verify-tls-ca")):
+        r = subprocess.run([sys.executable, "-m", module, "--model", model_dir("target"), "--port", "0", *args], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert r.stderr.strip().splitlines()[-1].startswith(f"{module}: error: {flag} {pki('client.key')}: no CA certificate in it"), \
+            r.stderr[-2000:]

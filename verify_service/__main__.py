@@ -50,13 +50,14 @@ def main(argv=None) -> None:
 
     import torch  # noqa: PLC0415 - the heavy libraries load once the cheap checks have passed
 
-    from specdec import logs, serving  # noqa: PLC0415
+    from specdec import logs, serving, tracing  # noqa: PLC0415
     from specdec.lm import LM  # noqa: PLC0415
     from specdec.v1 import specdec_pb2_grpc as pb_grpc  # noqa: PLC0415
     from verify_service.scheduler import Scheduler  # noqa: PLC0415
     from verify_service.server import VerifyServicer  # noqa: PLC0415
 
     logs.setup(args.log_format, args.log_level)
+    tracing.setup("specdec.v1.Verify", args.trace)  # before the model loads: a --trace without its package is refused at once
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices, graphs=args.cuda_graphs,
