@@ -283,8 +283,11 @@ class DecodeLoop:
                 # same either way, and unseeded requests promise no replay, so those keep their pre-drafts
                 replay = self.params.seeded and not self.params.sampling.greedy
                 judging = replay and self.judge is not None and not self.judge.accepted
-                held = self.pace is not None and self.pace.held()  # the next message is a run: nothing to pre-draft
-                if ahead_ok and not prop.lookup and next_cap > 0 and not self.fallen_back and not judging and not held:
+                # the next message is a run (a verifier with runs, in the pace's hold), or the verifier's price leaves the
+                # next round no proposals (a priced-out session's probe, adaptive.PRICED_OUT_PROBE): nothing to pre-draft
+                held = self.pace is not None and self.runs_ok and self.pace.held()
+                priced_out = ctl is not None and ctl.steer and ctl.goodput_cap() == 0
+                if ahead_ok and not prop.lookup and next_cap > 0 and not self.fallen_back and not judging and not held and not priced_out:
                     ahead_ctl = PredraftControl()
                     # a tree's pre-draft: a tree after its likeliest path (a greedy tree's: after each end of that path)
                     more = (self.tree_room(budget, assumed), self.floor(), self.tree_cost(), self.calibration) if tree else ()
@@ -392,7 +395,7 @@ class DecodeLoop:
                               "seconds, relay %.2f)", load_label(judged[0]), judged[1], self.pace.ratio, self.pace.relay)
             else:
                 self.pace.quote(v.target_only_s, v.open_sessions)
-            if prop is not None and self.pace.held():  # a hold began (or goes on): the session runs target-only
+            if prop is not None and self.runs_ok and self.pace.held():  # a hold began (or goes on): the session runs target-only
                 prop = self._unused()  # now, as one without a pre-draft would; a guess that came true does not skip it
         if self.judge and not sent.lookup:
             drafting = not self.fallen_back

@@ -236,7 +236,7 @@ class FrontDoor:
         if not self.server.started:
             raise RuntimeError(f"the HTTP server did not start: {self.task.exception() if self.task.done() else 'timed out'}")
         port = sock.getsockname()[1]
-        host = f"[{a.host}]" if ":" in a.host and not a.host.startswith("[") else a.host
+        host = serving.bracketed(a.host)
         print(f"http on {host}:{port}", flush=True)
         log.info("serving http", extra={"fields": {"address": f"{host}:{port}", "tls": bool(a.tls_cert)}})
         return port

@@ -31,12 +31,12 @@ def read_pem(path: str, flag: str) -> bytes:
 def read_token(path: str, flag: str = "token file") -> str:
     """The token in a file (surrounding whitespace stripped); StartupError naming the flag and the
     file when it cannot be read (missing, a directory, not text), is empty, or holds what a gRPC
-    metadata value cannot carry (a line break, a space, a non-ASCII character: gRPC refused it
+    metadata value cannot carry (a line break, a control or non-ASCII character: gRPC refused it
     at the first call, in a traceback)."""
     token = read_file(path, flag, "r").strip()
     if not token:
         raise StartupError(f"{flag} {path}: the file is empty")
-    if not all("!" <= c <= "~" for c in token):
-        raise StartupError(f"{flag} {path}: the token must be one word of printable ASCII (no spaces, line breaks or "
-                           "other characters), as an authorization header carries it")
+    if not all(" " <= c <= "~" for c in token):
+        raise StartupError(f"{flag} {path}: the token must be one line of printable ASCII (no line breaks, control or "
+                           "non-ASCII characters), as an authorization header carries it")
     return token

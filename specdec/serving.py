@@ -186,6 +186,11 @@ async def fail(context: grpc.aio.ServicerContext, service: str, method: str, e: 
     await context.abort(code, msg)
 
 
+def bracketed(host: str) -> str:
+    """An IPv6 --host as an address names it, [::1]: gRPC read ::1:PORT as another address."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=None, ready=None, on_start=None, http=None) -> None:
     """Starts the server, prints `listening on HOST:PORT`, runs until SIGTERM/SIGINT, drains.
     `interceptors` (None entries skipped) run after the request observer, which sees every call.
@@ -204,7 +209,7 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection([service_name, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
-    host = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host  # ::1 as gRPC reads it: [::1]
+    host = bracketed(args.host)
     address = f"{host}:{args.port}"
     creds = server_credentials(args)
     try:

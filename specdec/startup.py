@@ -100,7 +100,7 @@ def check_files(args, *names: str) -> None:
         path = getattr(args, name, None)
         if path:
             read_pem(path, "--" + name.replace("_", "-"))
-    for name in ("tls_client_ca", "verify_tls_ca", "tls_ca"):  # a CA bundle must hold a certificate: a key there went
+    for name in ("tls_client_ca", "verify_tls_ca"):  # a CA bundle must hold a certificate: a key there went
         path = getattr(args, name, None)  # through to gRPC (a server that failed to start blaming --port, a draft never serving)
         if path and name in names:
             try:

@@ -218,8 +218,8 @@ def test_cli_and_load_tester_take_a_token_file(pair, tokens, tmp_path):
     (["--auth-token-file", "{client}", "--client-token-file", "{client}"], "hold the same token"),
     (["--auth-token-file", "{empty}"], "is empty"),
     # what an authorization header cannot carry: gRPC refused it at the draft's first call, in a traceback, after the load
-    (["--auth-token-file", "{two_lines}"], "one word of printable ASCII"),
-    (["--auth-token-file", "{accented}"], "one word of printable ASCII"),
+    (["--auth-token-file", "{two_lines}"], "one line of printable ASCII"),
+    (["--auth-token-file", "{accented}"], "one line of printable ASCII"),
 ])
 def test_verify_refuses_to_start_with_unusable_tokens(model_dir, tokens, setup, error):
     empty = write(tokens["dir"] / "empty", "\n")
@@ -231,7 +231,7 @@ def test_verify_refuses_to_start_with_unusable_tokens(model_dir, tokens, setup, 
 
 
 def test_a_draft_refuses_a_verify_token_no_header_can_carry_in_one_line(model_dir, tokens):
-    bad = write(tokens["dir"] / "spaced", "two words\n")
+    bad = write(tokens["dir"] / "accented", "t\u00f6ken\n")  # gRPC refused it at the draft's first call, in a traceback
     r = subprocess.run([sys.executable, "-m", "draft_service", "--model", model_dir("draft"), "--port", "0", "--verify", "127.0.0.1:1",
                         "--verify-auth-token-file", bad], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -129,7 +129,7 @@ def accept(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor) -> tuple[
 
 
 def decide(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor, forced=None) -> tuple[list[int], torch.Tensor]:
-    """A pass's verdicts on the device, chains first, then trees: (the jobs' indices in that order,
+    """A pass's verdicts on the device, target-only steps first, then chains, then trees: (the jobs' indices in that order,
     [B, 2 + W]: n accepted, the next token, then for a tree 1 per node on its accepted path; W its
     largest tree's nodes). lg [B, T+1, V]; proposals [B, T]. forced (benchmarks only,
     Scheduler(forced_acceptance=)): a chain round accepts that many and takes the target's token after them."""

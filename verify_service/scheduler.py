@@ -270,6 +270,7 @@ class Scheduler:
             if not self._take(None, rounds, prefills):  # what was queued before it was published
                 return False
             missing.difference_update(j.session.sid for j in rounds)
+            missing.intersection_update(self.sessions)  # closed before it was published: `_arrive` could not take them out
             if missing and len(missing) >= len(rounds):
                 self._arrived.wait(self.gather * self._pass_s)
             self._awaited = set()
