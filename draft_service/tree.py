@@ -203,6 +203,8 @@ def _children(t: _Tree, parent: int, logits: torch.Tensor, prm, base: int, k: in
     score, depth = (nodes[parent].score, nodes[parent].depth + 1) if parent >= 0 else (1.0, 1)
     if ids_only(prm.mode) or prm.sampling.greedy:  # the draft's top tokens, q one-hot
         probs = torch.softmax(logits.float(), -1) if prm.sampling.greedy else probs_from_logits(logits, prm.sampling)
+        if not bool(torch.isfinite(probs).all()):  # else no child has mass, and the round goes out empty: a broken draft unseen
+            raise ValueError("the model's probabilities have no mass to draw from (its logits are not finite)")
         vals, ids = torch.topk(probs, min(k + 1, probs.shape[-1]))
         kids = [x for v, x in zip(vals.tolist(), ids.tolist()) if v > 0]
         if parent >= 0:

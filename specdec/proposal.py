@@ -98,7 +98,12 @@ def ids_only(mode: int) -> bool:
 
 def wire_q(q: torch.Tensor, mode: int, sparse_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The draft distribution q [V] as `mode` carries it, which is also the distribution the draft
-    samples its proposal from: dense, (q, None); sparse, its top-k renormalized (q~ [k'], ids [k'])."""
+    samples its proposal from: dense, (q, None); sparse, its top-k renormalized (q~ [k'], ids [k']).
+    Raises ValueError where q has no mass to draw from (the draft's logits are not finite): the
+    sparse form dropped NaN entries and failed later in an unrelated error, or, in a tree, sent an
+    empty round and hid the broken draft."""
+    if not bool(torch.isfinite(q).all()) or not float(q.sum()) > 0:
+        raise ValueError("the model's probabilities have no mass to draw from (its logits are not finite)")
     if mode == pb.PROPOSAL_MODE_DENSE:
         return q, None
     ids, vals = sparsify(q, sparse_k)

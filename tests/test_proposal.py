@@ -90,3 +90,28 @@ def test_a_q_within_the_tolerance_is_used_as_the_distribution_it_was_drawn_from(
             r = pb.Round(round=1, tokens=[x], q_counts=[5], q_ids=list(range(5)), q_probs=(q[:5] * scale).tolist())
         _, got = _decode(r, mode)
         torch.testing.assert_close(got[0], q, atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("mode", [pb.PROPOSAL_MODE_SPARSE, pb.PROPOSAL_MODE_DENSE, pb.PROPOSAL_MODE_GREEDY])
+def test_a_draft_whose_logits_are_not_finite_raises_the_same_error_chain_or_tree(mode):
+    """From a review: NaN draft logits raised "no mass to draw from" only for a dense chain; a
+    sparse chain failed in an unrelated error, a dense tree in an IndexError, and a sparse or
+    greedy tree went out as an empty round, hiding the broken draft."""
+    import types
+
+    from draft_service.tree import _children, _Tree
+    from specdec.proposal import wire_q
+    from specdec.sampling import Sampling
+
+    logits = torch.full((8,), float("nan"))
+    greedy = mode == pb.PROPOSAL_MODE_GREEDY
+    prm = types.SimpleNamespace(mode=mode, sampling=Sampling(temperature=0.0 if greedy else 0.8), sparse_k=4, seed=3)
+    says = "no mass to draw from"
+    if not greedy:
+        with pytest.raises(ValueError, match=says):
+            wire_q(torch.softmax(logits, -1), mode, 4)
+    with pytest.raises(ValueError, match=says):
+        _children(_Tree(at=-1, logits=logits, nodes=[], kids=[]), -1, logits, prm, base=5, k=3, floor=0.0)
+    fine = _Tree(at=-1, logits=torch.arange(8.0), nodes=[], kids=[])
+    _children(fine, -1, fine.logits, prm, base=5, k=3, floor=0.0)
+    assert 1 <= len(fine.nodes) <= 3  # finite logits: children as before
