@@ -80,8 +80,8 @@ class _Observe:
     specdec/observe.py) and the request metrics: specdec_http_requests_total by path and status,
     latency, tokens returned."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, door=None):
+        self.app, self.door = app, door
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -97,7 +97,7 @@ class _Observe:
         try:
             await self.app(scope, receive, send_status)
         except asyncio.CancelledError:
-            call["status"] = CLIENT_GONE
+            call["status"] = _gone(self.door)
             raise
         finally:
             path = scope["path"] if scope["path"] in PATHS else "other"
@@ -150,6 +150,14 @@ class _Uvicorn(uvicorn.Server):
         yield  # SIGTERM and SIGINT belong to the service's drain (specdec/serving.py), which stops this server
 
 
+def _gone(door) -> int:
+    """The status of a request cancelled without its client's leave: 503 where the drain cut it at
+    the end of its grace (UNAVAILABLE, as a gRPC call cut then: an error), else 499 (the client
+    left: none)."""
+    cut = getattr(door, "cut_at", None)
+    return STATUS[grpc.StatusCode.UNAVAILABLE] if cut is not None and time.monotonic() >= cut - 0.05 else CLIENT_GONE
+
+
 async def _error_response(request: Request, e: Exception) -> Response:
     call = request.scope.get("specdec", {})
     if isinstance(e, ClientGone):
@@ -183,7 +191,8 @@ class FrontDoor:
                                      Route("/v1/chat/completions", self.chat, methods=["POST"]),
                                      Route("/v1/models", self.models), Route("/v1/models/{model:path}", self.model_info),
                                      Route("/health", self.health)],
-                             exception_handlers=errors, middleware=[Middleware(_Observe)])
+                             exception_handlers=errors, middleware=[Middleware(_Observe, door=self)])
+        self.cut_at: float | None = None  # when the drain's grace ends (`stop`): streams cancelled then are 503, not 499
 
     def _target(self) -> str:
         """The target's name: the servicer's once its verify service has answered (a draft started
@@ -245,6 +254,7 @@ class FrontDoor:
         """The listener closes (new connections are refused; a request on a connection still open gets
         503); running ones get the drain period (--drain-s)."""
         self.draining = True
+        self.cut_at = time.monotonic() + max(1, math.ceil(self.args.drain_s))  # uvicorn's timeout_graceful_shutdown
         if self.server is not None:
             self.server.should_exit = True
             await self.task

@@ -348,6 +348,45 @@ def test_sigterm_drains_a_running_http_stream(pair, model_dir):
         d.stop()
 
 
+def test_a_stream_the_drain_cuts_is_logged_503_not_a_client_that_left(pair, model_dir):
+    """From a review: a stream still running when the drain's grace ended was logged and counted
+    499, a client that went away; the server cut it. It is 503 (UNAVAILABLE), an error. (A plain
+    process: its log is read to its end.)"""
+    import subprocess
+    import sys
+
+    from bench.launch import ENV, ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "draft_service", "--model", model_dir("long-draft"), "--verify", pair[0].address,
+                             "--port", "0", "--http-port", "0", "--drain-s", "1"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        address = None
+        for line in proc.stdout:  # bounded by the process: it ends if it cannot start
+            address = line.split()[-1] if line.startswith("http on ") else address
+            if line.startswith("listening on "):
+                break
+        host, port = address.split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": [3, 4], "max_tokens": 4000, "temperature": 0,
+                                                            "stream": True, "num_draft_tokens": 1}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: {")
+        proc.send_signal(15)
+        try:
+            while resp.read(65536):  # until the server cuts it, a second on
+                pass
+        except (http.client.IncompleteRead, ConnectionError):
+            pass
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    done = [json.loads(line) for line in err.splitlines() if '"request done"' in line and "POST /v1/completions" in line]
+    assert proc.returncode == 0 and [d["code"] for d in done] == [503], (proc.returncode, done)
+
+
 def _accepts(host: str, port: int) -> bool:
     try:
         socket.create_connection((host, port), timeout=2).close()
