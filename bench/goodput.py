@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             med = {k: sorted(v, key=lambda r: r["tok_s"])[len(v) // 2] for k, v in runs.items()}
             tok_s = {k: statistics.median(r["tok_s"] for r in runs[k]) for k in KINDS}
             rows.append(dict(sessions=n, prompts=len(prompts), runs=runs, median=med, tok_s=tok_s,
-                             ratio={k: tok_s[k] / tok_s["target-only"] for k in KINDS}))
+                             ratio={k: paired_ratio(runs[k], runs["target-only"]) for k in KINDS}))
             print(n, {k: round(v, 2) for k, v in rows[-1]["ratio"].items()}, flush=True)
     finally:
         for d in drafts.values():
@@ -98,6 +98,13 @@ def main(argv=None) -> int:
     res = dict(**run_header(a), max_new_tokens=a.max_new_tokens, repeats=a.repeats, verify_args=a.verify_args, pin=a.pin, rows=rows,
                levels=a.levels)
     return write_report(a.out, "goodput", "GOODPUT.md", res, render)
+
+
+def paired_ratio(runs: list[dict], baseline: list[dict]) -> float:
+    """The median over repeats of one repeat's tok/s over its baseline run's (the two ran back to
+    back): a ratio of the two paths' medians could divide runs of different repeats, and let the
+    machine's drift between them into it."""
+    return statistics.median(r["tok_s"] / b["tok_s"] for r, b in zip(runs, baseline, strict=True))
 
 
 def render(res: dict) -> str:
@@ -121,8 +128,9 @@ def render(res: dict) -> str:
                      f"{m['steered']['mean_tau']:.2f} | {100 * m['steered']['target_only_share']:.0f}% | "
                      f"{100 * m['steered'].get('run_share', 0):.0f}% | {tok_s['unsteered']:.1f} | "
                      f"{x['unsteered']:.2f}× | {m['unsteered']['mean_tau']:.2f} | {cpu} |")
-    lines += ["", "tok/s is the median of the runs (of an even number, the mean of the middle two), and each ratio "
-              "divides two of those medians; mean τ and the shares of rounds and tokens are the median run's (of an even "
+    lines += ["", "tok/s is the median of the runs (of an even number, the mean of the middle two); each ratio is "
+              "the median over the repeats of a repeat's run over its target-only run, which ran back to back with it "
+              "(files from before 2026-11-30 22:30 UTC divided the two medians instead); mean τ and the shares of rounds and tokens are the median run's (of an even "
               "number, the faster of the middle two). Only ratios within one run count: this shared 2-core machine's "
               "speed drifts. The verifier's CPU "
               "per token (its process's user + system seconds over the tokens, median of the runs) is what the requests "

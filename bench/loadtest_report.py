@@ -26,7 +26,8 @@ def _at(cell) -> tuple:
 def typical(cells: list[dict]) -> list[dict]:
     """One cell per tag set and load level: where the level ran more than once, the run of median
     output tok/s in a closed loop, of median e2e p50 latency in an open one (whose tok/s is about
-    its offered rate on any path); the lower of the middle two for an even count."""
+    its offered rate on any path); for an even count the slower of the middle two (lower tok/s,
+    higher e2e)."""
     by: dict[tuple, list[dict]] = {}
     for c in cells:
         by.setdefault((_tag_set(c), *_at(c)), []).append(c)
@@ -193,7 +194,7 @@ def sizing(cells: list[dict], itl_target_ms: float) -> list[str]:
     for g, cs in sorted(groups.items(), key=lambda kv: _group_order(kv[1][0])):
         cs = sorted(cs, key=lambda c: c["concurrency"])
         ok = [c for c in cs if c["summary"]["itl_s"]["p95"] is not None and c["summary"]["itl_s"]["p95"] <= t
-              and c["summary"]["errors"] == 0]
+              and c["summary"]["errors"] == 0 and not c["summary"].get("cancelled_at_deadline")]  # its slowest not dropped
         best = ok[-1] if ok else None
         low = cs[0]["summary"]
         d = low["draft_ms_per_token"] / 1000
@@ -219,15 +220,18 @@ def capacity(cells: list[dict], session_tok_s: float) -> list[str]:
             groups.setdefault(_group_key(c), []).append(c)
     if len(groups) < 2 and not any(c.get("tags", {}).get("path") == "target-only" for c in cells):
         return []
+    side = ("speculative beside target-only" if any(c.get("tags", {}).get("path") == "target-only" for c in cells)
+            else "per tag set")
     out = [f"## Capacity at {session_tok_s:g} tokens/s per session", "",
            "The most concurrent sessions measured whose per-session rate (aggregate output tok/s / sessions, closed loop) "
-           "still meets the target, per path: what one verifier sustains, speculative beside target-only (a level that ran "
-           "more than once: its run of median throughput, the lower of the middle two for an even count).", "",
+           f"still meets the target, with no error and no request cut at the run's end: what one verifier sustains, {side} "
+           "(a level that ran more than once: its run of median throughput, the lower of the middle two for an even count).", "",
            "| path / tags | sessions sustained | aggregate tok/s there | per-session tok/s there | highest aggregate tok/s (at sessions) |",
            "|---|---|---|---|---|"]
     for g, cs in sorted(groups.items(), key=lambda kv: _group_order(kv[1][0])):
         cs = sorted(cs, key=lambda c: c["concurrency"])
-        ok = [c for c in cs if c["summary"]["output_tokens_per_s"] / c["concurrency"] >= session_tok_s and c["summary"]["errors"] == 0]
+        ok = [c for c in cs if c["summary"]["output_tokens_per_s"] / c["concurrency"] >= session_tok_s and c["summary"]["errors"] == 0
+              and not c["summary"].get("cancelled_at_deadline")]  # a level whose requests outlived the run does not sustain it
         top = max(cs, key=lambda c: c["summary"]["output_tokens_per_s"])
         peak = f"{top['summary']['output_tokens_per_s']:.1f} ({top['concurrency']})"
         if ok:

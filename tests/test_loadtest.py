@@ -159,3 +159,34 @@ def test_append_replaces_every_run_of_a_level():
     assert _same_cell(_cell(3, 1.0), _cell(1, 2.0))  # a new run 1 replaces an old run 3 of the same level and tags
     assert not _same_cell(_cell(1, 1.0), _cell(1, 1.0, "target-only"))
     assert not _same_cell(_cell(1, 1.0), _cell(1, 1.0, level=16))
+
+
+def test_goodput_ratios_pair_each_repeat_with_its_own_baseline():
+    """From a review: bench.goodput divided the median speculative run by the median target-only
+    run, which may come from another repeat (the machine drifts between repeats); a ratio is the
+    median of the repeats' own ratios, as bench.loadtest's paired() takes it."""
+    from bench.goodput import paired_ratio
+
+    fast_then_slow = [{"tok_s": 200.0}, {"tok_s": 100.0}, {"tok_s": 104.0}]  # the machine slowed after the first repeat
+    baseline = [{"tok_s": 100.0}, {"tok_s": 100.0}, {"tok_s": 80.0}]
+    assert paired_ratio(fast_then_slow, baseline) == 1.3  # the repeats' 2.0, 1.0 and 1.3; the medians' ratio was 1.04
+    assert paired_ratio([{"tok_s": 3.0}], [{"tok_s": 2.0}]) == 1.5
+
+
+def test_a_level_whose_requests_outlived_the_run_is_not_sustained():
+    """From a review: a level whose slowest requests were cancelled at the run's deadline met the
+    ITL target and the per-session rate on the requests that finished: the sizing's c* and the
+    capacity table counted it. A level with cancelled requests sustains nothing."""
+    from bench.loadtest_report import capacity, sizing
+
+    def cell(level, tok_s, cancelled, path="speculative"):
+        c = _cell(1, tok_s, path, level=level)
+        c["summary"].update(errors=0, cancelled_at_deadline=cancelled, itl_s={"p95": 0.05}, draft_ms_per_token=1.0,
+                            verify_forward_ms_per_token=5.0)
+        return c
+
+    cells = [cell(1, 20.0, 0), cell(16, 160.0, 6), cell(1, 15.0, 0, "target-only"), cell(16, 150.0, 0, "target-only")]
+    rows = {r.split("|")[1].strip(): r.split("|")[2].strip() for r in capacity(cells, 5.0) if r.startswith("| path=")}
+    assert rows == {"path=speculative": "1", "path=target-only": "16"}
+    c_star = {r.split("|")[1].strip(): r.split("|")[2].strip() for r in sizing(cells, 100.0) if r.startswith("| path=")}
+    assert c_star["path=speculative"] == "1" and c_star["path=target-only"] == "16", c_star
