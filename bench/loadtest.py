@@ -271,8 +271,8 @@ async def run(args) -> dict:
                 hint = f" (it takes {wanted})" if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE) else ""
                 raise SystemExit(f"bench.loadtest: {flag} {address}: {e.code().name}: {e.details()}{hint}") from None
         info = infos[0]
-        pairs = 0  # runs so far, over every level: which path goes first alternates across levels too, so an odd --repeats
-        # does not put --server first at every level
+        pairs = args.pair_offset  # runs so far, over every level (and earlier invocations: --pair-offset): which path goes
+        # first alternates across levels too, so an odd --repeats does not put --server first at every level
         for mode, level in cells_spec:
             for k in range(args.repeats):
                 pairs += 1
@@ -312,6 +312,8 @@ def main(argv=None) -> int:
                         "path=target-only), right before or after --server's, alternating which goes first by run; the report "
                         "adds their ratio")
     p.add_argument("--repeats", type=int, default=1, help="runs of every cell (with --baseline: pairs, alternating order)")
+    p.add_argument("--pair-offset", type=int, default=0, help="with --baseline: runs made by earlier invocations of one "
+                   "comparison (bench.split runs a level at a time), so which path goes first keeps alternating")
     add_credential_args(p)
     p.add_argument("--concurrency", default="", help="closed-loop cells: comma-separated session counts, e.g. 1,4,16,64")
     p.add_argument("--rate", default="", help="open-loop cells: comma-separated request rates (req/s, Poisson arrivals)")

@@ -231,10 +231,10 @@ def main(argv=None) -> int:
             # of a shared machine hits the RTTs alike instead of whichever ran last.
             for rtt in rtts:
                 drafts[rtt] = start_draft(rtt)
-            k = 0
+            k, repeats = 0, int(_option(loadtest_args, "--repeats") or 1)
             for level in levels.split(","):
-                for rtt in rtts:
-                    load_test(rtt, ["--concurrency", level], append=k > 0)
+                for rtt in rtts:  # each its own load test: --pair-offset keeps a --baseline's order alternating across them
+                    load_test(rtt, ["--concurrency", level, "--pair-offset", str(k * repeats)], append=k > 0)
                     k += 1
         else:
             for k, rtt in enumerate(rtts):

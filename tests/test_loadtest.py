@@ -84,6 +84,11 @@ def test_baseline_alternates_with_the_speculative_path(services, tmp_path):
     cells = json.loads((tmp_path / "odd" / "loadtest.json").read_text())["cells"]
     assert sorted((c["concurrency"], c["tags"]["path"], c["order"]) for c in cells) == [
         (1, "speculative", 1), (1, "target-only", 2), (2, "speculative", 2), (2, "target-only", 1)]
+    # a level at a time, as bench.split interleaves RTTs: the offset carries the alternation across invocations
+    load(d.address, tmp_path / "offset", "--baseline", v.address, "--pair-offset", "1")
+    cells = json.loads((tmp_path / "offset" / "loadtest.json").read_text())["cells"]
+    assert sorted((c["concurrency"], c["tags"]["path"], c["order"]) for c in cells) == [
+        (1, "speculative", 2), (1, "target-only", 1), (2, "speculative", 1), (2, "target-only", 2)]
 
 
 def test_an_address_that_does_not_serve_its_path_is_one_line(services, tmp_path):
