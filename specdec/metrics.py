@@ -2,7 +2,7 @@
 overlap (num_drafts, num_draft_tokens, num_accepted_tokens, per position)."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)  # a Session is timed whole: minutes
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -50,9 +50,22 @@ NUM_ACCEPTED = Counter("specdec_spec_decode_num_accepted_tokens_total", "Draft t
 ACCEPTED_PER_POS = Counter("specdec_spec_decode_num_accepted_tokens_per_pos_total", "Accepted draft tokens by position", ["position"])
 
 
-def serve_metrics(port: int | None, host: str = "0.0.0.0") -> int | None:
-    """Starts the /metrics HTTP endpoint; port 0 picks a free port. Returns the bound port."""
+VERIFY_ONLY = (CACHED_TOKENS, RESERVED_TOKENS, CACHE_BUDGET, BATCH_SIZE, BATCH_TOKENS, QUEUE_WAIT, FORWARD_TIME, PASS_UTILISATION,
+               PASS_FAULTS, VERIFY_BROKEN, ROW_PRICE)
+DRAFT_ONLY = (HTTP_REQUESTS, DRAFT_FALLBACK, PROPOSALS_PER_ROUND, DRAFT_BATCH_SIZE, PACE_COMPARISONS, NUM_DRAFTS, NUM_DRAFT_TOKENS,
+              NUM_ACCEPTED, ACCEPTED_PER_POS)
+
+
+def serve_metrics(port: int | None, host: str = "0.0.0.0", service: str | None = None) -> int | None:
+    """Starts the /metrics HTTP endpoint; port 0 picks a free port. Returns the bound port. With
+    `service` ("verify" or "draft"), the other service's metrics are not exported (each process
+    showed them all, the other's as constant zeros beside its own)."""
     if port is None:
         return None
+    for c in {"verify": DRAFT_ONLY, "draft": VERIFY_ONLY}.get(service, ()):
+        try:
+            REGISTRY.unregister(c)  # still counts where some code touches it; only not exported
+        except KeyError:  # already
+            pass
     server, _ = start_http_server(port, addr=host.strip("[]"))  # an IPv6 host as --host takes it, [::] or ::
     return server.server_address[1]

@@ -220,7 +220,7 @@ async def serve(args, service_name: str, add_servicer, interceptors=(), on_stop=
         why = "are --tls-cert and --tls-key a matching PEM certificate and key? or the" if creds else "the"
         raise StartupError(f"--port {args.port}: gRPC cannot listen on {address} ({why} address is in use or not of this host)")
     try:
-        mport = metrics.serve_metrics(args.metrics_port, args.host)
+        mport = metrics.serve_metrics(args.metrics_port, args.host, service_name.rsplit(".", 1)[-1].lower())
     except OSError as e:
         raise StartupError(f"--metrics-port {args.metrics_port}: cannot listen on {args.host}:{args.metrics_port}: {e.strerror or e}") from None
     if http is not None:

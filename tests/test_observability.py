@@ -248,3 +248,18 @@ def test_a_call_past_its_deadline_is_counted_deadline_exceeded(services):
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert wait_for(lambda: metric(svc.metrics(), "specdec_request_errors_total", code="DEADLINE_EXCEEDED") > before[svc], 10), \
             svc.metrics()[-2000:]
+
+
+def test_each_service_exports_its_own_metrics_only(services):
+    """From a review: each process exported every metric of both services, the other's as
+    constant zeros beside its own (a draft pod's specdec_verify_broken 0 on a per-pod panel)."""
+    v, d = services()
+    with Client(d.address, timeout=60) as c:
+        assert c.generate(prompt_ids=[3, 4], max_new_tokens=4).token_ids
+    names = {s: {line.split("{")[0].split(" ")[0] for line in s.metrics().splitlines() if line.startswith("specdec_")} for s in (v, d)}
+    assert "specdec_verify_broken" in names[v] and "specdec_verify_broken" not in names[d]
+    assert "specdec_cache_budget_tokens" in names[v] and "specdec_cache_budget_tokens" not in names[d]
+    assert "specdec_spec_decode_num_drafts_total" in names[d] and "specdec_spec_decode_num_drafts_total" not in names[v]
+    assert "specdec_http_requests_total" not in names[v]
+    for s in (v, d):  # what both export
+        assert {"specdec_request_latency_seconds_count", "specdec_live_sessions"} <= names[s], names[s]
