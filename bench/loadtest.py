@@ -11,7 +11,7 @@ cancelled and counted as `cancelled`, not as errors).
 
 Per request it records, from the client's side of the stream:
   TTFT   time to first token (request sent -> first chunk with tokens)
-  ITL    mean inter-token latency of the request, (e2e - TTFT) / (tokens - 1) (a.k.a. TPOT);
+  ITL    mean inter-token latency of the request, (last token's chunk - first token's) / (tokens - 1) (a.k.a. TPOT);
          tokens arrive in chunks of one verify round each, so `chunk gap` (time between
          successive chunks) is reported too: it is what a reader of the stream sees stall
   e2e    request sent -> last chunk

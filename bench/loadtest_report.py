@@ -258,7 +258,7 @@ def render(results: dict, out_dir: str, json_name: str = "loadtest.json") -> str
     setup = m.get("setup", {})
     if setup:
         lines += ["| setting | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in setup.items()] + [""]
-    lines += ["Latencies in ms. ITL = mean inter-token latency of a request, (e2e − TTFT)/(tokens − 1); "
+    lines += ["Latencies in ms. ITL = mean inter-token latency of a request, (last token's arrival − first token's)/(tokens − 1); "
               "tok/s = all output tokens received / cell wall time; acc = drafted tokens accepted.", ""]
     head = ("| RTT / tags | load | done | err | cancelled | req/s | out tok/s | TTFT p50 | p95 | p99 | ITL p50 | p95 | p99 "
             "| e2e p50 | p95 | p99 | acc | tok/round |")
