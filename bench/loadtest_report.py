@@ -198,15 +198,16 @@ def sizing(cells: list[dict], itl_target_ms: float) -> list[str]:
         best = ok[-1] if ok else None
         low = cs[0]["summary"]
         d = low["draft_ms_per_token"] / 1000
-        per_core = t / d if d > 0 else math.inf
+        per_core = f"{t / d:.1f}" if d > 0 else "–"  # no drafting (target-only): no draft cores to size
         if best:
             s = best["summary"]
+            cores = f"{best['concurrency'] * d / t:.2f}" if d > 0 else "–"
             out.append(f"| {g} | {best['concurrency']} | {s['output_tokens_per_s']:.1f} | {_ms(s['itl_s']['p95'])} ms "
-                       f"| {1000 * d:.1f} (c={cs[0]['concurrency']}) | {low['verify_forward_ms_per_token']:.1f} | {per_core:.1f} "
-                       f"| {best['concurrency'] / per_core:.2f} |")
+                       f"| {1000 * d:.1f} (c={cs[0]['concurrency']}) | {low['verify_forward_ms_per_token']:.1f} | {per_core} "
+                       f"| {cores} |")
         else:
             out.append(f"| {g} | none | – | – | {1000 * d:.1f} (c={cs[0]['concurrency']}) | {low['verify_forward_ms_per_token']:.1f} "
-                       f"| {per_core:.1f} | – |")
+                       f"| {per_core} | – |")
     return out + [""]
 
 

@@ -193,5 +193,9 @@ def test_a_level_whose_requests_outlived_the_run_is_not_sustained():
     cells = [cell(1, 20.0, 0), cell(16, 160.0, 6), cell(1, 15.0, 0, "target-only"), cell(16, 150.0, 0, "target-only")]
     rows = {r.split("|")[1].strip(): r.split("|")[2].strip() for r in capacity(cells, 5.0) if r.startswith("| path=")}
     assert rows == {"path=speculative": "1", "path=target-only": "16"}
-    c_star = {r.split("|")[1].strip(): r.split("|")[2].strip() for r in sizing(cells, 100.0) if r.startswith("| path=")}
-    assert c_star["path=speculative"] == "1" and c_star["path=target-only"] == "16", c_star
+    rows = {r.split("|")[1].strip(): [x.strip() for x in r.split("|")[2:-1]] for r in sizing(cells, 100.0) if r.startswith("| path=")}
+    assert rows["path=speculative"][0] == "1" and rows["path=target-only"][0] == "16", rows
+    assert rows["path=speculative"][-2:] == ["100.0", "0.01"]  # 100 ms of ITL over 1 ms of drafting a token; 1 session
+    cells[2]["summary"]["draft_ms_per_token"] = cells[3]["summary"]["draft_ms_per_token"] = 0.0  # target-only drafts nothing
+    rows = {r.split("|")[1].strip(): [x.strip() for x in r.split("|")[2:-1]] for r in sizing(cells, 100.0) if r.startswith("| path=")}
+    assert rows["path=target-only"][-2:] == ["–", "–"]  # no draft cores to size (it printed inf and 0.00)
