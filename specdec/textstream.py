@@ -5,12 +5,14 @@ space), and stop strings (the stop string itself is not emitted); and into the G
 chunks both services stream."""
 from __future__ import annotations
 
+import os
 import time
 
 from specdec.v1 import specdec_pb2 as pb
 
 
 CONTEXT = 4  # prompt ids a stream decodes its first tokens after: a SentencePiece (Metaspace) decode drops a first token's space
+WIDEN = 8  # more prompt ids the window may take so that it starts on a whole character
 
 
 class TextStream:
@@ -20,10 +22,14 @@ class TextStream:
         self.special = frozenset(getattr(tokenizer, "all_special_ids", ()))  # decoded to nothing (skip_special_tokens)
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars that may start a stop
-        self.ids: list[int] = list((context or [])[-CONTEXT:])  # the context, then the generated ids
-        # the context's text up to a character it ends inside of (whose completion the generated ids give): the
-        # window's text until the first delta moves the window past the context (None then, or with no context)
-        self.context_text = self._decode(self.ids).rstrip("\ufffd") if self.ids else None
+        context = list(context or [])
+        n = min(CONTEXT, len(context))  # a window that starts inside a character decodes it as U+FFFD: start it earlier
+        while n < min(CONTEXT + WIDEN, len(context)) and self._decode(context[-n:]).startswith("\ufffd"):
+            n += 1
+        self.ids: list[int] = context[len(context) - n :]  # the context, then the generated ids
+        # the window's text, until the first delta moves the window past the context (None then, or with no context):
+        # the generated text is what their decode adds after what it shares with it (`_delta`)
+        self.context_text = self._decode(self.ids) if self.ids else None
         self.base = ""  # decoded text of the generated ids up to `read`
         self.text = ""  # base, and the complete characters after it: what a stop is looked for in
         self.sent = 0  # chars of self.text already emitted
@@ -35,11 +41,17 @@ class TextStream:
         return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _delta(self) -> str:
-        """The decoded text of ids[read:], in the context of ids[prefix:read]. A prompt that ends
-        inside a character (its decode ends in U+FFFD) is context up to that character: the
-        generated ids that complete it give the whole character."""
-        before = self.context_text if self.context_text is not None else self._decode(self.ids[self.prefix : self.read])
-        return self._decode(self.ids[self.prefix :])[len(before) :]
+        """The decoded text of ids[read:], in the context of ids[prefix:read]. After the prompt's
+        window, what the decode adds past the text it shares with the window's own: a prompt that
+        ends inside a character (its decode ends in U+FFFD) gives the whole character once the
+        generated ids complete it, and U+FFFD the window's decode starts or ends with that the
+        generated ids leave as they are (a character cut by the window's start; a byte-fallback
+        run the window holds) is not taken for new text (stripping every trailing U+FFFD took it
+        for new text where the window decoded to nothing else)."""
+        full = self._decode(self.ids[self.prefix :])
+        if self.context_text is not None:
+            return full[len(os.path.commonprefix([self.context_text, full])) :]
+        return full[len(self._decode(self.ids[self.prefix : self.read])) :]
 
     def _advance(self) -> None:
         delta = self._delta()

@@ -132,3 +132,58 @@ def test_special_tokens_do_not_grow_the_decode_window(tok):
     kept, text = s.push(word[:1] + [tok.eos_token_id] * 2000 + word[1:])
     assert len(kept) == len(word) + 2000 and len(s.ids) == len(word)
     assert text + s.finish() == "ok done"
+
+
+def _stream(tok, prompt: list[int], gen: list[int]) -> str:
+    s = TextStream(tok, context=prompt)
+    return "".join(s.push([t])[1] for t in gen) + s.finish()
+
+
+def test_a_prompt_cut_anywhere_streams_the_rest_without_stray_replacement_characters(tok):
+    """From a review: the prompt's window was decoded and every trailing U+FFFD stripped, so a
+    window that started inside a character and decoded to nothing else was taken for new text:
+    the first chunk began with U+FFFD. At every cut of a text's ids: a prompt of whole characters
+    is followed by exactly the rest of the text's decode; one cut inside a character by the rest
+    of the text from its next whole character on, with no U+FFFD."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    shipped = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "..", "models", "stdlib-code-target"))
+    for t, text in ((tok, TEXT), (shipped, "x = '日本語'  # 🎉\ns = '→🎉'\n")):
+        ids = t(text, add_special_tokens=False)["input_ids"]
+        whole = t.decode(ids)
+        for k in range(1, len(ids)):
+            prompt, gen = ids[:k], ids[k:]
+            out, before = _stream(t, prompt, gen), t.decode(prompt)
+            if "\ufffd" not in before:
+                assert before + out == whole, k
+            else:
+                assert "\ufffd" not in out and whole.endswith(out), (k, before, out)
+
+
+def test_a_byte_fallback_prompt_ending_in_byte_tokens_streams_clean_text():
+    """Llama-2 / Mistral style: a SentencePiece-like BPE with byte fallback writes 日本語 as byte
+    tokens, and its decoder turns a window of those that starts mid-character into one U+FFFD per
+    byte; the stream after the text prompt "hello world 日本語" began with four of them."""
+    from tokenizers import Tokenizer, normalizers, processors
+
+    trained = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    trained.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trained.train_from_iterator(["hello world this is a test of the tokenizer", "the quick brown fox"] * 50,
+                                trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    vocab, merges = trained.get_vocab(), []
+    import json
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in json.loads(trained.to_str())["model"]["merges"]]
+    vocab.update({f"<0x{i:02X}>": len(vocab) + i for i in range(256)})  # the byte tokens
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    t.normalizer = trained.normalizer
+    t.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    t.add_special_tokens(["<unk>", "<s>", "</s>"])
+    t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    bf = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    prompt = bf("hello world 日本語")["input_ids"]
+    gen = bf(" 🎉 the fox", add_special_tokens=False)["input_ids"]
+    dec = lambda ids: bf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # noqa: E731
+    assert set(dec(prompt[-4:])) == {"\ufffd"}  # the window the stream used to decode: bytes of 本 and 語
+    assert _stream(bf, prompt, gen) == dec(prompt + gen)[len(dec(prompt)):]
