@@ -93,6 +93,20 @@ def test_tau_follows_the_price_down_to_target_only_rounds_and_back(model_dir):
     assert 0 < min(partial[4:]) < max(partial[:4]), partial
 
 
+def test_a_priced_out_sessions_probe_drafts_nothing_ahead(model_dir):
+    """A session the price holds at no proposals proposes one token every PRICED_OUT_PROBE-th
+    round; the round after a probe is priced out again, so a pre-draft made during the probe was
+    thrown away, a miss each time (from a review of the change). Pre-drafting on, a steady price
+    above every proposal's worth: the probes come, and no pre-draft is made for the round after."""
+    from draft_service.adaptive import PRICED_OUT_PROBE
+
+    prices = [0.0] + [0.9999] * (3 * PRICED_OUT_PROBE + 2)
+    taus, stats, _ = rounds_under(prices, model_dir, predraft=True)
+    probes = [i for i, t in enumerate(taus[3:], 3) if t]
+    assert len(probes) >= 2 and all(taus[i] == 1 for i in probes), taus
+    assert stats.predraft_hits + stats.predraft_misses <= 2, (taus, stats)  # the first rounds' only, before the price rose
+
+
 @pytest.mark.parametrize("proposer,predraft,tree_budget", [
     (pb.PROPOSER_DRAFT, True, 0), (pb.PROPOSER_LOOKUP, False, 0), (pb.PROPOSER_HYBRID, False, 0), (pb.PROPOSER_HYBRID, True, 0),
     (pb.PROPOSER_DRAFT, False, 8), (pb.PROPOSER_DRAFT, True, 8)])
