@@ -19,7 +19,7 @@ passes.json.
 Mixed passes instead: per layout (COUNTxTAU terms joined by +, e.g. 63 target-only steps beside
 one round of 60 proposals), the median pass time of the sessions' rounds sent together, greedy,
 on --model (a model directory, loaded as the verify service loads it) or the tiny target.
-Writes PASSES_MIXED.md and passes_mixed.json.
+Writes PASSES_MIXED.md and passes_mixed.json (bench/results/ holds a run on the shipped target).
 """
 from __future__ import annotations
 
