@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from draft_service import openai_schemas as s
 from draft_service.openai_reply import CLIENT_GONE, STATUS, ClientGone, Context, HttpError, Reply, http_names
-from specdec import metrics, serving, validation
+from specdec import metrics, observe, serving, validation
 from specdec.errors import Refusal, RequestError
 from specdec.files import StartupError
 from specdec.v1 import specdec_pb2 as pb
@@ -154,8 +154,7 @@ def _gone(door) -> int:
     """The status of a request cancelled without its client's leave: 503 where the drain cut it at
     the end of its grace (UNAVAILABLE, as a gRPC call cut then: an error), else 499 (the client
     left: none)."""
-    cut = getattr(door, "cut_at", None)
-    return STATUS[grpc.StatusCode.UNAVAILABLE] if cut is not None and time.monotonic() >= cut - 0.05 else CLIENT_GONE
+    return STATUS[grpc.StatusCode.UNAVAILABLE] if observe.drain_cut(getattr(door, "cut_at", None)) else CLIENT_GONE
 
 
 async def _error_response(request: Request, e: Exception) -> Response:

@@ -87,6 +87,12 @@ def _finish_name(finish: int) -> str:
     return pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
 
 
+def drain_cut(cut_at: float | None) -> bool:
+    """Whether a call cancelled now was cut by a drain whose grace ends at `cut_at` (monotonic;
+    None: no drain), with 50 ms of slack for the cut's own scheduling."""
+    return cut_at is not None and time.monotonic() >= cut_at - 0.05
+
+
 def code_name(context, exc: BaseException | None, cut_at: float | None = None) -> str:
     """The status a handler ended with (CANCELLED where its caller left, also when the handler
     then returned quietly: serving.fail has no one to tell of a failed write to a caller gone).
@@ -97,7 +103,7 @@ def code_name(context, exc: BaseException | None, cut_at: float | None = None) -
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             return "DEADLINE_EXCEEDED"
-        if cut_at is not None and time.monotonic() >= cut_at - 0.05:
+        if drain_cut(cut_at):
             return "UNAVAILABLE"
         return "CANCELLED"
     if exc is None:
