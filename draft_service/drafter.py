@@ -207,7 +207,7 @@ class Drafter:
                 context.append(x)
                 continue
             q = probs_from_logits(logits, prm.sampling)  # [V]
-            if i and float(q.max()) < prm.early_stop_p:
+            if i and prm.early_stop_p > 0 and float(q.max()) < prm.early_stop_p:  # no host sync where it is off
                 break
             vals, ids = wire_q(q, prm.mode, prm.sparse_k)  # what the wire carries is what the draft samples from
             j = sample(vals, prm.seed, len(context), DRAFT)

@@ -15,6 +15,8 @@ verifier's device. Both sides use this module, and tests/test_proposal.py round-
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
@@ -102,7 +104,8 @@ def wire_q(q: torch.Tensor, mode: int, sparse_k: int) -> tuple[torch.Tensor, tor
     Raises ValueError where q has no mass to draw from (the draft's logits are not finite): the
     sparse form dropped NaN entries and failed later in an unrelated error, or, in a tree, sent an
     empty round and hid the broken draft."""
-    if not bool(torch.isfinite(q).all()) or not float(q.sum()) > 0:
+    total = float(q.sum())  # one host sync: a NaN or an infinity anywhere makes the sum not finite (q >= 0)
+    if not (math.isfinite(total) and total > 0):
         raise ValueError("the model's probabilities have no mass to draw from (its logits are not finite)")
     if mode == pb.PROPOSAL_MODE_DENSE:
         return q, None
