@@ -22,7 +22,7 @@ RESERVED_TOKENS = Gauge("specdec_reserved_tokens", "Cache tokens reserved by adm
 CACHE_BUDGET = Gauge("specdec_cache_budget_tokens", "Cache tokens the verify service admits sessions into (--max-cached-tokens, "
                      "or its share of the memory free at start-up)")
 BATCH_SIZE = Histogram("specdec_verify_batch_size", "Sessions per target forward pass", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))  # --max-sessions may pass 64
-BATCH_TOKENS = Histogram("specdec_verify_batch_tokens", "Tokens per target forward pass", buckets=(1, 4, 16, 64, 256, 1024, 4096))
+BATCH_TOKENS = Histogram("specdec_verify_batch_tokens", "Tokens per target forward pass", buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384))  # a GPU pass: 8192 prompt rows + 1024 of rounds
 QUEUE_WAIT = Histogram("specdec_verify_queue_wait_seconds", "Time a job waited for the target", buckets=_FAST)
 FORWARD_TIME = Histogram("specdec_verify_forward_seconds", "Time of one target forward pass (+ acceptance)", buckets=_FAST)
 PASS_UTILISATION = Gauge("specdec_verify_pass_utilisation", "Share of recent wall time the verifier spent in passes")

@@ -263,3 +263,18 @@ def test_each_service_exports_its_own_metrics_only(services):
     assert "specdec_http_requests_total" not in names[v]
     for s in (v, d):  # what both export
         assert {"specdec_request_latency_seconds_count", "specdec_live_sessions"} <= names[s], names[s]
+
+
+def test_the_pass_histograms_reach_their_limits():
+    """A histogram whose top bucket is below what it observes puts every large pass in +Inf: its
+    quantiles say nothing there. Each size histogram's top bucket reaches its default limit."""
+    from draft_service import stepbatch
+    from specdec import metrics
+    from verify_service import scheduler
+
+    def top(h) -> float:
+        return max(float(s.labels["le"]) for s in h.collect()[0].samples if s.name.endswith("_bucket") and s.labels["le"] != "+Inf")
+
+    assert top(metrics.BATCH_TOKENS) >= scheduler.MAX_BATCH_TOKENS + scheduler.GPU_PREFILL_ROWS  # a GPU pass's prompt rows and rounds
+    assert top(metrics.DRAFT_BATCH_SIZE) >= stepbatch.MAX_BATCH
+    assert top(metrics.BATCH_SIZE) >= 64  # the verify service's --max-sessions default
