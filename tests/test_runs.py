@@ -559,6 +559,22 @@ def test_a_predraft_that_came_true_gives_way_to_the_paces_hold(model_dir):
             assert loop.stats.predraft_hits >= 1 and loop.stats.predraft_misses >= 1, loop.stats
 
 
+def test_a_predraft_that_came_true_is_sent_through_a_hold_where_the_verifier_has_no_runs(model_dir):
+    """The pace's hold turns a session to runs; a verifier without runs (an older one: it answers
+    a run with one verdict) keeps it in rounds, so a pre-draft that came true is still sent there:
+    dropping it would draft the same round again and count a miss."""
+    lm = LM.load(model_dir("draft"), "cpu", "float32")
+    loop = DecodeLoop(Drafter(lm), params(60), lm.fingerprint, lm.max_context, costs=COSTS, predraft=True,
+                      pace=HoldingPace(clock=Clock(), probe_rounds=10**6))
+    loop.runs_ok = False  # as the loop sets it after such a verifier's first answer to a run
+    v = ScriptedVerifier(model_dir("draft"), 60, accept=lambda k, tokens: len(tokens), bonus_is_draft=lambda k: True,
+                         target_only_s=0.01)
+    _loop_run(loop, v)
+    assert loop.pace.held() and all(kind == "round" for kind, _ in v.sent), v.sent
+    # every pre-draft but the one for the request's last token was sent (dropped in the hold: 2 hits, 10 misses)
+    assert loop.stats.predraft_hits >= 10 and loop.stats.predraft_misses <= 1, loop.stats
+
+
 def test_a_fallback_decided_in_a_round_whose_predraft_came_true_drops_the_predraft(model_dir):
     """The judge stops the draft model in a round whose pre-draft came true: that pre-draft is
     not sent and counts as a miss, and the rest of the session is one run (DESIGN §7). It was
@@ -675,3 +691,46 @@ def test_a_pass_waiting_for_the_last_passs_sessions_goes_once_each_sent_a_run_or
     finally:
         eng.shutdown()
     assert len(got) == 2
+
+
+def test_a_pass_does_not_wait_for_sessions_closed_just_before_it_published_its_wait(model_dir):
+    """A session that closes after `_gather` picked the last pass's sessions but before it
+    published them finds nothing to take itself out of (`_arrive`), so the pass would wait its
+    whole time for a round that never comes. The close is made to land in that window (the
+    clearing of the wake-up event, between the two); the wait is recorded, not slept."""
+    import collections
+    import contextlib
+    import threading
+
+    import verify_service.scheduler as scheduler
+
+    lm = LM.load(model_dir("target"), "cpu", "float32")
+    go = threading.Event()
+
+    @contextlib.contextmanager
+    def held():  # the scheduler's own thread stays out of the way
+        go.wait(60)
+        yield
+
+    eng = scheduler.Scheduler(lm, max_sessions=4, gather=1.0, thread_context=held)
+    try:
+        a, b = (eng.open(PROMPT, 4, Sampling(temperature=0.0), seed=7, mode=pb.PROPOSAL_MODE_GREEDY) for _ in range(2))
+        waits = []
+
+        class ClosingEvent(threading.Event):
+            def clear(self):
+                super().clear()
+                eng.close(a)
+                eng.close(b)
+
+            def wait(self, timeout=None):
+                waits.append(timeout)
+                return False
+
+        eng._arrived = ClosingEvent()
+        eng._back, eng._pass_s = {a.sid, b.sid}, 30.0  # the last pass answered both; a wait would be 30 s
+        assert eng._gather([], collections.deque()) is True
+        assert waits == [] and not eng._awaited
+    finally:
+        go.set()
+        eng.shutdown()
