@@ -11,7 +11,8 @@ at a time) for
   (c) in-process anchors on the same models: transformers `generate()`, assisted generation
       (`assistant_model=`) and prompt lookup (`prompt_lookup_num_tokens=`),
   (d) emulated round-trip times between draft and verify: the two services in two network
-      namespaces joined by a veth pair, a delaying TCP proxy (bench/proxy.py) in between,
+      namespaces joined by a veth pair, a delaying TCP proxy (bench/proxy.py) in between
+      (none at RTT 0),
       pre-drafting off and on.
 It also measures per-token latency of each model in-process (c = draft / target), estimates the
 acceptance alpha from the greedy runs, the gRPC + scheduling overhead per round (rho, in target
@@ -121,15 +122,18 @@ def rtt_section(a, prompts, max_new: int, t_target: float, bar) -> list[dict]:
     n = split.names(f"b{os.getpid()}")
     env = dict(ENV, OMP_NUM_THREADS="1", SPECDEC_PROPOSER="draft", SPECDEC_DTYPE=a.dtype)  # the draft model unless a config says
     in_d, in_v = ("ip", "netns", "exec", n["ns_draft"]), ("ip", "netns", "exec", n["ns_verify"])
-    rows, procs = [], []
+    rows, procs, proxies = [], [], []
     try:
         split.setup(n)
         verify = Service("verify_service", "--model", a.target, "--threads", "1", host=split.VERIFY_IP, env=env, prefix=in_v)
         procs.append(verify)
         for rtt in a.rtts:
-            proxy = subprocess.Popen([*in_d, sys.executable, "-m", "bench.proxy", "--listen", "127.0.0.1:0", "--target", verify.address,
-                                      "--rtt-ms", str(rtt)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-            upstream = proxy.stdout.readline().split()[-1]
+            proxy, upstream = None, verify.address  # RTT 0: straight over the veth pair, as bench.tree and bench.split do
+            if rtt > 0:
+                proxy = subprocess.Popen([*in_d, sys.executable, "-m", "bench.proxy", "--listen", "127.0.0.1:0", "--target", verify.address,
+                                          "--rtt-ms", str(rtt)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+                proxies.append(proxy)  # stopped in `finally` too, where a draft fails to start
+                upstream = proxy.stdout.readline().split()[-1]
             draft = Service("draft_service", "--model", a.draft, "--verify", upstream, "--threads", "1", env=env, prefix=in_d)
             for predraft in (False, True):
                 cfg = dict(num_draft_tokens=4, adaptive=False, predraft=predraft, **GREEDY)
@@ -144,12 +148,17 @@ def rtt_section(a, prompts, max_new: int, t_target: float, bar) -> list[dict]:
                 rows.append(row)
                 bar.update(1)
             draft.stop()
-            proxy.terminate()
-            proxy.wait(10)
+            if proxy is not None:
+                proxy.terminate()
+                proxy.wait(10)
         return rows
     finally:
         for p in procs:
             p.stop()
+        for p in proxies:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
         split.cleanup(n)
 
 
