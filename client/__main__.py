@@ -78,7 +78,7 @@ def parse(argv):
                    help="tokenize --prompt with the tokenizer's special tokens, e.g. BOS (default: yes, as the tokenizer does)")
     g.add_argument("--request-id", default="")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    i = sub.add_parser("info", help="print the service's model info")
+    i = sub.add_parser("info", help="print the service's model info (asks --server only: no fallback, no retries)")
     _connection_args(i)
     return p.parse_args(argv)
 
@@ -113,6 +113,11 @@ def main(argv=None) -> int:
 
 
 def _run(a) -> int:
+    unused = ("--fallback with --target-only (the fallback is a verify service for a draft service's requests)" if a.fallback and a.target_only
+              else "--fallback-token-file without --fallback" if a.fallback_token_file and not a.fallback else None)
+    if unused:  # a flag that would be dropped without a word
+        print(f"error: {unused}", file=sys.stderr)
+        return 2
     try:
         client = Client(a.server, target_only=a.target_only, fallback=a.fallback, timeout=a.timeout, retries=a.retries,
                         **credential_kwargs(a))

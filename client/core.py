@@ -12,7 +12,10 @@ twice. With `fallback` set to a verify address, a request the draft service stil
 speed-up; `timeout` bounds the whole request, the fallback's attempt included. `token` is sent as
 `authorization: Bearer <token>` to the server, and to the fallback too unless `fallback_token`
 is given. TLS is on where `tls_ca` (the server's CA) or the client's `tls_cert` and `tls_key`
-(mTLS, with the system's roots where no `tls_ca`) are given."""
+(mTLS, with gRPC's default roots where no `tls_ca`: not the system's trust store; give a private
+CA as `tls_ca`) are given. Credentials are checked when the client is made: a file that is not
+what its flag says, a certificate and key that are not one pair, or a token a header cannot carry
+is a StartupError naming the flag."""
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from specdec.files import read_pem, read_token
+from specdec.files import check_ca, check_pair, check_token, read_pem, read_token
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -121,7 +124,7 @@ def field_error(values: dict, name=lambda field: field) -> str | None:
             return f"{name(f)} must be an integer in [0, {(1 << 32) - 1}], got {values[f]!r}"
     if values.get("seed") is not None and not integer(values["seed"], 1 << 64):
         return f"{name('seed')} must be an integer in [0, {(1 << 64) - 1}], got {values['seed']!r}"
-    if any(not integer(i, 1 << 31) for i in values.get("prompt_ids") or ()):
+    if any(not integer(i, 1 << 31) for i in (() if values.get("prompt_ids") is None else values["prompt_ids"])):
         return f"{name('prompt_ids')}: token ids are integers in [0, {(1 << 31) - 1}]"
     # float32 fields: a value so small it arrives as 0 would be read as greedy (temperature) or unset (top_p: 1) by the
     # server, which cannot tell; what arrives as itself the server checks (specdec/validation.py)
@@ -182,7 +185,7 @@ def make_request(prompt: str | None = None, prompt_ids: list[int] | None = None,
     if seed is not None:
         sampling.seed = seed
     return pb.GenerateRequest(
-        prompt=prompt or "", prompt_ids=prompt_ids or [], max_new_tokens=max_new_tokens, sampling=sampling,
+        prompt=prompt or "", prompt_ids=[] if prompt_ids is None else prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
         stop=stop, num_draft_tokens=num_draft_tokens, sparse_k=sparse_k, request_id=request_id,
         proposal_mode=MODES[proposal_mode] if proposal_mode is not None else pb.PROPOSAL_MODE_UNSPECIFIED,
         proposer=PROPOSERS[proposer] if proposer is not None else pb.PROPOSER_UNSPECIFIED,
@@ -215,14 +218,21 @@ class _Collector:
 
 def _credentials(tls_ca, tls_cert, tls_key):
     """TLS where any of the three is given: the server's certificate checked against tls_ca, else
-    the system's roots; with tls_cert and tls_key (together only), mTLS. A file that cannot be read
-    is a StartupError naming its flag."""
+    gRPC's default roots; with tls_cert and tls_key (together only), mTLS. A file that cannot be
+    read, a CA file with no certificate, or a certificate and key that are not one pair is a
+    StartupError naming its flag (gRPC took them, then failed each call UNAVAILABLE, which the
+    retries and the fallback then tried again)."""
     if not (tls_ca or tls_cert or tls_key):
         return None
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("--tls-cert and --tls-key (tls_cert, tls_key) go together: the client's certificate and its key")
     read = lambda p, flag: read_pem(p, flag) if p else None  # noqa: E731
-    return grpc.ssl_channel_credentials(read(tls_ca, "--tls-ca"), read(tls_key, "--tls-key"), read(tls_cert, "--tls-cert"))
+    ca, key, cert = read(tls_ca, "--tls-ca"), read(tls_key, "--tls-key"), read(tls_cert, "--tls-cert")
+    if tls_ca:
+        check_ca(tls_ca, "--tls-ca")
+    if tls_cert:
+        check_pair(tls_cert, tls_key, "--tls-cert", "--tls-key")
+    return grpc.ssl_channel_credentials(ca, key, cert)
 
 
 @dataclass
@@ -260,6 +270,8 @@ class _Base:
                  token: str | None = None, fallback_token: str | None = None, max_message_bytes: int = 16 << 20):
         """token: bearer token for `server`. fallback_token: for the `fallback` verify service
         (default: the same token, for a verify service that accepts the clients' token)."""
+        if target_only and fallback:
+            raise ValueError("fallback is a verify service for a draft service's requests; target_only already asks a verify service")
         self.server, self.target_only, self.fallback = server, target_only, fallback
         self.timeout, self.retries = check_timeout(timeout), check_retries(retries)
         self._creds = _credentials(tls_ca, tls_cert, tls_key)
@@ -269,8 +281,8 @@ class _Base:
             # request (a long prompt) would not be retried at all
             self._opts += [("grpc.enable_retries", 1), ("grpc.service_config", retry_service_config(retries)),
                            ("grpc.per_rpc_retry_buffer_size", max(max_message_bytes, 256 << 10))]
-        self._metadata = _auth(token)
-        self._fallback_metadata = _auth(fallback_token or token)
+        self._metadata = _auth(token, "--token (token)")
+        self._fallback_metadata = _auth(fallback_token or token, "--fallback-token-file (fallback_token)" if fallback_token else "--token (token)")
 
     def _channel(self, mod, address: str):
         if self._creds:
@@ -282,24 +294,27 @@ class _Base:
         self._channels = [self._channel(mod, self.server)]
         out = [_Target("verify" if self.target_only else "draft",
                        (pb_grpc.VerifyStub if self.target_only else pb_grpc.DraftStub)(self._channels[0]), self._metadata)]
-        if self.fallback and not self.target_only:
+        if self.fallback:
             self._channels.append(self._channel(mod, self.fallback))
             out.append(_Target("verify", pb_grpc.VerifyStub(self._channels[1]), self._fallback_metadata))
         return out
 
 
-def _auth(token: str | None) -> list[tuple[str, str]]:
-    return [("authorization", f"Bearer {token}")] if token else []
+def _auth(token: str | None, where: str) -> list[tuple[str, str]]:
+    """The metadata that carries `token` (none for None); a token a header cannot carry, or an
+    empty one (it sent no header at all), is a StartupError naming `where`."""
+    return [] if token is None else [("authorization", f"Bearer {check_token(token, where)}")]
 
 
 def add_credential_args(p) -> None:
     """The credential flags of the CLI and the load testers (an argparse parser)."""
     p.add_argument("--tls-ca", help="CA bundle to check the server's certificate (enables TLS; with only --tls-cert/--tls-key, "
-                                    "TLS against the system's roots)")
+                                    "TLS against gRPC's default roots, not the system's trust store)")
     p.add_argument("--tls-cert", help="client certificate (mTLS)")
     p.add_argument("--tls-key", help="client key (mTLS)")
-    p.add_argument("--token-file", help="file holding the bearer token for --server (and the fallback)")
-    p.add_argument("--token", help="the bearer token itself (prefer --token-file: a flag value is visible to other local users)")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--token-file", help="file holding the bearer token for --server (and the fallback)")
+    token.add_argument("--token", help="the bearer token itself (prefer --token-file: a flag value is visible to other local users)")
     p.add_argument("--fallback-token-file", help="file holding the bearer token for the fallback verify service, if it differs")
 
 
@@ -353,8 +368,13 @@ class Client(_Base):
                 try:
                     chunk = first
                     yield chunk
-                    for chunk in it:
-                        yield chunk
+                    try:
+                        for chunk in it:
+                            yield chunk
+                    except grpc.RpcError:
+                        if not _finished(chunk):
+                            raise
+                        return  # the call failed after its final chunk (a deadline during the server's end): the result is whole
                     if not _finished(chunk):
                         raise StreamError(NO_FINISH)
                 finally:
@@ -428,7 +448,13 @@ class AsyncClient(_Base):
                 try:
                     while True:
                         yield chunk
-                        last, chunk = chunk, await call.read()
+                        last = chunk
+                        try:
+                            chunk = await call.read()
+                        except grpc.aio.AioRpcError:
+                            if not _finished(last):
+                                raise
+                            return  # the call failed after its final chunk (a deadline during the server's end): the result is whole
                         if chunk is grpc.aio.EOF:
                             if not _finished(last):
                                 raise StreamError(NO_FINISH)

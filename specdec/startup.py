@@ -17,11 +17,10 @@ import math
 import os
 import signal
 import socket
-import ssl
 import sys
 
 from specdec.choices import parse_choices
-from specdec.files import StartupError, read_file, read_pem  # noqa: F401 - the services import them from here
+from specdec.files import StartupError, check_ca, check_pair, read_file, read_pem  # noqa: F401 - the services import them from here
 
 
 class Parser(argparse.ArgumentParser):
@@ -103,19 +102,12 @@ def check_files(args, *names: str) -> None:
     for name in ("tls_client_ca", "verify_tls_ca"):  # a CA bundle must hold a certificate: a key there went
         path = getattr(args, name, None)  # through to gRPC (a server that failed to start blaming --port, a draft never serving)
         if path and name in names:
-            try:
-                ssl.create_default_context(cafile=path)
-            except (ssl.SSLError, ValueError) as e:
-                raise StartupError(f"--{name.replace('_', '-')} {path}: no CA certificate in it ({getattr(e, 'reason', None) or e})") from None
+            check_ca(path, "--" + name.replace("_", "-"))
     for pre in ("tls", "verify_tls"):  # a certificate and its key that are not one pair: gRPC's own refusal came after the
         cert, key = getattr(args, f"{pre}_cert", None), getattr(args, f"{pre}_key", None)  # model load, behind its log lines
         if cert and key and f"{pre}_cert" in names:
-            try:
-                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert, key, password=lambda: b"")  # never a prompt
-            except (ssl.SSLError, ValueError) as e:
-                flag = "--" + pre.replace("_", "-")
-                raise StartupError(f"{flag}-cert {cert} and {flag}-key {key}: not a certificate and its private key, "
-                                   f"unencrypted as gRPC needs it ({getattr(e, 'reason', None) or e})") from None
+            flag = "--" + pre.replace("_", "-")
+            check_pair(cert, key, f"{flag}-cert", f"{flag}-key")
 
 
 def check_model_dir(path: str, flag: str = "--model") -> None:

@@ -49,6 +49,13 @@ class Odd(pb_grpc.DraftServicer):
                 time.sleep(0.05)
         if request.prompt == "empty":  # OK with no message
             return
+        if request.prompt == "lateend":  # the final chunk at once, the call's end 1.5 s later (a verifier slow to end its session)
+            yield pb.GenerateResponse(token_ids=[5], text="w5", finish_reason=pb.FINISH_REASON_LENGTH)
+            for _ in range(30):
+                if not context.is_active():
+                    return
+                time.sleep(0.05)
+            return
         yield pb.GenerateResponse(token_ids=[3], text="w3")
         if request.prompt == "nofinish":  # OK before the final chunk
             return
@@ -298,6 +305,9 @@ def test_values_that_cannot_go_in_a_request_name_their_field(odd):
     # what stands for an int (a tokenizer's numpy or torch ids) is taken, as protobuf takes it
     r = make_request(prompt_ids=list(np.array([3, 4])) + [torch.tensor(5)], max_new_tokens=np.int64(8))
     assert list(r.prompt_ids) == [3, 4, 5] and r.max_new_tokens == 8
+    # an array itself: its truth test raised (several ids) or dropped it (one id 0: the server saw an empty prompt)
+    assert list(make_request(prompt_ids=np.array([3, 4])).prompt_ids) == [3, 4]
+    assert list(make_request(prompt_ids=np.array([0])).prompt_ids) == [0]
     for bad in (-1, 5, 1.5, True):
         with pytest.raises(ValueError, match="retries must be an integer in \\[0, 4\\]"):
             Client(odd, retries=bad)
@@ -307,3 +317,71 @@ def test_values_that_cannot_go_in_a_request_name_their_field(odd):
     assert p.returncode == 1 and "--tau must be an integer in [0, 4294967295]" in p.stderr, p.stderr
     p = cli("generate", "--server", odd, "--prompt", "ok", "--retries", "7")
     assert p.returncode == 2 and "--retries" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_a_failure_after_the_final_chunk_leaves_the_result_whole(odd):
+    """The server may end the call a while after its final chunk (the draft service waits up to a
+    second for the verifier to end its session). A deadline that passed in between made a
+    finished generation DEADLINE_EXCEEDED: generate() lost its result, stream() raised after its
+    last token, the CLI printed the text and then an error, exit 1."""
+    with Client(odd, timeout=0.7) as c:
+        assert c.generate(prompt="lateend").token_ids == [5]
+        assert [x.finish_reason for x in c.stream(prompt="lateend")] == [pb.FINISH_REASON_LENGTH]
+
+    async def run():
+        async with AsyncClient(odd, timeout=0.7) as c:
+            r = await c.generate(prompt="lateend")
+            return r.text, [x.text async for x in c.stream(prompt="lateend")]
+    assert asyncio.run(run()) == ("w5", ["w5"])
+    p = cli("generate", "--server", odd, "--prompt", "lateend", "--timeout", "0.7")
+    assert p.returncode == 0 and p.stdout == "w5\n", (p.stdout, p.stderr)
+    with Client(odd, timeout=0.7) as c:  # a deadline before the final chunk is still an error
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(prompt="slow")
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def _self_signed(d, name):
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", f"{name}.key", "-out", f"{name}.pem", "-subj", f"/CN={name}", "-days", "1"],
+                   cwd=d, check=True, capture_output=True)
+    return os.path.join(d, f"{name}.pem"), os.path.join(d, f"{name}.key")
+
+
+def test_tls_files_that_are_pem_but_not_what_their_flag_says_name_the_flags(tmp_path, odd):
+    """A certificate and key that are not one pair (swapped, or another certificate's key), or a
+    key given as the CA: gRPC took them, then failed every call UNAVAILABLE after its own log
+    lines, which --retries and --fallback tried again, and the error named the fallback."""
+    a_pem, a_key = _self_signed(tmp_path, "a")
+    b_pem, b_key = _self_signed(tmp_path, "b")
+    for cert, key in ((a_key, a_pem), (a_pem, b_key)):
+        with pytest.raises(StartupError, match=f"--tls-cert {re.escape(cert)} and --tls-key {re.escape(key)}: not a certificate and its private key"):
+            Client(odd, tls_cert=cert, tls_key=key)
+        p = cli("generate", "--server", odd, "--fallback", odd, "--retries", "2", "--prompt", "ok", "--tls-cert", cert, "--tls-key", key)
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "--tls-cert" in p.stderr, p.stderr
+    with pytest.raises(StartupError, match=f"--tls-ca {re.escape(a_key)}: no CA certificate in it"):
+        Client(odd, tls_ca=a_key)
+    Client(odd, tls_ca=a_pem, tls_cert=b_pem, tls_key=b_key).close()  # files that are what they say are taken
+
+
+def test_tokens_and_flags_the_cli_would_drop_or_send_broken_are_refused(tmp_path, odd):
+    """--token "" sent no header, a token with a line break or a non-ASCII character failed in
+    gRPC with its log lines (an undecodable byte: a traceback), --token beside --token-file was
+    dropped without a word; so were --fallback with --target-only and --fallback-token-file
+    without --fallback. Each is one line, exit 2, and never shows the token."""
+    f = tmp_path / "tok"
+    f.write_text("filetoken\n")
+    for args, says in ((["--token", ""], "--token (token): the token is empty"),
+                       (["--token", "hunter2\nx"], "--token (token): the token must be one line of printable ASCII"),
+                       (["--token", "hunter\u00e92"], "--token (token): the token must be one line of printable ASCII"),
+                       (["--token", os.fsdecode(b"hunter\xff2")], "--token (token): the token must be one line of printable ASCII"),
+                       (["--token", "x", "--token-file", str(f)], "not allowed with argument"),
+                       (["--target-only", "--fallback", odd], "--fallback with --target-only"),
+                       (["--fallback-token-file", str(f)], "--fallback-token-file without --fallback")):
+        p = cli("generate", "--server", odd, "--prompt", "ok", *args)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 2 and says in last and "hunter" not in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+    with pytest.raises(StartupError, match="token is empty"):
+        Client(odd, token="")
+    with pytest.raises(ValueError, match="target_only already asks a verify service"):
+        Client(odd, target_only=True, fallback=odd)
