@@ -100,12 +100,17 @@ def test_node_client_sends_every_request_field(services):
     (["--temperature", "1e-50"], "--temperature"), (["--temperature", "1e39"], "--temperature"), (["--temperature", "-1"], "--temperature"),
     (["--tls-cert", "c.pem"], "--tls-key"), (["--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem: no such file"),
     (["--token-file", "/nonexistent/token"], "--token-file /nonexistent/token"), (["--token", ""], "--token: empty token"),
+    # grpc-js's own refusal printed the token in its message
+    (["--token", "hunter2\nx"], "--token: the token must be one line of printable ASCII"),
+    (["--token", "hunter\u00e92"], "--token: the token must be one line of printable ASCII"),
+    (["--top-p", "1e-46"], "--top-p 1e-46 arrives as 0"), (["--top-p", "1.5"], "--top-p"),  # 1e-46 went as 0: no nucleus
+    (["--early-stop-p", "1e-46"], "--early-stop-p 1e-46 arrives as 0"), (["--early-stop-p", "-0.5"], "--early-stop-p"),
 ])
 def test_node_client_refuses_bad_flags_before_calling(args, says):
     """What the wire would silently wrap or zero (a uint64 or uint32 out of range, an unknown enum
     name, NaN) is refused by the client itself: exit 2, naming the flag, nothing sent."""
     rc, out, err = node("--server", "127.0.0.1:1", "--prompt-ids", "3", *args)
-    assert rc == 2 and out == "" and says in err, err
+    assert rc == 2 and out == "" and says in err and "hunter" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_node_client_gets_invalid_argument_naming_the_tree_limit(services):
@@ -113,3 +118,59 @@ def test_node_client_gets_invalid_argument_naming_the_tree_limit(services):
     rc, out, err = node("--server", d.address, "--prompt-ids", "3,4,5", "--tree-budget", "65")
     assert rc == 1 and out == ""
     assert err.startswith("INVALID_ARGUMENT:") and "tree_budget" in err and "64" in err, err
+
+
+def test_node_client_sends_top_p_0_early_stop_and_special_tokens(services):
+    """--top-p 0 (the proto's "unset") was refused; --early-stop-p and --add-special-tokens were
+    missing: each reaches the service as the Python client sends it."""
+    _, d = services("target", "draft")
+    fixed = dict(max_new_tokens=16, num_draft_tokens=4, adaptive=False, predraft=False)
+    with Client(d.address, timeout=60) as c:
+        early = c.generate(prompt_ids=[3, 4, 5], early_stop_p=0.9, **fixed)
+        plain = c.generate(prompt_ids=[3, 4, 5], **fixed)
+        bare = c.generate(prompt="w3 w4", add_special_tokens=False, max_new_tokens=8)
+        special = c.generate(prompt="w3 w4", max_new_tokens=8)
+    assert early.stats["drafted"] != plain.stats["drafted"]  # the threshold shortens rounds here, so it shows
+    flags = ["--max-new-tokens", "16", "--tau", "4", "--no-adaptive", "--no-predraft"]
+    rc, out, err = node("--server", d.address, "--prompt-ids", "3,4,5", "--early-stop-p", "0.9", *flags)
+    assert rc == 0, err
+    assert json.loads(out)["stats"]["drafted"] == early.stats["drafted"]
+    rc, out, err = node("--server", d.address, "--prompt-ids", "3,4,5", "--temperature", "0", "--top-p", "0", *flags)
+    assert rc == 0 and json.loads(out)["token_ids"] == plain.token_ids, err
+    for switch, want in (("--no-add-special-tokens", bare), ("--add-special-tokens", special)):
+        rc, out, err = node("--server", d.address, "--prompt", "w3 w4", "--max-new-tokens", "8", switch)
+        assert rc == 0 and json.loads(out)["stats"]["prompt_tokens"] == want.stats["prompt_tokens"], (switch, err)
+
+
+def test_node_client_keeps_a_result_whose_call_failed_after_its_last_chunk(tmp_path):
+    """A deadline that passes after the last chunk, while the server ends the call, made a whole
+    result an error (exit 1, nothing printed). Swapped TLS files printed OpenSSL's words alone."""
+    import time
+    from concurrent import futures
+
+    import grpc
+
+    from specdec.v1 import specdec_pb2 as pb
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+    class LateEnd(pb_grpc.DraftServicer):
+        def Generate(self, request, context):
+            yield pb.GenerateResponse(token_ids=[5], text="w5", finish_reason=pb.FINISH_REASON_LENGTH)
+            for _ in range(30):  # the call's end 1.5 s later
+                if not context.is_active():
+                    return
+                time.sleep(0.05)
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_DraftServicer_to_server(LateEnd(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        rc, out, err = node("--server", f"127.0.0.1:{port}", "--prompt-ids", "3", "--timeout", "0.7")
+    finally:
+        server.stop(0)
+    assert rc == 0 and json.loads(out)["token_ids"] == [5], err
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", "a.key", "-out", "a.pem", "-subj", "/CN=a", "-days", "1"], cwd=tmp_path, check=True, capture_output=True)
+    rc, out, err = node("--server", "127.0.0.1:1", "--prompt-ids", "3", "--tls-cert", str(tmp_path / "a.key"), "--tls-key", str(tmp_path / "a.pem"))
+    assert rc == 2 and err.startswith("error: --tls-cert/--tls-key: not usable TLS files") and len(err.strip().splitlines()) == 1, err

@@ -5,17 +5,20 @@
 //   node clients/node/generate.js --server HOST:PORT (--prompt TEXT | --prompt-ids 3,4,5)
 //        [--max-new-tokens N] [--tau T] [--tree-budget B] [--proposer draft|lookup|hybrid]
 //        [--temperature X] [--top-k K] [--top-p P] [--seed S] [--stop TEXT]... [--mode greedy|sparse|dense]
-//        [--sparse-k K] [--request-id ID] [--[no-]adaptive] [--[no-]predraft]
+//        [--sparse-k K] [--request-id ID] [--[no-]adaptive] [--[no-]predraft] [--early-stop-p P]
+//        [--[no-]add-special-tokens]
 //        [--timeout SECONDS (default 120; inf: none)] [--target-only]
 //        [--tls-ca PEM] [--tls-cert PEM --tls-key PEM] [--token-file FILE | --token TOKEN]
 //
 // TLS as the Python client's flags: --tls-ca checks the server's certificate against that CA
-// (with only --tls-cert/--tls-key: against the system's roots); --tls-cert/--tls-key send a client
-// certificate (mTLS). A token goes as `authorization: Bearer <token>` metadata.
+// (with only --tls-cert/--tls-key: against Node's built-in roots, not the system's trust store);
+// --tls-cert/--tls-key send a client certificate (mTLS). A token goes as `authorization: Bearer
+// <token>` metadata; one a header cannot carry is refused (without printing it).
 // Draft.Generate (speculative) unless --target-only (Verify.Generate on a verify service). Prints
 // one JSON object: token_ids, text, finish_reason, seed (a uint64, as a decimal string), request_id, stats.
 // A gRPC error, or a stream that ends without its last chunk, exits 1 with "CODE: details" on
-// stderr; a bad flag exits 2 before anything is sent (the wire would wrap a number out of range).
+// stderr (one line; an error after the last chunk, a deadline during the server's end, leaves the
+// result whole); a bad flag exits 2 before anything is sent (the wire would wrap a number out of range).
 "use strict";
 
 process.noDeprecation = true;  // stderr is the one error line: grpc-js's TLS to an IP address makes Node warn (DEP0123)
@@ -31,10 +34,11 @@ const FLAGS = {
   "--tau": "tau", "--tree-budget": "treeBudget", "--proposer": "proposer", "--temperature": "temperature",
   "--seed": "seed", "--timeout": "timeout", "--tls-ca": "tlsCa", "--tls-cert": "tlsCert", "--tls-key": "tlsKey",
   "--token-file": "tokenFile", "--token": "token", "--top-k": "topK", "--top-p": "topP", "--mode": "mode",
-  "--sparse-k": "sparseK", "--request-id": "requestId",
+  "--sparse-k": "sparseK", "--request-id": "requestId", "--early-stop-p": "earlyStopP",
 };
 const SWITCHES = { "--adaptive": ["adaptive", true], "--no-adaptive": ["adaptive", false],
-  "--predraft": ["predraft", true], "--no-predraft": ["predraft", false] };
+  "--predraft": ["predraft", true], "--no-predraft": ["predraft", false],
+  "--add-special-tokens": ["addSpecialTokens", true], "--no-add-special-tokens": ["addSpecialTokens", false] };
 
 function parse(argv) {
   const a = { maxNewTokens: "64", timeout: "120", targetOnly: false, stop: [] };
@@ -106,17 +110,37 @@ function credentials(a) {  // the channel's: TLS where any --tls-* flag is given
   const ca = a.tlsCa === undefined ? null : readFlag(a.tlsCa, "--tls-ca");
   const key = a.tlsKey === undefined ? null : readFlag(a.tlsKey, "--tls-key");
   const cert = a.tlsCert === undefined ? null : readFlag(a.tlsCert, "--tls-cert");
-  return grpc.credentials.createSsl(ca, key, cert);
+  try {
+    return grpc.credentials.createSsl(ca, key, cert);
+  } catch (e) {  // OpenSSL's own words name no file: which flags they are
+    const flags = [a.tlsCa === undefined ? null : "--tls-ca", a.tlsCert === undefined ? null : "--tls-cert/--tls-key"].filter((x) => x);
+    throw new Error(`${flags.join(", ")}: not usable TLS files (${oneLine(e.message)})`);
+  }
+}
+
+function oneLine(text) {
+  return String(text).replace(/\s*\n\s*/g, " ").trim();
 }
 
 function metadata(a) {  // the bearer token, as the services' --auth-token-file checks it
   const md = new grpc.Metadata();
   const token = a.tokenFile === undefined ? a.token : readFlag(a.tokenFile, "--token-file").toString().trim();
   if (token !== undefined) {
-    if (token === "") throw new Error(`${a.tokenFile === undefined ? "--token" : "--token-file " + a.tokenFile}: empty token`);
+    const where = a.tokenFile === undefined ? "--token" : "--token-file " + a.tokenFile;
+    if (token === "") throw new Error(`${where}: empty token`);
+    if (!/^[ -~]+$/.test(token)) {  // grpc-js's own refusal quoted the token
+      throw new Error(`${where}: the token must be one line of printable ASCII (no line breaks, control or non-ASCII characters)`);
+    }
     md.add("authorization", `Bearer ${token}`);
   }
   return md;
+}
+
+function probability(text, flag, zero) {  // a float32 in [0, 1]: one that would arrive as 0 is refused
+  const p = real(text, flag);
+  if (!(p >= 0 && p <= 1)) throw new Error(`${flag} must be in [0, 1] (${zero}), got ${JSON.stringify(text)}`);
+  if (p > 0 && Math.fround(p) === 0) throw new Error(`${flag} ${text} arrives as 0 in its float32 field (${zero}): give 0 or a larger value`);
+  return p;
 }
 
 function request(a) {
@@ -131,15 +155,13 @@ function request(a) {
   if (a.requestId !== undefined) req.request_id = a.requestId;
   if (a.stop.length) req.stop = a.stop;
   for (const k of ["adaptive", "predraft"]) if (a[k] !== undefined) req[k] = a[k];
+  if (a.addSpecialTokens !== undefined) req.add_special_tokens = a.addSpecialTokens;
+  if (a.earlyStopP !== undefined) req.early_stop_p = probability(a.earlyStopP, "--early-stop-p", "0: off");
   if ([a.temperature, a.seed, a.topK, a.topP].some((x) => x !== undefined)) {
     req.sampling = { temperature: a.temperature === undefined ? 0 : temperature(a.temperature) };
     if (a.seed !== undefined) req.sampling.seed = uint(a.seed, "--seed", 64);  // uint64: a decimal string
     if (a.topK !== undefined) req.sampling.top_k = uint(a.topK, "--top-k");
-    if (a.topP !== undefined) {  // a float32 in (0, 1] (0 on the wire means 1)
-      const p = real(a.topP, "--top-p");
-      if (!(p > 0 && p <= 1)) throw new Error(`--top-p must be in (0, 1], got ${JSON.stringify(a.topP)}`);
-      req.sampling.top_p = p;
-    }
+    if (a.topP !== undefined) req.sampling.top_p = probability(a.topP, "--top-p", "0: unset, i.e. 1");
   }
   return req;
 }
@@ -165,18 +187,26 @@ function main() {
       out.stats = r.stats;
     }
   });
-  call.on("error", (e) => {
-    process.stderr.write(`${grpc.status[e.code]}: ${e.details}\n`);
-    process.exitCode = 1;
-  });
-  call.on("end", () => {
+  let done = false;
+  const finish = () => {  // once, at the stream's end or its error, whichever comes first
+    if (done) return;
+    done = true;
     if (!process.exitCode && out.finish_reason === null) {
       process.stderr.write("INTERNAL: the stream ended without its last chunk\n");
       process.exitCode = 1;
     }
     if (!process.exitCode) process.stdout.write(JSON.stringify(out) + "\n");
     stub.close();
+  };
+  call.on("error", (e) => {
+    // after the last chunk (a deadline during the server's end) the result is whole: not an error
+    if (out.finish_reason === null && !done) {
+      process.stderr.write(`${grpc.status[e.code]}: ${oneLine(e.details)}\n`);
+      process.exitCode = 1;
+    }
+    finish();
   });
+  call.on("end", finish);
 }
 
 try {
