@@ -293,8 +293,14 @@ class FrontDoor:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         call = request.scope["specdec"]
+        try:  # before the token's check, so a 401 or 403 carries the caller's X-Request-Id too
+            rid, bad_id = self._request_id(request), None
+        except HttpError as e:
+            rid, bad_id = None, e
+        call["request_id"] = rid
         self._authorize(request)
-        rid = call["request_id"] = self._request_id(request)
+        if bad_id is not None:
+            raise bad_id
         if self.draining:
             raise HttpError(503, "the service is shutting down", retry_after=1)
         data = await self._body(request)
@@ -362,8 +368,9 @@ class FrontDoor:
             max_tokens = r.max_completion_tokens or r.max_tokens or self.servicer.max_context
         else:
             max_tokens = r.max_tokens or COMPLETION_MAX_TOKENS
-        # the nucleus of p -> 0 is the one most probable token (gRPC's 0 means unset: so is any p that rounds to 0 in float32)
-        greedy = r.top_p <= 2.0 ** -150
+        # the nucleus of p -> 0 is the one most probable token (gRPC's 0 means unset: so is any p that rounds to 0 in float32);
+        # so is a temperature below the services' least (validation.MIN_TEMPERATURE: greedy in all but name)
+        greedy = r.top_p <= 2.0 ** -150 or r.temperature < validation.MIN_TEMPERATURE
         sampling = pb.SamplingParams(temperature=0.0 if greedy else r.temperature, top_k=r.top_k, top_p=1.0 if greedy else r.top_p,
                                      seed=None if r.seed is None else r.seed % (1 << 64))
         req = pb.GenerateRequest(max_new_tokens=max_tokens, sampling=sampling, stop=r.stops, num_draft_tokens=r.num_draft_tokens,
@@ -379,11 +386,18 @@ class FrontDoor:
         return req
 
     def _render(self, r: s.ChatRequest) -> str:
+        """The chat as text, through --chat-template or the draft model's tokenizer's template (the
+        draft service tokenizes; distilled drafts carry their target's template). A `developer`
+        message (OpenAI's newer name for `system`) is a `system` one unless the template knows the
+        role: most templates drop a role they do not know, or print a header the model never saw."""
         tok = self.servicer.lm.tokenizer
-        if self.template is None and not getattr(tok, "chat_template", None):
-            raise HttpError(400, f"the model {self.model!r} has no chat template: use /v1/completions, or start the draft service "
-                                 "with --chat-template FILE", "messages", "chat_template_missing")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in r.messages]
+        template = self.template or getattr(tok, "chat_template", None)
+        if not template:
+            raise HttpError(400, "the draft model's tokenizer has no chat template (chats are rendered with it): use /v1/completions, "
+                                 "or start the draft service with --chat-template FILE", "messages", "chat_template_missing")
+        developer = "developer" if "developer" in str(template) else "system"
+        messages = [{"role": developer if m.role == "developer" else m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in r.messages]
         try:
             return tok.apply_chat_template(messages, chat_template=self.template, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template that raises on these messages (jinja's raise_exception)

@@ -41,7 +41,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: int | None = Field(None, ge=1, lt=MAX_TOKENS)
-    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)  # OpenAI's range; below 1e-4 it is greedy (http.py)
     top_p: float = Field(1.0, ge=0, le=1)  # 0 keeps only the most probable token: greedy
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # int64 or uint64; a negative one is its uint64 bits
     stop: str | list[str] | None = None
@@ -132,7 +132,7 @@ def parse(model: type[_Request], body) -> _Request:
     try:
         return model.model_validate(body, strict=True)  # JSON types as sent: no "0.5" for a number, no 1 for a bool
     except ValidationError as e:
-        err = e.errors()[0]
+        err = _pick(e.errors(), body)
         msg = err["msg"].removeprefix("Value error, ")
         param = ".".join(str(p)[:64] for p in err["loc"] if not _union_tag(p))[:256] or msg.split(":")[0]  # a nested key is the client's
         if err["type"] == "extra_forbidden":
@@ -148,6 +148,32 @@ def _neutral(field: str, v) -> bool:
             return type(v) is type(off)
         return isinstance(v, (int, float)) if isinstance(off, (int, float)) else type(v) is type(off)
     return any(same_type(off) and v == off for off in NEUTRAL.get(field, ()))
+
+
+def _pick(errors: list[dict], body: dict) -> dict:
+    """The error to report: a field the server does not take first (a replayed assistant message's
+    `tool_calls`, not the `content` it left out), then one from the member of a union that is the
+    JSON type the client sent (a list of content parts is not told it should be a string)."""
+    def value(loc):
+        v = body
+        for p in loc:
+            if not _union_tag(p):
+                try:
+                    v = v[p]
+                except (KeyError, IndexError, TypeError):
+                    return None
+        return v
+
+    def rank(err) -> int:
+        if err["type"] == "extra_forbidden":
+            return 0
+        loc = err["loc"]
+        for i, p in enumerate(loc):
+            if _union_tag(p) and not str(p).startswith(type(value(loc[:i])).__name__):
+                return 2  # a member of a union that is not what was sent
+        return 1
+
+    return min(errors, key=rank)  # the first of the best
 
 
 def _union_tag(part) -> bool:

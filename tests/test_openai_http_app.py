@@ -435,3 +435,60 @@ def test_the_openai_sdk_does_not_retry_a_request_no_wait_can_fit_and_gets_error_
     out = asyncio.run(go())
     assert out["never"] == (1, "r-never")
     assert out["full"] == (3, "r-full")  # a refusal a wait can cure is retried, by the SDK's default max_retries=2
+
+
+def test_a_developer_message_is_a_system_one_unless_the_template_knows_the_role(tmp_path):
+    """OpenAI's SDK asks for `developer` where it asked for `system`; chat templates that know only
+    system/user/assistant dropped it (Qwen's) or printed a header the model never saw (Llama 3's),
+    and the reply was a 200 all the same."""
+    knows_system = tmp_path / "system.jinja"  # prints system messages, drops any role it does not know
+    knows_system.write_text("{% for m in messages %}{% if m['role'] == 'system' %}w5 {{ m['content'] }} {% elif m['role'] == 'user' %}"
+                            "w6 {{ m['content'] }} {% endif %}{% endfor %}w8")
+    knows_developer = tmp_path / "developer.jinja"
+    knows_developer.write_text("{% for m in messages %}{% if m['role'] == 'developer' %}w9 {% endif %}{{ m['content'] }} {% endfor %}w8")
+    chat = dict(CHAT, messages=[{"role": "developer", "content": "w2"}, {"role": "user", "content": "w7"}])
+    for template, want in ((knows_system, "w5 w2 w6 w7 w8"), (knows_developer, "w9 w2 w7 w8")):
+        stub = Stub(word_tokenizer(16))
+        assert client(stub, str(template)).post("/v1/chat/completions", json=chat).status_code == 200
+        assert stub.requests[0].prompt == want
+
+
+def test_a_refused_field_is_named_for_what_was_sent():
+    """A field that takes two JSON shapes was refused for the first shape pydantic tried: content
+    parts were told to be a string, a replayed tool-calling message that its content was missing,
+    and a prompt of ids with a string in it that it should be a string."""
+    c = client(Stub(word_tokenizer(16)))
+    image = dict(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "w3"}, {"type": "image_url", "image_url": {"url": "x"}}]}])
+    tool = dict(CHAT, messages=[{"role": "user", "content": "w3"},
+                                {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}])
+    for path, body, param in (("/v1/chat/completions", image, "messages.0.content.1"),
+                              ("/v1/chat/completions", tool, "messages.1.tool_calls"),
+                              ("/v1/completions", {"model": "stub", "prompt": [1, "a"]}, "prompt.1")):
+        r = c.post(path, json=body)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"].startswith(param) and "valid string" not in err["message"], err
+
+
+def test_temperatures_below_the_least_are_greedy_and_above_openais_range_refused():
+    """0 < temperature < 1e-4 was a 400 naming a float32 value nobody sent (OpenAI takes it); 1e300
+    was refused as 'inf'. Below the services' least it is greedy, above OpenAI's 2 a 400 that
+    quotes the range."""
+    stub = Stub(word_tokenizer(16))
+    c = client(stub)
+    assert c.post("/v1/completions", json={"model": "stub", "prompt": "w3", "temperature": 1e-5}).status_code == 200
+    assert stub.requests[-1].sampling.temperature == 0.0
+    for t in (2.5, 1e300):
+        r = c.post("/v1/completions", json={"model": "stub", "prompt": "w3", "temperature": t})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature" and "2" in r.json()["error"]["message"], r.json()
+
+
+def test_a_401_and_a_403_carry_the_callers_request_id():
+    from specdec.auth import TokenAuth
+
+    auth = TokenAuth([("good", frozenset({"Info"}))])  # a token that may not call Generate: 403
+    c = TestClient(FrontDoor(Stub(word_tokenizer(16)), args(), token_auth=auth, model="the-target").app)
+    for headers, status in (({}, 401), ({"Authorization": "Bearer bad"}, 401), ({"Authorization": "Bearer good"}, 403)):
+        r = c.post("/v1/completions", json={"model": "stub", "prompt": "w3"}, headers={"X-Request-Id": "rid-7", **headers})
+        assert r.status_code == status and r.headers.get("x-request-id") == "rid-7", (status, r.headers)
+    r = c.post("/v1/completions", json={"model": "stub", "prompt": "w3"}, headers={"X-Request-Id": "bad id\x7f"})
+    assert r.status_code == 401  # an id that is not valid waits for the token's check: the caller is not known yet
