@@ -227,9 +227,9 @@ def test_monitoring_and_autoscaling_use_exported_metrics():
         names = set(re.findall(r"\bspecdec[_:][a-z0-9_:]+", q))
         assert names or "up{" in q, q  # every query reads the services' metrics (or the scrape's own `up`)
         assert names <= known | recorded, (q, names - known - recorded)
-    # every process exports the verify tier's unlabelled series (specdec/metrics.py), a draft pod at 0:
-    # a per-pod view or average of them must select the verify pods (the saturation alert averaged
-    # 2 busy verify pods with 2 idle drafts, and could not reach its 0.9)
+    # only verify pods export the verify tier's unlabelled series (specdec/metrics.py VERIFY_ONLY); a per-pod view
+    # or average of them still selects the verify pods, so it holds wherever a draft exported them too (the
+    # saturation alert once averaged 2 busy verify pods with 2 idle drafts, and could not reach its 0.9)
     verify_only = re.compile(r"\bspecdec_(verify_[a-z_]+|reserved_tokens|cache_budget_tokens)\b")
     for q in queries:
         if verify_only.search(q) and re.search(r"by \([^)]*\bpod\b", q):
@@ -318,11 +318,17 @@ def test_rollouts_outwait_model_loads_and_disruption_budgets_do_not_block_drains
     11 minutes); the disruption budgets evict unready pods (drafts are unready while no verify
     replica answers, which blocked every node drain)."""
     docs = render(overlay)
+
+    def budget(name):
+        probe = container(docs, name)["startupProbe"]
+        return probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3) + probe.get("initialDelaySeconds", 0)
+
     for name in ("specdec-verify", "specdec-draft"):
         d = by_name(docs)["Deployment", name]
-        probe = container(docs, name)["startupProbe"]
-        budget = probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3) + probe.get("initialDelaySeconds", 0)
-        assert d["spec"].get("progressDeadlineSeconds", 600) > budget, (name, budget)
+        assert d["spec"].get("progressDeadlineSeconds", 600) > budget(name), (name, budget(name))
+    # a draft is not ready until a verify replica answers: on a fresh install it waits for the verify's load too
+    draft = by_name(docs)["Deployment", "specdec-draft"]
+    assert draft["spec"].get("progressDeadlineSeconds", 600) > budget("specdec-verify"), overlay
     for d in docs:
         if d["kind"] == "PodDisruptionBudget":
             assert d["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow", d["metadata"]["name"]
