@@ -9,6 +9,7 @@ import json
 import time
 
 import grpc
+import pytest
 import torch
 
 from client import Client
@@ -557,6 +558,88 @@ def test_a_predraft_that_came_true_gives_way_to_the_paces_hold(model_dir):
         assert len(v.sent) == 4, (predraft, v.sent)
         if predraft:  # its pre-drafts came true until the hold: the one it had then is counted a miss, not sent
             assert loop.stats.predraft_hits >= 1 and loop.stats.predraft_misses >= 1, loop.stats
+
+
+def test_a_session_closed_during_a_pass_ends_its_call_once_its_room_is_back(model_dir):
+    """A session closed while a pass was in flight gave its room back only at the scheduler
+    thread's next turn, after its handler had returned: a caller at the limit whose call had ended
+    OK was refused its next session (RESOURCE_EXHAUSTED). `closed` waits for the room; the
+    scheduler thread is held while the pass is said to be in flight."""
+    import contextlib
+    import threading
+
+    import verify_service.scheduler as scheduler
+    from specdec.errors import RequestError
+
+    lm = LM.load(model_dir("target"), "cpu", "float32")
+    go = threading.Event()
+
+    @contextlib.contextmanager
+    def held():
+        go.wait(60)
+        yield
+
+    eng = scheduler.Scheduler(lm, max_sessions=1, thread_context=held)
+
+    def new():
+        return eng.open(PROMPT, 4, Sampling(temperature=0.0), seed=7, mode=pb.PROPOSAL_MODE_GREEDY)
+
+    async def session():
+        a = new()
+        eng._passing = True  # a pass in flight: its pages are read until it ends
+        done = eng.close(a)
+        eng._passing = False
+        assert done is not None and not done.done() and eng.close(a) is done  # closing again waits for the same
+        with pytest.raises(RequestError, match="at its limit of 1 session"):
+            new()  # the room is not back yet
+        waiting = asyncio.ensure_future(eng.closed(a))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # it waits for the scheduler thread
+        go.set()
+        await asyncio.wait_for(waiting, 30)
+        eng.close(new())  # once the call would end, the next session fits
+
+    try:
+        asyncio.run(asyncio.wait_for(session(), 60))
+    finally:
+        go.set()
+        eng.shutdown()
+
+
+def test_callers_at_the_session_limit_are_never_refused_a_session_after_their_last_one_ended(model_dir):
+    """Three callers, a verify service of three sessions: each opens its next session once the
+    last one's call has ended. 23 of 75 were refused (its room was still counted) before."""
+    v = Service("verify_service", "--model", model_dir("target"), "--max-sessions", "3")
+
+    async def caller(stub, fp, n):
+        refused = 0
+        for _ in range(n):
+            call = stub.Session(timeout=60)
+            await call.write(pb.VerifyRequest(start=pb.SessionStart(prompt_ids=PROMPT, max_new_tokens=2, sampling=pb.SamplingParams(),
+                                                                     proposal_mode=pb.PROPOSAL_MODE_GREEDY, vocab_fingerprint=fp)))
+            try:
+                for r in range(1, 3):
+                    await call.write(pb.VerifyRequest(round=pb.Round(round=r)))
+                    if (await call.read()).finish_reason:
+                        break
+                await call.done_writing()
+                assert await call.read() is grpc.aio.EOF
+                await call.code()
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                refused += 1
+        return refused
+
+    async def run():
+        async with grpc.aio.insecure_channel(v.address) as ch:
+            stub = pb_grpc.VerifyStub(ch)
+            fp = (await stub.Info(pb.InfoRequest())).vocab_fingerprint
+            return await asyncio.wait_for(asyncio.gather(*(caller(stub, fp, 15) for _ in range(3))), 240)
+
+    try:
+        assert asyncio.run(run()) == [0, 0, 0]
+    finally:
+        v.stop()
 
 
 def test_a_predraft_that_came_true_is_sent_through_a_hold_where_the_verifier_has_no_runs(model_dir):

@@ -45,6 +45,7 @@ from verify_service.session import Session, Verdict, commit, kept
 
 log = logging.getLogger("specdec.verify")
 
+CLOSE_WAIT_S = 10.0  # the longest a closing handler waits for its session's room (`Scheduler.closed`)
 MAX_BATCH_TOKENS = 1024  # new rows of rounds per pass, by default (fairness: DESIGN.md §7)
 GPU_PREFILL_ROWS = 8192  # prompt rows per pass on a GPU, by default: arrivals are admitted in a few compute-bound passes
 SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a process that runs a scheduler (Scheduler.__init__)
@@ -127,10 +128,14 @@ class Scheduler:
             self.sessions[sid] = s
         return s
 
-    def close(self, s: Session) -> None:
+    def close(self, s: Session) -> asyncio.Future | None:
+        """Closes a session (again: a no-op). Its pages and room come back now, or, while a pass
+        is in flight, once that pass is done: then, called in an event loop, it returns a future
+        that is done when they are (`closed` awaits it), so a caller whose call has ended OK finds
+        its room free for its next session."""
         with self._lock:
             if s.closed:
-                return
+                return s.released[1] if s.released else None
             s.closed = True
             del self.sessions[s.sid]
             now = not self._passing  # no pass reads its pages, and the next one drops its jobs (`_dropped`)
@@ -139,8 +144,21 @@ class Scheduler:
             s.cache.release()
             self.capacity.release(s.reserved)
         else:  # the scheduler thread frees its pages after the pass in flight, and only then gives its room
-            self._queue.put(s)  # back: admission never counts on pages that are not in the pool yet (`_take`)
+            with contextlib.suppress(RuntimeError):  # back: admission never counts on pages not in the pool yet (`_take`)
+                loop = asyncio.get_running_loop()
+                s.released = (loop, loop.create_future())  # before the queue: the thread reads it after its get
+            self._queue.put(s)
         metrics.CACHED_TOKENS.set(self.cached_tokens())
+        return s.released[1] if s.released else None
+
+    async def closed(self, s: Session, timeout: float = CLOSE_WAIT_S) -> None:
+        """Closes `s` and waits, at most `timeout`, until its pages and room are back (at most the
+        pass in flight; a scheduler that stopped never gives them back)."""
+        done = self.close(s)
+        if done is not None and not done.done():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(done)
 
     def cached_tokens(self) -> int:
         return sum(s.cache.length for s in list(self.sessions.values()))
@@ -240,6 +258,10 @@ class Scheduler:
             if isinstance(job, Session):  # a closed session (`close`): its pages back to the pool, then its room
                 job.cache.release()
                 self.capacity.release(job.reserved)
+                if job.released:  # its handler waits for that room (`closed`)
+                    loop, done = job.released
+                    with contextlib.suppress(RuntimeError):  # a loop that closed meanwhile
+                        loop.call_soon_threadsafe(lambda d=done: d.done() or d.set_result(None))
             elif job.session.closed:
                 job.resolve(False, RequestError(Refusal.CANCELLED, "session closed"))
             elif unfilled(job.session) and isinstance(job, (Prefill, Stream)):  # its prompt is not in yet: it fills it

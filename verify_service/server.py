@@ -150,7 +150,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             elif prefill is not None and not prefill.cancelled():
                 prefill.exception()  # retrieved: a failed prefill was already reported, or the session ended first
             if s is not None:
-                self.engine.close(s)
+                await self.engine.closed(s)  # the call ends once its room is free: the caller's next session fits
 
     def _verdict(self, s, number: int, v, steps_left: int = 0) -> pb.VerifyResponse:
         return pb.VerifyResponse(
@@ -213,4 +213,4 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             await serving.fail(context, SERVICE, "Generate", e)
         finally:
             if s is not None:
-                self.engine.close(s)
+                await self.engine.closed(s)

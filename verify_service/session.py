@@ -32,6 +32,7 @@ class Session:
     prefill_s: float = 0.0  # from the prefill's queueing to the pass that put the prompt's last chunk in
     finish: Finish = Finish.NONE
     closed: bool = False
+    released: object = None  # closed during a pass: (event loop, future) the scheduler thread settles once its room is back
 
     @property
     def generated(self) -> int:
