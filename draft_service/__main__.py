@@ -30,6 +30,9 @@ async def run(args, token_auth=None) -> None:
     from specdec.v1 import specdec_pb2 as pb  # noqa: PLC0415
     from specdec.v1 import specdec_pb2_grpc as pb_grpc  # noqa: PLC0415
 
+    from draft_service.decode import drafting_executor  # noqa: PLC0415
+
+    asyncio.get_running_loop().set_default_executor(drafting_executor(args.max_sessions))
     # compiled layers are the verifier's default on CUDA, measured there; the draft's steps are not measured with them
     lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices, compiled=False)
     verify = replicas(args)

@@ -40,6 +40,8 @@ VerifyResponse or grpc.aio.EOF works as the stream, so the loop runs in-process 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import logging
@@ -64,6 +66,15 @@ HYBRID_MIN_NGRAM = 2  # hybrid mode trusts prompt lookup from a 2-gram match up
 log = logging.getLogger("specdec.draft")
 _warned: set[str] = set()  # models whose fallback was logged
 RECORDS: dict[str, ModelRecord] = {}  # per draft model: whether it paid in this process's recent sessions
+
+
+def drafting_executor(max_sessions: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The draft service's default executor, where `started` and `asyncio.to_thread` run: a worker
+    for every session that may draft at once, and for one step each may leave running after its
+    session ended, with a margin for the rest (a large request's parsing, address lookups).
+    asyncio's own is min(32, CPUs + 4) workers: on a small host it held the step batcher's passes
+    to a few sessions (6 on 2 cores), whatever --max-sessions allows."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=2 * max_sessions + 8, thread_name_prefix="draft")
 
 
 def started(fn, *args) -> asyncio.Future:
@@ -202,7 +213,10 @@ class DecodeLoop:
         # the draft's thread in flight, which holds its cache until it returns: (its task, the PredraftControl of a
         # pre-draft; None for a prefill or a proposal)
         thread = None
-        serving = self.drafter.serving()
+        # the session counts among those the model serves (Drafter.shared: their pre-drafts give way) only while it
+        # may use the model: not with prompt lookup alone, nor once it fell back
+        uses_model = self.params.proposer != pb.PROPOSER_LOOKUP and not self.fallen_back
+        serving = self.drafter.serving() if uses_model else contextlib.nullcontext()
         serving.__enter__()
 
         def in_thread(fn, *args) -> None:
@@ -222,7 +236,7 @@ class DecodeLoop:
             await self._timed(call.write(self.start()))
             # a session that starts in a run, or without the model (its record), drafts nothing yet: its cache
             # catches up when it first drafts (_feed)
-            if not self.fallen_back and not self._run_wanted():
+            if uses_model and not self._run_wanted():
                 t1 = time.perf_counter()
                 in_thread(self.drafter.prefill, st)  # the verifier prefills meanwhile
                 await result()
@@ -320,6 +334,10 @@ class DecodeLoop:
                     # round is the same with pre-drafting on or off, and the seeded request's tokens with it
                     prop = self._unused()
                 prop = self._learn(sent, v, new, path, prop, t3 - t_mark, caught_up)
+                if uses_model and self.fallen_back:  # it stopped the model (no thread of it in flight here): it no longer
+                    uses_model = False  # counts among the sessions the model serves
+                    serving.__exit__(None, None, None)
+                    serving = contextlib.nullcontext()
                 caught_up = caught_up or (bool(sent.tokens) and not sent.lookup)
                 t_mark = t3
                 if v.finish_reason:
@@ -355,7 +373,13 @@ class DecodeLoop:
         n, stats, ctl = v.num_accepted, self.stats, self.tau
         on_guess = sent.parents is None or path == sent.guess[: len(path)]  # a tree's outcomes end on its likeliest path
         ahead_ctl.verdict((n, v.next_token) if v.HasField("next_token") and on_guess else None)
-        ahead = await asyncio.shield(task)
+        try:
+            ahead = await asyncio.shield(task)
+        except Exception as e:  # noqa: BLE001 - a pre-draft is work ahead, not the round's: its failure is a miss, and the
+            # round is drafted afresh (where the model itself is broken, that fails the request with its own error)
+            log.warning("pre-draft failed (%s: %s); drafting the round afresh", type(e).__name__, e,
+                        extra={"fields": {"request_id": self.params.request_id}})
+            ahead = {}
         got = ahead.get(ahead_ctl.outcome())
         hit = got is not None and bool(got.tokens)
         stats.predraft_hits += hit

@@ -13,12 +13,15 @@ what was queued before it (besides the pass in flight), whatever the others ask 
 """
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
 
 from specdec import metrics
 from specdec.engine import PREFILL_CHUNK, Engine, KVCache, Tree
+
+log = logging.getLogger("specdec.draft")
 
 STEP_TOKENS = 8  # a forward over at most this many tokens counts as a decode step
 MAX_BATCH = 128  # decode steps per pass
@@ -74,6 +77,16 @@ class StepBatcher:
             raise step.error
         return step.result
 
+    def _forward(self, steps: list[_Step]) -> None:
+        """One forward over `steps`, each one's result set (a cache's length moves only once the
+        pass's output is made, so a failed pass commits nothing)."""
+        # a tree's nodes through the tree mask: the draft's numbers need no chain equality (any q it sends is exact)
+        outs = self.engine.forward([s.tokens for s in steps], [s.cache for s in steps], [s.logits for s in steps],
+                                   trees=[s.tree for s in steps], tree_paths=False,
+                                   last=[s.tree is None for s in steps])  # a chain's step needs its last row's logits only
+        for s, o in zip(steps, outs):
+            s.result = None if o is None else o if s.tree is not None else o[-1]
+
     def _pass(self) -> None:
         with self._cv:
             chunk = next((i for i, s in enumerate(self._waiting) if len(s.tokens) > STEP_TOKENS), None)
@@ -81,12 +94,17 @@ class StepBatcher:
             self._waiting = [s for s in self._waiting if all(s is not b for b in steps)]
         metrics.DRAFT_BATCH_SIZE.observe(len(steps))
         try:
-            # a tree's nodes through the tree mask: the draft's numbers need no chain equality (any q it sends is exact)
-            outs = self.engine.forward([s.tokens for s in steps], [s.cache for s in steps], [s.logits for s in steps],
-                                       trees=[s.tree for s in steps], tree_paths=False,
-                                       last=[s.tree is None for s in steps])  # a chain's step needs its last row's logits only
-            for s, o in zip(steps, outs):
-                s.result = None if o is None else o if s.tree is not None else o[-1]
+            try:
+                self._forward(steps)
+            except Exception as e:  # noqa: BLE001 - one session's fault (nothing was committed): each step alone finds whose
+                if len(steps) == 1:
+                    raise
+                log.warning("draft pass of %d steps failed (%s: %s); retrying them one by one", len(steps), type(e).__name__, e)
+                for s in steps:
+                    try:
+                        self._forward([s])
+                    except Exception as e1:  # noqa: BLE001 - this step's own failure, for its session alone
+                        s.error = e1
         except BaseException as e:  # noqa: BLE001 - handed to the waiting sessions, so none waits for ever
             for s in steps:
                 s.error = e

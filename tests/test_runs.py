@@ -658,6 +658,52 @@ def test_a_predraft_that_came_true_is_sent_through_a_hold_where_the_verifier_has
     assert loop.stats.predraft_hits >= 10 and loop.stats.predraft_misses <= 1, loop.stats
 
 
+def test_sessions_that_do_not_use_the_model_do_not_count_among_those_it_serves(model_dir):
+    """Drafter.shared() (other sessions' pre-drafts give way) counted every open request: one with
+    prompt lookup alone, or one that fell back, turned the others' pre-drafts off (a review: 5 hits
+    / 2 misses alone, 1 / 6 beside a lookup request). A lookup request also prefilled the model
+    over its whole prompt for nothing."""
+    from draft_service import decode
+
+    lm = LM.load(model_dir("draft"), "cpu", "float32")
+    drafter = Drafter(lm)
+
+    def recording(seen, n=0):
+        return lambda k, tokens: (seen.append(drafter.serving_now), n)[1]
+
+    seen: list[int] = []
+    g = dataclasses.replace(params(12), proposer=pb.PROPOSER_LOOKUP)
+    loop = DecodeLoop(drafter, g, lm.fingerprint, lm.max_context)
+    _loop_run(loop, ScriptedVerifier(model_dir("draft"), 12, accept=recording(seen)))
+    assert seen and set(seen) == {0} and loop.stats.prefill_s == 0, (seen, loop.stats)
+
+    decode.RECORDS.clear()  # a session of the model that falls back after its rounds 1-3 are rejected
+    costs = Costs(draft_step=0.004, verify_base=0.010, verify_per_token=0.0)
+    seen = []
+    loop = DecodeLoop(drafter, dataclasses.replace(params(30), tau=8), lm.fingerprint, lm.max_context, costs=costs, fallback=costs)
+    loop.runs_ok = False  # target-only rounds after the fallback, each seen by the verifier's script
+    _loop_run(loop, ScriptedVerifier(model_dir("draft"), 30, accept=recording(seen)))
+    decode.RECORDS.clear()
+    assert loop.fallen_back and seen[0] == 1 and seen[-1] == 0, seen
+    assert drafter.serving_now == 0
+
+
+def test_a_predraft_that_fails_is_a_miss_not_the_requests_failure(model_dir):
+    """A pre-draft is work ahead of its round: when its thread raised, the request failed INTERNAL
+    though the round's verdict was in (a review injected a failure into every 4th pre-draft: 8 of 8
+    requests failed). It is a miss, and the round is drafted afresh."""
+    class Failing(Drafter):
+        def predraft(self, *args, **kwargs):
+            raise RuntimeError("injected")
+
+    lm = LM.load(model_dir("draft"), "cpu", "float32")
+    loop = DecodeLoop(Failing(lm), params(24), lm.fingerprint, lm.max_context, predraft=True)
+    v = ScriptedVerifier(model_dir("draft"), 24, accept=lambda k, tokens: len(tokens), bonus_is_draft=lambda k: True)
+    _loop_run(loop, v)
+    assert len(v.ids) - v.prompt == 24
+    assert loop.stats.predraft_hits == 0 and loop.stats.predraft_misses >= 3, loop.stats
+
+
 def test_a_fallback_decided_in_a_round_whose_predraft_came_true_drops_the_predraft(model_dir):
     """The judge stops the draft model in a round whose pre-draft came true: that pre-draft is
     not sent and counts as a miss, and the rest of the session is one run (DESIGN §7). It was

@@ -89,3 +89,53 @@ def test_every_step_is_done_within_two_passes_and_a_prompt_chunk_in_its_turn(mod
         want = engine_forward([[3 + k, 4] + [5 + (k + j) % 7 for j in range(STEPS // 2 + 1)]], [ref])[0][-1]
         ref.release()
         assert torch.equal(got, want), k
+
+
+def test_the_draft_services_executor_lets_every_session_draft_at_once():
+    """Drafting threads came from asyncio's default executor, min(32, CPUs + 4) workers: on this
+    2-core host 6 sessions drafted at once, so the step batcher never batched more, whatever
+    --max-sessions allowed. 20 drafting threads that each wait for all the others meet only where
+    the executor has a worker for each (they time out on the default one)."""
+    import asyncio
+    import threading
+
+    from draft_service.decode import drafting_executor, started
+
+    async def meet(n: int) -> list[int]:
+        asyncio.get_running_loop().set_default_executor(drafting_executor(n))
+        barrier = threading.Barrier(n, timeout=20)
+        return await asyncio.gather(*(started(barrier.wait) for _ in range(n)))
+
+    assert sorted(asyncio.run(meet(20))) == list(range(20))
+
+
+def test_a_step_that_fails_fails_its_own_session_only(model_dir):
+    """A pass of four sessions' steps, one of which overflows its cache: the exception went to all
+    four. The pass is retried a step at a time (a failed pass commits nothing), so the other three
+    get their own logits, as alone."""
+    import pytest
+
+    from specdec.engine import KVCache
+
+    torch.set_num_threads(1)
+    lm = LM.load(model_dir("draft"), "cpu", "float32")
+    batcher = StepBatcher(lm.engine)
+    caches = [KVCache(16) for _ in range(4)]
+    for i, c in enumerate(caches):
+        lm.engine.forward([[3 + i] * (15 if i == 2 else 4)], [c], [False])  # the third is one token from full
+    alone = [KVCache(16) for _ in range(4)]
+    want = []
+    for i, c in enumerate(alone):
+        if i != 2:
+            lm.engine.forward([[3 + i] * 4], [c], [False])
+            want.append(lm.engine.forward([[9, 10]], [c], [True])[0][-1])
+    steps = [stepbatch._Step(c, [9, 10], True) for c in caches]  # two tokens: past the third's room
+    batcher._waiting = list(steps)
+    batcher._pass()
+    assert all(s.done for s in steps)
+    with pytest.raises(ValueError, match="cache overflow"):
+        raise steps[2].error
+    got = [s.result for i, s in enumerate(steps) if i != 2]
+    assert all(s.error is None for i, s in enumerate(steps) if i != 2)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert [c.length for c in caches] == [6, 6, 15, 6]  # the failed step's cache did not move
