@@ -21,11 +21,14 @@ isolation, and sampled distributions where logits are transformed after the head
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 
 from specdec.engine import KVCache
 from specdec.startup import StartupError
+
+log = logging.getLogger("specdec.startup")
 
 
 class Unsupported(StartupError):
@@ -45,12 +48,23 @@ def text_config(config):
 
 
 def context_limit(config) -> int:
+    """The positions the model takes: its config's limit, stretched by a linear or YaRN rotary
+    scaling (factor x the length it was trained at: YaRN's original_max_position_embeddings, else
+    the config's limit), as transformers' rotary code computes positions past it; not by dynamic
+    scaling, whose factors change per call."""
     config = text_config(config)
-    for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
-        v = getattr(config, name, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return 2048
+    base = next((v for v in (getattr(config, name, None) for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"))
+                 if isinstance(v, int) and not isinstance(v, bool) and v > 0), 2048)
+    for name in ("rope_scaling", "rope_parameters"):
+        d = getattr(config, name, None)
+        if not isinstance(d, dict):
+            continue
+        kind, factor = d.get("rope_type") or d.get("type"), d.get("factor")
+        if kind in ("linear", "yarn") and isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+            trained = d.get("original_max_position_embeddings") if kind == "yarn" else None
+            trained = trained if isinstance(trained, int) and trained > 0 else base
+            return max(base, int(factor * trained))
+    return base
 
 
 def refusal(model, cfg) -> str | None:
@@ -87,6 +101,12 @@ def refusal(model, cfg) -> str | None:
         return f"cross-attention layers ({crossed[0]}) attend to an encoder's output, which is not served"
     if getattr(cfg, "kv_lora_rank", None):
         return "multi-head latent attention (kv_lora_rank) caches compressed latents, not the keys and values the engine pools"
+    v_dim, k_dim = getattr(cfg, "v_head_dim", None), head_dim(cfg)
+    if isinstance(v_dim, int) and k_dim and v_dim != k_dim:
+        return f"its values have another head size than its keys (v_head_dim {v_dim}, head_dim {k_dim}); the engine's pool holds one size"
+    sinks = sorted({n.rsplit(".", 1)[-1] for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] in SINK_NAMES})
+    if sinks:
+        return f"attention sinks ({sinks[0]}: a learned logit each head's softmax adds) are not in the engine's attention"
     if getattr(cfg, "num_kv_shared_layers", 0):
         return "layers that reuse another layer's keys and values (num_kv_shared_layers) are not served"
     if getattr(cfg, "cross_attention_layers", None):
@@ -102,6 +122,29 @@ def refusal(model, cfg) -> str | None:
     if isinstance(window, int) and 0 < window < context_limit(cfg) and not _passes_window(model) and _names_window(model):
         return (f"its sliding window ({window}) is applied by the attention mask only (its attention layers do not pass it "
                 "on), which the packed pass does not use")
+    return None
+
+
+SINK_NAMES = ("sinks", "s_aux")  # the parameter of a learned attention sink (gpt-oss, granite's SWA variant)
+
+
+def head_dim(cfg) -> int | None:
+    """The size of one attention head's keys: the config's head_dim, else hidden / heads."""
+    d = getattr(cfg, "head_dim", None)
+    if isinstance(d, int) and d > 0:
+        return d
+    hidden, heads = getattr(cfg, "hidden_size", None), getattr(cfg, "num_attention_heads", None)
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
+
+
+def stray_window(model, cfg) -> int | None:
+    """A `sliding_window` that no module's code reads (a Llama config copied from Mistral's): the
+    model's own layers attend the whole context, as the engine does, but transformers' generate()
+    builds its cache from the config and windows it once decoding. The window, or None."""
+    cfg = text_config(cfg)
+    window = getattr(cfg, "sliding_window", None)
+    if isinstance(window, int) and 0 < window < context_limit(cfg) and not _names_window(model):
+        return window
     return None
 
 
@@ -190,6 +233,11 @@ def reference(lm) -> tuple[list[int], list[int], torch.Tensor]:
     why = refusal(model, cfg)
     if why:
         raise Unsupported(f"{arch}: {why}")
+    window = stray_window(model, cfg)
+    if window:
+        log.warning("%s: config.json sets sliding_window %d, which none of this model's layers reads: the services attend the "
+                    "whole context, as the model's own forward does, but transformers' generate() windows its cache by it once "
+                    "decoding, so past %d tokens the two differ; remove the field to make them agree", arch, window, window)
     n = max(8, min(40, lm.max_context - 2))
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, lm.vocab_size, (n,), generator=g).tolist()

@@ -242,7 +242,7 @@ class LM:
                                    "(its end-of-sequence ids matter)") from None
         vocab = model.get_output_embeddings().weight.shape[0]
         try:
-            eos = eos_ids(cfg, gen) or eos_ids(tok)
+            eos = eos_ids(cfg, architectures.text_config(cfg), gen) or eos_ids(tok)  # a multimodal config's in its text_config
         except ValueError as e:
             raise StartupError(f"--model {path}: {e}") from None
         lm = cls(

@@ -432,3 +432,79 @@ def test_held_logs_in_two_threads_take_turns_and_restore_the_librarys_handlers()
         assert not entered.wait(0.5)  # waits for this block
     t.join(30)
     assert entered.is_set() and logger.handlers == before
+
+
+def test_rotary_scaling_stretches_the_context_limit():
+    """From a review: the limit was max_position_embeddings whatever the rotary scaling, so a YaRN
+    x4 checkpoint (Qwen2.5's long-context recipe) refused prompts past a quarter of its context.
+    Linear and YaRN stretch it by their factor; dynamic scaling (factors per call) does not."""
+    import transformers
+
+    def limit(**kw):
+        return architectures.context_limit(transformers.LlamaConfig(**dict(SMALL, max_position_embeddings=64, **kw)))
+
+    assert limit() == 64
+    assert limit(rope_scaling={"rope_type": "linear", "factor": 4.0}) == 256
+    assert limit(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}) == 256
+    # a config whose limit already is the stretched one (DeepSeek's: 40 x 4096) keeps it
+    assert limit(rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}) == 64
+    assert limit(rope_scaling={"rope_type": "dynamic", "factor": 4.0}) == 64
+
+
+def test_values_of_another_head_size_and_attention_sinks_are_refused_by_name():
+    """From a review: both were refused only by the start-up probe, after the engine's preparation,
+    with the engine's crash as the reason (an index_copy_ shape error; a NotImplementedError)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**SMALL)
+    model = transformers.LlamaForCausalLM(cfg)
+    cfg.v_head_dim = cfg.hidden_size // cfg.num_attention_heads * 2
+    assert "v_head_dim" in (architectures.refusal(model, cfg) or "")
+    cfg = transformers.LlamaConfig(**SMALL)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(cfg.num_attention_heads))
+    assert "attention sinks (sinks" in (architectures.refusal(model, cfg) or "")
+
+
+def test_a_window_no_layer_reads_is_served_with_a_warning_that_generate_windows_it(tmp_path, caplog):
+    """From a review: transformers' generate() builds its cache from a Llama config's stray
+    `sliding_window` and windows decoding by it, while the model's own layers attend the whole
+    context (as the engine does): the start-up says so, and how to make the two agree."""
+    import logging
+
+    import transformers
+
+    from bench.tinymodels import word_tokenizer
+    from specdec.lm import LM
+
+    torch.manual_seed(0)
+    path = str(tmp_path / "llama-window")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(SMALL, sliding_window=8))).save_pretrained(path)
+    word_tokenizer(V).save_pretrained(path)
+    with caplog.at_level(logging.WARNING, logger="specdec.startup"):
+        LM.load(path, "cpu", "float32")
+    assert any("sliding_window 8" in r.getMessage() and "generate()" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_multimodal_checkpoints_eos_ids_are_read_from_its_text_config(tmp_path):
+    """From a review: without generation_config.json the EOS ids came from the top-level config
+    only; transformers reads the language model's (text_config), as the limits already were."""
+    import os
+
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    from bench.tinymodels import word_tokenizer
+    from specdec.lm import LM
+
+    text = Gemma3TextConfig(**dict(SMALL, head_dim=8, max_position_embeddings=96, sliding_window=8, eos_token_id=[EOS, 5]))
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                                patch_size=8)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=V - 1, boi_token_index=V - 3,
+                       eoi_token_index=V - 2, pad_token_id=1)
+    torch.manual_seed(0)
+    path = str(tmp_path / "gemma3-mm")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    word_tokenizer(V).save_pretrained(path)
+    if os.path.exists(os.path.join(path, "generation_config.json")):
+        os.remove(os.path.join(path, "generation_config.json"))
+    assert {EOS, 5} <= set(LM.load(path, "cpu", "float32").eos)
