@@ -54,13 +54,25 @@ async def pair(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) -> str | No
 
     rows = (target.vocab_fingerprint != lm.fingerprint and target.vocab_size
             and vocab_fingerprint(lm.tokenizer, target.vocab_size) == target.vocab_fingerprint)
-    if target.vocab_fingerprint == lm.fingerprint or rows:
+    # the same tokens and ids, other special-token roles (a base model's EOS beside its instruct model's, a pad token a
+    # fine-tune added): nothing on the draft's side reads those roles, and equal text rules (below; their added tokens
+    # carry the special flags) make the two turn text into ids and back alike
+    roles = (target.vocab_fingerprint != lm.fingerprint and not rows and target.HasField("tokenizer") and target.tokenizer.text_rules
+             and vocab_fingerprint(lm.tokenizer, target.vocab_size or lm.vocab_size, _roles(target.tokenizer))
+             == target.vocab_fingerprint)
+    if target.vocab_fingerprint == lm.fingerprint or rows or roles:
         own = vocabdiff.tokenizer_info(lm.tokenizer)
         if same_text_rules(target, own.text_rules):
-            if rows:  # paired: from now on the draft speaks the target's vocabulary, its rows included
-                log.info("the target's model has %d output rows over the draft's tokenizer, the draft %d: the draft's q goes "
-                         "over the target's rows", target.vocab_size, lm.vocab_size)
-                lm.fingerprint, lm.peer_rows = target.vocab_fingerprint, target.vocab_size
+            if rows or roles:  # paired: from now on the draft speaks the target's vocabulary, its rows included
+                if roles:
+                    differ = vocabdiff.explain(target, pb.ModelInfo(vocab_size=target.vocab_size, tokenizer=own))
+                    log.info("the target's tokenizer differs from the draft's in its special tokens' roles only (%s): paired",
+                             differ)
+                if target.vocab_size != lm.vocab_size:
+                    log.info("the target's model has %d output rows over the draft's tokenizer, the draft %d: the draft's q goes "
+                             "over the target's rows", target.vocab_size, lm.vocab_size)
+                lm.fingerprint = target.vocab_fingerprint
+                lm.peer_rows = target.vocab_size if target.vocab_size != lm.vocab_size else lm.peer_rows
             return None
         what = (f"the target's adds special tokens (such as BOS) to a prompt {'and' if target.tokenizer.adds_special_tokens else 'but'} "
                 f"the draft's {'does' if own.adds_special_tokens else 'does not'}"
@@ -74,6 +86,17 @@ async def pair(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) -> str | No
         pass  # explain from what the first answer said
     return (f"vocabulary fingerprint {target.vocab_fingerprint[:12]}, this draft has {lm.fingerprint[:12]}: the models do not "
             f"share a tokenizer ({vocabdiff.explain(target, serving.model_info(lm, include_vocab=True))})")
+
+
+def _roles(info: pb.TokenizerInfo) -> dict[str, int | None]:
+    """A TokenizerInfo's special-token roles as ids ("TOKEN=ID" each)."""
+    out: dict[str, int | None] = {}
+    for role, text in info.special_tokens.items():
+        try:
+            out[role] = int(text.rsplit("=", 1)[1])
+        except (IndexError, ValueError):
+            out[role] = None
+    return out
 
 
 def same_text_rules(target: pb.ModelInfo, own: str) -> bool:

@@ -133,15 +133,12 @@ def weight_bytes(path: str) -> int | None:
         return None
 
 
-def vocab_fingerprint(tokenizer, vocab_size: int) -> str:
-    """SHA-256 over the sorted token->id map, the special ids and the model's vocab size."""
-    special = {
-        "bos": tokenizer.bos_token_id,
-        "eos": tokenizer.eos_token_id,
-        "pad": tokenizer.pad_token_id,
-        "unk": tokenizer.unk_token_id,
-        "vocab_size": vocab_size,
-    }
+def vocab_fingerprint(tokenizer, vocab_size: int, roles: dict[str, int | None] | None = None) -> str:
+    """SHA-256 over the sorted token->id map, the special ids and the model's vocab size; `roles`
+    (bos, eos, pad, unk -> id) in place of the tokenizer's own (the draft's pairing: a target
+    whose tokenizer differs in those alone)."""
+    own = {role: getattr(tokenizer, f"{role}_token_id") for role in ("bos", "eos", "pad", "unk")}
+    special = {**(own if roles is None else {role: roles.get(role) for role in own}), "vocab_size": vocab_size}
     blob = json.dumps([sorted(tokenizer.get_vocab().items()), special], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -243,3 +243,29 @@ def test_a_pair_whose_models_have_other_output_rows_over_one_tokenizer_serves_ex
     assert [r.token_ids for r in got] == want
     assert sum(r.stats["drafted"] for r in got) > 0 and sum(r.stats["accepted"] for r in got) > 0
     assert dense.token_ids and dense.stats["drafted"] > 0
+
+
+def test_a_draft_whose_tokenizer_differs_in_special_roles_only_pairs(tmp_path):
+    """From a review: the fingerprint counts which id each special role names, so a base draft
+    beside its instruct target (Qwen2.5's and Llama-3's EOS differ between the two; a fine-tune's
+    added pad token too) was refused as "not sharing a tokenizer", though they share every token
+    and id and turn text into ids alike, and nothing on the draft's side reads those roles. The
+    draft pairs (taking the target's fingerprint) and serves the target's greedy tokens."""
+    target = tinymodels.build(str(tmp_path / "t"), vocab_size=16, seed=1, bos=True)
+    draft = tinymodels.build(str(tmp_path / "d"), vocab_size=16, seed=2, bos=True)
+    config = tmp_path / "d" / "tokenizer_config.json"
+    spec = json.loads(config.read_text())
+    config.write_text(json.dumps(dict(spec, eos_token="<pad>")))  # the draft's EOS: another special token
+    v = Service("verify_service", "--model", target)
+    d = None
+    try:
+        d = Service("draft_service", "--model", draft, "--verify", v.address, "--log-level", "INFO")
+        with Client(v.address, target_only=True, timeout=60) as vc, Client(d.address, timeout=60) as dc:
+            want = vc.generate(prompt="w5 w6 w7", max_new_tokens=12).token_ids
+            got = dc.generate(prompt="w5 w6 w7", max_new_tokens=12, num_draft_tokens=3, adaptive=False)
+        assert got.token_ids == want and got.stats["drafted"] > 0
+        assert any("special tokens' roles only" in line and "eos target <eos>=0, draft <pad>=1" in line for line in d.stderr), d.stderr
+    finally:
+        if d is not None:
+            d.stop()
+        v.stop()
