@@ -122,6 +122,7 @@ class VerifyCheck:
         problem = await pair(stub, self.lm, info)
         if problem:
             return f"--verify {self.args.verify}: the verify service has {problem}"
+        self._chat_templates(info)
         if not self.token_ok:
             call = stub.Session(metadata=[("x-request-id", "specdec-token-check")], timeout=max(1.0, self.args.verify_wait_s))
             try:
@@ -134,6 +135,19 @@ class VerifyCheck:
                 return self.token_refused(code, await call.details())
             self.token_ok = code == grpc.StatusCode.OK
         return None
+
+    def _chat_templates(self, info: pb.ModelInfo) -> None:
+        """Warns (once per target template) where the draft's HTTP front door would render chats
+        with a template other than the target's: its own tokenizer's, without --chat-template."""
+        theirs = info.tokenizer.chat_template if info.HasField("tokenizer") else ""
+        ours = vocabdiff.chat_template_digest(self.lm.tokenizer)
+        if (getattr(self.args, "http_port", None) is None or getattr(self.args, "chat_template", None) or not theirs
+                or theirs == ours or theirs == getattr(self, "_warned_template", None)):
+            return
+        self._warned_template = theirs
+        log.warning("the target's chat template differs from the draft's%s: /v1/chat/completions renders chats with the "
+                    "draft's, which the target may not have been tuned on; give --chat-template FILE with the target's",
+                    "" if ours else " (the draft's tokenizer has none)", extra={"fields": {"verify": self.args.verify}})
 
     def token_refused(self, code, details: str) -> str:
         flag = "--verify-auth-token-file" + ("" if self.args.verify_auth_token_file else " (not given)")

@@ -38,6 +38,14 @@ def id_ordered(tokenizer) -> list[str]:
 _RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> text_rules (Info is polled every 2 s)
 
 
+def chat_template_digest(tokenizer) -> str:
+    """TokenizerInfo.chat_template: a digest of the tokenizer's chat template(s), "" without one."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return ""
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()
+
+
 def text_rules(tokenizer) -> str:
     """TokenizerInfo.text_rules: a digest of the `tokenizers` backend's whole definition but its
     truncation and padding settings, and of whether it adds special tokens; "" without a backend."""
@@ -64,7 +72,8 @@ def tokenizer_info(tokenizer, include_vocab: bool = False) -> pb.TokenizerInfo:
         if tid is not None:
             special[role] = f"{getattr(tokenizer, f'{role}_token')}={tid}"
     info = pb.TokenizerInfo(tokenizer_class=type(tokenizer).__name__, num_tokens=len(tokenizer), special_tokens=special,
-                            adds_special_tokens=adds_special_tokens(tokenizer), text_rules=text_rules(tokenizer))
+                            adds_special_tokens=adds_special_tokens(tokenizer), text_rules=text_rules(tokenizer),
+                            chat_template=chat_template_digest(tokenizer))
     if include_vocab:
         info.tokens.extend(id_ordered(tokenizer))
     return info

@@ -269,3 +269,23 @@ def test_a_draft_whose_tokenizer_differs_in_special_roles_only_pairs(tmp_path):
         if d is not None:
             d.stop()
         v.stop()
+
+
+def test_a_draft_whose_chat_template_differs_from_the_targets_warns_where_it_renders_chats(tmp_path):
+    """From a review: the HTTP front door renders chats with the draft's tokenizer's template, and
+    a draft with another template than the target's paired in silence (the target then read
+    prompts in a format it was not tuned on). The verify service now reports a digest of its
+    template; the draft warns at start-up where it serves HTTP without --chat-template."""
+    target = tinymodels.build(str(tmp_path / "t"), vocab_size=16, seed=1, chat_template="{% for m in messages %}w5 {{ m['content'] }}{% endfor %}")
+    draft = tinymodels.build(str(tmp_path / "d"), vocab_size=16, seed=2, chat_template="{% for m in messages %}w6 {{ m['content'] }}{% endfor %}")
+    template = tmp_path / "target.jinja"
+    template.write_text("{% for m in messages %}w5 {{ m['content'] }}{% endfor %}")
+    v = Service("verify_service", "--model", target)
+    try:
+        for extra, warns in (([], True), (["--chat-template", str(template)], False)):
+            d = Service("draft_service", "--model", draft, "--verify", v.address, "--http-port", "0", *extra)
+            d.stop()
+            said = any("chat template differs from the draft's" in line for line in d.stderr)
+            assert said == warns, (extra, d.stderr)
+    finally:
+        v.stop()

@@ -49,7 +49,7 @@ class InfoRequest(_message.Message):
     def __init__(self, include_vocab: _Optional[bool] = ...) -> None: ...
 
 class TokenizerInfo(_message.Message):
-    __slots__ = ("tokenizer_class", "num_tokens", "special_tokens", "adds_special_tokens", "tokens", "text_rules")
+    __slots__ = ("tokenizer_class", "num_tokens", "special_tokens", "adds_special_tokens", "tokens", "text_rules", "chat_template")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,13 +63,15 @@ class TokenizerInfo(_message.Message):
     ADDS_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_RULES_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     tokenizer_class: str
     num_tokens: int
     special_tokens: _containers.ScalarMap[str, str]
     adds_special_tokens: bool
     tokens: _containers.RepeatedScalarFieldContainer[str]
     text_rules: str
-    def __init__(self, tokenizer_class: _Optional[str] = ..., num_tokens: _Optional[int] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., adds_special_tokens: _Optional[bool] = ..., tokens: _Optional[_Iterable[str]] = ..., text_rules: _Optional[str] = ...) -> None: ...
+    chat_template: str
+    def __init__(self, tokenizer_class: _Optional[str] = ..., num_tokens: _Optional[int] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., adds_special_tokens: _Optional[bool] = ..., tokens: _Optional[_Iterable[str]] = ..., text_rules: _Optional[str] = ..., chat_template: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_name", "vocab_fingerprint", "vocab_size", "max_context", "proposal_modes", "num_parameters", "eos_token_id", "eos_token_ids", "device", "dtype", "supported_architectures", "tokenizer", "capacity", "max_tree_budget")
