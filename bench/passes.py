@@ -20,6 +20,9 @@ Mixed passes instead: per layout (COUNTxTAU terms joined by +, e.g. 63 target-on
 one round of 60 proposals), the median pass time of the sessions' rounds sent together, greedy,
 on --model (a model directory, loaded as the verify service loads it) or the tiny target.
 Writes PASSES_MIXED.md and passes_mixed.json (bench/results/ holds a run on the shipped target).
+With --idle-ms 0,4,10 each layout is measured again after each idle time: the event loop sleeps
+that long before sending every pass's rounds, as a verifier waits for its sessions' next rounds
+(the draft's drafting and the network), so what a pass costs after the verifier idled shows.
 """
 from __future__ import annotations
 
@@ -81,13 +84,15 @@ def layout(spec: str) -> list[int]:
     return taus
 
 
-async def mixed_seconds(eng: Scheduler, taus: list[int], context: int, repeats: int) -> list[float]:
+async def mixed_seconds(eng: Scheduler, taus: list[int], context: int, repeats: int, idle_s: float = 0.0) -> list[float]:
     """forward_s of `repeats` passes that held every session's round (session i proposing taus[i]
-    tokens, none for 0: a target-only step), all sent together."""
+    tokens, none for 0: a target-only step), all sent together `idle_s` after the last verdicts."""
     room = eng.lm.max_context - context  # proposals past a session's room are cut: rounds of ids[-1] are rarely accepted
     async with prefilled(eng, len(taus), context, min((max(taus) + 1) * (4 * repeats + 2), room)) as ss:
         times: list[float] = []
         for _ in range(4 * repeats):
+            if idle_s:
+                await asyncio.sleep(idle_s)
             vs = await asyncio.gather(*(eng.step(s, [s.ids[-1]] * tau, None) for s, tau in zip(ss, taus)))
             if all(v.pass_rounds == len(taus) for v in vs):
                 times.append(vs[0].forward_s)
@@ -109,9 +114,10 @@ def run_mixed(a) -> None:
             rows = []
             for spec in layouts:
                 taus = layout(spec)
-                ts = asyncio.run(mixed_seconds(eng, taus, a.context, a.repeats))
-                rows.append(dict(layout=spec, sessions=len(taus), rows=sum(t + 1 for t in taus), passes=len(ts),
-                                 median_ms=1e3 * statistics.median(ts) if ts else None))
+                for idle in a.idle_ms:
+                    ts = asyncio.run(mixed_seconds(eng, taus, a.context, a.repeats, idle / 1e3))
+                    rows.append(dict(layout=spec, idle_ms=idle, sessions=len(taus), rows=sum(t + 1 for t in taus), passes=len(ts),
+                                     median_ms=1e3 * statistics.median(ts) if ts else None))
         finally:
             eng.shutdown()
     res = dict(model=a.model or f"tiny Llama (hidden {a.hidden})", context=a.context, repeats=a.repeats, plan=repr(lm.engine.plan), rows=rows)
@@ -123,8 +129,8 @@ def render_mixed(res: dict) -> str:
            f"{res['model']}, float32, one thread; context {res['context']}, greedy; median of up to {res['repeats']} passes "
            "that held every session's round (scheduler's forward_s: pass, acceptance, host transfer). A layout's COUNTxTAU terms: "
            f"that many sessions proposing tau tokens each (0: a target-only step). Engine plan: `{res['plan']}`.", "",
-           "| layout | sessions | real rows | passes | pass ms (median) |", "|---|---|---|---|---|"]
-    out += [f"| {r['layout']} | {r['sessions']} | {r['rows']} | {r['passes']} | "
+           "| layout | idle ms before a pass | sessions | real rows | passes | pass ms (median) |", "|---|---|---|---|---|---|"]
+    out += [f"| {r['layout']} | {r.get('idle_ms', 0):g} | {r['sessions']} | {r['rows']} | {r['passes']} | "
             + (f"{r['median_ms']:.1f} |" if r["median_ms"] is not None else "- |") for r in res["rows"]]
     return "\n".join(out) + "\n"
 
@@ -157,7 +163,14 @@ def main() -> None:
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--mixed", default=None, help="mixed passes instead, e.g. 63x0+1x60,63x0+1x8 (COUNTxTAU terms)")
     p.add_argument("--model", default=None, help="with --mixed: a model directory (default: the tiny target)")
+    p.add_argument("--idle-ms", default="0", help="with --mixed: idle times before each pass, e.g. 0,4,10 (each layout at each)")
     a = p.parse_args()
+    try:
+        a.idle_ms = [float(x) for x in a.idle_ms.split(",") if x.strip()] or [0.0]
+    except ValueError:
+        p.error(f"--idle-ms: {a.idle_ms!r} is not a list of numbers")
+    if min(a.idle_ms) < 0:
+        p.error("--idle-ms: times are >= 0")
     torch.set_num_threads(1)
     if a.mixed:
         return run_mixed(a)

@@ -26,13 +26,17 @@ def test_bench_run_measures_the_services_and_generate_in_one_dtype(tmp_path):
 def test_bench_passes_times_uniform_and_mixed_passes(tmp_path):
     """bench.passes on its tiny target: passes of N sessions' rounds, and mixed layouts (target-only
     steps beside rounds of several proposals) whose rounds all shared a pass."""
-    for args in (["--sessions", "1,2", "--repeats", "2"], ["--mixed", "2x0+1x3,1x1", "--repeats", "2"]):
+    for args in (["--sessions", "1,2", "--repeats", "2"], ["--mixed", "2x0+1x3,1x1", "--repeats", "2", "--idle-ms", "0,3"]):
         p = subprocess.run([sys.executable, "-m", "bench.passes", *args, "--out", str(tmp_path)], cwd=ROOT, env=ENV,
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
     uniform = json.loads((tmp_path / "passes.json").read_text())["rows"]
     assert [r["sessions"] for r in uniform] == [1, 2] and all(r["median_ms"] > 0 for r in uniform)
     mixed = json.loads((tmp_path / "passes_mixed.json").read_text())["rows"]
-    assert [(r["layout"], r["sessions"], r["rows"]) for r in mixed] == [("2x0+1x3", 3, 6), ("1x1", 1, 2)]
+    assert [(r["layout"], r["idle_ms"], r["sessions"], r["rows"]) for r in mixed] == \
+        [("2x0+1x3", 0, 3, 6), ("2x0+1x3", 3, 3, 6), ("1x1", 0, 1, 2), ("1x1", 3, 1, 2)]
     assert all(r["passes"] >= 1 and r["median_ms"] > 0 for r in mixed)
-    assert "| 2x0+1x3 | 3 | 6 |" in (tmp_path / "PASSES_MIXED.md").read_text()
+    assert "| 2x0+1x3 | 3 | 3 | 6 |" in (tmp_path / "PASSES_MIXED.md").read_text()
+    bad = subprocess.run([sys.executable, "-m", "bench.passes", "--mixed", "1x1", "--idle-ms", "4,x", "--out", str(tmp_path)],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--idle-ms" in bad.stderr.strip().splitlines()[-1], bad.stderr
