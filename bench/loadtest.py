@@ -347,6 +347,14 @@ def main(argv=None) -> int:
         p.error("--baseline tags the two paths path=speculative and path=target-only: no --tag path=... with it")
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    from client import AsyncClient
+    from client.core import credential_kwargs
+    from specdec.files import StartupError
+
+    try:  # the credentials' files and tokens, checked before any cell, as the client CLI does: one line, exit 2
+        AsyncClient(args.server, **credential_kwargs(args))  # opens no channel: that waits for a call
+    except (OSError, ValueError, StartupError) as e:
+        p.error(str(e))
     results = asyncio.run(run(args))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import statistics
 import tempfile
 import time
@@ -169,8 +170,8 @@ def main() -> None:
         a.idle_ms = [float(x) for x in a.idle_ms.split(",") if x.strip()] or [0.0]
     except ValueError:
         p.error(f"--idle-ms: {a.idle_ms!r} is not a list of numbers")
-    if min(a.idle_ms) < 0:
-        p.error("--idle-ms: times are >= 0")
+    if not all(math.isfinite(x) and x >= 0 for x in a.idle_ms):
+        p.error("--idle-ms: times are finite and >= 0")
     torch.set_num_threads(1)
     if a.mixed:
         return run_mixed(a)

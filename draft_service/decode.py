@@ -68,13 +68,17 @@ _warned: set[str] = set()  # models whose fallback was logged
 RECORDS: dict[str, ModelRecord] = {}  # per draft model: whether it paid in this process's recent sessions
 
 
+DRAFT_THREADS = 72  # the draft service's worker threads at most (`drafting_executor`): a step batch of 64 sessions and a margin
+
+
 def drafting_executor(max_sessions: int) -> concurrent.futures.ThreadPoolExecutor:
     """The draft service's default executor, where `started` and `asyncio.to_thread` run: a worker
     for every session that may draft at once, and for one step each may leave running after its
     session ended, with a margin for the rest (a large request's parsing, address lookups).
     asyncio's own is min(32, CPUs + 4) workers: on a small host it held the step batcher's passes
-    to a few sessions (6 on 2 cores), whatever --max-sessions allows."""
-    return concurrent.futures.ThreadPoolExecutor(max_workers=2 * max_sessions + 8, thread_name_prefix="draft")
+    to a few sessions (6 on 2 cores), whatever --max-sessions allows. At most DRAFT_THREADS: each
+    thread that leads a pass may get an OpenMP team of its own where --threads > 1."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=min(2 * max_sessions + 8, DRAFT_THREADS), thread_name_prefix="draft")
 
 
 def started(fn, *args) -> asyncio.Future:
@@ -377,9 +381,9 @@ class DecodeLoop:
             ahead = await asyncio.shield(task)
         except Exception as e:  # noqa: BLE001 - a pre-draft is work ahead, not the round's: its failure is a miss, and the
             # round is drafted afresh (where the model itself is broken, that fails the request with its own error)
-            log.warning("pre-draft failed (%s: %s); drafting the round afresh", type(e).__name__, e,
-                        extra={"fields": {"request_id": self.params.request_id}})
-            ahead = {}
+            log.warning("pre-draft failed (%s: %s); drafting the round afresh, and pre-drafting no more in this session",
+                        type(e).__name__, e, extra={"fields": {"request_id": self.params.request_id}})
+            self.predraft, ahead = False, {}
         got = ahead.get(ahead_ctl.outcome())
         hit = got is not None and bool(got.tokens)
         stats.predraft_hits += hit

@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import math
+import re
 import socket
 import ssl
 import time
@@ -395,7 +396,7 @@ class FrontDoor:
         if not template:
             raise HttpError(400, "the draft model's tokenizer has no chat template (chats are rendered with it): use /v1/completions, "
                                  "or start the draft service with --chat-template FILE", "messages", "chat_template_missing")
-        developer = "developer" if "developer" in str(template) else "system"
+        developer = "developer" if re.search(r"""['"]developer['"]""", str(template)) else "system"  # a comparison with the role
         messages = [{"role": developer if m.role == "developer" else m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in r.messages]
         try:

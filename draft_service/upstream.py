@@ -58,6 +58,7 @@ async def pair(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) -> str | No
     # fine-tune added): nothing on the draft's side reads those roles, and equal text rules (below; their added tokens
     # carry the special flags) make the two turn text into ids and back alike
     roles = (target.vocab_fingerprint != lm.fingerprint and not rows and target.HasField("tokenizer") and target.tokenizer.text_rules
+             and vocabdiff.text_rules(lm.tokenizer)  # both sides' rules known: a tokenizer without them adds its BOS by role
              and vocab_fingerprint(lm.tokenizer, target.vocab_size or lm.vocab_size, _roles(target.tokenizer))
              == target.vocab_fingerprint)
     if target.vocab_fingerprint == lm.fingerprint or rows or roles:

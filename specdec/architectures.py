@@ -49,9 +49,11 @@ def text_config(config):
 
 def context_limit(config) -> int:
     """The positions the model takes: its config's limit, stretched by a linear or YaRN rotary
-    scaling (factor x the length it was trained at: YaRN's original_max_position_embeddings, else
-    the config's limit), as transformers' rotary code computes positions past it; not by dynamic
-    scaling, whose factors change per call."""
+    scaling where the scaling names the length it was trained at (factor x
+    original_max_position_embeddings: Qwen2.5's YaRN recipe), as transformers' rotary code computes
+    positions past the limit. Without that length the config's limit stands: checkpoints differ on
+    whether it is the stretched length already (Gemma 3's 131072 with a linear factor of 8) or
+    not. Never by dynamic scaling, whose factors change per call."""
     config = text_config(config)
     base = next((v for v in (getattr(config, name, None) for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"))
                  if isinstance(v, int) and not isinstance(v, bool) and v > 0), 2048)
@@ -61,9 +63,9 @@ def context_limit(config) -> int:
             continue
         kind, factor = d.get("rope_type") or d.get("type"), d.get("factor")
         if kind in ("linear", "yarn") and isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
-            trained = d.get("original_max_position_embeddings") if kind == "yarn" else None
-            trained = trained if isinstance(trained, int) and trained > 0 else base
-            return max(base, int(factor * trained))
+            trained = d.get("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
+            if isinstance(trained, int) and not isinstance(trained, bool) and trained > 0:
+                return max(base, int(factor * trained))
     return base
 
 

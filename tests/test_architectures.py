@@ -437,14 +437,16 @@ def test_held_logs_in_two_threads_take_turns_and_restore_the_librarys_handlers()
 def test_rotary_scaling_stretches_the_context_limit():
     """From a review: the limit was max_position_embeddings whatever the rotary scaling, so a YaRN
     x4 checkpoint (Qwen2.5's long-context recipe) refused prompts past a quarter of its context.
-    Linear and YaRN stretch it by their factor; dynamic scaling (factors per call) does not."""
+    Linear and YaRN stretch it by their factor over the trained length they name; without one the
+    limit stands (Gemma 3's is the stretched one already); dynamic scaling never does."""
     import transformers
 
     def limit(**kw):
         return architectures.context_limit(transformers.LlamaConfig(**dict(SMALL, max_position_embeddings=64, **kw)))
 
     assert limit() == 64
-    assert limit(rope_scaling={"rope_type": "linear", "factor": 4.0}) == 256
+    assert limit(rope_scaling={"rope_type": "linear", "factor": 4.0}) == 64  # which length the limit is: not said
+    assert limit(rope_scaling={"rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 64}) == 256
     assert limit(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}) == 256
     # a config whose limit already is the stretched one (DeepSeek's: 40 x 4096) keeps it
     assert limit(rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}) == 64

@@ -49,9 +49,9 @@ class Odd(pb_grpc.DraftServicer):
                 time.sleep(0.05)
         if request.prompt == "empty":  # OK with no message
             return
-        if request.prompt == "lateend":  # the final chunk at once, the call's end 1.5 s later (a verifier slow to end its session)
+        if request.prompt == "lateend":  # the final chunk at once, the call's end 4 s later (a verifier slow to end its session)
             yield pb.GenerateResponse(token_ids=[5], text="w5", finish_reason=pb.FINISH_REASON_LENGTH)
-            for _ in range(30):
+            for _ in range(80):
                 if not context.is_active():
                     return
                 time.sleep(0.05)
@@ -324,18 +324,18 @@ def test_a_failure_after_the_final_chunk_leaves_the_result_whole(odd):
     second for the verifier to end its session). A deadline that passed in between made a
     finished generation DEADLINE_EXCEEDED: generate() lost its result, stream() raised after its
     last token, the CLI printed the text and then an error, exit 1."""
-    with Client(odd, timeout=0.7) as c:
+    with Client(odd, timeout=2) as c:
         assert c.generate(prompt="lateend").token_ids == [5]
         assert [x.finish_reason for x in c.stream(prompt="lateend")] == [pb.FINISH_REASON_LENGTH]
 
     async def run():
-        async with AsyncClient(odd, timeout=0.7) as c:
+        async with AsyncClient(odd, timeout=2) as c:
             r = await c.generate(prompt="lateend")
             return r.text, [x.text async for x in c.stream(prompt="lateend")]
     assert asyncio.run(run()) == ("w5", ["w5"])
-    p = cli("generate", "--server", odd, "--prompt", "lateend", "--timeout", "0.7")
+    p = cli("generate", "--server", odd, "--prompt", "lateend", "--timeout", "2")
     assert p.returncode == 0 and p.stdout == "w5\n", (p.stdout, p.stderr)
-    with Client(odd, timeout=0.7) as c:  # a deadline before the final chunk is still an error
+    with Client(odd, timeout=2) as c:  # a deadline before the final chunk is still an error
         with pytest.raises(grpc.RpcError) as e:
             c.generate(prompt="slow")
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

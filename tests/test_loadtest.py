@@ -199,3 +199,21 @@ def test_a_level_whose_requests_outlived_the_run_is_not_sustained():
     cells[2]["summary"]["draft_ms_per_token"] = cells[3]["summary"]["draft_ms_per_token"] = 0.0  # target-only drafts nothing
     rows = {r.split("|")[1].strip(): [x.strip() for x in r.split("|")[2:-1]] for r in sizing(cells, 100.0) if r.startswith("| path=")}
     assert rows["path=target-only"][-2:] == ["–", "–"]  # no draft cores to size (it printed inf and 0.00)
+
+
+def test_bad_credentials_are_one_line_before_any_cell(tmp_path):
+    """From a review: a token a header cannot carry, or a certificate and key that are not one
+    pair, gave a traceback from inside the first cell; they are one line, exit 2, as the CLI's."""
+    import subprocess
+    import sys
+
+    from bench.launch import ENV, ROOT
+
+    key = tmp_path / "a.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(tmp_path / "a.pem"), "-subj", "/CN=a", "-days", "1"], check=True, capture_output=True)
+    for extra, says in ((["--token", "hunter\u00e92"], "printable ASCII"),
+                        (["--tls-cert", str(key), "--tls-key", str(tmp_path / "a.pem")], "not a certificate and its private key")):
+        p = subprocess.run([sys.executable, "-m", "bench.loadtest", "--server", "127.0.0.1:1", "--concurrency", "1", *extra],
+                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and says in p.stderr.strip().splitlines()[-1] and "Traceback" not in p.stderr and "hunter" not in p.stderr, p.stderr

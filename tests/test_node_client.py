@@ -156,7 +156,7 @@ def test_node_client_keeps_a_result_whose_call_failed_after_its_last_chunk(tmp_p
     class LateEnd(pb_grpc.DraftServicer):
         def Generate(self, request, context):
             yield pb.GenerateResponse(token_ids=[5], text="w5", finish_reason=pb.FINISH_REASON_LENGTH)
-            for _ in range(30):  # the call's end 1.5 s later
+            for _ in range(80):  # the call's end 4 s later
                 if not context.is_active():
                     return
                 time.sleep(0.05)
@@ -166,7 +166,7 @@ def test_node_client_keeps_a_result_whose_call_failed_after_its_last_chunk(tmp_p
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        rc, out, err = node("--server", f"127.0.0.1:{port}", "--prompt-ids", "3", "--timeout", "0.7")
+        rc, out, err = node("--server", f"127.0.0.1:{port}", "--prompt-ids", "3", "--timeout", "2")
     finally:
         server.stop(0)
     assert rc == 0 and json.loads(out)["token_ids"] == [5], err

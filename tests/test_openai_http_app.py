@@ -447,7 +447,9 @@ def test_a_developer_message_is_a_system_one_unless_the_template_knows_the_role(
     knows_developer = tmp_path / "developer.jinja"
     knows_developer.write_text("{% for m in messages %}{% if m['role'] == 'developer' %}w9 {% endif %}{{ m['content'] }} {% endfor %}w8")
     chat = dict(CHAT, messages=[{"role": "developer", "content": "w2"}, {"role": "user", "content": "w7"}])
-    for template, want in ((knows_system, "w5 w2 w6 w7 w8"), (knows_developer, "w9 w2 w7 w8")):
+    prose = tmp_path / "prose.jinja"  # names developers in its text, not the role: still a system message
+    prose.write_text(knows_system.read_text().replace("w8", "{# for developers #}w8"))
+    for template, want in ((knows_system, "w5 w2 w6 w7 w8"), (knows_developer, "w9 w2 w7 w8"), (prose, "w5 w2 w6 w7 w8")):
         stub = Stub(word_tokenizer(16))
         assert client(stub, str(template)).post("/v1/chat/completions", json=chat).status_code == 200
         assert stub.requests[0].prompt == want

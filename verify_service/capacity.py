@@ -83,6 +83,12 @@ class Capacity:
                         free_cached_tokens=max(0, self.max_cached_tokens - self.reserved),
                         max_sessions=self.max_sessions, max_cached_tokens=self.max_cached_tokens)
 
+    def tight(self, need: int) -> bool:
+        """Whether a session like one that holds `need` (still counted) could not be admitted now:
+        the sessions are at their limit, or another `need` does not fit beside what is reserved."""
+        with self._lock:
+            return self.sessions >= self.max_sessions or self.reserved + need > self._limit
+
     def release(self, need: int) -> None:
         with self._lock:
             self.sessions -= 1

@@ -45,7 +45,8 @@ from verify_service.session import Session, Verdict, commit, kept
 
 log = logging.getLogger("specdec.verify")
 
-CLOSE_WAIT_S = 10.0  # the longest a closing handler waits for its session's room (`Scheduler.closed`)
+CLOSE_WAIT_S = 0.9  # the longest a closing handler waits for its session's room (`Scheduler.closed`): within the second the
+# draft waits for the session's end (draft_service/server.py ENDED_WAIT_S) before it cancels it
 MAX_BATCH_TOKENS = 1024  # new rows of rounds per pass, by default (fairness: DESIGN.md §7)
 GPU_PREFILL_ROWS = 8192  # prompt rows per pass on a GPU, by default: arrivals are admitted in a few compute-bound passes
 SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a process that runs a scheduler (Scheduler.__init__)
@@ -152,10 +153,12 @@ class Scheduler:
         return s.released[1] if s.released else None
 
     async def closed(self, s: Session, timeout: float = CLOSE_WAIT_S) -> None:
-        """Closes `s` and waits, at most `timeout`, until its pages and room are back (at most the
-        pass in flight; a scheduler that stopped never gives them back)."""
+        """Closes `s`; where its room is what the next session like it needs (the service is at its
+        limit: `Capacity.tight`), waits, at most `timeout`, until its pages and room are back (at
+        most the pass in flight; a scheduler that stopped never gives them back). Elsewhere the
+        call ends at once: a request's end does not wait for a pass."""
         done = self.close(s)
-        if done is not None and not done.done():
+        if done is not None and not done.done() and self.capacity.tight(s.reserved):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await asyncio.shield(done)
