@@ -151,9 +151,10 @@ def _neutral(field: str, v) -> bool:
 
 
 def _pick(errors: list[dict], body: dict) -> dict:
-    """The error to report: a field the server does not take first (a replayed assistant message's
-    `tool_calls`, not the `content` it left out), then one from the member of a union that is the
-    JSON type the client sent (a list of content parts is not told it should be a string)."""
+    """The error to report: one about a value sent (a role it does not take) first, then a field
+    the server does not take (a replayed assistant message's `tool_calls`), then a field left out
+    (that message's `content`); and among each, one from the member of a union that is the JSON
+    type the client sent (a list of content parts is not told it should be a string)."""
     def value(loc):
         v = body
         for p in loc:
@@ -165,13 +166,12 @@ def _pick(errors: list[dict], body: dict) -> dict:
         return v
 
     def rank(err) -> int:
-        if err["type"] == "extra_forbidden":
-            return 0
+        kind = {"extra_forbidden": 1, "missing": 2}.get(err["type"], 0)
         loc = err["loc"]
         for i, p in enumerate(loc):
             if _union_tag(p) and not str(p).startswith(type(value(loc[:i])).__name__):
-                return 2  # a member of a union that is not what was sent
-        return 1
+                return 3 + kind  # a member of a union that is not what was sent
+        return kind
 
     return min(errors, key=rank)  # the first of the best
 
