@@ -49,62 +49,31 @@ async def pair(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) -> str | No
     saying what differs (asking the verify service for its whole vocabulary to compare). A
     target whose model has other output rows over the same tokenizer (its fingerprint is the
     draft tokenizer's with the target's rows: Qwen2.5's 0.5B and 7B) pairs too: the draft takes
-    its fingerprint and sends q over its rows from then on (LM.peer_rows; Drafter.step)."""
-    from specdec.lm import vocab_fingerprint  # noqa: PLC0415 - the model libraries load after the cheap start-up checks
+    its fingerprint and sends q over its rows from then on (LM.peer_rows; Drafter.step); so does one
+    whose tokenizer differs in its special tokens' roles only (specdec.lm.paired_fingerprint)."""
+    from specdec.lm import paired_fingerprint  # noqa: PLC0415 - the model libraries load after the cheap start-up checks
 
-    rows = (target.vocab_fingerprint != lm.fingerprint and target.vocab_size
-            and vocab_fingerprint(lm.tokenizer, target.vocab_size) == target.vocab_fingerprint)
-    # the same tokens and ids, other special-token roles (a base model's EOS beside its instruct model's, a pad token a
-    # fine-tune added): nothing on the draft's side reads those roles, and equal text rules (below; their added tokens
-    # carry the special flags) make the two turn text into ids and back alike
-    roles = (target.vocab_fingerprint != lm.fingerprint and not rows and target.HasField("tokenizer") and target.tokenizer.text_rules
-             and vocabdiff.text_rules(lm.tokenizer)  # both sides' rules known: a tokenizer without them adds its BOS by role
-             and vocab_fingerprint(lm.tokenizer, target.vocab_size or lm.vocab_size, _roles(target.tokenizer))
-             == target.vocab_fingerprint)
-    if target.vocab_fingerprint == lm.fingerprint or rows or roles:
+    fingerprint, how = paired_fingerprint(target, lm.tokenizer, lm.vocab_size) if target.vocab_fingerprint != lm.fingerprint \
+        else (lm.fingerprint, "same")
+    if fingerprint is not None:
         own = vocabdiff.tokenizer_info(lm.tokenizer)
-        if same_text_rules(target, own.text_rules):
-            if rows or roles:  # paired: from now on the draft speaks the target's vocabulary, its rows included
-                if roles:
-                    differ = vocabdiff.explain(target, pb.ModelInfo(vocab_size=target.vocab_size, tokenizer=own))
-                    log.info("the target's tokenizer differs from the draft's in its special tokens' roles only (%s): paired",
-                             differ)
-                if target.vocab_size != lm.vocab_size:
-                    log.info("the target's model has %d output rows over the draft's tokenizer, the draft %d: the draft's q goes "
-                             "over the target's rows", target.vocab_size, lm.vocab_size)
-                lm.fingerprint = target.vocab_fingerprint
-                lm.peer_rows = target.vocab_size if target.vocab_size != lm.vocab_size else lm.peer_rows
-            return None
-        what = (f"the target's adds special tokens (such as BOS) to a prompt {'and' if target.tokenizer.adds_special_tokens else 'but'} "
-                f"the draft's {'does' if own.adds_special_tokens else 'does not'}"
-                if target.tokenizer.adds_special_tokens != own.adds_special_tokens else
-                "their normalizers, pre-tokenizers, merges, post-processors, decoders or added tokens differ")
-        return (f"the same vocabulary, but a tokenizer that turns text into ids differently ({what}): the draft tokenizes text "
-                "prompts and decodes the output, so they would not be the target's; give the draft the target's tokenizer files")
+        if not vocabdiff.same_text_rules(target, own.text_rules):
+            return vocabdiff.text_rules_differ(target, own)
+        if how == "roles":
+            differ = vocabdiff.explain(target, pb.ModelInfo(vocab_size=target.vocab_size, tokenizer=own))
+            log.info("the target's tokenizer differs from the draft's in its special tokens' roles only (%s): paired", differ)
+        if target.vocab_size and target.vocab_size != lm.vocab_size and lm.peer_rows != target.vocab_size:
+            log.info("the target's model has %d output rows over the draft's tokenizer, the draft %d: the draft's q goes "
+                     "over the target's rows", target.vocab_size, lm.vocab_size)
+            lm.peer_rows = target.vocab_size
+        lm.fingerprint = fingerprint  # from now on the draft speaks the target's vocabulary, its rows included
+        return None
     try:
         target = await verify.Info(pb.InfoRequest(include_vocab=True), timeout=30)
     except grpc.aio.AioRpcError:
         pass  # explain from what the first answer said
     return (f"vocabulary fingerprint {target.vocab_fingerprint[:12]}, this draft has {lm.fingerprint[:12]}: the models do not "
             f"share a tokenizer ({vocabdiff.explain(target, serving.model_info(lm, include_vocab=True))})")
-
-
-def _roles(info: pb.TokenizerInfo) -> dict[str, int | None]:
-    """A TokenizerInfo's special-token roles as ids ("TOKEN=ID" each)."""
-    out: dict[str, int | None] = {}
-    for role, text in info.special_tokens.items():
-        try:
-            out[role] = int(text.rsplit("=", 1)[1])
-        except (IndexError, ValueError):
-            out[role] = None
-    return out
-
-
-def same_text_rules(target: pb.ModelInfo, own: str) -> bool:
-    """Whether the target's tokenizer turns text into ids as the draft's does (`own`: its
-    TokenizerInfo.text_rules); true where either side cannot tell (an older verify service)."""
-    theirs = target.tokenizer.text_rules if target.HasField("tokenizer") else ""
-    return not theirs or not own or theirs == own
 
 
 class VerifyCheck:

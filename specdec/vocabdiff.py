@@ -65,6 +65,23 @@ def _text_rules(tokenizer) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
+def same_text_rules(target: pb.ModelInfo, own: str) -> bool:
+    """Whether the target's tokenizer turns text into ids as the draft's does (`own`: its
+    TokenizerInfo.text_rules); true where either side cannot tell (an older verify service)."""
+    theirs = target.tokenizer.text_rules if target.HasField("tokenizer") else ""
+    return not theirs or not own or theirs == own
+
+
+def text_rules_differ(target: pb.ModelInfo, own: pb.TokenizerInfo) -> str:
+    """One line on a pair with one vocabulary whose tokenizers turn text into ids differently."""
+    what = (f"the target's adds special tokens (such as BOS) to a prompt {'and' if target.tokenizer.adds_special_tokens else 'but'} "
+            f"the draft's {'does' if own.adds_special_tokens else 'does not'}"
+            if target.tokenizer.adds_special_tokens != own.adds_special_tokens else
+            "their normalizers, pre-tokenizers, merges, post-processors, decoders or added tokens differ")
+    return (f"the same vocabulary, but a tokenizer that turns text into ids differently ({what}): the draft tokenizes text "
+            "prompts and decodes the output, so they would not be the target's; give the draft the target's tokenizer files")
+
+
 def tokenizer_info(tokenizer, include_vocab: bool = False) -> pb.TokenizerInfo:
     special = {}
     for role in ROLES:

@@ -776,3 +776,116 @@ def test_distill_warns_when_its_loss_would_not_fit_in_memory(monkeypatch, capsys
     assert "even --batch-size 1 would not: a shorter --seq-len too" in capsys.readouterr().out
     distill.warn_loss_memory(16, 256, 8192, "cpu")
     assert capsys.readouterr().out == ""
+
+
+def test_a_draft_for_a_multimodal_or_rope_scaled_target_takes_its_language_models_fields():
+    """From a review: draft_config read the top level of the target's config, so a Gemma 3
+    *ForConditionalGeneration target (its vocabulary and ids in text_config) crashed distill, and
+    a YaRN-scaled target's draft cut the pair's context to the unscaled limit."""
+    from transformers import Gemma3Config, Gemma3TextConfig, LlamaConfig, SiglipVisionConfig
+
+    from train.architecture import draft_config
+
+    text = Gemma3TextConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, max_position_embeddings=96, eos_token_id=[1, 5], pad_token_id=0)
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                                patch_size=8)
+    mm = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299, boi_token_index=297,
+                      eoi_token_index=298)
+    cfg = draft_config(mm, hidden=16, layers=1, heads=2, intermediate=32, tie=True)
+    assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_id, cfg.pad_token_id) == (300, 96, [1, 5], 0)
+    assert draft_config(mm, hidden=16, layers=1, heads=2, intermediate=32, tie=True, rows=320).vocab_size == 320
+    yarn = LlamaConfig(vocab_size=64, max_position_embeddings=64,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    assert draft_config(yarn, hidden=16, layers=1, heads=2, intermediate=32, tie=True).max_position_embeddings == 256
+
+
+def test_train_pairs_drafts_as_the_services_do(tmp_path):
+    """From a review: train's pair check was the fingerprint alone, so evaluate refused a draft
+    the services pair (special-token roles only) and measured one they refuse (a tokenizer that
+    lowercases: other ids for the same text). It is the services' rule now."""
+    from train.pairing import check_pair
+
+    tok = _tiny_tokenizer()
+    target = tmp_path / "t"
+    tok.save_pretrained(target)
+    roles = tmp_path / "roles"
+    tok.save_pretrained(roles)
+    config = roles / "tokenizer_config.json"
+    config.write_text(json.dumps(dict(json.loads(config.read_text()), eos_token=tok.pad_token)))
+    got = check_pair(tok, len(tok), roles, len(tok))
+    assert got["match"] and got["paired_by"] == "roles", got
+    lower = tmp_path / "lower"
+    tok.save_pretrained(lower)
+    spec = json.loads((lower / "tokenizer.json").read_text())
+    (lower / "tokenizer.json").write_text(json.dumps(dict(spec, normalizer={"type": "Lowercase"})))
+    got = check_pair(tok, len(tok), lower, len(tok))
+    assert not got["match"] and "turns text into ids differently" in got["problem"], got
+
+
+def test_distill_init_from_is_checked_and_a_reexport_leaves_no_stale_weights(tmp_path, tiny_pair_inputs):
+    """From a review: --init-from dropped the shape flags in silence, loaded any directory (a
+    Qwen2 one as Llama, its biases dropped; a missing one in a traceback after tokenizing the
+    corpus); and a re-export left the last export's weights file beside the new ones, which
+    transformers loads first."""
+    from train import distill
+
+    tdir, cdir, _ = tiny_pair_inputs
+    out, run = tmp_path / "draft", tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        distill.main(["--target", str(tdir), "--corpus", str(cdir), "--out", str(out), "--init-from", str(tdir), "--layers", "2"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        distill.main(["--target", str(tdir), "--corpus", str(cdir), "--out", str(out), "--init-from", str(tmp_path / "nowhere")])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        distill.main(["--target", str(tdir), "--corpus", str(cdir), "--out", str(out), "--device", "gpu"])
+    assert e.value.code == 2
+    other = tmp_path / "other-rows"
+    _save_llama(other, _tiny_tokenizer(), rows=len(_tiny_tokenizer()) + 8)
+    quick = ["--target", str(tdir), "--corpus", str(cdir), "--out", str(out), "--run-dir", str(run), "--seq-len", "16",
+             "--batch-size", "2", "--steps", "1", "--threads", "1", "--verdict-prompts", "0"]  # _quick without the shape flags
+    assert "output rows" in _refusal([*quick, "--init-from", str(other)])
+    distill.main(_quick(tdir, cdir, out, run))
+    stale = out / "model-00001-of-00009.safetensors"  # what a sharded export before this one would have left
+    stale.write_bytes((out / "model.safetensors").read_bytes())
+    (out / "pytorch_model.bin").write_bytes(b"stale")
+    distill.main(_quick(tdir, cdir, out, run, steps=2))
+    assert not stale.exists() and not (out / "pytorch_model.bin").exists()
+
+
+def test_a_resumed_run_counts_the_tokens_each_run_trained(tmp_path):
+    """From a review: `tokens` was steps x this run's batch, so a resume with another --batch-size
+    rewrote the whole history (2 steps of 1 x 16 then 1 of 4 x 16 read 192 tokens, not 96)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from train import loop
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+
+    def batches(n):
+        return lambda step: torch.randint(0, 32, (n, 17))
+
+    def loss(m, batch):
+        out = m(input_ids=batch[:, :-1], labels=batch[:, :-1])
+        return out.loss, {}
+
+    cfg = dict(run_dir=tmp_path / "run", lr=1e-3, warmup_steps=0, bf16=False, checkpoint_minutes=60.0)
+    first = loop.run(model, batches(1), loss, loop.LoopConfig(max_steps=2, **cfg))
+    second = loop.run(model, batches(4), loss, loop.LoopConfig(max_steps=3, **cfg))
+    assert (first["tokens"], second["tokens"], second["tokens_this_run"]) == (32, 96, 64)
+
+
+def test_evaluate_says_in_one_line_that_a_corpus_names_nothing(tmp_path, tiny_pair_inputs):
+    """From a review: a missing --corpus path, or an --ood-corpus package that is not installed,
+    was a traceback, the second after the whole measurement had run."""
+    from train import evaluate
+
+    tdir, cdir, _ = tiny_pair_inputs
+    for extra, says in ((["--corpus", str(tmp_path / "nowhere")], "evaluate: --corpus"),
+                        (["--corpus", str(cdir), "--ood-corpus", "package:no_such_package_here"], "evaluate: --ood-corpus")):
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(["--target", str(tdir), "--draft", str(tdir), *extra])
+        assert isinstance(e.value.code, str) and e.value.code.startswith(says) and "\n" not in e.value.code, e.value.code

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from transformers import LlamaConfig
 
+from specdec import architectures
+
 
 def _first_id(x):
     """A config's special token id: the first of a list, or the value itself (None stays None)."""
@@ -32,10 +34,18 @@ def target_config(tokenizer, hidden: int, layers: int, heads: int, intermediate:
 
 
 def draft_config(target, hidden: int, layers: int, heads: int, intermediate: int, tie: bool,
-                 max_positions: int | None = None) -> LlamaConfig:
-    """A draft for the target whose config is `target`: its vocabulary size and special ids,
-    and its context length unless max_positions says otherwise."""
-    max_pos = max_positions or getattr(target, "max_position_embeddings", None) or 2048
-    return llama_config(vocab_size=target.vocab_size, hidden=hidden, layers=layers, heads=heads, intermediate=intermediate,
-                        max_positions=max_pos, tie=tie, bos_token_id=getattr(target, "bos_token_id", None),
-                        eos_token_id=getattr(target, "eos_token_id", None), pad_token_id=getattr(target, "pad_token_id", None))
+                 max_positions: int | None = None, rows: int | None = None) -> LlamaConfig:
+    """A draft for the target whose config is `target` (a multimodal one's language model: its
+    text_config): its output rows (`rows`, else its vocabulary size) and special ids, and its
+    context limit as the services read it (a rotary scaling's stretch included) unless
+    max_positions says otherwise."""
+    text = architectures.text_config(target)
+
+    def field(name):
+        v = getattr(text, name, None)
+        return v if v is not None else getattr(target, name, None)
+
+    max_pos = max_positions or architectures.context_limit(target)
+    return llama_config(vocab_size=rows or field("vocab_size"), hidden=hidden, layers=layers, heads=heads, intermediate=intermediate,
+                        max_positions=max_pos, tie=tie, bos_token_id=field("bos_token_id"), eos_token_id=field("eos_token_id"),
+                        pad_token_id=field("pad_token_id"))

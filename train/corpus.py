@@ -314,3 +314,16 @@ def documents(specs: Sequence[str], split: str = "train", include_tests: bool = 
     if paths:
         docs += user_documents(paths, split)
     return docs
+
+
+def check(specs, where: str) -> None:
+    """SystemExit, one line starting with `where` (a tool and its flag), for a corpus spec that
+    names nothing: a missing path, a package not installed."""
+    for spec in specs:
+        if spec.startswith("package:"):
+            try:
+                package_location(spec.split(":", 1)[1])
+            except FileNotFoundError as e:
+                raise SystemExit(f"{where} {spec}: {e}") from None
+        elif spec != "stdlib" and not Path(spec).exists():
+            raise SystemExit(f"{where} {spec}: no such file or directory")

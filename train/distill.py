@@ -67,6 +67,10 @@ def copy_tokenizer(target_dir: Path, out_dir: Path, tokenizer) -> None:
         if src.is_file():
             shutil.copyfile(src, out_dir / name)
             copied = True
+    named = target_dir / "additional_chat_templates"  # transformers' named chat templates (tool_use, ...): the template is all of them
+    if named.is_dir():
+        shutil.rmtree(out_dir / named.name, ignore_errors=True)
+        shutil.copytree(named, out_dir / named.name)
     if not copied or not (out_dir / "tokenizer_config.json").is_file():
         tokenizer.save_pretrained(out_dir)
     cfg_path = out_dir / "tokenizer_config.json"
@@ -117,14 +121,7 @@ def warn_loss_memory(batch_size: int, seq_len: int, vocab: int, device) -> None:
 
 def check_corpus(specs) -> None:
     """One line for a corpus spec that names nothing: a missing path, a package not installed."""
-    for spec in specs:
-        if spec.startswith("package:"):
-            try:
-                corpus.package_location(spec.split(":", 1)[1])
-            except FileNotFoundError as e:
-                raise SystemExit(f"distill: --corpus {spec}: {e}") from None
-        elif spec != "stdlib" and not Path(spec).exists():
-            raise SystemExit(f"distill: --corpus {spec}: no such file or directory")
+    corpus.check(specs, "distill: --corpus")
 
 
 def identity(target_dir: Path, tokenizer, target, draft) -> dict:
@@ -149,9 +146,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--init-from", default=None, help="start from this draft directory instead of random weights")
     ap.add_argument("--out", required=True, help="output directory of the draft model")
     ap.add_argument("--run-dir", default=None, help="checkpoints and loss log (default runs/distill-<out name>)")
-    ap.add_argument("--layers", type=POSITIVE_INT, default=1)
-    ap.add_argument("--hidden", type=POSITIVE_INT, default=256)
-    ap.add_argument("--heads", type=POSITIVE_INT, default=4)
+    ap.add_argument("--layers", type=POSITIVE_INT, default=None, help="default 1")
+    ap.add_argument("--hidden", type=POSITIVE_INT, default=None, help="default 256")
+    ap.add_argument("--heads", type=POSITIVE_INT, default=None, help="default 4")
     ap.add_argument("--intermediate", type=POSITIVE_INT, default=None, help="MLP width (default 4 x hidden)")
     ap.add_argument("--untie", action="store_true", help="separate output layer (default: tied to the embedding)")
     ap.add_argument("--max-positions", type=POSITIVE_INT, default=None, help="default: the target's")
@@ -173,6 +170,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verdict-prompts", type=COUNT, default=16, help="held-out prompts the closing acceptance estimate uses (0: skip it)")
     args = ap.parse_args(argv)
+    shape = [f for f in ("layers", "hidden", "heads", "intermediate", "max_positions") if getattr(args, f) is not None] + \
+        (["untie"] if args.untie else [])
+    if args.init_from and shape:  # the draft is the one in --init-from: its shape is its own
+        ap.error(f"--init-from takes the draft's shape from its directory: not with --{shape[0].replace('_', '-')}")
+    args.layers, args.hidden, args.heads = args.layers or 1, args.hidden or 256, args.heads or 4
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device!r}: cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device here")
+    if args.init_from and not (Path(args.init_from) / "config.json").is_file():
+        ap.error(f"--init-from {args.init_from}: not a local model directory (no config.json in it)")
     if args.hidden % args.heads:
         ap.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
 
@@ -210,7 +220,15 @@ def main(argv=None) -> dict:
 
     torch.manual_seed(args.seed)
     cfg = draft_config(target.config, args.hidden, args.layers, args.heads,
-                       args.intermediate or 4 * args.hidden, not args.untie, args.max_positions)
+                       args.intermediate or 4 * args.hidden, not args.untie, args.max_positions, rows=pairing.rows(target))
+    if args.init_from:
+        init = json.loads((Path(args.init_from) / "config.json").read_text())
+        if init.get("model_type") != "llama":
+            raise SystemExit(f"distill: --init-from {args.init_from} is a {init.get('model_type')!r} model; the drafts distill "
+                             "makes are Llama ones (another kind would load with weights dropped)")
+        if init.get("vocab_size") != pairing.rows(target):
+            raise SystemExit(f"distill: --init-from {args.init_from} has {init.get('vocab_size')} output rows, the target "
+                             f"{pairing.rows(target)}: a draft of another vocabulary")
     draft = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32) if args.init_from else LlamaForCausalLM(cfg)
     draft.to(args.device)
     n_t = sum(p.numel() for p in target.parameters())
@@ -235,6 +253,8 @@ def main(argv=None) -> dict:
             if target.generation_config is not None else GenerationConfig()
         m = draft.to("cpu", getattr(torch, args.save_dtype))
         m.config.use_cache = True
+        for old in [*out_dir.glob("model*.safetensors"), *out_dir.glob("pytorch_model*.bin"), out_dir / "model.safetensors.index.json"]:
+            old.unlink(missing_ok=True)  # a re-export that shards otherwise left the last one's file, which loads first
         m.save_pretrained(out_dir, safe_serialization=True, max_shard_size="40MB")
         copy_tokenizer(target_dir, out_dir, tokenizer)
         (run_dir / EXPORTED).write_text(json.dumps(record) + "\n")
@@ -253,8 +273,8 @@ def main(argv=None) -> dict:
     summary.update(pair)
     if not pair["match"]:
         _write(run_dir, summary)
-        raise SystemExit(f"distill: the draft in {out_dir} does not pair with the target: vocabulary fingerprint "
-                         f"{pair['draft_fingerprint'][:12]}, the target's {pair['target_fingerprint'][:12]} ({pair['problem']})")
+        raise SystemExit(f"distill: the draft in {out_dir} does not pair with the target: {pair['problem']} "
+                         f"(vocabulary fingerprints: draft {pair['draft_fingerprint'][:12]}, target {pair['target_fingerprint'][:12]})")
     print(_what_happened(summary, args), flush=True)
     if args.verdict_prompts:
         summary["verdict"] = verdict.measure(target, saved, tokenizer, specs, tokens, prompts=args.verdict_prompts)

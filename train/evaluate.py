@@ -37,9 +37,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec import startup
+from specdec import architectures, startup
 from specdec.costmodel import best_gamma, round_cost, speedup
 from specdec.engine import cache_kwargs, returned_cache
+from specdec.lm import eos_ids
 from train import corpus
 from train.code_prompts import CODE_PROMPTS
 from train.data import tokenize_documents
@@ -133,13 +134,14 @@ def distinct_ngrams(ids: list[int], n: int = 3) -> float:
 def code_prompts_quality(target, draft, tokenizer, prompts: list[str], steps: int) -> dict:
     """The target's greedy continuations of `prompts` (cut at EOS, as generate() stops): their
     distinct-3-gram ratio and text, and the draft's greedy α along them."""
-    eos = tokenizer.eos_token_id
-    rows, agree, positions = [], 0.0, 0
+    eos = eos_ids(target.config, architectures.text_config(target.config), getattr(target, "generation_config", None)) or eos_ids(tokenizer)
+    rows, agree, positions = [], 0.0, 0  # (cut at the EOS ids the services stop at: config's, generation_config's)
     for text in prompts:
         ids = torch.tensor([tokenizer(text).input_ids])
         cont = greedy_continue(target, ids, steps)[0].tolist()
-        if eos in cont:
-            cont = cont[:cont.index(eos) + 1]
+        end = next((i for i, t in enumerate(cont) if t in eos), None)
+        if end is not None:
+            cont = cont[:end + 1]
         g = greedy_acceptance(target, draft, ids, len(cont), 1)
         agree += g["alpha"] * g["positions"]
         positions += g["positions"]
@@ -203,17 +205,17 @@ def main(argv=None) -> dict:
                     help="held-out split of these: 'stdlib' (default), 'package:NAME', files or directories")
     ap.add_argument("--ood-corpus", nargs="*", default=[],
                     help="out-of-domain code the pair never trained on (all of it), e.g. package:rich")
-    ap.add_argument("--code-tokens", type=int, default=128, help="greedy tokens per code prompt")
+    ap.add_argument("--code-tokens", type=startup.number(int, low=1), default=128, help="greedy tokens per code prompt")
     ap.add_argument("--out", default=None, help="JSON file to write")
-    ap.add_argument("--loss-seq-len", type=int, default=512)
-    ap.add_argument("--loss-windows", type=int, default=48)
-    ap.add_argument("--prompts", type=int, default=48)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--continuation", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--latency-steps", type=int, default=64)
-    ap.add_argument("--latency-rounds", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--loss-seq-len", type=startup.number(int, low=1), default=512)
+    ap.add_argument("--loss-windows", type=startup.number(int, low=1), default=48)
+    ap.add_argument("--prompts", type=startup.number(int, low=1), default=48)
+    ap.add_argument("--prompt-len", type=startup.number(int, low=1), default=128)
+    ap.add_argument("--continuation", type=startup.number(int, low=1), default=64)
+    ap.add_argument("--batch", type=startup.number(int, low=1), default=8)
+    ap.add_argument("--latency-steps", type=startup.number(int, low=1), default=64)
+    ap.add_argument("--latency-rounds", type=startup.number(int, low=1), default=7)
+    ap.add_argument("--threads", type=startup.number(int, low=1), default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.threads:
@@ -221,6 +223,8 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
 
 
+    corpus.check(corpus.expand(args.corpus), "evaluate: --corpus")  # before any model loads: one line, not a traceback later
+    corpus.check(args.ood_corpus, "evaluate: --ood-corpus")
     for flag, path in (("--target", args.target), ("--draft", args.draft)):  # one line, as the services say it
         try:
             startup.check_model_dir(path, flag)
@@ -229,12 +233,10 @@ def main(argv=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target, draft = load(args.target), load(args.draft)
     n_t, n_d = rows(target), rows(draft)
-    pair = check_pair(tokenizer, n_t, args.draft, n_d)
-    if not pair["match"] and n_d != n_t:  # other rows over the same tokenizer pair too (the draft's q goes over the target's)
-        pair = check_pair(tokenizer, n_t, args.draft, n_t)
+    pair = check_pair(tokenizer, n_t, args.draft, n_d)  # other rows or special roles over one tokenizer pair too, as in the services
     if not pair["match"]:
-        raise SystemExit(f"evaluate: the draft {args.draft} does not pair with the target {args.target}: vocabulary fingerprint "
-                         f"{pair['draft_fingerprint'][:12]}, the target's {pair['target_fingerprint'][:12]} ({pair['problem']})")
+        raise SystemExit(f"evaluate: the draft {args.draft} does not pair with the target {args.target}: {pair['problem']} "
+                         f"(vocabulary fingerprints: draft {pair['draft_fingerprint'][:12]}, target {pair['target_fingerprint'][:12]})")
     ood_names = [x.split(":", 1)[1] for x in args.ood_corpus if x.startswith("package:")]
     trained = corpus.documents(args.corpus, "train", exclude=ood_names)  # as train.gpu.sh trains: --exclude the OOD packages
     held = corpus.documents(args.corpus, "heldout", exclude=ood_names)
@@ -242,7 +244,7 @@ def main(argv=None) -> dict:
     print(f"held-out: {len(held) - len(docs)} files left out, copies of trained ones", flush=True)
     tokens = tokenize_documents(tokenizer, docs)
     print(f"held-out: {len(docs)} files, {tokens.numel():,} tokens", flush=True)
-    seq = min(args.loss_seq_len, target.config.max_position_embeddings)
+    seq = min(args.loss_seq_len, architectures.context_limit(target.config))
     text, held_tokens = "held-out files", tokens.numel()
     if tokens.numel() < max(seq, args.prompt_len) + args.prompts + 1:  # as train.verdict.measure does
         text = (f"the end of the training text (too little held out: {len(docs)} files, {tokens.numel():,} tokens; "

@@ -20,7 +20,7 @@ def decode_step_seconds(model, steps: int = 64, prompt_len: int = 32, repeats: i
                         warmup: int = 8) -> float:
     """Median seconds per decoding step of ``model`` (greedy, batch 1, KV cache)."""
     model.eval()
-    vocab = model.config.vocab_size
+    vocab = model.get_output_embeddings().weight.shape[0]  # a multimodal config keeps its vocab_size in text_config
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (1, prompt_len), generator=gen).to(next(model.parameters()).device)
     results = []

@@ -111,6 +111,8 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
     t_resume = time.monotonic()
     elapsed0 = elapsed
     tokens_per_step = None
+    tokens_in_all = last.get("tokens", 0) or 0  # a running total: a resume may change --batch-size or --seq-len
+    tokens_this_run = 0
     run_s = 0.0
     total_s = elapsed + max_s if max_s is not None else None
     ident = {"identity": cfg.identity} if cfg.identity is not None else {}
@@ -123,6 +125,8 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
                 g["lr"] = lr
             batch = batch_fn(step).to(device, non_blocking=True)
             tokens_per_step = batch[:, 1:].numel()
+            tokens_in_all += tokens_per_step
+            tokens_this_run += tokens_per_step
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 try:
                     loss, metrics = step_fn(model, batch)
@@ -143,7 +147,7 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
             run_s = time.monotonic() - t_resume
             elapsed = elapsed0 + run_s
             last = {"step": step, "loss": float(loss.detach()), "lr": lr, "grad_norm": float(gnorm),
-                    "elapsed_s": round(elapsed, 2), "tokens": step * tokens_per_step, **metrics}
+                    "elapsed_s": round(elapsed, 2), "tokens": tokens_in_all, **metrics}
             if step % cfg.log_every == 0 or step == 1:
                 log.write(json.dumps(last) + "\n")
                 log.flush()
@@ -172,7 +176,7 @@ def run(model, batch_fn: Callable[[int], torch.Tensor],
     finals = {f"final_{k}": v for k, v in last.items() if k not in ("step", "loss", "lr", "grad_norm", "elapsed_s", "tokens")}
     return {"steps": step, "elapsed_s": elapsed, "tokens": last.get("tokens", 0), "final_loss": last.get("loss"), **finals,
             "resumed_from_step": first_step, "steps_this_run": run_steps, "minutes_this_run": round(run_s / 60, 3),
-            "tokens_this_run": run_steps * (tokens_per_step or 0),
+            "tokens_this_run": tokens_this_run,
             "stopped_by": "steps" if step >= cfg.max_steps else "max-minutes"}
 
 

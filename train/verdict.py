@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.architectures import context_limit
 from train import corpus
 from train.data import tokenize_documents
 from train.evaluate import greedy_acceptance, prompts_from, speedup_table
@@ -29,7 +30,7 @@ def measure(target, draft, tokenizer, specs, train_tokens: torch.Tensor, prompts
     when the corpus holds out too little to cut prompts from)."""
     device = next(target.parameters()).device
     draft = draft.to(device, next(target.parameters()).dtype).eval()
-    limit = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
+    limit = min(context_limit(target.config), context_limit(draft.config))
     continuation = max(1, min(continuation, limit // 4))
     prompt_len = max(1, min(prompt_len, limit - continuation - 1))
     held = corpus.unseen(corpus.documents(specs, "heldout"), corpus.documents(specs, "train"))  # not copies of trained files
@@ -53,7 +54,9 @@ def report(v: dict, target_dir, draft_dir, pair: dict) -> str:
              f"({v['positions']} positions); a draft step costs {v['c']:.3f} of a target step "
              f"({v['draft_ms']:.2f} ms / {v['target_ms']:.2f} ms on {v['device']})",
              f"  expected speed-up {v['speedup']:.2f}x at tau={v['best_tau']} (cost model E / (tau*c + 1), "
-             f"before network overhead); vocabulary fingerprints match ({pair['target_fingerprint'][:12]})"]
+             f"before network overhead); " + (f"vocabulary fingerprints match ({pair['target_fingerprint'][:12]})"
+             if pair.get("paired_by", "same") == "same" else
+             f"the tokenizers pair ({pair['paired_by']}: the target's vocabulary fingerprint {pair['target_fingerprint'][:12]})")]
     if v["speedup"] < 1.0:
         lines += [f"  BELOW 1x: with this draft, speculative decoding would be SLOWER than the target alone "
                   f"({v['speedup']:.2f}x). To change that:",
