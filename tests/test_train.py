@@ -889,3 +889,23 @@ def test_evaluate_says_in_one_line_that_a_corpus_names_nothing(tmp_path, tiny_pa
         with pytest.raises(SystemExit) as e:
             evaluate.main(["--target", str(tdir), "--draft", str(tdir), *extra])
         assert isinstance(e.value.code, str) and e.value.code.startswith(says) and "\n" not in e.value.code, e.value.code
+
+
+def test_a_file_distill_trains_on_is_never_held_out_beside_other_corpus_arguments(tmp_path, tiny_pair_inputs):
+    """From a review: a one-file --corpus argument whose file hashes into the held-out split is
+    trained on whole (distill tokenizes an argument at a time), but the verdict and evaluate,
+    splitting all arguments together, held it out: a trained file measured as unseen."""
+    from train import corpus
+
+    _, cdir, _ = tiny_pair_inputs
+    for i in range(200):  # a file name the split holds out
+        single = tmp_path / f"more{i}.py"
+        single.write_text("def more():\n    return 1\n")
+        if not corpus.select_documents(tmp_path, [single.name], "train"):
+            break
+        single.unlink()
+    else:
+        pytest.fail("no name hashed into the held-out split")
+    assert [d.text for d in corpus.documents([str(single)], "train")] == [single.read_text()]  # trained whole, alone
+    held = corpus.documents([str(cdir), str(single)], "heldout")
+    assert not [d for d in held if d.name.startswith("1:")], [d.name for d in held]

@@ -125,32 +125,32 @@ def user_documents(paths: Sequence[str], split: str = "train") -> List[Document]
     """A user-given corpus: files and/or directories (every text file found under them).
 
     Documents are named ``<argument index>:<relative path>`` and sorted, so the order and the
-    held-out split do not depend on the file system's listing order. A tiny corpus may hash every
-    file into the held-out split: it is then all trained on, and nothing of it is held out.
+    held-out split do not depend on the file system's listing order. A tiny argument (one file, a
+    small directory) may hash every file into the held-out split: it is then all trained on, and
+    nothing of it is held out. That is decided per argument, as train.data tokenizes a corpus an
+    argument at a time, so what distill trains on is never what the verdict or evaluate hold out.
     """
-    docs = _user_split(paths, split)
-    if split == "all":
-        return docs
-    trained = docs if split == "train" else _user_split(paths, "train")
-    if not trained:
-        return _user_split(paths, "all") if split == "train" else []
-    return docs
-
-
-def _user_split(paths: Sequence[str], split: str) -> List[Document]:
     docs: List[Document] = []
     for i, p in enumerate(paths):
-        path = Path(p)
-        if path.is_dir():
-            names = sorted(_walk_text_files(path))
-            root = path
-        elif path.is_file():
-            names, root = [path.name], path.parent
-        else:
-            raise FileNotFoundError(f"corpus path not found: {p}")
-        for d in select_documents(root, names, split):
-            docs.append(Document(f"{i}:{d.name}", d.text))
+        got = _user_split(p, split)
+        if split != "all":
+            trained = got if split == "train" else _user_split(p, "train")
+            if not trained:
+                got = _user_split(p, "all") if split == "train" else []
+        docs += [Document(f"{i}:{d.name}", d.text) for d in got]
     return docs
+
+
+def _user_split(p: str, split: str) -> List[Document]:
+    path = Path(p)
+    if path.is_dir():
+        names = sorted(_walk_text_files(path))
+        root = path
+    elif path.is_file():
+        names, root = [path.name], path.parent
+    else:
+        raise FileNotFoundError(f"corpus path not found: {p}")
+    return list(select_documents(root, names, split))
 
 
 def package_location(name: str) -> Path:
