@@ -2,7 +2,7 @@
 initialised draft of the shipped draft's shape (acceptance about 0), requests one at a time,
 each configuration interleaved with Verify.Generate on the same verify service, in one run.
 
-    python -m bench.fallback [--lengths 48,128 --repeats 2 --out bench/results]
+    python -m bench.fallback [--lengths 48,128 --repeats 3 --out bench/results]
 
 Draft.Generate with the service's defaults (hybrid proposals) and with --proposer draft: after
 its judging rounds the session asks the verifier for a run of target-only steps (DESIGN.md §7).

@@ -20,7 +20,8 @@ steps), and reports for every speculative run the bound S = E / (gamma c + 1), S
 (gamma c + 1 + rho) and the efficiency measured / S. Writes results.json, REPORT.md and PNG plots.
 Every service runs with one torch thread (the two share this machine's cores); so do the
 in-process anchors, and they run in the services' dtype (--dtype; `auto` resolves as the
-services resolve it: bfloat16 on a CPU with bf16 instructions, else float32).
+services resolve it, specdec.lm.resolve_dtype: float32 where the CPU tier's row kernel runs and fits,
+else bfloat16 on a CPU with bf16 instructions, else float32).
 """
 from __future__ import annotations
 

@@ -138,7 +138,8 @@ def parser() -> startup.Parser:
                    help="CA bundle to check the verify service's certificate (enables TLS) [env SPECDEC_VERIFY_TLS_CA]")
     p.add_argument("--verify-tls-cert", default=env("SPECDEC_VERIFY_TLS_CERT"),
                    help="client certificate for mTLS to the verify service (with its key; enables TLS: without "
-                        "--verify-tls-ca the verify service's certificate is checked against the system's roots) "
+                        "--verify-tls-ca the verify service's certificate is checked against gRPC's default roots, not the system's "
+                        "trust store) "
                         "[env SPECDEC_VERIFY_TLS_CERT]")
     p.add_argument("--verify-tls-key", default=env("SPECDEC_VERIFY_TLS_KEY"),
                    help="client key for mTLS to the verify service [env SPECDEC_VERIFY_TLS_KEY]")

@@ -133,8 +133,8 @@ class DecodeLoop:
         # the model's record across this process's sessions (adaptive.ModelRecord): it may skip the model from the start
         self.record = RECORDS.setdefault(drafter.lm.name, ModelRecord()) if self.judge and steer else None
         self.skipped = bool(self.record) and (self.record.skip() if skip is None else skip)
-        if self.skipped:
-            self._fall_back(count=skip is None)  # a second placement of the same request is not counted again
+        if self.skipped:  # counted once the session runs (`placed`): not a placement every replica refused
+            self._fall_back(count=False)
         hybrid = fallback and params.proposer == pb.PROPOSER_HYBRID
         self.lookup_judge = DraftJudge(Costs(0.0, fallback.verify_base, fallback.verify_per_token), params.tau,
                                        min_tau=params.tau) if hybrid else None
@@ -568,6 +568,13 @@ class DecodeLoop:
         if self.record:
             self.record.judged(False)
         self._fall_back()
+
+    def placed(self) -> None:
+        """The session runs on a verify replica (its first tokens came): a session the model's
+        record skipped from its start is counted a fallback now, once."""
+        if self.skipped and not getattr(self, "_placed", False):
+            metrics.DRAFT_FALLBACK.labels(self.drafter.lm.name).inc()
+        self._placed = True
 
     def _fall_back(self, count: bool = True) -> None:
         """Stops the draft model for this session: counted, and logged once per model."""

@@ -103,8 +103,10 @@ class _Observe:
         finally:
             path = scope["path"] if scope["path"] in PATHS else "other"
             status, duration = call["status"], time.perf_counter() - t0
+            # `code` as the gRPC observer names it (one type in one field for log indexers); the HTTP status beside it
             fields = {"service": "draft", "method": f"{scope['method']} {path}", "request_id": call.get("request_id") or uuid.uuid4().hex,
-                      "code": status, "tokens": call["tokens"], "duration_s": round(duration, 6)}
+                      "code": code_of(status), "http_status": status, "tokens": call["tokens"], "duration_s": round(duration, 6),
+                      **call.get("fields", {})}
             if "error" in call:  # bounded: what a message quotes of a client's input is cut already (quoted)
                 fields["error"] = call["error"][:2000]
             if status in (401, 403) and scope.get("client"):  # as the gRPC observer logs a refused caller
@@ -149,6 +151,16 @@ class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield  # SIGTERM and SIGINT belong to the service's drain (specdec/serving.py), which stops this server
+
+
+def code_of(status: int) -> str:
+    """The gRPC status name an HTTP status stands for in the request's log line."""
+    if status < 400:
+        return "OK"
+    if status == CLIENT_GONE:
+        return "CANCELLED"
+    named = {s: c.name for c, s in reversed(list(STATUS.items()))} | {405: "UNIMPLEMENTED", 413: "RESOURCE_EXHAUSTED"}
+    return named.get(status, "INVALID_ARGUMENT" if status < 500 else "INTERNAL")
 
 
 def _gone(door) -> int:

@@ -131,6 +131,10 @@ class Reply:
         """Counts a chunk's tokens for the request's log line and specdec_generated_tokens_total as it
         comes, so a stream that fails or whose client leaves counts what it generated."""
         self.call["tokens"] = self.call.get("tokens", 0) + len(c.token_ids)
+        if c.finish_reason:  # the request's log line carries what the gRPC one does (specdec/observe.py)
+            st = c.stats
+            self.call["fields"] = dict(rounds=st.rounds, finish_reason=pb.FinishReason.Name(c.finish_reason).removeprefix("FINISH_REASON_").lower(),
+                                       prompt_tokens=st.prompt_tokens, **(dict(accepted=st.accepted, drafted=st.drafted) if st.drafted else {}))
 
     async def collect(self, chunks) -> str:
         """The whole reply. The chunks are read to their end, past the finish: the servicer then

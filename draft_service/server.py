@@ -224,6 +224,8 @@ class DraftServicer(pb_grpc.DraftServicer):
                     call = replica.stub.Session(metadata=[(serving.REQUEST_ID_KEY, g.request_id)], timeout=context.time_remaining())
                     async with contextlib.aclosing(loop.rounds(call)) as rounds:  # closing it stops a pre-draft
                         async for new, finish in rounds:
+                            if not started:
+                                loop.placed()
                             started = True
                             chunk, finish = out.push(new, finish)
                             if not finish:

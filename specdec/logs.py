@@ -21,9 +21,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(d, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """One line of text: time, level, logger and message, then the record's fields as key=value
+    (the request id, code, tokens, ... that the JSON lines carry)."""
+
+    def __init__(self):
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def format(self, r: logging.LogRecord) -> str:
+        line = super().format(r)
+        fields = getattr(r, "fields", None) or {}
+        if fields:
+            extra = " ".join(f"{k}={json.dumps(v, default=str) if isinstance(v, str) and (' ' in v or not v) else v}"
+                             for k, v in sorted(fields.items()))
+            head, sep, rest = line.partition("\n")  # a traceback stays below the line
+            line = f"{head} {extra}{sep}{rest}"
+        return line
+
+
 def setup(fmt: str = "json", level: str = "INFO") -> None:
     h = logging.StreamHandler(sys.stderr)
-    h.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    h.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [h]
     root.setLevel(level.upper())

@@ -245,7 +245,8 @@ class RequestObserver(grpc.aio.ServerInterceptor):
     def _observe(self, call: _Call, context: grpc.aio.ServicerContext):
         t0 = time.perf_counter()
         exc = None
-        with tracing.server_span(f"specdec.{self.service}/{call.method}", context, request_id=call.request_id or None) as set_attrs:
+        with tracing.server_span(f"specdec.{self.service}/{call.method}", context, only_in_trace=call.method == "Info",
+                                 request_id=call.request_id or None) as set_attrs:
             try:
                 yield
             except BaseException as e:

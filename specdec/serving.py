@@ -83,8 +83,9 @@ def server_credentials(args) -> grpc.ServerCredentials | None:
 
 
 def channel_credentials(ca: str | None, cert: str | None = None, key: str | None = None, flag: str = "--tls") -> grpc.ChannelCredentials | None:
-    """TLS where a CA or a client certificate is given (a certificate without a CA: against the
-    system's roots, as the client library does); the certificate and key go together."""
+    """TLS where a CA or a client certificate is given (a certificate without a CA: against gRPC's
+    default roots, not the system's trust store, as the client library does); the certificate and
+    key go together."""
     if bool(cert) != bool(key):
         raise StartupError(f"{flag}-cert and {flag}-key go together")
     if not (ca or cert):

@@ -49,13 +49,14 @@ def setup(service_name: str, mode: str | None, exporter=None) -> bool:
 
 
 @contextlib.contextmanager
-def server_span(name: str, context: grpc.aio.ServicerContext, **attributes):
-    """A server span, the child of the caller's span when its metadata carries one. Yields a
-    function that sets more attributes (a no-op when tracing is off)."""
-    if _tracer is None:
+def server_span(name: str, context: grpc.aio.ServicerContext, only_in_trace: bool = False, **attributes):
+    """A server span, the child of the caller's span when its metadata carries one (with
+    `only_in_trace`, none otherwise: the Info polls drafts make every 2 s are no trace's root).
+    Yields a function that sets more attributes (a no-op when tracing is off)."""
+    carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)} if _tracer is not None else {}
+    if _tracer is None or (only_in_trace and "traceparent" not in carrier):
         yield lambda **kw: None
         return
-    carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
     with _tracer.start_as_current_span(name, context=propagate.extract(carrier), kind=trace.SpanKind.SERVER) as span:
         def set_attrs(**kw):
             for k, v in kw.items():

@@ -160,6 +160,8 @@ def test_opentelemetry_spans_link_both_hops(model_dir):
         assert vs["attributes"]["specdec.rounds"] == r.stats["rounds"]
         assert ds["resource"]["attributes"]["service.name"] == "specdec.v1.Draft"
         assert vs["resource"]["attributes"]["service.name"] == "specdec.v1.Verify"
+        # the draft's Info polls (every 2 s, and its start-up's) are no trace's root: one span per poll made noise
+        assert not json_log_lines(v, name="specdec.verify/Info"), json_log_lines(v, name="specdec.verify/Info")[:1]
     finally:
         d.stop()
         v.stop()
@@ -278,3 +280,53 @@ def test_the_pass_histograms_reach_their_limits():
     assert top(metrics.BATCH_TOKENS) >= scheduler.MAX_BATCH_TOKENS + scheduler.GPU_PREFILL_ROWS  # a GPU pass's prompt rows and rounds
     assert top(metrics.DRAFT_BATCH_SIZE) >= stepbatch.MAX_BATCH
     assert top(metrics.BATCH_SIZE) >= 64  # the verify service's --max-sessions default
+
+
+def test_text_logs_carry_the_fields_json_lines_do(capsys):
+    """--log-format text printed the message alone: the request id, code, tokens and the rest of
+    a request's line were lost."""
+    import logging
+
+    from specdec import logs
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        logs.setup("text", "INFO")
+        logging.getLogger("specdec.draft").info("request done", extra={"fields": {"request_id": "r-1", "code": "OK", "tokens": 3,
+                                                                                  "error": "two words"}})
+    finally:
+        root.handlers[:], _ = saved[0], root.setLevel(saved[1])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.endswith('request done code=OK error="two words" request_id=r-1 tokens=3'), line
+
+
+def test_a_session_the_models_record_skips_is_counted_a_fallback_once_it_runs(model_dir):
+    """A session whose draft model the record skips was counted in
+    specdec_draft_fallback_sessions_total when its loop was made: before any verify replica took it,
+    so every refused placement (a full tier, a client's retries) counted one more."""
+    from prometheus_client import REGISTRY
+
+    from draft_service import decode
+    from draft_service.decode import DecodeLoop
+    from draft_service.drafter import Drafter
+    from specdec.costmodel import Costs
+    from specdec.lm import LM
+    from specdec.sampling import Sampling
+    from specdec.validation import GenParams
+
+    lm = LM.load(model_dir("draft"), "cpu", "float32")
+    costs = Costs(0.004, 0.010, 0.0)
+    g = GenParams(prompt_ids=[3, 4, 5], max_new_tokens=8, sampling=Sampling(temperature=0.0), seed=1, seeded=False, tau=4,
+                  proposer=pb.PROPOSER_DRAFT, mode=pb.PROPOSAL_MODE_GREEDY)
+
+    def count():
+        return REGISTRY.get_sample_value("specdec_draft_fallback_sessions_total", {"model": lm.name}) or 0.0
+
+    before = count()
+    loops = [DecodeLoop(Drafter(lm), g, lm.fingerprint, lm.max_context, costs=costs, fallback=costs, skip=True) for _ in range(3)]
+    assert all(loop.skipped and loop.fallen_back for loop in loops) and count() == before  # refused placements: none counted
+    loops[0].placed()
+    loops[0].placed()
+    assert count() == before + 1
+    decode.RECORDS.clear()

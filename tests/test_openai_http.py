@@ -384,7 +384,7 @@ def test_a_stream_the_drain_cuts_is_logged_503_not_a_client_that_left(pair, mode
             proc.kill()
             proc.wait(10)
     done = [json.loads(line) for line in err.splitlines() if '"request done"' in line and "POST /v1/completions" in line]
-    assert proc.returncode == 0 and [d["code"] for d in done] == [503], (proc.returncode, done)
+    assert proc.returncode == 0 and [(d["code"], d["http_status"]) for d in done] == [("UNAVAILABLE", 503)], (proc.returncode, done)
 
 
 def _accepts(host: str, port: int) -> bool:

@@ -494,3 +494,17 @@ def test_a_401_and_a_403_carry_the_callers_request_id():
         assert r.status_code == status and r.headers.get("x-request-id") == "rid-7", (status, r.headers)
     r = c.post("/v1/completions", json={"model": "stub", "prompt": "w3"}, headers={"X-Request-Id": "bad id\x7f"})
     assert r.status_code == 401  # an id that is not valid waits for the token's check: the caller is not known yet
+
+
+def test_the_http_request_line_is_the_grpc_lines_shape(caplog):
+    """The HTTP request's log line had an integer in `code` (the gRPC one's field holds a name) and
+    left out the rounds, finish reason and counts the gRPC line carries."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="specdec.draft"):
+        assert client(Stub(word_tokenizer(16))).post("/v1/completions", json={"model": "stub", "prompt": "w3"}).status_code == 200
+        assert client(Stub(word_tokenizer(16))).post("/v1/completions", json={"model": "stub"}).status_code == 400
+    done = [r.fields for r in caplog.records if r.getMessage() == "request done"]
+    assert done[0]["code"] == "OK" and done[0]["http_status"] == 200 and done[0]["rounds"] == 1, done
+    assert done[0]["finish_reason"] == "length" and done[0]["prompt_tokens"] == 2, done
+    assert (done[1]["code"], done[1]["http_status"]) == ("INVALID_ARGUMENT", 400), done
