@@ -62,10 +62,11 @@ async def pair(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) -> str | No
         if how == "roles":
             differ = vocabdiff.explain(target, pb.ModelInfo(vocab_size=target.vocab_size, tokenizer=own))
             log.info("the target's tokenizer differs from the draft's in its special tokens' roles only (%s): paired", differ)
-        if target.vocab_size and target.vocab_size != lm.vocab_size and lm.peer_rows != target.vocab_size:
+        rows = target.vocab_size if target.vocab_size and target.vocab_size != lm.vocab_size else 0
+        if rows and lm.peer_rows != rows:
             log.info("the target's model has %d output rows over the draft's tokenizer, the draft %d: the draft's q goes "
                      "over the target's rows", target.vocab_size, lm.vocab_size)
-            lm.peer_rows = target.vocab_size
+        lm.peer_rows = rows  # a later target of the draft's own rows: none (a replica of other rows no longer holds it)
         lm.fingerprint = fingerprint  # from now on the draft speaks the target's vocabulary, its rows included
         return None
     try:

@@ -28,15 +28,17 @@ class TextFormatter(logging.Formatter):
     def __init__(self):
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
 
-    def format(self, r: logging.LogRecord) -> str:
-        line = super().format(r)
+    def formatMessage(self, r: logging.LogRecord) -> str:  # the line before any traceback, which format() appends
+        line = super().formatMessage(r)
         fields = getattr(r, "fields", None) or {}
-        if fields:
-            extra = " ".join(f"{k}={json.dumps(v, default=str) if isinstance(v, str) and (' ' in v or not v) else v}"
-                             for k, v in sorted(fields.items()))
-            head, sep, rest = line.partition("\n")  # a traceback stays below the line
-            line = f"{head} {extra}{sep}{rest}"
-        return line
+        return " ".join([line, *(f"{k}={_plain(v)}" for k, v in sorted(fields.items()))])
+
+
+def _plain(v) -> str:
+    """A field's value as text: a string that is not one plain word is quoted (JSON's escapes)."""
+    text = v if isinstance(v, str) else str(v)
+    plain = isinstance(v, str) and text and text.isprintable() and not any(c in text for c in ' ="')
+    return text if plain or not isinstance(v, str) else json.dumps(text)
 
 
 def setup(fmt: str = "json", level: str = "INFO") -> None:

@@ -563,8 +563,9 @@ def test_a_predraft_that_came_true_gives_way_to_the_paces_hold(model_dir):
 def test_a_session_closed_during_a_pass_ends_its_call_once_its_room_is_back(model_dir):
     """A session closed while a pass was in flight gave its room back only at the scheduler
     thread's next turn, after its handler had returned: a caller at the limit whose call had ended
-    OK was refused its next session (RESOURCE_EXHAUSTED). `closed` waits for the room; the
-    scheduler thread is held while the pass is said to be in flight."""
+    OK was refused its next session (RESOURCE_EXHAUSTED). Its slot comes back at once; its tokens
+    after the pass (its pages are read until then), and where the cache is full the call waits for
+    them (`closed`). The scheduler thread is held while the pass is said to be in flight."""
     import contextlib
     import threading
 
@@ -579,49 +580,49 @@ def test_a_session_closed_during_a_pass_ends_its_call_once_its_room_is_back(mode
         go.wait(60)
         yield
 
-    eng = scheduler.Scheduler(lm, max_sessions=1, thread_context=held)
-
-    def new():
+    def new(eng):
         return eng.open(PROMPT, 4, Sampling(temperature=0.0), seed=7, mode=pb.PROPOSAL_MODE_GREEDY)
 
-    async def session():
-        a = new()
-        eng._passing = True  # a pass in flight: its pages are read until it ends
-        done = eng.close(a)
-        eng._passing = False
-        assert done is not None and not done.done() and eng.close(a) is done  # closing again waits for the same
-        with pytest.raises(RequestError, match="at its limit of 1 session"):
-            new()  # the room is not back yet
-        waiting = asyncio.ensure_future(eng.closed(a))
-        await asyncio.sleep(0.05)
-        assert not waiting.done()  # it waits for the scheduler thread
-        go.set()
-        await asyncio.wait_for(waiting, 30)
-        eng.close(new())  # once the call would end, the next session fits
+    need = -(-(len(PROMPT) + 4) // scheduler.PAGE) * scheduler.PAGE  # one session's reserved tokens, in whole pages
 
-    try:
-        asyncio.run(asyncio.wait_for(session(), 60))
-    finally:
-        go.set()
-        eng.shutdown()
+    async def slots():  # one session at most, room for many: the slot is back as the call ends, no wait
+        eng = scheduler.Scheduler(lm, max_sessions=1, max_cached_tokens=8 * need, thread_context=held)
+        try:
+            a = new(eng)
+            eng._passing = True
+            ending = asyncio.ensure_future(eng.closed(a))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            eng._passing = False
+            assert ending.done() and not a.released[1].done()  # it ended with the tokens still to come back
+            eng.close(new(eng))  # the next session fits
+        finally:
+            go.set()
+            eng.shutdown()
 
-    go.clear()  # where the service is not at its limit, a request's end does not wait for the pass in flight
-    roomy = scheduler.Scheduler(lm, max_sessions=2, thread_context=held)
+    async def tokens():  # a cache of one session's tokens: the call waits for them
+        go.clear()
+        eng = scheduler.Scheduler(lm, max_sessions=4, max_cached_tokens=need, thread_context=held)
+        try:
+            a = new(eng)
+            eng._passing = True
+            done = eng.close(a)
+            eng._passing = False
+            assert done is not None and not done.done() and eng.close(a) is done  # closing again waits for the same
+            with pytest.raises(RequestError, match="cache is full"):
+                new(eng)  # its tokens are not back yet
+            waiting = asyncio.ensure_future(eng.closed(a))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()  # it waits for the scheduler thread
+            go.set()
+            await asyncio.wait_for(waiting, 30)
+            eng.close(new(eng))  # once the call would end, the next session fits
+        finally:
+            go.set()
+            eng.shutdown()
 
-    async def not_tight():
-        a = roomy.open(PROMPT, 4, Sampling(temperature=0.0), seed=7, mode=pb.PROPOSAL_MODE_GREEDY)
-        roomy._passing = True
-        ending = asyncio.ensure_future(roomy.closed(a))
-        for _ in range(3):
-            await asyncio.sleep(0)
-        roomy._passing = False
-        return ending.done(), a.released[1].done()
-
-    try:
-        assert asyncio.run(not_tight()) == (True, False)  # it returned with the room still to come back
-    finally:
-        go.set()
-        roomy.shutdown()
+    asyncio.run(asyncio.wait_for(slots(), 60))
+    asyncio.run(asyncio.wait_for(tokens(), 60))
 
 
 def test_callers_at_the_session_limit_are_never_refused_a_session_after_their_last_one_ended(model_dir):

@@ -41,9 +41,9 @@ def draft_config(target, hidden: int, layers: int, heads: int, intermediate: int
     max_positions says otherwise."""
     text = architectures.text_config(target)
 
-    def field(name):
-        v = getattr(text, name, None)
-        return v if v is not None else getattr(target, name, None)
+    def field(name):  # the checkpoint's own top-level value where it set one (a text_config holds its class's default)
+        v = getattr(target, name, None)
+        return v if v is not None else getattr(text, name, None)
 
     max_pos = max_positions or architectures.context_limit(target)
     return llama_config(vocab_size=rows or field("vocab_size"), hidden=hidden, layers=layers, heads=heads, intermediate=intermediate,

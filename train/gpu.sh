@@ -41,11 +41,11 @@ if [[ " $STAGES " == *" target "* ]]; then
         --checkpoint-minutes 60 --run-dir "$RUN/target" --out "$TARGET_OUT" "${INIT[@]}" "${UL[@]}" "${EXTRA[@]}"
 fi
 if [[ " $STAGES " == *" draft "* ]]; then
-    INIT=()
+    INIT=(--layers "$DRAFT_LAYERS" --hidden 256 --heads 4)  # a draft from --init-from keeps its own shape
     [[ -n "${DRAFT_INIT:-}" ]] && INIT=(--init-from "$DRAFT_INIT")
     # shellcheck disable=SC2086
     python -m train.distill --device "$DEVICE" --corpus $CORPUS --exclude $OOD --tokens-cache "$RUN/tokens.pt" \
-        --target "$TARGET_OUT" --target-dtype bfloat16 --layers "$DRAFT_LAYERS" --hidden 256 --heads 4 \
+        --target "$TARGET_OUT" --target-dtype bfloat16 \
         --seq-len 512 --batch-size 64 --lr 3e-3 --warmup 100 --steps 1000000 --max-minutes "$DRAFT_MIN" \
         --save-dtype bfloat16 --checkpoint-minutes 60 --run-dir "$RUN/draft" --out "$RUN/draft-out" "${INIT[@]}" "${EXTRA[@]}"
 fi

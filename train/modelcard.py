@@ -71,9 +71,10 @@ TOOL = """\
   tied input/output embeddings by default; the target's tokenizer files are copied into `--out`
   with `tokenizer_class` set to the class the target's tokenizer loaded as (a Qwen2 target's is
   a `Qwen2Tokenizer` with one token added past the vocabulary; a Llama draft would otherwise
-  load another class without it). At the end the run checks that the two vocabulary
-  fingerprints the services compare are equal, fails saying what differs if not, and records
-  both in the summary. The size of the draft relative to the
+  load another class without it). At the end the run checks that the draft pairs with the
+  target as the services pair them (the same vocabulary fingerprint, or one tokenizer over other
+  output rows or special-token roles, and the same text rules), fails saying what differs if
+  not, and records both fingerprints in the summary. The size of the draft relative to the
   target is printed, with a warning above 1/10 (`--max-ratio`).
 * Loss: `KL(p_target || q_draft)` at every position (the target runs without gradients, under
   bf16 autocast unless `--no-bf16`), mixed with `--ce-weight` of the ordinary cross-entropy on

@@ -84,14 +84,25 @@ class Capacity:
                         max_sessions=self.max_sessions, max_cached_tokens=self.max_cached_tokens)
 
     def tight(self, need: int) -> bool:
-        """Whether a session like one that holds `need` (still counted) could not be admitted now:
-        the sessions are at their limit, or another `need` does not fit beside what is reserved."""
+        """Whether another `need` tokens (a session like one whose tokens are still reserved) do not
+        fit beside what is reserved now."""
         with self._lock:
-            return self.sessions >= self.max_sessions or self.reserved + need > self._limit
+            return self.reserved + need > self._limit
 
     def release(self, need: int) -> None:
+        """A session's slot and its `need` reserved tokens back."""
+        self.leave()
+        self.give_back(need)
+
+    def leave(self) -> None:
+        """A session's slot back (the session is gone: its call may end), its tokens not yet."""
         with self._lock:
             self.sessions -= 1
+            self._report()
+
+    def give_back(self, need: int) -> None:
+        """A closed session's reserved tokens back, once its pages are in the pool again."""
+        with self._lock:
             self.reserved -= need
             self._report()
 

@@ -130,10 +130,10 @@ class Scheduler:
         return s
 
     def close(self, s: Session) -> asyncio.Future | None:
-        """Closes a session (again: a no-op). Its pages and room come back now, or, while a pass
-        is in flight, once that pass is done: then, called in an event loop, it returns a future
-        that is done when they are (`closed` awaits it), so a caller whose call has ended OK finds
-        its room free for its next session."""
+        """Closes a session (again: a no-op). Its session slot comes back now; its pages and reserved
+        tokens now too, or, while a pass is in flight, once that pass is done: then, called in an
+        event loop, it returns a future that is done when they are (`closed` awaits it where the
+        cache is full), so a caller whose call has ended OK finds room for its next session."""
         with self._lock:
             if s.closed:
                 return s.released[1] if s.released else None
@@ -144,8 +144,9 @@ class Scheduler:
         if now:
             s.cache.release()
             self.capacity.release(s.reserved)
-        else:  # the scheduler thread frees its pages after the pass in flight, and only then gives its room
-            with contextlib.suppress(RuntimeError):  # back: admission never counts on pages not in the pool yet (`_take`)
+        else:  # its slot comes back now (the sessions table no longer holds it); the scheduler thread frees its pages
+            self.capacity.leave()  # after the pass in flight, and only then its reserved tokens: admission never counts on
+            with contextlib.suppress(RuntimeError):  # pages not in the pool yet (`_take`)
                 loop = asyncio.get_running_loop()
                 s.released = (loop, loop.create_future())  # before the queue: the thread reads it after its get
             self._queue.put(s)
@@ -153,10 +154,11 @@ class Scheduler:
         return s.released[1] if s.released else None
 
     async def closed(self, s: Session, timeout: float = CLOSE_WAIT_S) -> None:
-        """Closes `s`; where its room is what the next session like it needs (the service is at its
-        limit: `Capacity.tight`), waits, at most `timeout`, until its pages and room are back (at
-        most the pass in flight; a scheduler that stopped never gives them back). Elsewhere the
-        call ends at once: a request's end does not wait for a pass."""
+        """Closes `s` (its session slot back at once); where its reserved tokens are what the next
+        session like it needs (the cache's budget is full: `Capacity.tight`), waits, at most
+        `timeout`, until its pages and tokens are back (at most the pass in flight; a scheduler that
+        stopped never gives them back). Elsewhere the call ends at once: a request's end does not
+        wait for a pass."""
         done = self.close(s)
         if done is not None and not done.done() and self.capacity.tight(s.reserved):
             with contextlib.suppress(TimeoutError):
@@ -258,9 +260,9 @@ class Scheduler:
                     return True
             if job is _STOP:
                 return False
-            if isinstance(job, Session):  # a closed session (`close`): its pages back to the pool, then its room
+            if isinstance(job, Session):  # a closed session (`close`): its pages back to the pool, then its tokens
                 job.cache.release()
-                self.capacity.release(job.reserved)
+                self.capacity.give_back(job.reserved)
                 if job.released:  # its handler waits for that room (`closed`)
                     loop, done = job.released
                     with contextlib.suppress(RuntimeError):  # a loop that closed meanwhile
