@@ -28,7 +28,7 @@ FORWARD_TIME = Histogram("specdec_verify_forward_seconds", "Time of one target f
 PASS_UTILISATION = Gauge("specdec_verify_pass_utilisation", "Share of recent wall time the verifier spent in passes")
 PASS_FAULTS = Counter("specdec_verify_pass_faults_total", "Verify passes that faulted: nothing in them succeeded and something "
                       "failed other than by a refusal (a device error, a bug)")
-VERIFY_BROKEN = Gauge("specdec_verify_broken", "1 while the verify service reports NOT_SERVING because its passes keep faulting")
+VERIFY_BROKEN = Gauge("specdec_verify_broken", "1 while the verify service reports NOT_SERVING because its passes keep faulting, or one does not return")
 ROW_PRICE = Gauge("specdec_verify_row_price", "Expected tokens of goodput one more proposal row costs the verifier now")
 CAPACITY_REJECTIONS = Counter("specdec_capacity_rejections_total", "Sessions refused with RESOURCE_EXHAUSTED", ["reason"])
 

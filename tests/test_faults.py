@@ -1,6 +1,7 @@
 """Faults with real processes (issue 7, point 2): kill -9 either service mid-generation, restart
 the verify service, fall back to target-only generation, and deadlines through both hops.
 (SIGTERM drain and client cancellation are in tests/test_e2e.py.)"""
+import asyncio
 import time
 
 import grpc
@@ -269,3 +270,73 @@ def test_a_verify_session_client_that_stops_reading_is_closed_after_the_idle_tim
             assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=8).token_ids) == 8
     finally:
         v.stop()
+
+
+def test_a_pass_that_does_not_return_makes_the_verify_service_not_serving_until_it_does(model_dir):
+    """From a review: a pass that hangs (a wedged device, a hung kernel) faults nothing, so the
+    health stayed SERVING, Info answered, and drafts kept placing sessions there. A pass older than
+    --stalled-pass-s makes readiness and liveness NOT_SERVING and Info UNAVAILABLE until it
+    returns. The pass in flight is set by hand (the scheduler thread is held)."""
+    import contextlib
+    import threading
+    import time
+
+    from grpc_health.v1 import health_pb2
+
+    from specdec import metrics
+    from specdec.lm import LM
+    from specdec.v1 import specdec_pb2 as pb
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+    from verify_service.scheduler import Scheduler
+    from verify_service.server import VerifyServicer
+
+    go = threading.Event()
+
+    @contextlib.contextmanager
+    def held():
+        go.wait(60)
+        yield
+
+    eng = Scheduler(LM.load(model_dir("target"), "cpu", "float32"), max_sessions=2, thread_context=held)
+    servicer = VerifyServicer(eng, stalled_pass_s=2.0)
+    told = []
+
+    async def set_health(status, liveness=None):
+        told.append((status, liveness))
+
+    async def go_():
+        server = grpc.aio.server()
+        pb_grpc.add_VerifyServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servicer._set_health = set_health  # as on_start sets it, without its periodic task
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = pb_grpc.VerifyStub(ch)
+                await stub.Info(pb.InfoRequest())
+                with eng._lock:
+                    eng._passing, eng._pass_began = True, time.monotonic() - 1.0  # a pass of 1 s: not stalled yet
+                await servicer.watch_once()
+                assert not told and servicer.stalled is None
+                with eng._lock:
+                    eng._pass_began = time.monotonic() - 10.0
+                await servicer.watch_once()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Info(pb.InfoRequest())
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "a pass has run for" in e.value.details()
+                assert metrics.VERIFY_BROKEN._value.get() == 1
+                with eng._lock:
+                    eng._passing = False  # it returned
+                await servicer.watch_once()
+                await stub.Info(pb.InfoRequest())
+                assert metrics.VERIFY_BROKEN._value.get() == 0
+        finally:
+            await server.stop(None)
+
+    try:
+        asyncio.run(asyncio.wait_for(go_(), 60))
+    finally:
+        go.set()
+        eng.shutdown()
+    down, up = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
+    assert told == [(down, down), (up, up)]

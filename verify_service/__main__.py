@@ -21,6 +21,9 @@ def parser() -> startup.Parser:
                    help="token budget of all KV caches (default, or auto: max-sessions x context, capped by the free memory where the "
                         "caches live: 90%% of a GPU's, 50%% of the host's; a value above that memory share is logged as a warning)")
     p.add_argument("--idle-timeout-s", type=number(float, above=0), default=60.0, help="close a session that sends nothing, or takes no verdict, for this long (> 0)")
+    p.add_argument("--stalled-pass-s", type=number(float, low=0), default=300.0,
+                   help="a pass running longer than this (a wedged device) makes the service NOT_SERVING and Info UNAVAILABLE "
+                        "until it returns (0: not watched; default 300)")
     p.add_argument("--gather", type=number(float, low=0, high=1), default=0.25,
                    help="before a pass, wait at most this share of the last pass's time for the next rounds of the sessions "
                         "the last pass answered, so sessions in step share passes (0: start at once; default 0.25)")
@@ -64,7 +67,7 @@ def main(argv=None) -> None:
                  compiled=args.compile_layers)
     engine = Scheduler(lm, max_sessions=args.max_sessions, max_cached_tokens=args.max_cached_tokens, gather=args.gather,
                        max_prefill_rows=args.max_prefill_rows)
-    servicer = VerifyServicer(engine, idle_timeout_s=args.idle_timeout_s)
+    servicer = VerifyServicer(engine, idle_timeout_s=args.idle_timeout_s, stalled_pass_s=args.stalled_pass_s)
     asyncio.run(serving.serve(args, "specdec.v1.Verify", lambda s: pb_grpc.add_VerifyServicer_to_server(servicer, s),
                               interceptors=[token_auth], on_stop=engine.shutdown, on_start=servicer.on_start))
 

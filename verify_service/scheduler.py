@@ -94,6 +94,7 @@ class Scheduler:
         self._next_sid = 1
         self._lock = threading.Lock()
         self._passing = False  # a pass is in flight (the scheduler thread sets it under _lock; `close` reads it)
+        self._pass_began = 0.0  # when the pass in flight began (time.monotonic), for `pass_age`
         self._queue: queue.Queue = queue.Queue()
         self.cost = PassCost(probe(self._timed_pass, lm.vocab_size, lm.max_context))  # before the scheduler thread owns the model
         cost = self.cost  # the gauges read it when scraped: an idle verifier's utilisation and price fall, not freeze
@@ -152,6 +153,12 @@ class Scheduler:
             self._queue.put(s)
         metrics.CACHED_TOKENS.set(self.cached_tokens())
         return s.released[1] if s.released else None
+
+    def pass_age(self) -> float:
+        """Seconds the pass in flight has run (0 without one): a pass that never returns (a wedged
+        device, a hung kernel) faults nothing, so only its age tells (VerifyServicer's watchdog)."""
+        with self._lock:
+            return time.monotonic() - self._pass_began if self._passing else 0.0
 
     async def closed(self, s: Session, timeout: float = CLOSE_WAIT_S) -> None:
         """Closes `s` (its session slot back at once); where its reserved tokens are what the next
@@ -339,7 +346,7 @@ class Scheduler:
             t0, fault = time.perf_counter(), None
             with holding() as outcomes:  # the pass's verdicts go to each event loop in one hand-off, at its end
                 with self._lock:
-                    self._passing = True
+                    self._passing, self._pass_began = True, time.monotonic()
                 try:
                     self._run(batch, filling)
                 except Exception as e:  # noqa: BLE001 - a fault past the model call's own guard (the device, a bug): the pass's

@@ -9,7 +9,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2
 
-from specdec import edge, serving, validation
+from specdec import edge, metrics, serving, validation
 from specdec.architectures import TESTED
 from specdec.errors import Refusal, RequestError, invalid
 from specdec.proposal import MAX_ROUND_TOKENS, decode_parents, decode_round
@@ -20,14 +20,18 @@ from verify_service.scheduler import Scheduler
 
 log = logging.getLogger("specdec.verify")
 SERVICE = "verify"
+STALLED_PASS_S = 300.0  # --stalled-pass-s: a verify pass running longer is stalled (a wedged device); 0: not watched
 MAX_RUN_TOKENS_PER_VERDICT = 16  # the most steps of a run one verdict answers (Round.run_tokens_per_verdict)
 
 
 class VerifyServicer(pb_grpc.VerifyServicer):
-    def __init__(self, engine: Scheduler, idle_timeout_s: float = 60.0):
+    def __init__(self, engine: Scheduler, idle_timeout_s: float = 60.0, stalled_pass_s: float = STALLED_PASS_S):
         self.engine = engine
         self.lm = engine.lm
         self.idle_timeout_s = idle_timeout_s
+        self.stalled_pass_s = stalled_pass_s  # a pass running longer is stalled (0: not watched)
+        self.stalled: float | None = None  # the stalled pass's age when the watchdog last looked, while it is stalled
+        self._set_health = None
 
     def on_start(self, set_health) -> None:
         """Once serving (specdec/serving.py `serve`): the health follows the scheduler's passes
@@ -44,9 +48,45 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         health.on_health = tell
         if health.broken:  # broken before serving began
             tell(health.retrying, False)
+        self._set_health = set_health
+        if self.stalled_pass_s:
+            self._watchdog = loop.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.stalled_pass_s / 4))
+            await self.watch_once()
+
+    async def watch_once(self) -> None:
+        """The watchdog's look at the pass in flight: one past `stalled_pass_s` makes the service
+        NOT_SERVING (readiness and liveness: a device that never returns needs a new process) and
+        Info UNAVAILABLE, until it returns; the passes' own health (verify_service/health.py) says
+        the rest. Its sessions fail meanwhile at the draft's round timeout."""
+        age = self.engine.pass_age()
+        stalled = age if age > self.stalled_pass_s else None
+        if (stalled is None) == (self.stalled is None):
+            self.stalled = stalled
+            return
+        self.stalled = stalled
+        metrics.VERIFY_BROKEN.set(1 if stalled is not None or self.engine.health.broken else 0)
+        if stalled is not None:
+            log.error("a verify pass has run for %.0f s (--stalled-pass-s %g): reporting NOT_SERVING until it returns", age,
+                      self.stalled_pass_s)
+            ready = live = False
+        else:
+            log.warning("the stalled verify pass returned")
+            health = self.engine.health
+            ready, live = health.broken is None or health.retrying, health.broken is None
+        if self._set_health is not None:
+            status = {True: health_pb2.HealthCheckResponse.SERVING, False: health_pb2.HealthCheckResponse.NOT_SERVING}
+            await self._set_health(status[ready], liveness=status[live])
 
     async def Info(self, request, context):
         health = self.engine.health
+        if self.stalled is not None:  # a pass that does not return: drafts place sessions elsewhere
+            await serving.fail(context, SERVICE, "Info", RequestError(
+                Refusal.UNAVAILABLE, f"this verify service is not serving: a pass has run for {self.stalled:.0f} s"))
+            return None
         if health.wants_self_test:  # broken, not retrying: drafts rank a replica by its Info, so not this one now
             await serving.fail(context, SERVICE, "Info", RequestError(Refusal.UNAVAILABLE,
                                                                       f"this verify service is not serving: {health.broken}"))
