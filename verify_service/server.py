@@ -190,7 +190,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             elif prefill is not None and not prefill.cancelled():
                 prefill.exception()  # retrieved: a failed prefill was already reported, or the session ended first
             if s is not None:
-                await self.engine.closed(s)  # the call ends once its room is free: the caller's next session fits
+                await self.engine.closed(s)  # its slot back now; where the cache is full, the call ends once its tokens are too
 
     def _verdict(self, s, number: int, v, steps_left: int = 0) -> pb.VerifyResponse:
         return pb.VerifyResponse(
