@@ -133,6 +133,7 @@ class DecodeLoop:
         # the model's record across this process's sessions (adaptive.ModelRecord): it may skip the model from the start
         self.record = RECORDS.setdefault(drafter.lm.name, ModelRecord()) if self.judge and steer else None
         self.skipped = bool(self.record) and (self.record.skip() if skip is None else skip)
+        self._placed = False  # a verify replica took the session (`placed`)
         if self.skipped:  # counted once the session runs (`placed`): not a placement every replica refused
             self._fall_back(count=False)
         hybrid = fallback and params.proposer == pb.PROPOSER_HYBRID
@@ -572,7 +573,7 @@ class DecodeLoop:
     def placed(self) -> None:
         """The session runs on a verify replica (its first tokens came): a session the model's
         record skipped from its start is counted a fallback now, once."""
-        if self.skipped and not getattr(self, "_placed", False):
+        if self.skipped and not self._placed:
             metrics.DRAFT_FALLBACK.labels(self.drafter.lm.name).inc()
         self._placed = True
 
