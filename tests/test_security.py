@@ -199,7 +199,7 @@ def test_http_front_door_follows_the_tls_flags_and_the_token(secure_pair, pki):
     assert ok.status == 200 and json.loads(ok.read())["usage"]["completion_tokens"] >= 1
     assert https(pki, d, token=None).status == 401
     # logged with the caller's address, as the gRPC door's refusals are
-    assert wait_for(lambda: any('"code": 401' in line and '"peer": "127.0.0.1:' in line for line in d.stderr), 10), d.stderr[-3:]
+    assert wait_for(lambda: any('"http_status": 401' in line and '"code": "UNAUTHENTICATED"' in line and '"peer": "127.0.0.1:' in line for line in d.stderr), 10), d.stderr[-3:]
     for cert in (None, "rogue"):  # mTLS: no certificate, or one from another CA
         with pytest.raises((ssl.SSLError, ConnectionError)):
             https(pki, d, cert=cert).read()
