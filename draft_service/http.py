@@ -153,14 +153,14 @@ class _Uvicorn(uvicorn.Server):
         yield  # SIGTERM and SIGINT belong to the service's drain (specdec/serving.py), which stops this server
 
 
+# HTTP status -> the gRPC status name it stands for (the first code STATUS maps to it), for the request's log line
+CODE_NAMES = {s: c.name for c, s in reversed(list(STATUS.items()))} | {CLIENT_GONE: "CANCELLED", 405: "UNIMPLEMENTED",
+                                                                      413: "RESOURCE_EXHAUSTED"}
+
+
 def code_of(status: int) -> str:
     """The gRPC status name an HTTP status stands for in the request's log line."""
-    if status < 400:
-        return "OK"
-    if status == CLIENT_GONE:
-        return "CANCELLED"
-    named = {s: c.name for c, s in reversed(list(STATUS.items()))} | {405: "UNIMPLEMENTED", 413: "RESOURCE_EXHAUSTED"}
-    return named.get(status, "INVALID_ARGUMENT" if status < 500 else "INTERNAL")
+    return "OK" if status < 400 else CODE_NAMES.get(status, "INVALID_ARGUMENT" if status < 500 else "INTERNAL")
 
 
 def _gone(door) -> int:

@@ -1,6 +1,5 @@
 """Batched verification: correctness, isolation between sessions, capacity and idle limits."""
 import asyncio
-import contextlib
 import random
 import threading
 
@@ -12,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from bench.launch import Service
 from client import AsyncClient, Client
 from helpers import metric, wait_for
-from helpers.engine import count_passes
+from helpers.engine import count_passes, held_thread
 from specdec.lm import LM
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -167,12 +166,7 @@ def test_a_streams_first_step_counts_against_the_passs_prefill_rows(model_dir, m
     from verify_service.scheduler import Scheduler
 
     lm = LM.load(model_dir("target"), "cpu", "float32")
-    go = threading.Event()
-
-    @contextlib.contextmanager
-    def held():  # the scheduler thread starts once every stream is queued
-        go.wait(60)
-        yield
+    go, held = held_thread()  # the scheduler thread starts once every stream is queued
 
     eng = Scheduler(lm, max_sessions=200, max_prefill_rows=PREFILL_CHUNK, thread_context=held)  # the least it takes
     rows, forward = [], lm.engine.forward

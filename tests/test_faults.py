@@ -10,6 +10,7 @@ import pytest
 from bench.launch import Service, service_pair, start_pair
 from client import Client
 from helpers import free_port, metric, wait_for
+from helpers.engine import held_thread
 
 LONG = dict(prompt_ids=[3, 4], max_new_tokens=3000, num_draft_tokens=2)  # greedy: no EOS on long-target, runs for many seconds
 
@@ -277,8 +278,6 @@ def test_a_pass_that_does_not_return_makes_the_verify_service_not_serving_until_
     health stayed SERVING, Info answered, and drafts kept placing sessions there. A pass older than
     --stalled-pass-s makes readiness and liveness NOT_SERVING and Info UNAVAILABLE until it
     returns. The pass in flight is set by hand (the scheduler thread is held)."""
-    import contextlib
-    import threading
     import time
 
     from grpc_health.v1 import health_pb2
@@ -290,12 +289,7 @@ def test_a_pass_that_does_not_return_makes_the_verify_service_not_serving_until_
     from verify_service.scheduler import Scheduler
     from verify_service.server import VerifyServicer
 
-    go = threading.Event()
-
-    @contextlib.contextmanager
-    def held():
-        go.wait(60)
-        yield
+    go, held = held_thread()
 
     eng = Scheduler(LM.load(model_dir("target"), "cpu", "float32"), max_sessions=2, thread_context=held)
     servicer = VerifyServicer(eng, stalled_pass_s=2.0)

@@ -22,7 +22,7 @@ from specdec.lm import LM
 from specdec.sampling import Sampling
 from bench.launch import Service
 from transformers import AutoModelForCausalLM
-from helpers.engine import count_passes
+from helpers.engine import count_passes, held_thread
 from helpers.greedy import hf_greedy
 from specdec.validation import GenParams
 from specdec.v1 import specdec_pb2 as pb
@@ -429,8 +429,6 @@ def test_a_run_right_after_the_start_takes_the_queued_prefill_over(model_dir, mo
     stream takes the place of the session's prefill while that still waits, so its first step
     shares the pass of the prompt's last chunk; the prefill's own future resolves with it, and the
     tokens are the stream's alone."""
-    import contextlib
-    import threading
 
     import torch
 
@@ -439,12 +437,7 @@ def test_a_run_right_after_the_start_takes_the_queued_prefill_over(model_dir, mo
     torch.set_num_threads(1)
     lm = LM.load(model_dir("long-target"), "cpu", "float32")
     passes = count_passes(monkeypatch, lm.engine)
-    go = threading.Event()
-
-    @contextlib.contextmanager
-    def held():  # the scheduler thread starts work only once both jobs are queued
-        go.wait(60)
-        yield
+    go, held = held_thread()  # the scheduler thread starts work only once both jobs are queued
 
     eng = scheduler.Scheduler(lm, max_sessions=4, thread_context=held)
     passes.clear()  # the pass-cost probe's, at start-up
@@ -566,19 +559,12 @@ def test_a_session_closed_during_a_pass_ends_its_call_once_its_room_is_back(mode
     OK was refused its next session (RESOURCE_EXHAUSTED). Its slot comes back at once; its tokens
     after the pass (its pages are read until then), and where the cache is full the call waits for
     them (`closed`). The scheduler thread is held while the pass is said to be in flight."""
-    import contextlib
-    import threading
 
     import verify_service.scheduler as scheduler
     from specdec.errors import RequestError
 
     lm = LM.load(model_dir("target"), "cpu", "float32")
-    go = threading.Event()
-
-    @contextlib.contextmanager
-    def held():
-        go.wait(60)
-        yield
+    go, held = held_thread()
 
     def new(eng):
         return eng.open(PROMPT, 4, Sampling(temperature=0.0), seed=7, mode=pb.PROPOSAL_MODE_GREEDY)
@@ -801,18 +787,11 @@ def test_a_pass_waiting_for_the_last_passs_sessions_goes_once_each_sent_a_run_or
     their rounds only: a session whose next work was a run, or that closed (a cancel, a stop
     string), kept it waiting out its whole time. The scheduler thread is held while the waiting
     set is as `_gather` publishes it."""
-    import contextlib
-    import threading
 
     import verify_service.scheduler as scheduler
 
     lm = LM.load(model_dir("target"), "cpu", "float32")
-    go = threading.Event()
-
-    @contextlib.contextmanager
-    def held():
-        go.wait(60)
-        yield
+    go, held = held_thread()
 
     eng = scheduler.Scheduler(lm, max_sessions=4, gather=1.0, thread_context=held)
 
@@ -848,18 +827,12 @@ def test_a_pass_does_not_wait_for_sessions_closed_just_before_it_published_its_w
     whole time for a round that never comes. The close is made to land in that window (the
     clearing of the wake-up event, between the two); the wait is recorded, not slept."""
     import collections
-    import contextlib
     import threading
 
     import verify_service.scheduler as scheduler
 
     lm = LM.load(model_dir("target"), "cpu", "float32")
-    go = threading.Event()
-
-    @contextlib.contextmanager
-    def held():  # the scheduler's own thread stays out of the way
-        go.wait(60)
-        yield
+    go, held = held_thread()  # the scheduler's own thread stays out of the way
 
     eng = scheduler.Scheduler(lm, max_sessions=4, gather=1.0, thread_context=held)
     try:

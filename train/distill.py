@@ -119,11 +119,6 @@ def warn_loss_memory(batch_size: int, seq_len: int, vocab: int, device) -> None:
               f"x vocabulary {vocab} x 4 bytes), {free / 2**30:.1f} GiB is free: {advice}", flush=True)
 
 
-def check_corpus(specs) -> None:
-    """One line for a corpus spec that names nothing: a missing path, a package not installed."""
-    corpus.check(specs, "distill: --corpus")
-
-
 def identity(target_dir: Path, tokenizer, target, draft) -> dict:
     """What a checkpoint was trained for: the target (path, config.json, vocabulary) and the draft's shape."""
     c = draft.config
@@ -196,7 +191,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"distill: --out {args.out} already holds a model (config.json) that this run did not make "
                          f"({run_dir} has no checkpoint): give another --out, or remove it")
     specs = corpus.expand(args.corpus, args.exclude)
-    check_corpus(specs)
+    corpus.check(specs, "distill: --corpus")  # one line for a spec that names nothing
 
     if args.threads:
         torch.set_num_threads(args.threads)

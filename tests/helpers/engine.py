@@ -1,6 +1,10 @@
 """What the engine's tests share: a cache filled by a pass of its own, steps against rounds,
-a model loaded with its matmuls forced one way, the logits of a short session, and a pass counter."""
+a model loaded with its matmuls forced one way, the logits of a short session, a pass counter,
+and a scheduler thread held back."""
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import pytest
 import torch
@@ -105,3 +109,16 @@ def count_passes(monkeypatch, engine) -> list:
 
     monkeypatch.setattr(engine, "forward", counted)
     return passes
+
+
+def held_thread():
+    """(go, context): a Scheduler made with thread_context=context starts its thread's work only
+    once `go` is set (the test arranges its queue, or its state, first)."""
+    go = threading.Event()
+
+    @contextlib.contextmanager
+    def context():
+        go.wait(60)
+        yield
+
+    return go, context
