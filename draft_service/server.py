@@ -261,6 +261,9 @@ class DraftServicer(pb_grpc.DraftServicer):
             metrics.LIVE_SESSIONS.labels(SERVICE).dec()
             if call is not None:
                 await serving.release(call)  # frees the verifier's session at once
+            # an ended RPC's exception stays referenced (gRPC keeps the last one) and its traceback holds
+            # this frame: without this, the session's draft cache lived on until the service's next RPC
+            loop = out = call = None  # noqa: F841
 
 
 async def _ended(call) -> None:

@@ -650,6 +650,66 @@ def test_a_draft_with_the_smaller_context_names_its_limit_and_reports_it(model_d
                                                           "(the draft model's; the target's is 4096)")]
 
 
+def test_an_aborted_request_leaves_no_draft_state_behind(model_dir, monkeypatch):
+    """gRPC keeps the last RPC's exception, whose traceback holds the request's frame: a request
+    the draft aborted (here every verify replica refused it) kept its decode loop, and the draft
+    cache with it, alive until the service's next RPC."""
+    import weakref
+
+    from draft_service import server
+    from draft_service.server import DraftServicer
+    from specdec.errors import Refusal, RequestError
+    from specdec.lm import LM
+
+    loops = []
+
+    class Loop(server.DecodeLoop):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            loops.append(weakref.ref(self))
+
+    monkeypatch.setattr(server, "DecodeLoop", Loop)
+
+    def full(*args, **kwargs):
+        raise RequestError(Refusal.RESOURCE_EXHAUSTED, "verify service is at its limit")
+
+    replica = types.SimpleNamespace(stub=types.SimpleNamespace(Session=full), open=0, address="verify:50052", refused=lambda: None)
+    replicas = types.SimpleNamespace(target="verify:50052", replicas=[replica], ranked=lambda *a: [replica], pace=lambda r: None)
+    lm = LM.load(model_dir("draft"))
+    target = pb.ModelInfo(vocab_fingerprint=lm.fingerprint, max_context=lm.max_context, model_name="t", eos_token_id=0, eos_token_ids=[0])
+    kept = []  # what gRPC holds of the ended RPC
+
+    class Context:
+        def cancelled(self):
+            return False
+
+        def time_remaining(self):
+            return TIMEOUT
+
+        def invocation_metadata(self):
+            return ()
+
+        def set_trailing_metadata(self, metadata):
+            pass
+
+        async def abort(self, code, details):
+            raise grpc.aio.AbortError(code, details)
+
+    async def go():
+        s = DraftServicer(lm, replicas, target)
+        s._paired = True
+        try:
+            async for _ in s.stream(pb.GenerateRequest(prompt_ids=[3, 4, 5], max_new_tokens=4), Context()):
+                pass
+        except grpc.aio.AbortError as e:
+            kept.append(e)
+
+    asyncio.run(go())
+    gc.collect()
+    assert kept and len(loops) == 1
+    assert loops[0]() is None, "the aborted request's decode loop is still referenced"
+
+
 def test_a_request_cancelled_during_the_first_calibration_leaves_it_to_the_next(model_dir, monkeypatch):
     """The first calibration runs inside the first request that needs costs (a draft started
     before its verify service). A request cancelled meanwhile (a short client deadline) cancelled
