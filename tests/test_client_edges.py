@@ -362,6 +362,10 @@ def test_tls_files_that_are_pem_but_not_what_their_flag_says_name_the_flags(tmp_
     with pytest.raises(StartupError, match=f"--tls-ca {re.escape(a_key)}: no CA certificate in it"):
         Client(odd, tls_ca=a_key)
     Client(odd, tls_ca=a_pem, tls_cert=b_pem, tls_key=b_key).close()  # files that are what they say are taken
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:1024", "-nodes", "-keyout", "small.key", "-out", "small.pem",
+                    "-subj", "/CN=small", "-days", "1"], cwd=tmp_path, check=True, capture_output=True)
+    # a pair whose key OpenSSL's default security level calls too small was refused as "not a pair"
+    Client(odd, tls_ca=a_pem, tls_cert=str(tmp_path / "small.pem"), tls_key=str(tmp_path / "small.key")).close()
 
 
 def test_tokens_and_flags_the_cli_would_drop_or_send_broken_are_refused(tmp_path, odd):
