@@ -487,7 +487,9 @@ class DecodeLoop:
         await self._timed(call.write(pb.VerifyRequest(round=pb.Round(round=stats.rounds + 1, target_only_steps=n, run_tokens_per_verdict=per))))
         got, t0 = 0, time.perf_counter()
         while True:
-            v = await self._timed(call.read(), (self._first_read_scale() if stats.rounds == 0 else 1) * per)
+            # the run's first verdict answers one step (and the request's prefill, in its first round); a later one up
+            # to `per` steps, each a pass beside other sessions
+            v = await self._timed(call.read(), (self._first_read_scale() if stats.rounds == 0 else 1) if not got else per)
             if v is grpc.aio.EOF:
                 raise RequestError(Refusal.UNAVAILABLE, "verify service ended the session without a verdict")
             k = len(v.run_tokens) + 1  # the steps this verdict answers

@@ -683,3 +683,39 @@ def test_a_lookup_proposal_takes_the_request_cap_not_the_draft_models_tau(drafte
     g = request(d, prompt_ids=list(range(1, 16)), max_new_tokens=30, num_draft_tokens=8, proposer=pb.PROPOSER_HYBRID)
     prop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context).propose(2)
     assert not prop.lookup and len(prop.tokens) == 2
+
+
+def test_a_runs_first_verdict_waits_one_round_timeout_not_one_per_step_of_a_verdict(drafters):
+    """A run's verdicts after the first answer up to run_tokens steps each (a pass apiece), so
+    each waits that many round timeouts; the first answers one step, and waited as long too: a hung
+    verifier held a session that starts a run 16 round timeouts (--run-tokens-per-verdict 16) where
+    the contract is one per write or verdict (one per prefill chunk for a request's first)."""
+    d = drafters("long-draft")
+
+    class Hung:  # answers the first `answers` verdicts of a run, then nothing (a stopped verifier)
+        def __init__(self, answers: int):
+            self.answers = answers
+
+        async def write(self, req):
+            pass
+
+        async def read(self):
+            if self.answers:
+                self.answers -= 1
+                return pb.VerifyResponse(next_token=5, steps_left=8)
+            await asyncio.sleep(3600)
+
+    async def ended(answers: int, rounds: int, prompt: int = 3) -> str:
+        loop = DecodeLoop(d, request(d, prompt_ids=[3] * prompt, max_new_tokens=20), d.lm.fingerprint, d.lm.max_context,
+                          round_timeout_s=0.05, run_tokens=16)
+        loop.stats.rounds = rounds
+        with pytest.raises(RequestError) as e:
+            async for _ in loop._run(Hung(answers), 8):
+                pass
+        assert e.value.kind == Refusal.UNAVAILABLE
+        return e.value.message
+
+    assert "nothing for 0.05s in a round" in asyncio.run(ended(0, rounds=3))  # the run's first verdict: one step
+    assert "nothing for 0.8s in a round" in asyncio.run(ended(1, rounds=3))  # a later one: up to 16 steps
+    first = 1 + (PREFILL_CHUNK + 1) // PREFILL_CHUNK  # a request's first verdict also waits for its prefill's chunks
+    assert f"nothing for {first * 0.05:g}s in a round" in asyncio.run(ended(0, rounds=0, prompt=PREFILL_CHUNK + 1))
