@@ -50,10 +50,9 @@ async def pair(verify: pb_grpc.VerifyStub, lm, target: pb.ModelInfo) -> str | No
     target whose model has other output rows over the same tokenizer (its fingerprint is the
     draft tokenizer's with the target's rows: Qwen2.5's 0.5B and 7B) pairs too: the draft takes
     its fingerprint and sends q over its rows from then on (LM.peer_rows; Drafter.step); so does one
-    whose tokenizer differs in its special tokens' roles only (specdec.lm.paired_fingerprint)."""
-    from specdec.lm import paired_fingerprint  # noqa: PLC0415 - the model libraries load after the cheap start-up checks
+    whose tokenizer differs in its special tokens' roles only (specdec.vocabdiff.paired_fingerprint)."""
 
-    fingerprint, how = paired_fingerprint(target, lm.tokenizer, lm.vocab_size) if target.vocab_fingerprint != lm.fingerprint \
+    fingerprint, how = vocabdiff.paired_fingerprint(target, lm.tokenizer, lm.vocab_size) if target.vocab_fingerprint != lm.fingerprint \
         else (lm.fingerprint, "same")
     if fingerprint is not None:
         own = vocabdiff.tokenizer_info(lm.tokenizer)

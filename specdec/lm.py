@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
-from specdec import architectures, vocabdiff
+from specdec import architectures
 from specdec.architectures import Unsupported
 from specdec.engine import Engine, available_memory_bytes, cpu_row_kernel, prepare
 from specdec.startup import TOKENIZER_FILES, StartupError, add_model_args, check_model_dir  # noqa: F401 - add_model_args: the services' flags
@@ -141,33 +141,6 @@ def vocab_fingerprint(tokenizer, vocab_size: int, roles: dict[str, int | None] |
     special = {**(own if roles is None else {role: roles.get(role) for role in own}), "vocab_size": vocab_size}
     blob = json.dumps([sorted(tokenizer.get_vocab().items()), special], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def paired_fingerprint(target, tokenizer, rows: int) -> tuple[str | None, str]:
-    """How a draft with `tokenizer` and `rows` output rows pairs with the target that ModelInfo
-    `target` describes, as the draft service pairs them (draft_service/upstream.py) and train/
-    checks its drafts: (the fingerprint the draft speaks, or None where the vocabularies differ;
-    how: "same", "rows" (the target's model has other output rows over the same tokenizer: q goes
-    over the target's rows) or "roles" (the same tokens and ids, other special-token roles: a base
-    model's EOS beside its instruct model's; only where both tokenizers' text rules are known,
-    since one without them adds its BOS by role)). Text rules are compared apart
-    (vocabdiff.same_text_rules)."""
-    want = target.vocab_fingerprint
-    if want == vocab_fingerprint(tokenizer, rows):
-        return want, "same"
-    if target.vocab_size and target.vocab_size != rows and want == vocab_fingerprint(tokenizer, target.vocab_size):
-        return want, "rows"
-    info = target.tokenizer if target.HasField("tokenizer") else None
-    if info is not None and info.text_rules and vocabdiff.text_rules(tokenizer):
-        roles = {}
-        for role, text in info.special_tokens.items():
-            try:
-                roles[role] = int(text.rsplit("=", 1)[1])
-            except (IndexError, ValueError):
-                roles[role] = None
-        if want == vocab_fingerprint(tokenizer, target.vocab_size or rows, roles):
-            return want, "roles"
-    return None, ""
 
 
 def eos_ids(*sources) -> frozenset[int]:

@@ -72,6 +72,35 @@ def same_text_rules(target: pb.ModelInfo, own: str) -> bool:
     return not theirs or not own or theirs == own
 
 
+def paired_fingerprint(target, tokenizer, rows: int) -> tuple[str | None, str]:
+    """How a draft with `tokenizer` and `rows` output rows pairs with the target that ModelInfo
+    `target` describes, as the draft service pairs them (draft_service/upstream.py) and train/
+    checks its drafts: (the fingerprint the draft speaks, or None where the vocabularies differ;
+    how: "same", "rows" (the target's model has other output rows over the same tokenizer: q goes
+    over the target's rows) or "roles" (the same tokens and ids, other special-token roles: a base
+    model's EOS beside its instruct model's; only where both tokenizers' text rules are known,
+    since one without them adds its BOS by role)). Text rules are compared apart
+    (same_text_rules)."""
+    from specdec.lm import vocab_fingerprint  # noqa: PLC0415 - the model libraries load where a pairing is judged
+
+    want = target.vocab_fingerprint
+    if want == vocab_fingerprint(tokenizer, rows):
+        return want, "same"
+    if target.vocab_size and target.vocab_size != rows and want == vocab_fingerprint(tokenizer, target.vocab_size):
+        return want, "rows"
+    info = target.tokenizer if target.HasField("tokenizer") else None
+    if info is not None and info.text_rules and text_rules(tokenizer):
+        roles = {}
+        for role, text in info.special_tokens.items():
+            try:
+                roles[role] = int(text.rsplit("=", 1)[1])
+            except (IndexError, ValueError):
+                roles[role] = None
+        if want == vocab_fingerprint(tokenizer, target.vocab_size or rows, roles):
+            return want, "roles"
+    return None, ""
+
+
 def text_rules_differ(target: pb.ModelInfo, own: pb.TokenizerInfo) -> str:
     """One line on a pair with one vocabulary whose tokenizers turn text into ids differently."""
     what = (f"the target's adds special tokens (such as BOS) to a prompt {'and' if target.tokenizer.adds_special_tokens else 'but'} "

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from specdec import vocabdiff
-from specdec.lm import paired_fingerprint, vocab_fingerprint
+from specdec.lm import vocab_fingerprint
 from specdec.v1 import specdec_pb2 as pb
 
 
@@ -34,13 +34,13 @@ def feedable(model, ids: torch.Tensor) -> torch.Tensor:
 
 def check_pair(target_tokenizer, target_rows: int, draft_dir, draft_rows: int) -> dict:
     """Whether the draft in `draft_dir` pairs with the target as the draft service pairs them
-    (specdec.lm.paired_fingerprint: the same fingerprint, or other output rows or special-token
+    (specdec.vocabdiff.paired_fingerprint: the same fingerprint, or other output rows or special-token
     roles over one tokenizer; and the same text rules): both fingerprints, `match`, and `problem`
     saying what differs where they do not pair."""
     dtok = AutoTokenizer.from_pretrained(draft_dir)
     t_fp, d_fp = vocab_fingerprint(target_tokenizer, target_rows), vocab_fingerprint(dtok, draft_rows)
     target = pb.ModelInfo(vocab_fingerprint=t_fp, vocab_size=target_rows, tokenizer=vocabdiff.tokenizer_info(target_tokenizer))
-    speaks, how = paired_fingerprint(target, dtok, draft_rows)
+    speaks, how = vocabdiff.paired_fingerprint(target, dtok, draft_rows)
     own = vocabdiff.tokenizer_info(dtok)
     rules = vocabdiff.same_text_rules(target, own.text_rules)
     out = {"target_fingerprint": t_fp, "draft_fingerprint": d_fp, "match": speaks is not None and rules, "paired_by": how,
