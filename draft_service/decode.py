@@ -197,8 +197,8 @@ class DecodeLoop:
         if mode == pb.PROPOSER_LOOKUP or (mode == pb.PROPOSER_HYBRID and not self.lookup_off):
             # a lookup proposal costs no draft steps, so it takes the request's cap (num_draft_tokens;
             # 8 with adaptive tau), not the tau chosen for the draft model (bench/results/ENGINE.md),
-            # as far as the verifier's load allows
-            cap = min(self.params.tau, self.tau.goodput_cap() if self.tau else self.params.tau, self.cap())
+            # as far as the verifier's load allows (tau above the load's cap: the priced-out session's probe, TauController.choose)
+            cap = min(self.params.tau, max(self.tau.goodput_cap(), tau) if self.tau else self.params.tau, self.cap())
             prop = self.drafter.lookup(st, cap, min_ngram=1 if mode == pb.PROPOSER_LOOKUP else HYBRID_MIN_NGRAM)
             if prop.tokens or mode == pb.PROPOSER_LOOKUP:
                 return prop
@@ -325,7 +325,7 @@ class DecodeLoop:
                 stats.draft_s += t2 - t1
                 stats.verify_s += t3 - t2 - away
                 stats.verify_forward_s += v.forward_s
-                stats.lookup_rounds += prop.lookup
+                stats.lookup_rounds += prop.lookup and bool(prop.tokens)  # a lookup that found nothing is a target-only round
                 n = v.num_accepted
                 path = list(v.accepted_path) if tree else list(range(n))
                 new = [prop.tokens[i] for i in path] + ([v.next_token] if v.HasField("next_token") else [])

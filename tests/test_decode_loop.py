@@ -719,3 +719,26 @@ def test_a_runs_first_verdict_waits_one_round_timeout_not_one_per_step_of_a_verd
     assert "nothing for 0.8s in a round" in asyncio.run(ended(1, rounds=3))  # a later one: up to 16 steps
     first = 1 + (PREFILL_CHUNK + 1) // PREFILL_CHUNK  # a request's first verdict also waits for its prefill's chunks
     assert f"nothing for {first * 0.05:g}s in a round" in asyncio.run(ended(0, rounds=0, prompt=PREFILL_CHUNK + 1))
+
+
+@pytest.mark.parametrize("proposer", [pb.PROPOSER_LOOKUP, pb.PROPOSER_HYBRID])
+def test_a_priced_out_lookup_session_probes_like_a_drafting_one(drafters, proposer):
+    """A session the verifier's price holds at no proposals proposes one token every
+    PRICED_OUT_PROBE-th round, else its estimate would never move again (DESIGN §7). Prompt
+    lookup took its cap from the price alone, so a --proposer lookup session's probes were empty
+    rounds; a hybrid one probed with the model only."""
+    from draft_service.adaptive import PRICED_OUT_PROBE
+
+    d = drafters("draft")
+    g = request(d, prompt_ids=[3, 4, 5, 6, 7] * 6, max_new_tokens=40, num_draft_tokens=8, proposer=proposer)  # lookup always matches
+    loop = DecodeLoop(d, g, d.lm.fingerprint, d.lm.max_context, costs=Costs(0.001, 0.02, 0.0005))
+    loop.tau.observe(drafted=1, accepted=0)  # its first proposal rejected: an estimate below...
+    loop.tau.load(0.65)  # ...a steady price
+    assert loop.tau.goodput_cap() == 0
+    sent = []
+    for _ in range(2 * PRICED_OUT_PROBE):
+        tau = loop.tau.choose()
+        prop = loop.propose(min(tau, loop.cap()))
+        sent.append((tau, len(prop.tokens), prop.lookup))
+    assert [(n, lookup) for tau, n, lookup in sent if tau] == [(1, True)] * 2  # each probe: one token, from lookup
+    assert all(n == 0 for tau, n, _ in sent if not tau)
