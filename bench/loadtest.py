@@ -79,7 +79,8 @@ async def one_request(client, i: int, prompt: str, args, cell_t0: float, live: d
     last_t, last = None, None
     try:
         async for chunk in client.stream(prompt=prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                         seed=args.seed + i, num_draft_tokens=args.tau, proposal_mode=args.mode):
+                                         seed=None if args.request_seeds is None else args.request_seeds + i,
+                                         num_draft_tokens=args.tau, proposal_mode=args.mode):
             now = time.perf_counter()
             if chunk.token_ids:
                 if rec.ttft_s is None:
@@ -324,7 +325,10 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--tau", type=int, default=0, help="draft tokens per round (0 = server default)")
     p.add_argument("--mode", choices=("greedy", "sparse", "dense"), default=None, help="proposal mode (default: server's)")
-    p.add_argument("--seed", type=int, default=0, help="request i uses seed+i; also seeds prompt choice and arrivals")
+    p.add_argument("--seed", type=int, default=0, help="seeds prompt choice and arrivals")
+    p.add_argument("--request-seeds", type=int, default=None,
+                   help="request i sends sampling seed N+i (a seeded sampled request keeps its tau off the load, DESIGN §3); "
+                        "default: unseeded, as most traffic is")
     p.add_argument("--prompts", default="stdlib", help="stdlib | builtin | path to a JSON-lines / text file")
     p.add_argument("--prompt-chars", type=int, default=400, help="cut prompts to at most this many characters")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per-request gRPC deadline")

@@ -1,8 +1,10 @@
 """The verifier's pass cost model (verify_service/passcost.py): the fit, the busy share and the
 price of a proposal row, on synthetic passes whose true costs are known."""
+import math
+
 import pytest
 
-from verify_service.passcost import PassCost
+from verify_service.passcost import BUSY_WINDOW_S, PassCost
 
 BASE, ROW, SESSION = 0.004, 0.0005, 0.0002
 
@@ -42,9 +44,13 @@ def test_price_is_row_cost_times_goodput_times_busy_share():
     run(idle, [(20, 4)] * 200, gap=0.2)
     s = BASE + ROW * 20 + SESSION * 4
     assert busy.utilisation == pytest.approx(1.0)
-    assert idle.utilisation == pytest.approx(s / (s + 0.2), rel=1e-3)
+    # weighted by age (BUSY_WINDOW_S), read as a pass begins (the gap the latest time): a little under s / (s + gap)
+    t, g = BUSY_WINDOW_S, 0.2
+    share = (1 - math.exp(-s / t)) * math.exp(-g / t) / (1 - math.exp(-(s + g) / t))
+    assert share == pytest.approx(s / (s + g), rel=0.15)
+    assert idle.utilisation == pytest.approx(share, rel=1e-3)
     assert busy.price == pytest.approx(ROW * 8 / s, rel=1e-3)
-    assert idle.price == pytest.approx(ROW * 8 / (s + 0.2), rel=1e-3)
+    assert idle.price == pytest.approx(ROW * 8 / s * share, rel=1e-3)
     assert PassCost().price == 0.0  # a verifier that has not run yet asks nothing
 
 
@@ -114,3 +120,19 @@ def test_a_model_with_a_short_context_starts_and_serves(tmp_path, monkeypatch):
     finally:
         eng.shutdown()
     assert lm.max_context == 16 and 1 <= len(got) <= 5
+
+
+def test_a_long_idle_spell_is_forgotten_within_the_busy_window():
+    """The busy share ages by time: an hour idle weighed an hour against each later pass's few
+    ms (its span decayed per pass), so a saturated verifier read idle, and priced rows at about
+    0, for hundreds of passes after a lull (utilisation 0.003 after 100 back-to-back passes)."""
+    pc = PassCost()
+    run(pc, [(20, 4)] * 200)
+    s = BASE + ROW * 20 + SESSION * 4
+    t = 100.0 + 200 * s + 3600.0  # an hour later, passes back to back again
+    for rows, sessions in [(20, 4)] * 100:
+        pc.observe(rows, sessions, 2 * sessions, s, t)
+        t += s
+    back = 100 * s
+    assert back < 3 * BUSY_WINDOW_S
+    assert pc.utilisation == pytest.approx(1 - math.exp(-(back - s) / BUSY_WINDOW_S), rel=1e-3)  # all the idle weight left

@@ -15,9 +15,12 @@ depth k while alpha^k exceeds it (draft_service/adaptive.py), down to none.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-DECAY = 0.97  # weight of a pass after each later one (about the last 30 passes count)
+DECAY = 0.97  # weight of a pass in the fit after each later one (about the last 30 passes count)
+BUSY_WINDOW_S = 1.0  # the busy share's time constant: time this long ago weighs 1/e of now's, whatever the passes' pace
 PROBE_WEIGHT = 0.1  # each start-up probe counts as this share of a fresh pass, never decayed: enough to fix what
 # passes all alike cannot tell apart, little beside the ~30 passes' weight the fit keeps
 PROBE_LAYOUTS = ((1, 1), (1, 9), (8, 1), (8, 5))  # (sessions, rows each) timed at start-up
@@ -52,7 +55,8 @@ class PassCost:
 
     @property
     def utilisation(self) -> float:
-        """The share of recent wall time the verifier spent in passes."""
+        """The share of recent wall time the verifier spent in passes (weighted by age, BUSY_WINDOW_S),
+        as of the last pass's start."""
         return min(1.0, self._busy / self._span) if self._span else 0.0
 
     def utilisation_at(self, now: float) -> float:
@@ -65,9 +69,15 @@ class PassCost:
         return min(1.0, busy / max(span, 1e-9))
 
     def _folded(self, now: float) -> tuple[float, float]:
-        """(busy, span) with the last pass's share of the time from its start to `now` added."""
+        """(busy, span) with the time from the last pass's start to `now` added: integrals of
+        being in a pass, and of time, each instant weighted exp(-age / BUSY_WINDOW_S). Time, not
+        passes, ages them: an hour idle weighed an hour against the few ms of each later pass, and a
+        saturated verifier read idle (and priced rows at about 0) for hundreds of passes after it."""
         last_start, last_s = self._last
-        return self._busy * DECAY + last_s, self._span * DECAY + max(now - last_start, last_s)
+        d = max(now - last_start, last_s)
+        w = math.exp(-d / BUSY_WINDOW_S)
+        busy = self._busy * w + BUSY_WINDOW_S * (math.exp(-(d - last_s) / BUSY_WINDOW_S) - w)
+        return busy, self._span * w + BUSY_WINDOW_S * (1.0 - w)
 
     def price_at(self, now: float) -> float:
         """`price` with the busy share as of `now` (utilisation_at)."""
