@@ -153,6 +153,37 @@ def test_a_growth_that_runs_out_of_memory_leaves_the_pool_whole(monkeypatch):
     assert held.pages
 
 
+def test_a_growth_refused_for_a_large_session_does_not_outlive_it(monkeypatch):
+    """The pool sized itself to every page ever handed out: where memory refused the growth for
+    a large session's pages, every later pass asked for the same growth after that session had
+    ended, so a small session whose pages lay inside the pool failed too, and the verify service
+    stayed NOT_SERVING until a restart. Free pages above every held one are forgotten now."""
+    from specdec.engine import PAGE, Pool
+
+    pool = Pool(torch.float32, torch.device("cpu"))
+    like = torch.zeros(1, 2, 1, 4)
+    pool.layer(0, like)
+    room = pool.fit()
+    zeros = torch.zeros
+
+    def no_memory_past(shape, *a, **kw):  # a device with no room for a larger pool
+        if isinstance(shape, tuple) and shape[0] > room:
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return zeros(shape, *a, **kw)
+
+    monkeypatch.setattr(torch, "zeros", no_memory_past)
+    small = pool.cache(2 * PAGE)
+    assert pool.fit() == room
+    big = pool.cache(40 * PAGE)
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.fit()
+    big.release()
+    assert pool.slots <= room
+    assert pool.fit() == room  # the small session's passes run again
+    again = pool.cache(2 * PAGE)
+    assert pool.fit() == room and max(again.pages) * PAGE < room and small.pages
+
+
 def test_the_pool_grows_at_a_passs_start_all_layers_alike_and_never_doubles_past_its_limit():
     """From a review: each layer grew when a pass first wrote it, to the pages handed out at that
     moment, doubling without a cap. Pages taken on the event loop in the middle of a pass (a

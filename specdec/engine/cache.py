@@ -73,11 +73,19 @@ class Pool:
 
     @property
     def slots(self) -> int:
-        """Slots the tensors must hold for every page handed out so far."""
-        return self._pages * PAGE
+        """Slots the tensors must hold for every page held now: up to the highest page not free.
+        (Not every page ever handed out: where memory refused the growth for a large session's
+        pages, the passes of the smaller sessions after it asked for that growth again, and failed.)"""
+        with self._lock:
+            back, self._back = self._back, []
+            free = self._free = sorted(self._free + back)
+            top, i = self._pages, len(free) - 1
+            while i >= 0 and free[i] == top - 1:
+                top, i = top - 1, i - 1
+            return top * PAGE
 
     def fit(self) -> int:
-        """Grows every layer to hold the pages handed out so far (doubling, up to `limit`); returns
+        """Grows every layer to hold the pages held now (doubling, up to `limit`); returns
         the slots they hold. Called on the passes' thread only, once at the start of each pass,
         after its caches are bound: pages taken meanwhile (on the event loop) are not in the pass,
         so no layer grows in the middle of a pass, nor in a CUDA graph's capture. A growth that
