@@ -253,6 +253,26 @@ def test_cache_budget_is_sized_from_the_model_and_memory(packed):
     assert packed.max_context <= budget <= 8 * full
 
 
+def test_a_default_budget_past_the_free_memory_is_logged(packed, monkeypatch, caplog):
+    """Where the free memory's share holds less than one whole-context session, the default budget
+    is still one such session (else no long request could be served), and the start-up says so:
+    only a --max-cached-tokens above the memory share was logged, the default never."""
+    import logging
+
+    from verify_service import capacity
+
+    per = capacity.kv_bytes_per_token(packed.model.config, packed.engine.plan.kv_dtype)
+    monkeypatch.setattr(capacity, "available_memory_bytes", lambda device=None: 2 * 10 * per)  # 10 tokens at 50%
+    with caplog.at_level(logging.WARNING, logger="specdec.verify"):
+        assert capacity.default_cache_budget(packed, max_sessions=8) == packed.max_context
+    assert any("holds 10 cache tokens, less than one session" in r.getMessage() for r in caplog.records), caplog.text
+    monkeypatch.setattr(capacity, "available_memory_bytes", lambda device=None: 2 * 8 * packed.max_context * per)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdec.verify"):
+        capacity.default_cache_budget(packed, max_sessions=8)
+    assert not caplog.records
+
+
 def test_default_budget_admits_every_session_at_full_context(packed, monkeypatch):
     """Admission counts whole pages, so the default budget must too: max_sessions sessions of the
     whole context fit (a bench of 32 sessions at a 684-token context was refused at the 32nd)."""

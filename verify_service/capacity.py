@@ -8,6 +8,7 @@ budget: tokens x kv_bytes_per_token in the pool's dtype (the engine plan's kv_dt
 """
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
@@ -16,6 +17,8 @@ from specdec import metrics
 from specdec.architectures import text_config
 from specdec.errors import Refusal, RequestError
 from specdec.engine import PAGE, available_memory_bytes
+
+log = logging.getLogger("specdec.verify")
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
@@ -39,7 +42,12 @@ def default_cache_budget(lm, max_sessions: int, memory_fraction: float | None = 
     if mem is None:
         return full
     share = memory_fraction if memory_fraction is not None else (0.9 if lm.device.type == "cuda" else 0.5)
-    return max(lm.max_context, min(full, int(mem * share / kv_bytes_per_token(lm.model.config, lm.engine.plan.kv_dtype))))
+    fits = int(mem * share / kv_bytes_per_token(lm.model.config, lm.engine.plan.kv_dtype))
+    if fits < lm.max_context:  # one session of the whole context is admitted all the same: say so
+        log.warning("the free memory's share holds %d cache tokens, less than one session at the model's context (%d): a "
+                    "session that long may fail out of memory; give the service more memory, or a smaller --max-cached-tokens "
+                    "to admit less", fits, lm.max_context)
+    return max(lm.max_context, min(full, fits))
 
 
 class Capacity:
