@@ -24,6 +24,7 @@ no later draw.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -201,7 +202,11 @@ class Drafter:
             if ids_only(prm.mode) or prm.sampling.greedy:  # q is the one-hot at the argmax
                 if i and prm.early_stop_p > 0 and float(torch.softmax(logits, -1).max()) < prm.early_stop_p:
                     break  # the draft is unsure: end the round here
-                x, *alts = torch.topk(logits, 1 + CHOICES).indices.tolist()
+                top = torch.topk(logits, 1 + CHOICES)
+                best, x, *alts = torch.cat((top.values[:1].double(), top.indices.double())).tolist()  # one host sync
+                if math.isnan(best) or best == -math.inf:  # topk takes a NaN for the largest: the round would carry garbage, a broken draft unseen
+                    raise ValueError("the model's probabilities have no mass to draw from (its logits are not finite)")
+                x, alts = int(x), [int(a) for a in alts]
                 out.add_one_hot(x, prm.mode, logits.shape[-1])
                 out.alts.append(tuple(alts))  # the next choices: a greedy pre-draft's guesses where x is rejected
                 context.append(x)

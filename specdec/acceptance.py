@@ -25,6 +25,16 @@ import torch
 from specdec.sampling import VERIFY, keyed_uniforms, probs_from_logits_rows, sample_with, to_device
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> the argmax ids [...] (first index on ties), V where the row has no largest
+    number (a NaN, which argmax takes for the largest, or every logit -inf): the id a sampled row's
+    draw gives there too, never accepted, which the verify service refuses (INTERNAL) instead of
+    committing. One gather of the maxima, no host sync."""
+    ids = logits.argmax(-1)
+    top = logits.gather(-1, ids[..., None]).squeeze(-1)
+    return torch.where(torch.isnan(top) | (top == float("-inf")), logits.shape[-1], ids)
+
+
 def _greedy_rows(target: torch.Tensor, tokens: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """target [B, T+1] argmax ids; tokens [B, T]; tau [B] (rows past tau are padding, never
     accepted). Returns (n [B], next [B])."""
@@ -82,7 +92,7 @@ def accept_batch(logits: torch.Tensor, tokens: torch.Tensor, tau: torch.Tensor, 
     B, R, V = logits.shape
     dev = logits.device
     tau_d = to_device(tau, dev)  # [B]
-    n, nxt = _greedy_rows(logits.argmax(-1), tokens, tau_d)  # [B], [B]
+    n, nxt = _greedy_rows(argmax_rows(logits), tokens, tau_d)  # [B], [B]
     if greedy.all():
         return n, nxt
     rows = lambda x: x.repeat_interleave(R)  # noqa: E731 - [B] -> [B*R]: a session's setting on each of its rows
@@ -98,7 +108,7 @@ def accept_greedy_batch(logits: torch.Tensor, tokens: torch.Tensor, tau: torch.T
     """accept_batch for a pass whose sessions are all greedy: the argmax rule alone, so no
     settings, q or uniforms need building. logits [B, T+1, V] and tokens [B, T] on the device,
     tau [B] on the host. Returns (n accepted [B], next token [B]) on the device."""
-    return _greedy_rows(logits.argmax(-1), tokens, to_device(tau, logits.device))
+    return _greedy_rows(argmax_rows(logits), tokens, to_device(tau, logits.device))
 
 
 def tree_tables(parents: list[list[int]], R: int) -> dict[str, torch.Tensor]:
@@ -151,7 +161,7 @@ def accept_tree(logits: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor
     parent, kids, anc, depth = (to_device(tables[k], dev) for k in ("parent", "kids", "anc", "depth"))
     live = torch.arange(R, device=dev)[None, :] <= to_device(counts, dev)[:, None]  # [B, R] real rows
     tok_row = torch.cat([tokens.new_zeros(B, 1), tokens], 1)  # [B, R] the token of each row
-    am = logits.argmax(-1)  # [B, R]
+    am = argmax_rows(logits)  # [B, R]
     ok_greedy = tok_row == am.gather(1, parent)  # [B, R]
     ok, nxt_rows = ok_greedy, am
     if not greedy.all():

@@ -498,10 +498,12 @@ def test_a_pass_hands_its_verdicts_to_the_event_loop_in_one_call(packed, monkeyp
     assert len(passes) < 6 * 3 + len(tokens)  # sessions shared passes: fewer hand-offs than verdicts
 
 
-def test_a_target_whose_logits_are_not_finite_fails_the_session_not_the_service(model_dir, monkeypatch):
+@pytest.mark.parametrize("temperature,mode", [(1.0, pb.PROPOSAL_MODE_SPARSE), (0.0, pb.PROPOSAL_MODE_GREEDY)])
+def test_a_target_whose_logits_are_not_finite_fails_the_session_not_the_service(model_dir, monkeypatch, temperature, mode):
     """NaN logits leave a sampled session's draw nothing to draw from: it came out as token V, one
     past the vocabulary, was committed, and the next pass indexed the embeddings with it (on CUDA a
-    device-side assert, for every session). The session fails with INTERNAL, its sequence as it was."""
+    device-side assert, for every session). The session fails with INTERNAL, its sequence as it was.
+    A greedy session's argmax took the NaN for the largest logit and committed token 0 (a review)."""
     from specdec.errors import Refusal, RequestError
     from specdec.sampling import Sampling
     from verify_service.scheduler import Scheduler
@@ -517,7 +519,7 @@ def test_a_target_whose_logits_are_not_finite_fails_the_session_not_the_service(
     monkeypatch.setattr(lm.engine, "forward", broken)
 
     async def run():
-        s = eng.open([3, 4, 5], 8, Sampling(temperature=1.0), seed=3, mode=pb.PROPOSAL_MODE_SPARSE)
+        s = eng.open([3, 4, 5], 8, Sampling(temperature=temperature), seed=3, mode=mode)
         try:
             await eng.prefill(s)
             ids = list(s.ids)

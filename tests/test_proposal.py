@@ -115,3 +115,20 @@ def test_a_draft_whose_logits_are_not_finite_raises_the_same_error_chain_or_tree
     fine = _Tree(at=-1, logits=torch.arange(8.0), nodes=[], kids=[])
     _children(fine, -1, fine.logits, prm, base=5, k=3, floor=0.0)
     assert 1 <= len(fine.nodes) <= 3  # finite logits: children as before
+
+    # a chain from the draft model: in greedy or ids-only mode it proposed the NaN's index, round after round
+    from draft_service.drafter import Drafter
+    from specdec.validation import GenParams
+
+    class Broken(Drafter):
+        def __init__(self, logits):
+            self.logits = logits
+
+        def _feed(self, st, context):
+            return self.logits
+
+    st = types.SimpleNamespace(ids=[1, 2], params=GenParams([1, 2], 5, prm.sampling, 3, mode=mode))
+    for bad in (logits, torch.full((8,), float("-inf"))):
+        with pytest.raises(ValueError, match=says):
+            Broken(bad).propose(st, 3)
+    assert len(Broken(torch.arange(8.0)).propose(st, 3).tokens) == 3

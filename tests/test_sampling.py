@@ -143,3 +143,19 @@ def test_an_overflowed_logit_takes_the_mass_and_no_draw_falls_outside_the_vocabu
     nan = probs_from_logits(torch.tensor([1.0, float("nan"), 0.0]), Sampling(1.0))
     with pytest.raises(ValueError, match="not finite"):
         sample(nan, 7, 3, DRAFT)
+
+
+def test_the_greedy_rules_never_accept_or_commit_at_a_row_without_a_largest_logit():
+    """argmax takes a NaN for the largest value: a greedy round accepted a proposal of the NaN's
+    token, and a NaN row committed token 0. Such a row's argmax is V now, as a sampled row's draw
+    is, which the verify service refuses."""
+    from specdec.acceptance import accept_greedy_batch, argmax_rows
+
+    V = 8
+    logits = torch.arange(3 * V, dtype=torch.float32).view(1, 3, V) % V  # argmax V-1 at every row
+    logits[0, 1, 3] = float("nan")  # one NaN at row 1
+    assert argmax_rows(logits).tolist() == [[V - 1, V, V - 1]]
+    assert argmax_rows(torch.full((2, V), float("-inf"))).tolist() == [V, V]
+    assert argmax_rows(torch.tensor([0.0, float("inf"), 1.0])).item() == 1  # +inf is a largest logit
+    n, nxt = accept_greedy_batch(logits, torch.tensor([[V - 1, 3]]), torch.tensor([2]))
+    assert (n.item(), nxt.item()) == (1, V)  # the NaN row's token is not accepted, and no token is drawn there

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.acceptance import accept_batch, accept_greedy_batch, accept_tree, tree_tables
+from specdec.acceptance import accept_batch, accept_greedy_batch, accept_tree, argmax_rows, tree_tables
 from specdec.sampling import int64
 from verify_service.session import Session
 
@@ -148,7 +148,7 @@ def decide(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor, forced=No
         n, nxt = accept(cj, c_lg, c_pr)
         if forced is not None:
             n = torch.tensor([max(0, min(forced(j.session, len(j.tokens)), len(j.tokens))) for j in cj], device=lg.device)
-            nxt = c_lg[torch.arange(len(cj), device=lg.device), n].argmax(-1)
+            nxt = argmax_rows(c_lg[torch.arange(len(cj), device=lg.device), n])
         verdicts = torch.stack((n, nxt), 1)
         parts.append(torch.nn.functional.pad(verdicts, (0, W)) if W else verdicts)
     if tree:
