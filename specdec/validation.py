@@ -9,6 +9,7 @@ import math
 import secrets
 import struct
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 from specdec.errors import invalid
@@ -102,14 +103,26 @@ def check_request_id(rid: str, what: str = "request_id") -> str:
     return rid
 
 
-LARGE_REQUEST = 1 << 16  # prompt characters or ids: above this, parse_generate_async runs off the event loop
+LARGE_REQUEST = 1 << 16  # ids, probabilities, body bytes: above this, their checks run off the event loop
+LARGE_PROMPT_CHARS = 1 << 12  # prompt characters: above this, tokenizing runs off the event loop (65,536 took 0.1 s)
+PROMPT_CHARS_MARGIN = 4  # a prompt past this x the context x a token's longest text is refused untokenized
+_TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def max_token_chars(tokenizer) -> int:
+    """The longest token's text in the tokenizer's vocabulary (one char per byte for byte-level
+    BPE, so at least as long as the prompt text the token covers), computed once per tokenizer."""
+    got = _TOKEN_CHARS.get(tokenizer)
+    if got is None:
+        got = _TOKEN_CHARS[tokenizer] = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return got
 
 
 async def parse_generate_async(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_context: int,
                                defaults: Defaults = Defaults(), whose: str = "") -> GenParams:
     """parse_generate, in a worker thread when the prompt is large (tokenizing megabytes of text
     takes seconds, which would stall every other call on the event loop)."""
-    if len(req.prompt) + len(req.prompt_ids) > LARGE_REQUEST:
+    if len(req.prompt) > LARGE_PROMPT_CHARS or len(req.prompt_ids) > LARGE_REQUEST:
         return await asyncio.to_thread(parse_generate, req, tokenizer, vocab_size, max_context, defaults, whose)
     return parse_generate(req, tokenizer, vocab_size, max_context, defaults, whose)
 
@@ -125,6 +138,10 @@ def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_cont
             raise invalid(f"prompt_ids: {len(req.prompt_ids)} tokens leave no room in the context limit of {max_context}{whose}")
         ids = check_ids(req.prompt_ids, vocab_size, "prompt_ids")
     elif req.prompt:
+        longest = max_token_chars(tokenizer)
+        if len(req.prompt) > PROMPT_CHARS_MARGIN * longest * max_context:  # the cheap check first: megabytes took seconds to tokenize
+            raise invalid(f"prompt: {len(req.prompt)} characters are far more than the context limit of {max_context} tokens{whose} "
+                          f"holds (no token here is longer than {longest} characters)")
         # as the target's own tokenizer does by default (BOS where it adds one); a request may opt out
         special = req.add_special_tokens if req.HasField("add_special_tokens") else True
         ids = tokenizer(req.prompt, add_special_tokens=special)["input_ids"]

@@ -549,6 +549,39 @@ def test_a_huge_prompt_is_refused_by_its_length_first(late_pair):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context limit" in e.value.details(), e.value.details()
 
 
+def test_a_huge_text_prompt_is_refused_before_it_is_tokenized(model_dir):
+    """A prompt string of megabytes was tokenized whole before its length was checked: 12 MB took
+    19-25 s of a service's CPU (three at once slowed every other request tenfold and timed out
+    the draft's health probe). Text far past what the context holds (4 x the context x the
+    longest token's characters) is refused at once; text below that is tokenized, off the event
+    loop past a few KB, and refused with its exact count."""
+    from transformers import AutoTokenizer
+
+    from specdec import validation
+    from specdec.errors import Refusal, RequestError
+
+    tok = AutoTokenizer.from_pretrained(model_dir("target"))
+    calls = []
+
+    class Counted:
+        def __call__(self, *args, **kwargs):
+            calls.append(1)
+            return tok(*args, **kwargs)
+
+        def get_vocab(self):
+            return tok.get_vocab()
+
+    counted, longest = Counted(), validation.max_token_chars(tok)
+    huge = "def f(x): return x\n" * (validation.PROMPT_CHARS_MARGIN * longest * 64 // 19 + 1)
+    with pytest.raises(RequestError) as e:
+        validation.parse_generate(pb.GenerateRequest(prompt=huge, max_new_tokens=4), counted, len(tok), 64)
+    assert e.value.kind == Refusal.INVALID_ARGUMENT and not calls
+    assert e.value.message.startswith(f"prompt: {len(huge)} characters are far more than the context limit of 64 tokens"), e.value.message
+    with pytest.raises(RequestError) as e:  # long, but not past the margin: tokenized and counted
+        validation.parse_generate(pb.GenerateRequest(prompt="def f(x): return x\n" * 20, max_new_tokens=4), counted, len(tok), 64)
+    assert calls and "tokens leave no room in the context limit of 64" in e.value.message, e.value.message
+
+
 def raw(channel, method: str, streaming_request: bool = False):
     """A call that sends bytes as they are (no protobuf encoding on this side)."""
     kind = channel.stream_stream if streaming_request else channel.unary_stream
