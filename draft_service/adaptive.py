@@ -157,7 +157,7 @@ PROBE_ROUNDS = 8  # speculative rounds, over the draft's sessions, that a compar
 PROBE_S = 0.5  # ... and their seconds, summed: one session's few rounds are too short to judge on a shared machine
 RELAY = 1.0  # a run's seconds per token over the verifier's quote, until measured (`Pace.ran`): 1.00-1.02 measured
 # with runs relayed several tokens a verdict (bench/results/GOODPUT.md)
-RELAY_DECAY = 0.98  # weight of the measured relay factor after each later run step
+RELAY_DECAY = 0.98  # weight of the measured relay factor after each later run verdict (of one or more steps)
 HOLD_S = (2.0, 30.0)  # how long target-only holds at a load after speculation lost there: first, and at most (doubling)
 IDLE_S = 0.25  # the most one gap between verdicts counts toward a hold: a hold runs on busy time, not idle time
 LOAD_S = 1.0  # the load the pace acts on: the highest class among the verdicts of the last this-many busy seconds

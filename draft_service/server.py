@@ -110,7 +110,9 @@ class DraftServicer(pb_grpc.DraftServicer):
                                                                        self.max_context, self.lm.eos)
                 costs, msg = Costs(step, base, per_token), "calibrated"
             except (grpc.aio.AioRpcError, RuntimeError, RequestError) as e:  # RequestError: no replica known yet
-                costs, msg = calibrate.fallback_costs(step), "calibration failed; using conservative default costs (pin them with --costs-ms)"
+                # a retry that fails keeps the fallback costs it had (DESIGN §3: they change once at most, when measured)
+                costs = self._costs if again and self._costs is not None and not self._measured else calibrate.fallback_costs(step)
+                msg = "calibration failed; using conservative default costs (pin them with --costs-ms)"
                 err = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
             self._costs, self._measured = costs, msg == "calibrated"
             self._retry_at = time.monotonic() + self.calibration_retry_s

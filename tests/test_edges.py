@@ -311,6 +311,36 @@ def test_a_failed_calibration_is_tried_again_in_the_background(model_dir, monkey
     asyncio.run(go())
 
 
+def test_failed_calibrations_keep_the_first_fallback_costs(model_dir, monkeypatch):
+    """Each failed retry timed the draft step again and installed new fallback costs (five
+    retries, five sets) where DESIGN §3 promises the costs change once at most, when measured."""
+    from draft_service.server import DraftServicer
+    from specdec.lm import LM
+
+    calls = []
+
+    async def rounds(stub, *args, **kwargs):
+        calls.append(stub)
+        raise RuntimeError("the verify service did not answer")
+
+    steps = iter(0.001 * (i + 1) for i in range(100))  # the draft step's timing differs each time it is taken
+    monkeypatch.setattr(calibrate, "verify_round_seconds", rounds)
+    monkeypatch.setattr(calibrate, "draft_step_seconds", lambda drafter: next(steps))
+    replicas = types.SimpleNamespace(best=lambda: types.SimpleNamespace(stub="verify"), target="verify:50052")
+
+    async def go():
+        s = DraftServicer(LM.load(model_dir("draft")), replicas, calibration_retry_s=0.0)
+        first = await s.costs()
+        for _ in range(500):
+            assert await s.costs() == first
+            if len(calls) >= 4:
+                break
+            await asyncio.sleep(0.01)
+        assert len(calls) >= 4 and await s.costs() == first
+
+    asyncio.run(go())
+
+
 @contextlib.contextmanager
 def held_session(v):
     """Holds the verify service's one session (a stream that sends its start, then waits) while
