@@ -6,7 +6,9 @@ time, in one run.
 
 Sessions are spread round-robin over --drafts draft-service processes that share one verify
 service. For each level n: n greedy requests on different held-out prompts run together
-(aggregate tokens/s = tokens / wall time), then the same n requests one after another. The
+(aggregate tokens/s = tokens / wall time), and the same n requests one after another, the two in
+alternating order from level to level and repeat to repeat (--repeats: each level's row is the
+median repeat, its ratio the median of the repeats' own ratios). The
 verify service's Prometheus endpoint gives the mean batch size per forward pass. After every
 level the verify service must be back to zero live sessions and zero cached tokens.
 """
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -62,6 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--levels", default="1,2,4,8,16")
     p.add_argument("--drafts", type=int, default=2, help="draft-service processes")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="concurrent/sequential pairs per level, in alternating order")
     a = p.parse_args(argv)
     levels = [int(x) for x in a.levels.split(",")]
     os.makedirs(a.out, exist_ok=True)
@@ -76,13 +80,21 @@ def main(argv=None) -> int:
     try:
         asyncio.run(run_level([d.address for d in drafts], prompts[:1], 4, False))  # warm-up
         threads0 = _threads(verify.proc.pid)
-        for n in tqdm(levels, desc="levels"):
-            b0, c0 = scrape(verify, "specdec_verify_batch_size_sum"), scrape(verify, "specdec_verify_batch_size_count")
-            conc = asyncio.run(run_level([d.address for d in drafts], prompts[:n], a.max_new_tokens, True))
-            b1, c1 = scrape(verify, "specdec_verify_batch_size_sum"), scrape(verify, "specdec_verify_batch_size_count")
-            seq = asyncio.run(run_level([d.address for d in drafts], prompts[:n], a.max_new_tokens, False))
-            rows.append(dict(sessions=n, concurrent=conc, sequential=seq, mean_batch=(b1 - b0) / max(c1 - c0, 1),
-                             speedup_vs_sequential=conc["tok_s"] / seq["tok_s"],
+        for k, n in enumerate(tqdm(levels, desc="levels")):
+            pairs, batch = [], [0.0, 0.0]
+            for rep in range(a.repeats):
+                got = {}
+                for together in ((True, False) if (k + rep) % 2 == 0 else (False, True)):  # order bias cancels over repeats
+                    b0, c0 = scrape(verify, "specdec_verify_batch_size_sum"), scrape(verify, "specdec_verify_batch_size_count")
+                    got[together] = asyncio.run(run_level([d.address for d in drafts], prompts[:n], a.max_new_tokens, together))
+                    if together:
+                        batch[0] += scrape(verify, "specdec_verify_batch_size_sum") - b0
+                        batch[1] += scrape(verify, "specdec_verify_batch_size_count") - c0
+                pairs.append((got[True], got[False]))
+            conc, seq = sorted(pairs, key=lambda x: x[0]["tok_s"] / x[1]["tok_s"])[(len(pairs) - 1) // 2]  # the median repeat
+            rows.append(dict(sessions=n, concurrent=conc, sequential=seq, mean_batch=batch[0] / max(batch[1], 1),
+                             speedup_vs_sequential=statistics.median(c["tok_s"] / q["tok_s"] for c, q in pairs),
+                             repeats=[dict(concurrent_tok_s=c["tok_s"], sequential_tok_s=q["tok_s"]) for c, q in pairs],
                              live_sessions_after=scrape(verify, "specdec_live_sessions"),
                              cached_tokens_after=scrape(verify, "specdec_cached_tokens"),
                              verify_threads_after=_threads(verify.proc.pid)))
@@ -93,7 +105,7 @@ def main(argv=None) -> int:
     base = rows[0]["concurrent"]["tok_s"]
     for r in rows:
         r["vs_one_session"] = r["concurrent"]["tok_s"] / base
-    res = dict(**run_header(a), drafts=a.drafts,
+    res = dict(**run_header(a), drafts=a.drafts, repeats=a.repeats,
                max_new_tokens=a.max_new_tokens, verify_threads_before=threads0, rows=rows)
     with open(os.path.join(a.out, "concurrency.json"), "w") as fh:
         json.dump(res, fh, indent=1)
@@ -133,7 +145,10 @@ def plot(res: dict, out: str) -> str:
 def render(res: dict, png: str) -> str:
     lines = ["# Batched verification: aggregate throughput", "",
              f"Run {res['date']}; {res['drafts']} draft-service processes, one verify service, 1 torch thread each, "
-             f"{res['max_new_tokens']} new tokens per greedy request, tau=4. Command: `python -m bench.concurrency`.", "",
+             f"{res['max_new_tokens']} new tokens per greedy request, tau=4, "
+             + (f"{res['repeats']} repeats per level in alternating order, the median repeat's tok/s and the median ratio"
+                if res.get("repeats") else "one pair per level, the concurrent run always first (files before 2026-12-01)")
+             + ". Command: `python -m bench.concurrency`.", "",
              "| sessions | concurrent tok/s | accepted tok/s | one-at-a-time tok/s | concurrent / one-at-a-time | vs 1 session | mean batch | live sessions after | cached tokens after | verify threads after |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:

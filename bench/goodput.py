@@ -121,7 +121,9 @@ def render(res: dict) -> str:
              "| unsteered tok/s | × target-only | mean τ | verifier CPU ms/token: target-only / steered / unsteered |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        m, x, tok_s = r["median"], r["ratio"], r["tok_s"]  # tok_s: the medians the ratios divide
+        m, x = r["median"], r["ratio"]
+        # tok_s: the medians of the runs (files from before it was kept: the median runs')
+        tok_s = r.get("tok_s") or {k: m[k]["tok_s"] for k in KINDS}
         cpu = " / ".join(f"{statistics.median(run['verify_cpu_ms_per_token'] for run in r['runs'][k]):.2f}"
                          if all("verify_cpu_ms_per_token" in run for run in r["runs"][k]) else "-" for k in KINDS)
         lines.append(f"| {r['sessions']} | {tok_s['target-only']:.1f} | {tok_s['steered']:.1f} | **{x['steered']:.2f}×** | "

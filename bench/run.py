@@ -171,9 +171,12 @@ def derive(rows: list[dict], base_tok_s: float, alpha: float, c: float, t_target
             continue
         gamma = r["drafted"] / r["rounds"]
         rho = max(r["verify_s"] - r["verify_forward_s"], 0.0) / r["rounds"] / t_target
+        r.update(gamma=gamma, rho=rho, tokens_per_round=r["tokens"] / r["rounds"])
+        if r.get("lookup_rounds"):  # the bound is the draft model's: a lookup round costs no draft steps, and has its own
+            continue  # acceptance; no bound, rather than one its own measurement beats
+        # E(alpha, gamma) at a whole gamma; else (adaptive tau, rounds cut near the end) the measured tokens per round
         e = expected_tokens(alpha, round(gamma)) if abs(gamma - round(gamma)) < 0.05 else r["tokens"] / r["rounds"]
-        r.update(gamma=gamma, rho=rho, tokens_per_round=r["tokens"] / r["rounds"],
-                 bound_S=e / round_cost(gamma, c), bound_S_net=e / round_cost(gamma, c, rho))
+        r.update(bound_S=e / round_cost(gamma, c), bound_S_net=e / round_cost(gamma, c, rho))
         r["efficiency"] = r["speedup"] / r["bound_S"]
 
 
