@@ -240,6 +240,11 @@ def reference(lm) -> tuple[list[int], list[int], torch.Tensor]:
         log.warning("%s: config.json sets sliding_window %d, which none of this model's layers reads: the services attend the "
                     "whole context, as the model's own forward does, but transformers' generate() windows its cache by it once "
                     "decoding, so past %d tokens the two differ; remove the field to make them agree", arch, window, window)
+    experts = mixture(cfg)
+    if experts and lm.device.type == "cpu":
+        log.warning("%s: a mixture of %d experts, each a product over the rows its router sends it, so row counts the CPU "
+                    "tier cannot pad: a session's numbers may differ in the last bits with its batch-mates (DESIGN §9), greedy "
+                    "output with them where the target's top two logits nearly tie", arch, experts)
     n = max(8, min(40, lm.max_context - 2))
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, lm.vocab_size, (n,), generator=g).tolist()
@@ -251,6 +256,13 @@ def reference(lm) -> tuple[list[int], list[int], torch.Tensor]:
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
         raise Unsupported(f"{arch}: its own forward pass fails on a {n}-token probe ({type(e).__name__}: {first[:300]})") from None
     return ids, other, ref
+
+
+def mixture(cfg) -> int | None:
+    """The number of experts of a mixture-of-experts model (Mixtral, Qwen2-MoE, PhiMoE, ...), else None."""
+    cfg = text_config(cfg)
+    return next((v for v in (getattr(cfg, n, None) for n in ("num_local_experts", "num_experts", "n_routed_experts"))
+                 if isinstance(v, int) and not isinstance(v, bool) and v > 1), None)
 
 
 def probe(lm, reference: tuple[list[int], list[int], torch.Tensor]) -> None:

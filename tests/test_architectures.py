@@ -488,6 +488,35 @@ def test_a_window_no_layer_reads_is_served_with_a_warning_that_generate_windows_
     assert any("sliding_window 8" in r.getMessage() and "generate()" in r.getMessage() for r in caplog.records), caplog.text
 
 
+def test_a_mixture_of_experts_is_served_on_the_cpu_with_a_warning_that_its_numbers_follow_the_batch(tmp_path, caplog):
+    """From a review: a Mixtral's experts run over however many rows its router sends them, row
+    counts the CPU tier's calibration cannot pad, so a session's logits differ in the last bits
+    with its batch-mates (and step against round); it was served as if batch-invariant."""
+    import logging
+
+    import transformers
+
+    from bench.tinymodels import word_tokenizer
+    from specdec.lm import LM
+
+    torch.manual_seed(0)
+    path = str(tmp_path / "mixtral")
+    kw = {k: v for k, v in SMALL.items() if k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                    "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**kw, num_local_experts=4, num_experts_per_tok=2)).save_pretrained(path)
+    word_tokenizer(V).save_pretrained(path)
+    with caplog.at_level(logging.WARNING, logger="specdec.startup"):
+        LM.load(path, "cpu", "float32")
+    assert any("a mixture of 4 experts" in r.getMessage() for r in caplog.records), caplog.text
+    caplog.clear()
+    dense = str(tmp_path / "llama")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).save_pretrained(dense)
+    word_tokenizer(V).save_pretrained(dense)
+    with caplog.at_level(logging.WARNING, logger="specdec.startup"):
+        LM.load(dense, "cpu", "float32")
+    assert not any("experts" in r.getMessage() for r in caplog.records)
+
+
 def test_a_multimodal_checkpoints_eos_ids_are_read_from_its_text_config(tmp_path):
     """From a review: without generation_config.json the EOS ids came from the top-level config
     only; transformers reads the language model's (text_config), as the limits already were."""

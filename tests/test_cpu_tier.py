@@ -160,6 +160,68 @@ def test_the_query_attention_gives_a_query_the_same_numbers_in_any_batch(B, n, H
 
 
 @KERNEL
+@pytest.mark.parametrize("D", [8, 64])
+def test_the_query_attention_soft_caps_as_gemma_2_and_stays_batch_invariant(D):
+    """Soft-capped attention (Gemma 2) went through two matmuls over the group's longest keys, whose
+    last bits changed with a batch-mate's length (3e-7 on a tiny Gemma 2 at context 1024). The query
+    attention caps each score itself: attention up to rounding (as close to float64 as transformers'
+    eager order in float32), and a query's numbers are the same alone, batched, or with more keys."""
+    from specdec.engine.attention import _eager
+
+    g = torch.Generator().manual_seed(D)
+    B, n, H, H_kv, L, cap, scale = 3, 4, 4, 2, 90, 5.0, 0.9  # scores large enough for the cap to bite
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((B, n, H, D), (B, L, H_kv, D), (B, L, H_kv, D)))
+    seen = torch.arange(L)[None, None, :] <= torch.randint(L // 2, L, (B, n), generator=g)[:, :, None]
+    rep = H // H_kv
+    s = torch.einsum("bnhd,blhd->bnhl", q.double(), k.double().repeat_interleave(rep, 2)) * scale
+    s = (torch.tanh(s / cap) * cap).masked_fill(~seen[:, :, None, :], float("-inf"))
+    want = torch.einsum("bnhl,blhd->bnhd", s.softmax(-1), v.double().repeat_interleave(rep, 2))
+    att = kernel.query_attention()
+    out = att(q, k, v, seen, scale, None, cap).view(B, n, H, D)
+    eager = _eager(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), seen[:, None], scale, cap).transpose(1, 2)
+    tol = 4 * max(float((eager.double() - want).abs().max()), 1e-7)
+    assert float((out.double() - want).abs().max()) <= tol
+    assert not torch.allclose(out, att(q, k, v, seen, scale).view(B, n, H, D), atol=1e-3)  # the cap changed the numbers
+    for b in range(B):
+        alone = att(q[b : b + 1], k[b : b + 1], v[b : b + 1], seen[b : b + 1], scale, None, cap)
+        assert torch.equal(alone.view(n, H, D), out[b])
+    more = torch.randn(B, 300, H_kv, D, generator=g)  # a batch-mate's longer keys, none of them seen
+    padded = att(q, torch.cat([k, more], 1), torch.cat([v, more], 1), torch.cat([seen, torch.zeros(B, n, 300, dtype=torch.bool)], 2),
+                 scale, None, cap)
+    assert torch.equal(padded.view(B, n, H, D), out)
+
+
+@KERNEL
+def test_a_gemma_2_sessions_numbers_do_not_depend_on_its_batch_mates_length(tmp_path):
+    """A session's logits alone and beside a session of another length are bitwise equal on the
+    CPU (DESIGN §9); with attention soft-capping they differed in the last bits (the batch's longest
+    keys set the matmuls' shapes)."""
+    import random
+
+    from helpers import archmodels
+
+    cfg_cls, model_cls, kw, _ = archmodels.SPECS["gemma2"]
+    torch.manual_seed(0)
+    model_cls(cfg_cls(**dict(kw, max_position_embeddings=1024))).eval().save_pretrained(tmp_path / "g")
+    archmodels.word_tokenizer(archmodels.V).save_pretrained(tmp_path / "g")
+    torch.set_num_threads(1)
+    lm = LM.load(str(tmp_path / "g"), "cpu", "float32")
+    eng, r = lm.engine, random.Random(11)
+    ids = lambda n: [r.randrange(2, archmodels.V) for _ in range(n)]  # noqa: E731
+    for la, lb in ((33, 700), (5, 1000), (100, 500)):
+        a, b = eng.cache(la + 8), eng.cache(lb + 8)
+        eng.forward([ids(la)], [a], logits=False)
+        eng.forward([ids(lb)], [b], logits=False)
+        rnd = ids(3)
+        alone = eng.forward([rnd], [a])[0]
+        a.crop(la)
+        both = eng.forward([rnd, [5]], [a, b])[0]
+        assert torch.equal(alone, both), (la, lb, float((alone - both).abs().max()))
+        a.release()
+        b.release()
+
+
+@KERNEL
 def test_the_query_attentions_eight_key_scores_are_its_one_key_scores():
     """A head of 24 floats scores keys eight at a time with one shared reduction (hsum8), a head of
     32 four at a time, each reduced alone (hsum): the same additions, so a head of 24 padded with

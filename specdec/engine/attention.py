@@ -145,8 +145,8 @@ def _attend(p: Pass, layer: int, query: torch.Tensor, scaling: float | None, sli
         B = g.qpos.shape[0]
         q = (q_all if p.back is None else q_all.index_select(0, g.rows)).to(K.dtype)  # [B * n, H, D]
         # the CPU tier's query attention, where it takes the layer's heads, reading the pool in place: -> [B * n, H, D]
-        o = p.kernel(q.reshape(B, g.n, H, D), K, V, g.visible(sliding_window), scale, g.slots()) \
-            if p.kernel is not None and not alone and not softcap else None
+        o = p.kernel(q.reshape(B, g.n, H, D), K, V, g.visible(sliding_window), scale, g.slots(), softcap or 0.0) \
+            if p.kernel is not None and not alone else None
         if o is not None:
             outs.append(o)
             continue

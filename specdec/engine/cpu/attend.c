@@ -2,7 +2,8 @@
    (query, head) of a pass's short inputs is its own problem, as in the per-query layout, but
    without SDPA's per-problem set-up, which costs more than the arithmetic at one query.
 
-   out = softmax_j(scale * q . k_j) v_j over the query's visible keys j only, in ascending j: each
+   out = softmax_j(cap(scale * q . k_j)) v_j over the query's visible keys j only, in ascending j
+   (cap(x) = softcap * tanh(x / softcap) for Gemma 2's logit soft-cap, else x): each
    score is eight lanes of FMA chains over the head dimension reduced in a fixed order, the
    exponentials are summed in a fixed order, and each output element is one FMA chain over the
    visible keys (a head of 8 or 16 floats: 4 or 2 chains, key j in chain j % chains, then added in
@@ -68,7 +69,8 @@ static inline __attribute__((always_inline)) void dots(const float *q, const flo
 /* One (query, head): m visible keys at pool rows idx, rows `row` floats apart; s: scratch of m + 8 floats.
    DV: the head dimension in 8-float vectors (a constant where inlined). */
 static inline __attribute__((always_inline)) void head(const float *q, const float *k, const float *v, const int32_t *idx,
-                                                       int64_t m, int64_t row, float scale, float *s, float *o, int64_t DV) {
+                                                       int64_t m, int64_t row, float scale, float softcap, float *s, float *o,
+                                                       int64_t DV) {
   /* Scores keys in blocks: eight for a short head (DV < CHAINS), whose per-key sums would
      cost more than its FMAs, reduced together (hsum8); four for a longer one, each reduced alone.
      Either way each score is hsum's of its own chain, so the block size changes no number. */
@@ -102,6 +104,13 @@ static inline __attribute__((always_inline)) void head(const float *q, const flo
     for (int64_t d = 0; d < DV; d++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * d), _mm256_loadu_ps(k + idx[t] * row + 8 * d), acc);
     s[t] = hsum(acc) * scale;
     mx = s[t] > mx ? s[t] : mx;
+  }
+  if (softcap > 0.0f) { /* the soft-cap, in transformers' order (scaled, then capped), each score alone */
+    mx = -INFINITY;
+    for (t = 0; t < m; t++) {
+      s[t] = tanhf(s[t] / softcap) * softcap;
+      mx = s[t] > mx ? s[t] : mx;
+    }
   }
   __m256 top = _mm256_set1_ps(mx), total = _mm256_setzero_ps();
   for (t = 0; t + 8 <= m; t += 8) {
@@ -146,14 +155,16 @@ static inline __attribute__((always_inline)) void head(const float *q, const flo
 }
 
 /* q: [B, n, H, D]; k, v: [S, Hkv, D], a pool of S key (value) rows; slots: [B, L], the pool row of
-   each input's key positions; visible: [B, n, L] (1: the query sees the key); out: [B, n, H, D].
+   each input's key positions; visible: [B, n, L] (1: the query sees the key); out: [B, n, H, D];
+   softcap: 0, or the logit soft-cap.
    All row-major, float32; D a multiple of 8, at most 256; H a multiple of Hkv. The keys are read in
    place through the slots, never gathered. With OpenMP, `threads` threads share the (query, head)
    problems out, each whole on one thread: the numbers are the same at any thread count. Returns 0,
    -1 where scratch memory could not be had, -2 where a visible key's slot is not a row of the pool
    (nothing is read there). */
 int attend_queries(const float *q, const float *k, const float *v, const int32_t *slots, const uint8_t *visible, float *out,
-                   int64_t B, int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t L, int64_t S, float scale, int threads) {
+                   int64_t B, int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t L, int64_t S, float scale, float softcap,
+                   int threads) {
   int64_t rep = H / Hkv, row = Hkv * D, problems = B * n * H;
   int failed = 0, outside = 0;
   (void)threads;
@@ -184,12 +195,12 @@ int attend_queries(const float *q, const float *k, const float *v, const int32_t
       const float *qh = q + t * D, *kh = k + (h / rep) * D, *vh = v + (h / rep) * D;
       float *o = out + t * D;
       switch (D) { /* the common head sizes with their vector count a constant: accumulators in registers */
-        case 8: head(qh, kh, vh, idx, m, row, scale, s, o, 1); break;
-        case 16: head(qh, kh, vh, idx, m, row, scale, s, o, 2); break;
-        case 32: head(qh, kh, vh, idx, m, row, scale, s, o, 4); break;
-        case 64: head(qh, kh, vh, idx, m, row, scale, s, o, 8); break;
-        case 128: head(qh, kh, vh, idx, m, row, scale, s, o, 16); break;
-        default: head(qh, kh, vh, idx, m, row, scale, s, o, D / 8); break;
+        case 8: head(qh, kh, vh, idx, m, row, scale, softcap, s, o, 1); break;
+        case 16: head(qh, kh, vh, idx, m, row, scale, softcap, s, o, 2); break;
+        case 32: head(qh, kh, vh, idx, m, row, scale, softcap, s, o, 4); break;
+        case 64: head(qh, kh, vh, idx, m, row, scale, softcap, s, o, 8); break;
+        case 128: head(qh, kh, vh, idx, m, row, scale, softcap, s, o, 16); break;
+        default: head(qh, kh, vh, idx, m, row, scale, softcap, s, o, D / 8); break;
       }
     }
     free(idx);

@@ -200,7 +200,7 @@ def _load() -> ctypes.CDLL:
     lib.avx512.restype, lib.avx512.argtypes = ctypes.c_int, [ctypes.c_int]
     lib.threaded.restype = ctypes.c_int
     lib.attend_queries.restype = ctypes.c_int
-    lib.attend_queries.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+    lib.attend_queries.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
     if not lib.threaded():  # every load says so: a library built once without OpenMP is cached and loaded as it is
         log.info("CPU tier's kernels run on one thread whatever --threads says: %s was built without OpenMP "
                  "(delete it to build again)", target)
@@ -283,7 +283,7 @@ def query_attention():
     q [B, n, H, D], k and v [B, L, H_kv, D], visible [B, n, L] (bool), scale -> [B * n, H, D]; or,
     with `slots` [B, L] (int32), k and v a pool [S, H_kv, D] read in place, slots[b, j] the pool row
     of input b's key position j (a slot outside the pool is an IndexError; keys it does not see are
-    never read). None for heads it does not take (not float32 CPU tensors, D not in HEAD_DIMS, H
+    never read); `softcap` > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2). None for heads it does not take (not float32 CPU tensors, D not in HEAD_DIMS, H
     not a multiple of H_kv, values of another size than keys): those attend through SDPA, every
     pass alike."""
     lib = library()
@@ -292,7 +292,7 @@ def query_attention():
     fn = lib.attend_queries
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
-            slots: torch.Tensor | None = None) -> torch.Tensor | None:
+            slots: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor | None:
         B, n, H, D = q.shape
         if slots is None:  # one input's keys after another's: a pool of B * L rows, in order
             if k.dim() != 4 or v.dim() != 4 or k.shape[0] != B or v.shape[:2] != k.shape[:2]:
@@ -311,7 +311,7 @@ def query_attention():
         q, k, v, slots, visible = q.contiguous(), k.contiguous(), v.contiguous(), slots.contiguous(), visible.contiguous()
         out = torch.empty(B * n, H, D, dtype=torch.float32)
         failed = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), visible.data_ptr(), out.data_ptr(),
-                    B, n, H, H_kv, D, L, k.shape[0], scale, torch.get_num_threads())
+                    B, n, H, H_kv, D, L, k.shape[0], scale, softcap, torch.get_num_threads())
         if failed == -2:
             raise IndexError(f"the query attention's slots name a key outside the pool of {k.shape[0]} rows")
         if failed:
