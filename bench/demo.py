@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from bench.cli import add_pair_args
 from client import Client
-from bench.launch import ENV, Service
+from bench.launch import ENV, start_pair
 
 # Ends at the end of a line, without its newline: the shipped tokenizer merges a newline with the
 # next line's indentation (bench/prompts.py, CODE_PROMPTS).
@@ -65,8 +65,13 @@ def main(argv=None) -> int:
         a.target, a.draft = tiny_pair(tmp)
     env = dict(ENV, OMP_NUM_THREADS="1")  # the two services share this machine's cores: one thread each
     print("[demo] starting verify_service (target) and draft_service (draft) ...", file=sys.stderr)
-    verify = Service("verify_service", "--model", a.target, "--threads", "1", env=env)
-    draft = Service("draft_service", "--model", a.draft, "--verify", verify.address, "--threads", "1", "--http-port", "0", env=env)
+    try:  # both started together, and both stopped where either fails to start (start_pair)
+        verify, draft = start_pair(("--model", a.target, "--threads", "1"),
+                                   ("--model", a.draft, "--threads", "1", "--http-port", "0"), env=env)
+    except RuntimeError as e:  # a service that did not start: its own one line, not a traceback
+        said = str(e).split(" did not start: ", 1)[-1].strip().splitlines()  # the service's stderr: its one line last
+        print(f"[demo] a service did not start: {said[-1] if said else e}", file=sys.stderr)
+        return 2
     print(f"[demo] draft: gRPC on {draft.address}, OpenAI-compatible HTTP on http://{draft.http_address}/v1", file=sys.stderr)
     try:
         policy = dict(num_draft_tokens=a.tau, adaptive=False) if a.tau else {}  # else the service's defaults
