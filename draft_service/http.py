@@ -196,6 +196,8 @@ class FrontDoor:
         self._served, self._given = getattr(args, "served_model_name", None), model
         self.created = int(time.time())
         self.template = open(args.chat_template, encoding="utf-8").read() if args.chat_template else None  # noqa: SIM115 - read at start-up (checked there)
+        if self.template is not None:
+            _check_template(self.template, args.chat_template)
         self.draining, self.server, self.task, self.sock = False, None, None, None
         self.upstream = True  # whether a verify replica answers and takes this draft (the gRPC health's; set by the service)
         errors = {HttpError: _error_response, HTTPException: _error_response, ClientGone: _error_response, Exception: _error_response}
@@ -415,3 +417,17 @@ class FrontDoor:
             return tok.apply_chat_template(messages, chat_template=self.template, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template that raises on these messages (jinja's raise_exception)
             raise HttpError(400, f"messages: the chat template refused them: {e}", "messages") from None
+
+
+def _check_template(text: str, path: str) -> None:
+    """StartupError naming --chat-template where transformers cannot compile the file (a Jinja
+    syntax error): it was found at the first chat, as a 400 that blamed the client's messages."""
+    from jinja2 import TemplateError  # noqa: PLC0415
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # noqa: PLC0415 - transformers' own compiler, as apply_chat_template's
+
+    try:
+        _compile_jinja_template(text)
+    except TemplateError as e:
+        line = getattr(e, "lineno", None)
+        raise StartupError(f"--chat-template {path}: not a chat template transformers can compile ({e}"
+                           + (f", line {line})" if line else ")")) from None

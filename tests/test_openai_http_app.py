@@ -80,6 +80,20 @@ def test_a_draft_started_before_its_verify_service_serves_the_targets_name_once_
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "w7"}], "max_tokens": 2}
 
 
+def test_a_chat_template_that_does_not_compile_fails_the_start_up(tmp_path):
+    """From a review: a --chat-template with a Jinja syntax error started; every chat then got a
+    400 blaming its messages. The start-up refuses it, naming the flag and the line."""
+    from specdec.startup import StartupError
+
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}\n{{ m.content }{% endfor %}")
+    with pytest.raises(StartupError, match=r"--chat-template .*bad.jinja: not a chat template transformers can compile \(.*line 2\)"):
+        FrontDoor(Stub(word_tokenizer(16)), args(str(bad)))
+    good = tmp_path / "good.jinja"
+    good.write_text("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}")  # transformers' own tags
+    FrontDoor(Stub(word_tokenizer(16)), args(str(good)))
+
+
 def test_a_model_without_a_chat_template_gets_a_clear_400():
     stub = Stub(word_tokenizer(16))
     r = client(stub).post("/v1/chat/completions", json=CHAT)
