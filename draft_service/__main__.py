@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 
 from draft_service.adaptive import RUN_TOKENS_PER_VERDICT
 from specdec import auth, startup
@@ -99,6 +98,8 @@ def verify_arg(text: str) -> str:
         host, _, port = a.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise argparse.ArgumentTypeError(f"{a!r} is not HOST:PORT (a port in 1..65535)")
+        if ":" in host and not (host.startswith("[") and host.endswith("]")):  # gRPC reads ::1:PORT as another address
+            raise argparse.ArgumentTypeError(f"{a!r}: an IPv6 address goes in brackets, [{host}]:{port}")
     return text
 
 
@@ -192,8 +193,7 @@ def main(argv=None) -> None:
 
     logs.setup(args.log_format, args.log_level)
     tracing.setup("specdec.v1.Draft", args.trace)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    startup.set_threads(torch, args.threads)
     asyncio.run(run(args, token_auth))
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import math
 import os
 import signal
@@ -24,6 +25,10 @@ from specdec.files import StartupError, check_ca, check_pair, read_file, read_pe
 
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.switches: dict[str, str] = {}  # a switch's dest -> its environment variable (add_switch)
+
     def error(self, message: str):  # argparse prints its usage block first: one line instead
         self.exit(2, f"{self.prog}: error: {message}\n")
 
@@ -35,6 +40,8 @@ class Parser(argparse.ArgumentParser):
             v = getattr(ns, a.dest, None)
             if a.choices is not None and v is not None and v not in a.choices:
                 self.error(f"{a.option_strings[-1]} {v!r} (from the environment): choose from {', '.join(map(str, a.choices))}")
+            if a.dest in self.switches and isinstance(v, str):  # env_flag's unread word
+                self.error(f"{self.switches[a.dest]}={v!r}: not a switch value (use {'/'.join(TRUE)} or {'/'.join(FALSE)})")
         ports = [(f"--{k.replace('_', '-')}", getattr(ns, k)) for k in ("port", "metrics_port", "http_port") if getattr(ns, k, None)]
         for i, (flag, port) in enumerate(ports):
             other = next((f for f, q in ports[:i] if q == port), None)
@@ -191,16 +198,24 @@ def env(name: str) -> str | None:
     return os.environ.get(name) or None
 
 
-def env_flag(name: str, default: bool) -> bool:
-    """A boolean environment variable as a flag default: 0/false/no/off are false, else true."""
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool) -> bool | str:
+    """A boolean environment variable as a flag default: 1/true/yes/on or 0/false/no/off (any case);
+    anything else is returned as it is, for Parser.parse_args to refuse (`disabled` read as on)."""
     v = env(name)
-    return default if v is None else v.strip().lower() not in ("0", "false", "no", "off")
+    if v is None:
+        return default
+    word = v.strip().lower()
+    return True if word in TRUE else False if word in FALSE else v
 
 
 def add_switch(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
     """--NAME / --no-NAME, its default from SPECDEC_NAME (env_flag) and `default`; the help names the variable."""
     var = "SPECDEC_" + name.upper().replace("-", "_")
     p.add_argument("--" + name, action=argparse.BooleanOptionalAction, default=env_flag(var, default), help=f"{help} [env {var}]")
+    p.switches[name.replace("-", "_")] = var
 
 
 def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -248,3 +263,16 @@ def _choices_arg(text: str) -> dict:
     except ValueError as e:
         where = " (from SPECDEC_ENGINE_CHOICES)" if text == os.environ.get("SPECDEC_ENGINE_CHOICES") else ""
         raise argparse.ArgumentTypeError(str(e).removeprefix("--engine-choices: ") + where) from None
+
+
+def set_threads(torch, threads: int | None) -> None:
+    """torch's intra-op threads (--threads), with a warning where they are more than this process
+    may run on (its CPU affinity): each step's team then waits on preempted threads, 10-100x slower."""
+    if not threads:
+        return
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or threads
+    if threads > usable:
+        logging.getLogger("specdec.startup").warning(
+            "--threads %d is more than the %d CPUs this process may run on: steps slow down many times over; give at most %d",
+            threads, usable, usable)
+    torch.set_num_threads(threads)

@@ -180,6 +180,7 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
         "message bytes past a C int": ([*v, "--model", target, "--max-message-bytes", "99999999999"], "--max-message-bytes"),
         "costs not finite": ([*d, "--model", target, "--costs-ms", "nan,1,1"], "--costs-ms", "finite"),
         "verify without a port": ([*d, "--model", target, "--verify", "dns:///localhost"], "--verify", "not HOST:PORT"),
+        "verify IPv6 unbracketed": ([*d, "--model", target, "--verify", "::1:50051"], "--verify", "[::1]:50051"),
         "an empty certificate": ([*v, "--model", target, "--tls-cert", str(tok_dir / "empty.pem"), "--tls-key", str(tok_dir / "empty.pem")],
                                  "--tls-cert", "not a PEM file"),
         **{name: ([*v, "--model", path], "--model", path, word) for name, (path, word) in models.items()},
@@ -828,3 +829,38 @@ def test_an_upstream_refusal_of_the_services_own_credentials_is_unavailable_to_i
     e = asyncio.run(serving.upstream_error(RuntimeError("the write failed"), Ended()))
     assert isinstance(e, RequestError) and e.kind == Refusal.UNAVAILABLE and e.retry
     assert e.message == f"upstream refused this service's credentials ({code.name}): invalid bearer token"
+
+
+def test_a_switch_from_the_environment_takes_only_switch_words(monkeypatch, capsys):
+    """From a review: SPECDEC_PREDRAFT=disabled (or n, none) turned pre-drafting on: anything but
+    0/false/no/off read as on. Only 1/true/yes/on and 0/false/no/off are switch values now."""
+    from draft_service.__main__ import parser
+
+    for word, want in (("0", False), ("FALSE", False), ("off", False), ("yes", True), ("On", True)):
+        monkeypatch.setenv("SPECDEC_PREDRAFT", word)
+        assert parser().parse_args(["--model", "m", "--verify", "h:1"]).predraft is want, word
+    monkeypatch.setenv("SPECDEC_PREDRAFT", "disabled")
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(["--model", "m", "--verify", "h:1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "SPECDEC_PREDRAFT='disabled': not a switch value" in err[0], err
+    assert parser().parse_args(["--model", "m", "--verify", "h:1", "--no-predraft"]).predraft is False  # the flag still wins
+
+
+def test_more_threads_than_the_process_may_run_on_are_warned_of(caplog):
+    """From a review: --threads 64 on this 2-core machine started without a word, though a step
+    then runs many times slower (README, deploy/k8s)."""
+    import logging
+
+    from specdec import startup
+
+    set_to = []
+    torch = types.SimpleNamespace(set_num_threads=set_to.append)
+    usable = len(os.sched_getaffinity(0))
+    with caplog.at_level(logging.WARNING, logger="specdec.startup"):
+        startup.set_threads(torch, usable)
+    assert set_to == [usable] and not caplog.records
+    with caplog.at_level(logging.WARNING, logger="specdec.startup"):
+        startup.set_threads(torch, usable + 1)
+    assert set_to == [usable, usable + 1]
+    assert any(f"--threads {usable + 1} is more than the {usable} CPUs" in r.getMessage() for r in caplog.records), caplog.text

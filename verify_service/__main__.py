@@ -62,8 +62,7 @@ def main(argv=None) -> None:
 
     logs.setup(args.log_format, args.log_level)
     tracing.setup("specdec.v1.Verify", args.trace)  # before the model loads: a --trace without its package is refused at once
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    startup.set_threads(torch, args.threads)
     lm = LM.load(args.model, args.device, args.dtype, choices=args.engine_choices, graphs=args.cuda_graphs,
                  compiled=args.compile_layers)
     engine = Scheduler(lm, max_sessions=args.max_sessions, max_cached_tokens=args.max_cached_tokens, gather=args.gather,
