@@ -19,6 +19,7 @@ log = logging.getLogger("specdec.draft")
 
 
 async def run(args, token_auth=None) -> None:
+    import grpc  # noqa: PLC0415
     from grpc_health.v1 import health_pb2  # noqa: PLC0415
 
     from draft_service import calibrate, http  # noqa: PLC0415
@@ -45,6 +46,8 @@ async def run(args, token_auth=None) -> None:
         target = first.info
     elif (e := verify.refusal()) is not None:
         raise StartupError(check.token_refused(e.code(), e.details()))
+    elif verify.refusal(grpc.StatusCode.UNIMPLEMENTED) is not None:  # it answers, but has no Verify service: not "unreachable"
+        raise StartupError(f"--verify {args.verify}: not a verify service (Verify.Info is UNIMPLEMENTED there: another server's port?)")
     else:
         log.warning("verify service not reachable yet; NOT_SERVING until it answers", extra={"fields": {"verify": args.verify}})
     servicer = DraftServicer(lm, verify, target, adaptive=args.adaptive, predraft=args.predraft, proposer=pb.Proposer.Value(f"PROPOSER_{args.proposer.upper()}"),

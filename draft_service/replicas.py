@@ -131,10 +131,10 @@ class Replicas:
     def ready(self) -> bool:
         return any(r.reachable for r in self.replicas.values())
 
-    def refusal(self) -> grpc.aio.AioRpcError | None:
-        """An Info that a replica refused for this draft's credentials, if any."""
-        return next((r.error for r in self.replicas.values()
-                     if r.error is not None and r.error.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)), None)
+    def refusal(self, *codes: grpc.StatusCode) -> grpc.aio.AioRpcError | None:
+        """An Info that a replica refused with one of `codes` (default: for this draft's credentials), if any."""
+        codes = codes or (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+        return next((r.error for r in self.replicas.values() if r.error is not None and r.error.code() in codes), None)
 
     def best(self) -> Replica | None:
         """The replica for a call that is not a session (calibration, a pairing check)."""

@@ -130,6 +130,8 @@ class VerifyCheck:
         await self.replicas.refresh()
         up = [r for r in self.replicas.ranked() if r.reachable]
         if not up:
+            if (e := self.replicas.refusal()) is not None:  # it answers, and refuses this draft's token
+                return self.token_refused(e.code(), e.details())
             known = list(self.replicas.replicas.values())
             why = "; ".join(f"{r.address}: {r.error.code().name}" for r in known if r.error is not None) or "none resolved"
             return f"no verify replica at {self.args.verify} answers ({why})"
@@ -144,7 +146,10 @@ class VerifyCheck:
         return None
 
     async def watch(self, servicer, set_health, serving_now: bool) -> None:
-        """Runs while the service does: polls the replicas, sets the health they imply."""
+        """Runs while the service does: polls the replicas, sets the health they imply, and logs
+        each new reason it is not serving (a draft that started before its verify service logged
+        none after "not reachable yet": a token the verify service then refused went unsaid)."""
+        said = None  # the reason last logged
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             try:
@@ -157,3 +162,7 @@ class VerifyCheck:
                 await set_health(health_pb2.HealthCheckResponse.SERVING if serving_now else health_pb2.HealthCheckResponse.NOT_SERVING)
                 log.log(logging.INFO if serving_now else logging.WARNING, "verify service " + ("answers" if serving_now else "lost"),
                         extra={"fields": {"verify": self.args.verify, **({} if serving_now else {"reason": why})}})
+                said = why
+            elif why is not None and why != said:
+                log.warning("verify service still not serving this draft", extra={"fields": {"verify": self.args.verify, "reason": why}})
+                said = why

@@ -130,6 +130,9 @@ async def upstream_error(e: Exception, call) -> Exception:
         # stream (grpc/grpc issue 36066): the request was not served, so it is safe to retry
         return RequestError(Refusal.UNAVAILABLE, "upstream: the verify service ended the session while a message was in flight "
                             "(its status was lost, grpc/grpc#36066); retry")
+    if isinstance(e, grpc.aio.AioRpcError) and e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        # a unary call of this service's (a pairing check's Info) refused for its own credential: as below
+        return RequestError(Refusal.UNAVAILABLE, f"upstream refused this service's credentials ({e.code().name}): {e.details()}")
     if call is None or isinstance(e, RequestError) or not call.done():
         return e
     try:

@@ -439,6 +439,36 @@ def test_a_draft_waits_for_its_verify_service_not_serving(late_pair):
         assert len(c.generate(prompt_ids=[3, 4], max_new_tokens=5).token_ids) == 5
 
 
+def test_a_late_verify_service_that_refuses_the_drafts_token_is_logged_and_unavailable_to_callers(model_dir, tmp_path, late_pair):
+    """From a review: a draft started before its verify service logged nothing after "not
+    reachable yet" once the verify service came up refusing its token, and each request failed
+    UNAUTHENTICATED (HTTP 401), the client's credential blamed, so no retry or fallback started.
+    It logs the refusal now, and requests get UNAVAILABLE naming the service's own credential.
+    A --verify that answers but is no verify service fails the start-up in one line."""
+    port = free_port()
+    d = Service("draft_service", "--model", model_dir("long-draft"), "--verify", f"127.0.0.1:{port}", "--verify-wait-s", "0.5",
+                "--threads", "1", *PIN)
+    v = None
+    token = tmp_path / "token"
+    token.write_text("not-the-drafts")
+    try:
+        v = Service("verify_service", "--model", model_dir("long-target"), "--port", str(port), "--auth-token-file", str(token),
+                    "--threads", "1", *PIN)
+        assert wait_for(lambda: any("refuses this draft's sessions: UNAUTHENTICATED" in line for line in d.stderr), 30), d.stderr[-5:]
+        with Client(d.address, timeout=TIMEOUT) as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(prompt_ids=[3, 4], max_new_tokens=3)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "this service's credentials" in e.value.details(), e.value.details()
+    finally:
+        d.stop()
+        if v is not None:
+            v.stop()
+    _, other, _ = late_pair  # a draft service: gRPC answers there, but has no Verify
+    r = run_all({"not a verify service": ["draft_service", "--model", model_dir("long-draft"), "--port", "0", "--verify", other.address,
+                                          "--verify-wait-s", "5", "--log-level", "ERROR", *PIN]})["not a verify service"]
+    assert_one_line_exit_2("not a verify service", r, f"--verify {other.address}: not a verify service")
+
+
 def test_a_pair_started_side_by_side_moves_off_a_port_taken_before_its_verify_binds(model_dir, monkeypatch):
     """bench.launch.start_pair (the fixtures' pairs) picks the verify's port before the verify binds
     it, so another process can take it in between: that verify exits on the taken port, and the pair
