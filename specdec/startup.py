@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -163,6 +164,8 @@ def check_port(host: str, port: int | None, flag: str) -> None:
     # in use on any address is an error; others (no IPv6 for `localhost`) only if no address binds, as for gRPC
     bad = [e for e in errors if e.errno == errno.EADDRINUSE] or (errors if len(errors) == len(addrs) else [])
     if bad:
+        if bad[0].errno == errno.EADDRNOTAVAIL:  # the host is not this machine's: --host is at fault, not the port
+            raise StartupError(f"--host {host}: not an address of this machine ({bad[0].strerror or bad[0]})")
         raise StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {bad[0].strerror or bad[0]}")
 
 
@@ -242,8 +245,15 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="OpenTelemetry spans per request (console: JSON lines on stderr; needs opentelemetry-sdk) [env SPECDEC_TRACE]")
 
 
+def device_arg(text: str) -> str:
+    """--device's spelling, checked before torch loads (whether CUDA is there is checked after)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected auto, cpu, cuda or cuda:N")
+    return text
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=os.environ.get("SPECDEC_DEVICE") or "auto",
+    p.add_argument("--device", default=os.environ.get("SPECDEC_DEVICE") or "auto", type=device_arg,
                    help="auto (cuda if present, else cpu), cpu, cuda or cuda:N [env SPECDEC_DEVICE]")
     p.add_argument("--dtype", default=os.environ.get("SPECDEC_DTYPE") or "auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: the checkpoint's dtype on CUDA; on the CPU float32 where the CPU tier's row kernel runs and "

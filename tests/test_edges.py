@@ -171,7 +171,7 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
         "draft missing model dir": ([*d, "--model", str(tmp_path / "nope")], "--model", "no such directory"),
         "port in use": ([*v, "--model", target, "--port", str(busy.getsockname()[1])], "--port", "in use"),
         "metrics port in use": ([*v, "--model", target, "--metrics-port", str(busy_metrics.getsockname()[1])], "--metrics-port"),
-        "a host not of this machine": ([*v, "--model", target, "--host", "192.0.2.1"], "--port 0", "cannot listen on 192.0.2.1"),
+        "a host not of this machine": ([*v, "--model", target, "--host", "192.0.2.1"], "--host 192.0.2.1", "not an address of this machine"),
         # caught by the parser now (each was a traceback, a gRPC abort or a service in plaintext; review of 2026-11-28)
         "one port twice": ([*d, "--model", target, "--port", "50999", "--http-port", "50999"], "--http-port 50999", "same port as --port"),
         "client cert without key": ([*d, "--model", target, "--verify-tls-ca", str(tmp_path / "ca.pem"), "--verify-tls-cert",
@@ -181,6 +181,7 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
         "costs not finite": ([*d, "--model", target, "--costs-ms", "nan,1,1"], "--costs-ms", "finite"),
         "verify without a port": ([*d, "--model", target, "--verify", "dns:///localhost"], "--verify", "not HOST:PORT"),
         "verify IPv6 unbracketed": ([*d, "--model", target, "--verify", "::1:50051"], "--verify", "[::1]:50051"),
+        "device misspelt": ([*v, "--model", target, "--device", "gpu"], "--device", "expected auto, cpu, cuda or cuda:N"),
         "an empty certificate": ([*v, "--model", target, "--tls-cert", str(tok_dir / "empty.pem"), "--tls-key", str(tok_dir / "empty.pem")],
                                  "--tls-cert", "not a PEM file"),
         **{name: ([*v, "--model", path], "--model", path, word) for name, (path, word) in models.items()},
