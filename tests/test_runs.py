@@ -856,3 +856,39 @@ def test_a_pass_does_not_wait_for_sessions_closed_just_before_it_published_its_w
     finally:
         go.set()
         eng.shutdown()
+
+
+def test_a_run_that_finishes_the_session_gives_its_room_back_before_its_verdicts_are_read(model_dir):
+    """From a review: a Session's run runs ahead of its reader, and a finished session was closed
+    after the pass only for Verify.Generate's streams: a run's session that reached
+    max_new_tokens kept its slot, pages and reserved tokens until a slow reader had taken every
+    verdict (up to --idle-timeout-s a verdict), and other sessions were refused meanwhile."""
+    from verify_service.scheduler import Scheduler
+
+    lm = LM.load(model_dir("long-target"), "cpu", "float32")
+    eng = Scheduler(lm, max_sessions=1)
+
+    async def go():
+        s = eng.open(PROMPT, 12, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)
+        steps = eng.steps(s, 12)
+        first = await steps.__anext__()  # then nothing read while the run goes on
+        for _ in range(3000):
+            if s.closed:
+                break
+            await asyncio.sleep(0.01)
+        room = (s.closed, eng.capacity.sessions, eng.capacity.reserved)
+        other = eng.open(PROMPT, 4, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)  # the one slot is free again
+        eng.close(other)
+        rest = [v async for v in steps]
+        await eng.closed(s)
+        return room, [first.next_token] + [v.next_token for v in rest], rest[-1].finish
+
+    try:
+        room, tokens, finish = asyncio.run(go())
+    finally:
+        eng.shutdown()
+    assert room == (True, 0, 0)
+    assert tokens == hf_greedy(AutoModelForCausalLM.from_pretrained(model_dir("long-target")).eval(), PROMPT, 12)
+    from specdec.errors import Finish
+
+    assert finish == Finish.LENGTH

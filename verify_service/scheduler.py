@@ -362,9 +362,9 @@ class Scheduler:
                         self._passing = False
                 self.health.judge(outcomes, fault)  # before the hand-off too: a caller that has its result sees the health it made
             self._pass_s = time.perf_counter() - t0
-            for j in batch + filling:  # a Generate stream's session that finished gives its pages and room back now: its
-                if isinstance(j, Stream) and j.left is None and j.session.finish:  # handler may wait long on a slow reader
-                    self.close(j.session)
+            for j in batch + filling:  # a stream's session that finished (Generate's, or a Session's run, which runs ahead of
+                if isinstance(j, Stream) and j.session.finish:  # its reader) gives its pages and room back now: its handler
+                    self.close(j.session)  # may wait long on a slow reader, and a finished session takes no more rounds
             self._back = {j.session.sid for j in batch if isinstance(j, Round) and not j.session.finish and not j.session.closed}
             rounds += [j for j in batch if not j.finished]  # streams whose sessions go on
             for j in filling:
