@@ -18,7 +18,9 @@ at every step) is what a pre-draft assumes.
   its context and seed only. The rule is exact only if whether a child is sent does not depend on
   the child's own token (else the sent child is no longer a draw from its q): so how many children
   a node gets is fixed before they are drawn (BRANCH, while the budget lasts, in the order the
-  expanded nodes rank), every child drawn is sent, and only which nodes to expand looks at scores.
+  expanded nodes rank, but no more than q has entries of at least SAMPLED_MIN_Q: else every node
+  took BRANCH children of any probability, and a budget of 16 stopped every tree at depth 2), every
+  child drawn is sent, and only which nodes to expand looks at scores.
 
 A greedy tree's pre-draft grows several trees at once (`grow_outcomes`): one after each way the
 round's likeliest path may end, each level of all of them in one pass.
@@ -38,6 +40,7 @@ from specdec.sampling import DRAFT_TREE, keyed_uniforms, probs_from_logits, samp
 
 BEAM = 4  # nodes expanded per level
 BRANCH = 4  # children taken per expanded node
+SAMPLED_MIN_Q = 0.05  # a sampled node gets no more children than its q has entries this likely: a sure draft's tree grows deep, not wide
 _KEY = 64  # a node's children's draws are keyed parent * _KEY + rank
 
 
@@ -217,7 +220,7 @@ def _children(t: _Tree, parent: int, logits: torch.Tensor, prm, base: int, k: in
         return
     q = probs_from_logits(logits, prm.sampling)  # [V]
     vals, ids = wire_q(q, prm.mode, prm.sparse_k)  # what the wire carries is what the draft samples from
-    k = min(k, max(1, int((vals * score >= floor).sum())))
+    k = min(k, max(1, int(((vals * score >= floor) & (vals >= SAMPLED_MIN_Q)).sum())))  # q's alone, before any draw
     left = vals.double()
     u = keyed_uniforms(prm.seed, base, DRAFT_TREE, torch.arange(k) + (parent + 1) * _KEY).tolist()
     for r in range(k):
