@@ -18,8 +18,9 @@ at every step) is what a pre-draft assumes.
   its context and seed only. The rule is exact only if whether a child is sent does not depend on
   the child's own token (else the sent child is no longer a draw from its q): so how many children
   a node gets is fixed before they are drawn (BRANCH, while the budget lasts, in the order the
-  expanded nodes rank, but no more than q has entries of at least SAMPLED_MIN_Q: else every node
-  took BRANCH children of any probability, and a budget of 16 stopped every tree at depth 2), every
+  expanded nodes rank, but no more than q has entries of at least SAMPLED_MIN_Q, and one at least:
+  else every node took BRANCH children of any probability, and a budget of 16 stopped every tree at
+  depth 2; a q flat over many tokens gets one child, a chain), every
   child drawn is sent, and only which nodes to expand looks at scores.
 
 A greedy tree's pre-draft grows several trees at once (`grow_outcomes`): one after each way the

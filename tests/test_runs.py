@@ -892,3 +892,43 @@ def test_a_run_that_finishes_the_session_gives_its_room_back_before_its_verdicts
     from specdec.errors import Finish
 
     assert finish == Finish.LENGTH
+
+
+
+def test_a_finished_runs_slow_reader_gets_its_verdicts_grouped_and_counted_as_before(model_dir):
+    """A finished run's session leaves the sessions table at once now (above), while its handler
+    still writes the verdicts its slow reader has not taken: those went out a step each (the
+    grouping asks whether other sessions are open) and told the draft one session fewer than the
+    verifier served. The handler counts its own session while it writes."""
+    from verify_service.scheduler import Scheduler
+    from verify_service.server import VerifyServicer
+
+    lm = LM.load(model_dir("long-target"), "cpu", "float32")
+    eng = Scheduler(lm, max_sessions=4)
+    srv = VerifyServicer(eng)
+
+    class Slow:  # takes its first verdict after `wait` seconds: the scheduler runs the whole run ahead meanwhile
+        def __init__(self, wait):
+            self.wait, self.got = wait, []
+
+        async def write(self, v):
+            if self.wait and not self.got:
+                await asyncio.sleep(self.wait)
+            self.got.append((len(v.run_tokens) + 1, v.open_sessions))
+
+    async def go(wait):
+        other = eng.open(PROMPT, 50, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)
+        s = eng.open(PROMPT, 13, Sampling(), seed=1, mode=pb.PROPOSAL_MODE_GREEDY)
+        await eng.prefill(s)
+        reader = Slow(wait)
+        await srv._run(s, pb.Round(round=1, target_only_steps=13, run_tokens_per_verdict=4), reader)
+        closed = s.closed
+        await eng.closed(s)
+        eng.close(other)
+        return closed, reader.got
+
+    try:
+        fast, slow = asyncio.run(go(0.0)), asyncio.run(go(1.0))
+    finally:
+        eng.shutdown()
+    assert slow[0] and slow[1] == fast[1] == [(1, 2), (4, 2), (4, 2), (4, 2)], (fast, slow)

@@ -239,9 +239,10 @@ def test_a_sampled_tree_of_a_sure_draft_grows_deep_and_of_an_unsure_one_wide(mod
     """From a review: every expanded node of a sampled tree drew 4 children whatever their
     probability, so a budget of 16 stopped every tree at depth 2 (4 + 12 nodes) and sampled trees
     committed fewer tokens a round than an 8-token chain (2.58 against 2.67 on the shipped pair).
-    A node gets no more children than its q has tokens of probability SAMPLED_MIN_Q or more: a
-    draft sure of its tokens (logits sharpened here) grows the tree deep; a flat one (all its
-    logits equal) still spends the budget on width."""
+    A node gets no more children than its q has tokens of probability SAMPLED_MIN_Q or more (one at
+    least): a draft sure of its tokens (logits sharpened here) grows the tree deep; a flat one over
+    this test model's 16 tokens (each 1/16, above the bar) still spends the budget on width. (A q
+    flat over many tokens, none of them that likely, gets one child a node: a chain.)"""
     from draft_service.tree import BRANCH
 
     lm = LM.load(model_dir("draft"), "cpu", "float32")

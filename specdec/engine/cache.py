@@ -73,11 +73,14 @@ class Pool:
 
     @property
     def slots(self) -> int:
-        """Slots the tensors must hold for every page held now: up to the highest page not free.
-        (Not every page ever handed out: where memory refused the growth for a large session's
-        pages, the passes of the smaller sessions after it asked for that growth again, and failed.)"""
+        """Slots the tensors hold for every page handed out so far (a high-water mark, O(1))."""
+        return self._pages * PAGE
+
+    def held_slots(self) -> int:
+        """Slots the tensors must hold for every page held now: up to the highest page not free (a
+        sort of the free list: `fit` asks only where the high-water mark is past the layers)."""
         with self._lock:
-            back, self._back = self._back, []
+            back, self._back = self._back, []  # a finalizer that gives pages back meanwhile adds to the new list
             free = self._free = sorted(self._free + back)
             top, i = self._pages, len(free) - 1
             while i >= 0 and free[i] == top - 1:
@@ -94,8 +97,9 @@ class Pool:
         read them, and a masked weight of exactly 0 times a non-finite value its last owner left
         (an overflow) would be NaN in the attention's sum (SDPA; the CPU tier's kernel skips them)."""
         self._clear()
-        need = self.slots
-        if need <= self.size:
+        # the pages held, not every page ever handed out: where memory refused the growth for a large session's
+        # pages, the passes of the smaller sessions after it asked for that growth again, and failed
+        if self.slots <= self.size or (need := self.held_slots()) <= self.size:
             return self.size
         size = max(need, min(2 * self.size, self.limit or 2 * self.size))  # doubling, up to the limit
         if self.limit and need > self.limit:  # a need past it (a probe's page beside a full budget): some room past
