@@ -153,6 +153,35 @@ def test_a_growth_that_runs_out_of_memory_leaves_the_pool_whole(monkeypatch):
     assert held.pages
 
 
+def test_a_growth_that_runs_out_of_memory_at_a_later_layer_leaves_every_layer_as_it_was(monkeypatch):
+    """From a review: the layers grew one by one and `size` was set after the last, so memory that
+    ran out at layer 1 left layer 0 grown (a new tensor) while `size`, which tells a CUDA graph
+    its pool's tensors were replaced, said nothing had: the graphs replayed on freed memory."""
+    from specdec.engine import PAGE, Pool
+
+    pool = Pool(torch.float32, torch.device("cpu"))
+    like = torch.zeros(1, 2, 1, 4)
+    pool.layer(0, like)
+    pool.layer(1, like)
+    tensors = [pool.k[0], pool.v[0], pool.k[1], pool.v[1]]
+    held = pool.cache(40 * PAGE)
+    zeros, calls = torch.zeros, []
+
+    def third_fails(*a, **kw):  # layer 1's K
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return zeros(*a, **kw)
+
+    monkeypatch.setattr(torch, "zeros", third_fails)
+    size = pool.size
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.fit()
+    assert [t is u for t, u in zip([pool.k[0], pool.v[0], pool.k[1], pool.v[1]], tensors)] == [True] * 4 and pool.size == size
+    monkeypatch.setattr(torch, "zeros", zeros)
+    assert pool.fit() >= pool.slots and all(t.shape[0] == pool.size for t in pool.k + pool.v) and held.pages
+
+
 def test_a_growth_refused_for_a_large_session_does_not_outlive_it(monkeypatch):
     """The pool sized itself to every page ever handed out: where memory refused the growth for
     a large session's pages, every later pass asked for the same growth after that session had

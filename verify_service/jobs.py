@@ -144,15 +144,20 @@ def decide(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor, forced=No
             continue
         T = max(len(jobs[i].tokens) for i in group)
         whole = len(group) == len(jobs) and T + 1 == lg.shape[1]
-        cj, c_lg, c_pr = (jobs, lg, proposals) if whole else ([jobs[i] for i in group], lg[group, : T + 1], proposals[group, :T])
+        if whole:
+            cj, c_lg, c_pr = jobs, lg, proposals
+        else:  # the group's rows picked on the device through an index copied there without a sync (a list index syncs)
+            at = torch.tensor(group).to(lg.device, non_blocking=True)
+            cj, c_lg, c_pr = [jobs[i] for i in group], lg.index_select(0, at)[:, : T + 1], proposals.index_select(0, at)[:, :T]
         n, nxt = accept(cj, c_lg, c_pr)
         if forced is not None:
-            n = torch.tensor([max(0, min(forced(j.session, len(j.tokens)), len(j.tokens))) for j in cj], device=lg.device)
+            n = torch.tensor([max(0, min(forced(j.session, len(j.tokens)), len(j.tokens))) for j in cj]).to(lg.device, non_blocking=True)
             nxt = argmax_rows(c_lg[torch.arange(len(cj), device=lg.device), n])
         verdicts = torch.stack((n, nxt), 1)
         parts.append(torch.nn.functional.pad(verdicts, (0, W)) if W else verdicts)
     if tree:
-        parts.append(accept_trees([jobs[i] for i in tree], lg[tree, : 1 + W], proposals[tree]))
+        at = torch.tensor(tree).to(lg.device, non_blocking=True)
+        parts.append(accept_trees([jobs[i] for i in tree], lg.index_select(0, at)[:, : 1 + W], proposals.index_select(0, at)))
     return steps + chain + tree, torch.cat(parts) if len(parts) > 1 else parts[0]
 
 

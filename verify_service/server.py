@@ -192,7 +192,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             if s is not None:
                 await self.engine.closed(s)  # its slot back now; where the cache is full, the call ends once its tokens are too
 
-    def _open(self, s) -> int:
+    def _open_sessions(self, s) -> int:
         """Sessions open at the verifier as `s`'s handler sees them: its own counted while it still
         writes verdicts after the scheduler closed it (a finished run's, whose reader is slow)."""
         return len(self.engine.sessions) + bool(s.closed)
@@ -201,8 +201,8 @@ class VerifyServicer(pb_grpc.VerifyServicer):
         return pb.VerifyResponse(
             round=number, num_accepted=v.num_accepted, next_token=v.next_token, finish_reason=edge.finish_reason(v.finish),
             forward_s=v.forward_s, queue_s=v.queue_s, seed=s.seed, row_cost_s=v.row_cost_s, row_price=v.row_price,
-            steps_left=steps_left, target_only_s=self.engine.cost.target_only_s(self._open(s)), accepted_path=v.path or [],
-            open_sessions=self._open(s))
+            steps_left=steps_left, target_only_s=self.engine.cost.target_only_s(self._open_sessions(s)), accepted_path=v.path or [],
+            open_sessions=self._open_sessions(s))
 
     async def _run(self, s, r: pb.Round, context) -> None:
         """A run of target-only steps (Round.target_only_steps): the scheduler runs them back to
@@ -221,7 +221,7 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             done += 1
             forward_s += v.forward_s
             left = 0 if v.finish else limit - done
-            if left and done > 1 and len(held) + 1 < per and self._open(s) > 1:  # alone, a verdict a step (latency)
+            if left and done > 1 and len(held) + 1 < per and self._open_sessions(s) > 1:  # alone, a verdict a step (latency)
                 held.append(v.next_token)
                 continue
             out = self._verdict(s, r.round + done - 1, v, left)

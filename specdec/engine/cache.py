@@ -104,13 +104,14 @@ class Pool:
         size = max(need, min(2 * self.size, self.limit or 2 * self.size))  # doubling, up to the limit
         if self.limit and need > self.limit:  # a need past it (a probe's page beside a full budget): some room past
             size = max(size, min(2 * self.size, need + 8 * PAGE))  # it too, not a copy of every layer at each page more
-        for i in range(len(self.k)):
-            if self.k[i].shape[0] < size:  # K and V are both made before either is kept (out of memory: as it was)
-                old_k, old_v = self.k[i], self.v[i]
-                k, v = (torch.zeros((size, *old.shape[1:]), dtype=old.dtype, device=old.device) for old in (old_k, old_v))
-                k[: old_k.shape[0]] = old_k
-                v[: old_v.shape[0]] = old_v
-                self.k[i], self.v[i] = k, v
+        # every layer's new K and V are made before any is kept (out of memory: the pool as it was, every layer; a
+        # layer replaced before a later one failed kept the new size while `size` and a CUDA graph's addresses did not)
+        grown = {i: tuple(torch.zeros((size, *old.shape[1:]), dtype=old.dtype, device=old.device) for old in (self.k[i], self.v[i]))
+                 for i in range(len(self.k)) if self.k[i].shape[0] < size}
+        for i, (k, v) in grown.items():
+            k[: self.k[i].shape[0]] = self.k[i]
+            v[: self.v[i].shape[0]] = self.v[i]
+            self.k[i], self.v[i] = k, v
         self.size = size
         return size
 

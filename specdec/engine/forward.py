@@ -103,7 +103,8 @@ class Engine:
         pos = [L + j for L, n in zip(starts, counts) for j in range(n)] if not trees else \
             [L + j if t is None else t.base + t.depth[len(t) - n + j] for L, n, t in zip(starts, counts, trees) for j in range(n)]
         pos += [0] * (T - real)
-        ids, position_ids = torch.tensor([flat, pos], dtype=torch.long, device=device).split(1)  # [1, T] each, one copy to the device
+        ids, position_ids = torch.tensor([flat, pos], dtype=torch.long).to(device, non_blocking=True).split(1)  # [1, T] each, one copy
+        # to the device (torch.tensor(..., device=cuda) copies blocking: a host sync)
         offsets = [0, *itertools.accumulate(counts)][: len(counts)]  # each input's first row
         at = {i: k for k, i in enumerate(order)}  # caller's index -> the pass's
         callers = [i for i in range(len(order)) if want[at[i]]]  # the inputs with logits, in the callers' order
@@ -120,7 +121,7 @@ class Engine:
                 # pass's own rows (a lead chunk's product first) by their count: picked rows as many as those take one more
                 picked = heads + [heads[-1]] * (plan.pad_to - len(heads))
                 picked += [heads[-1]] * (bool(lead) and len(picked) == T)
-                rows = 0 if heads == list(range(T)) else torch.tensor(picked, device=device)
+                rows = 0 if heads == list(range(T)) else torch.tensor(picked).to(device, non_blocking=True)
                 out = self._model(ids, position_ids, cache, rows)[0]
             else:
                 self._model(ids, position_ids, cache, None)
@@ -131,7 +132,7 @@ class Engine:
                 if len(heads) < len(keep):  # each input's rows past its own repeat its last: copies of its logits, not
                     # the output layer again (one long round beside many one-row steps multiplied the head's work)
                     index = {r: k for k, r in enumerate(heads)}
-                    out = out.index_select(0, torch.tensor([index[r] for r in keep], device=device))
+                    out = out.index_select(0, torch.tensor([index[r] for r in keep]).to(device, non_blocking=True))
                 res = out.view(len(callers), R, -1).float()
         else:
             res = [None] * len(inputs)

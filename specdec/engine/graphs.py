@@ -167,7 +167,9 @@ class Uniform:
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._mempool, capture_error_mode="thread_local"):
+        # on the model's device: the capture's stream is the current device's, which no thread sets (a --device cuda:1
+        # model's kernels ran on cuda:1 outside a capture made on cuda:0, which recorded nothing, and replays did nothing)
+        with torch.cuda.device(dev), torch.cuda.graph(g, pool=self._mempool, capture_error_mode="thread_local"):
             sh.out = uniform_pass(self.engine, sh.head, sh.table)
         sh.graph = g
         torch.cuda.synchronize(dev)
