@@ -59,7 +59,10 @@ class TextStream:
             self.text = self.base + delta.rstrip("\ufffd")
         elif delta:
             self.base = self.text = self.base + delta
-            self.prefix, self.read, self.context_text = self.read, len(self.ids), None
+            # the first delta's context stays in the next one's: a prompt that ends inside a character leaves its first
+            # generated ids continuation bytes, which a byte-fallback decoder turns into U+FFFD without the bytes before
+            self.prefix, self.read = (0 if self.context_text is not None else self.read), len(self.ids)
+            self.context_text = None
 
     def push(self, ids: list[int]) -> tuple[list[int], str]:
         """Adds generated ids; returns (ids kept, text safe to emit now). Ids after a stop string

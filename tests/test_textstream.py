@@ -162,10 +162,9 @@ def test_a_prompt_cut_anywhere_streams_the_rest_without_stray_replacement_charac
                 assert "\ufffd" not in out and whole.endswith(out), (k, before, out)
 
 
-def test_a_byte_fallback_prompt_ending_in_byte_tokens_streams_clean_text():
-    """Llama-2 / Mistral style: a SentencePiece-like BPE with byte fallback writes 日本語 as byte
-    tokens, and its decoder turns a window of those that starts mid-character into one U+FFFD per
-    byte; the stream after the text prompt "hello world 日本語" began with four of them."""
+def _byte_fallback_tokenizer():
+    """Llama-2 / Mistral style: a SentencePiece-like BPE with byte fallback, which writes 日本語 as
+    byte tokens and decodes a run of them that is not whole UTF-8 as one U+FFFD per byte."""
     from tokenizers import Tokenizer, normalizers, processors
 
     trained = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
@@ -181,9 +180,32 @@ def test_a_byte_fallback_prompt_ending_in_byte_tokens_streams_clean_text():
     t.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     t.add_special_tokens(["<unk>", "<s>", "</s>"])
     t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
-    bf = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_a_byte_fallback_prompt_ending_in_byte_tokens_streams_clean_text():
+    """A byte-fallback decoder turns a window of byte tokens that starts mid-character into one
+    U+FFFD per byte; the stream after the text prompt "hello world 日本語" began with four of them."""
+    bf = _byte_fallback_tokenizer()
     prompt = bf("hello world 日本語")["input_ids"]
     gen = bf(" 🎉 the fox", add_special_tokens=False)["input_ids"]
     dec = lambda ids: bf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # noqa: E731
     assert set(dec(prompt[-4:])) == {"\ufffd"}  # the window the stream used to decode: bytes of 本 and 語
     assert _stream(bf, prompt, gen) == dec(prompt + gen)[len(dec(prompt)):]
+
+
+def test_a_byte_fallback_prompt_cut_inside_a_character_streams_the_characters_after_it():
+    """From a review: a prompt (ids) that ends inside 日, written as byte tokens (a continuation
+    of a reply cut at its length limit), got 日 completed, then every later byte-token character as
+    U+FFFD (the next delta's window began at a continuation byte), and a stop string among them was
+    never found."""
+    from specdec.textstream import TextStream
+
+    bf = _byte_fallback_tokenizer()
+    ids = bf("hello 日本語 ok")["input_ids"]
+    cut = ids.index(bf.convert_tokens_to_ids("<0x97>")) + 1  # after 日's second byte
+    prompt, gen = ids[:cut], ids[cut:]
+    assert _stream(bf, prompt, gen) == "日本語 ok"
+    ts = TextStream(bf, ["本"], prompt)
+    out = "".join(ts.push([t])[1] for t in gen)
+    assert ts.stopped and out + ts.finish() == "日"
