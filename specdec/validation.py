@@ -158,6 +158,8 @@ def parse_generate(req: pb.GenerateRequest, tokenizer, vocab_size: int, max_cont
         raise invalid(f"max_new_tokens must be in [1, {max_context}]{whose}, got {req.max_new_tokens}")
     if len(req.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in req.stop):
         raise invalid(f"stop: at most {MAX_STOP_STRINGS} non-empty strings of <= {MAX_STOP_CHARS} chars")
+    if any("\ufffd" in s for s in req.stop):  # the text's stand-in for a character cut by the end: never a stop to look for
+        raise invalid("stop: U+FFFD (the replacement character) cannot be in a stop string")
     if req.num_draft_tokens > MAX_TAU:
         raise invalid(f"num_draft_tokens must be in [0, {MAX_TAU}] (0 = default), got {req.num_draft_tokens}")
     if req.proposal_mode not in pb.ProposalMode.values():

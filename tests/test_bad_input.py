@@ -101,6 +101,7 @@ GENERATE_CASES = [
     ("too many stop strings", gen(stop=["a"] * 9), "stop"),
     ("empty stop string", gen(stop=[""]), "stop"),
     ("huge stop string", gen(stop=["x" * 1000]), "stop"),
+    ("replacement character in a stop string", gen(stop=["ok\ufffd"]), "U+FFFD"),
     ("non-ASCII request id", gen(request_id="r\u00e9q\n"), "request_id"),
     ("long request id", gen(request_id="r" * 500), "request_id"),
 ]
