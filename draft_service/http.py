@@ -423,8 +423,11 @@ def _check_template(text: str, path: str) -> None:
     """StartupError naming --chat-template where transformers cannot compile the file (a Jinja
     syntax error): it was found at the first chat, as a 400 that blamed the client's messages."""
     from jinja2 import TemplateError  # noqa: PLC0415
-    from transformers.utils.chat_template_utils import _compile_jinja_template  # noqa: PLC0415 - transformers' own compiler, as apply_chat_template's
 
+    try:  # transformers' own compiler, as apply_chat_template's (a private name: where it is gone, the first chat tells)
+        from transformers.utils.chat_template_utils import _compile_jinja_template  # noqa: PLC0415
+    except ImportError:
+        return
     try:
         _compile_jinja_template(text)
     except TemplateError as e:
