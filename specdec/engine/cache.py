@@ -52,8 +52,7 @@ class Pool:
         its group then reads its keys as a view of the pool, layout.py: no gather), else the
         lowest free ones, then fresh ones past the end."""
         with self._lock:
-            back, self._back = self._back, []  # a finalizer that gives pages back meanwhile adds to the new list
-            free = self._free = sorted(self._free + back)
+            free = self._merged()
             start = next((i for i in range(len(free) - n + 1) if free[i + n - 1] - free[i] == n - 1), None)
             if start is not None:
                 got = free[start : start + n]
@@ -65,6 +64,12 @@ class Pool:
             got += range(self._pages, self._pages + fresh)
             self._pages += fresh
             return got
+
+    def _merged(self) -> list[int]:
+        """The free list, sorted, with the pages given back since the last call (under the lock)."""
+        back, self._back = self._back, []  # a finalizer that gives pages back meanwhile adds to the new list
+        self._free = sorted(self._free + back)
+        return self._free
 
     def give(self, pages: list[int]) -> None:
         with self._lock:
@@ -80,8 +85,7 @@ class Pool:
         """Slots the tensors must hold for every page held now: up to the highest page not free (a
         sort of the free list: `fit` asks only where the high-water mark is past the layers)."""
         with self._lock:
-            back, self._back = self._back, []  # a finalizer that gives pages back meanwhile adds to the new list
-            free = self._free = sorted(self._free + back)
+            free = self._merged()
             top, i = self._pages, len(free) - 1
             while i >= 0 and free[i] == top - 1:
                 top, i = top - 1, i - 1
