@@ -217,7 +217,8 @@ def env_flag(name: str, default: bool) -> bool | str:
 def add_switch(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
     """--NAME / --no-NAME, its default from SPECDEC_NAME (env_flag) and `default`; the help names the variable."""
     var = "SPECDEC_" + name.upper().replace("-", "_")
-    p.add_argument("--" + name, action=argparse.BooleanOptionalAction, default=env_flag(var, default), help=f"{help} [env {var}]")
+    now = f"; set to {env(var)!r}" if env(var) is not None else ""  # the help's "(default: on)" is the default without it
+    p.add_argument("--" + name, action=argparse.BooleanOptionalAction, default=env_flag(var, default), help=f"{help} [env {var}{now}]")
     p.switches[name.replace("-", "_")] = var
 
 
@@ -248,7 +249,8 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
 def device_arg(text: str) -> str:
     """--device's spelling, checked before torch loads (whether CUDA is there is checked after)."""
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected auto, cpu, cuda or cuda:N")
+        where = " (from SPECDEC_DEVICE)" if text == os.environ.get("SPECDEC_DEVICE") else ""
+        raise argparse.ArgumentTypeError(f"{text!r}{where}: expected auto, cpu, cuda or cuda:N")
     return text
 
 

@@ -78,14 +78,15 @@ def assert_one_line_exit_2(name: str, r: subprocess.CompletedProcess, *words: st
 
 @pytest.mark.parametrize("module,var,value,flag", [("verify_service", "SPECDEC_DTYPE", "float8", "--dtype"),
                                                      ("draft_service", "SPECDEC_PROPOSER", "bogus", "--proposer"),
-                                                     ("verify_service", "SPECDEC_TRACE", "0", "--trace")])
+                                                     ("verify_service", "SPECDEC_TRACE", "0", "--trace"),
+                                                     ("verify_service", "SPECDEC_DEVICE", "gpu", "--device")])
 def test_a_bad_choice_from_the_environment_exits_2_with_one_line(model_dir, module, var, value, flag):
     """argparse checks a choice given on the command line, not a default taken from SPECDEC_*: a
     bad one was a traceback after the model load, or (SPECDEC_TRACE=0) tracing switched on."""
     extra = ["--verify", "127.0.0.1:1", "--verify-wait-s", "0"] if module == "draft_service" else []
     r = subprocess.run([sys.executable, "-m", module, "--model", model_dir("target"), "--port", "0", *extra], cwd=ROOT,
                        env=dict(ENV, **{var: value}), capture_output=True, text=True, timeout=120)
-    assert_one_line_exit_2(var, r, flag, repr(value), "from the environment")
+    assert_one_line_exit_2(var, r, flag, repr(value), "from" + (" SPECDEC_DEVICE" if var == "SPECDEC_DEVICE" else " the environment"))
 
 
 def model_variant(model_dir, tmp, name: str, edit) -> str:
@@ -876,6 +877,8 @@ def test_a_switch_from_the_environment_takes_only_switch_words(monkeypatch, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "SPECDEC_PREDRAFT='disabled': not a switch value" in err[0], err
     assert parser().parse_args(["--model", "m", "--verify", "h:1", "--no-predraft"]).predraft is False  # the flag still wins
+    monkeypatch.setenv("SPECDEC_PREDRAFT", "off")  # the help's "(default: on)" says what the variable changed it to
+    assert "[env SPECDEC_PREDRAFT; set to 'off']" in " ".join(parser().format_help().split())
 
 
 def test_more_threads_than_the_process_may_run_on_are_warned_of(caplog):
