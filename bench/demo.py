@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from bench.cli import add_pair_args
 from client import Client
-from bench.launch import ENV, start_pair
+from bench.launch import ENV, StartFailed, start_pair
 
 # Ends at the end of a line, without its newline: the shipped tokenizer merges a newline with the
 # next line's indentation (bench/prompts.py, CODE_PROMPTS).
@@ -68,9 +68,8 @@ def main(argv=None) -> int:
     try:  # both started together, and both stopped where either fails to start (start_pair)
         verify, draft = start_pair(("--model", a.target, "--threads", "1"),
                                    ("--model", a.draft, "--threads", "1", "--http-port", "0"), env=env)
-    except RuntimeError as e:  # a service that did not start: its own one line, not a traceback
-        said = str(e).split(" did not start: ", 1)[-1].strip().splitlines()  # the service's stderr: its one line last
-        print(f"[demo] a service did not start: {said[-1] if said else e}", file=sys.stderr)
+    except StartFailed as e:  # a service that did not start: its own one line, not a traceback
+        print(f"[demo] a service did not start: {e.last_line()}", file=sys.stderr)
         return 2
     print(f"[demo] draft: gRPC on {draft.address}, OpenAI-compatible HTTP on http://{draft.http_address}/v1", file=sys.stderr)
     try:

@@ -26,6 +26,19 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMER
 ENV.setdefault("OMP_NUM_THREADS", "1")
 
 
+class StartFailed(RuntimeError):
+    """A service that ended (or never said `listening on`) before it served; `stderr`: all it wrote there."""
+
+    def __init__(self, cmd, stderr: str):
+        super().__init__(f"{cmd} did not start: {stderr[-3000:]}")
+        self.stderr = stderr
+
+    def last_line(self) -> str:
+        """The service's own one-line reason (startup.main writes it last), or the message."""
+        lines = [line for line in self.stderr.splitlines() if line.strip()]
+        return lines[-1].strip() if lines else str(self)
+
+
 class Service:
     """A service started as its own process with `python -m <module> ... --port PORT` (0: a free
     port, which it prints); `wait=False` returns at once, and `wait()` waits for it to listen."""
@@ -77,7 +90,7 @@ class Service:
             if line.startswith("listening on "):
                 return line.split()[-1]
         self.stop()
-        raise RuntimeError(f"{self.cmd} did not start: {''.join(self.stderr)[-3000:]}")
+        raise StartFailed(self.cmd, "".join(self.stderr))
 
     def metrics(self) -> str:
         """The Prometheus exposition text, scraped over HTTP."""
@@ -222,7 +235,7 @@ def start_pair(verify_args: tuple[str, ...], draft_args: tuple[str, ...], env: d
         v.wait()
     except BaseException as e:
         d.stop()
-        if isinstance(e, RuntimeError) and "in use" in str(e) and attempts > 1:
+        if isinstance(e, StartFailed) and "in use" in e.stderr and attempts > 1:
             return start_pair(verify_args, draft_args, env, draft_env, attempts - 1)
         raise
     try:
