@@ -237,6 +237,17 @@ def _same_cell(a: dict, b: dict) -> bool:
     return (a["mode"], a.get("concurrency"), a.get("rate"), a.get("tags", {})) == (b["mode"], b.get("concurrency"), b.get("rate"), b.get("tags", {}))
 
 
+def _credentials(kw: dict) -> tuple[dict, dict]:
+    """The client's credentials (credential_kwargs) for --server, and for the --baseline verify
+    service: the fallback's token and TLS files where given (--fallback-token-file,
+    --fallback-tls-*), else --server's."""
+    fallback = {k.removeprefix("fallback_"): kw.pop(k) for k in list(kw) if k.startswith("fallback_")}
+    base = dict(kw, token=fallback.pop("token") or kw["token"])
+    if any(fallback.values()):
+        base.update(fallback)
+    return kw, base
+
+
 async def run(args) -> dict:
     import contextlib
 
@@ -254,13 +265,11 @@ async def run(args) -> dict:
     tags = {"path": "target-only" if args.target_only else "speculative"} | dict(_tag(t) for t in args.tag)
     cells = []
     async with contextlib.AsyncExitStack() as stack:
-        client = await stack.enter_async_context(AsyncClient(args.server, target_only=args.target_only, timeout=args.timeout_s,
-                                                             **credential_kwargs(args)))
+        own, baseline_creds = _credentials(credential_kwargs(args))
+        client = await stack.enter_async_context(AsyncClient(args.server, target_only=args.target_only, timeout=args.timeout_s, **own))
         paths = [(client, tags, "--server", args.server, "a draft service, or a verify service with --target-only")]
         if args.baseline:  # the same cells against a verify service, target-only, alternating with --server's
-            creds = credential_kwargs(args)
-            creds["token"] = creds.pop("fallback_token") or creds["token"]  # the verify service's own token, where it differs
-            base = await stack.enter_async_context(AsyncClient(args.baseline, target_only=True, timeout=args.timeout_s, **creds))
+            base = await stack.enter_async_context(AsyncClient(args.baseline, target_only=True, timeout=args.timeout_s, **baseline_creds))
             paths.append((base, tags | {"path": "target-only"}, "--baseline", args.baseline, "a verify service"))
         infos = []
         for c, _, flag, address, wanted in paths:  # one line, not a traceback, for an address that does not serve
@@ -356,7 +365,8 @@ def main(argv=None) -> int:
     from specdec.files import StartupError
 
     try:  # the credentials' files and tokens, checked before any cell, as the client CLI does: one line, exit 2
-        AsyncClient(args.server, **credential_kwargs(args))  # opens no channel: that waits for a call
+        for kw in _credentials(credential_kwargs(args)):
+            AsyncClient(args.server, **kw)  # opens no channel: that waits for a call
     except (OSError, ValueError, StartupError) as e:
         p.error(str(e))
     results = asyncio.run(run(args))

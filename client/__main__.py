@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -40,10 +41,25 @@ def _seconds(s: str) -> float:
     return v
 
 
+GRPC_SCHEMES = ("dns", "unix", "unix-abstract", "ipv4", "ipv6", "vsock")  # gRPC's own name schemes
+
+
+def _address(s: str) -> str:
+    """A gRPC target: HOST:PORT, or one of gRPC's URIs (dns:///h:p, unix:/path, ...). An empty one
+    made gRPC print its own log lines and fail UNKNOWN; http://h:p failed UNAVAILABLE, which the
+    retries and the fallback then tried again."""
+    if not s.strip() or s != s.strip():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {s!r}")
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", s)
+    if m and m.group(1).lower() not in GRPC_SCHEMES:
+        raise argparse.ArgumentTypeError(f"{s!r}: a gRPC address is HOST:PORT (or a {'/'.join(GRPC_SCHEMES)} URI), not {m.group(1)}://")
+    return s
+
+
 def _connection_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", required=True, help="HOST:PORT of a draft service (or a verify service with --target-only)")
+    p.add_argument("--server", required=True, type=_address, help="HOST:PORT of a draft service (or a verify service with --target-only)")
     p.add_argument("--target-only", action="store_true", help="--server is a verify service: generate with the target alone")
-    p.add_argument("--fallback", help="verify service HOST:PORT to use when the draft service is unavailable")
+    p.add_argument("--fallback", type=_address, help="verify service HOST:PORT to use when the draft service is unavailable")
     p.add_argument("--timeout", type=_seconds, default=None, help="deadline in seconds (> 0; inf: none, the default)")
     p.add_argument("--retries", type=int, choices=range(MAX_RETRIES + 1), default=0, metavar=f"0..{MAX_RETRIES}",
                    help=f"retries (at most {MAX_RETRIES}, gRPC's retry policy) on UNAVAILABLE or RESOURCE_EXHAUSTED before the first token, "
@@ -113,8 +129,10 @@ def main(argv=None) -> int:
 
 
 def _run(a) -> int:
+    fallback_tls = [f"--fallback-tls-{part}" for part in ("ca", "cert", "key") if getattr(a, f"fallback_tls_{part}")]
     unused = ("--fallback with --target-only (the fallback is a verify service for a draft service's requests)" if a.fallback and a.target_only
-              else "--fallback-token-file without --fallback" if a.fallback_token_file and not a.fallback else None)
+              else "--fallback-token-file without --fallback" if a.fallback_token_file and not a.fallback
+              else f"{fallback_tls[0]} without --fallback" if fallback_tls and not a.fallback else None)
     if unused:  # a flag that would be dropped without a word
         print(f"error: {unused}", file=sys.stderr)
         return 2
@@ -124,6 +142,7 @@ def _run(a) -> int:
     except (OSError, ValueError, StartupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    wrote = False
     try:
         if a.cmd == "info":
             print(json.dumps(MessageToDict(client.info(), preserving_proto_field_name=True), indent=2))
@@ -148,13 +167,21 @@ def _run(a) -> int:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             last = chunk
+            wrote = True
         sys.stdout.write("\n")
         if last is not None:
             print(json.dumps(MessageToDict(last.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)),
                   file=sys.stderr)
         return 0
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        if wrote:  # the error on a line of its own, not after the partial text on a terminal
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        details = " ".join(str(e.details()).split())
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            details += (" (with --target-only, --server must be a verify service: is it a draft service?)" if a.target_only else
+                        " (is --server a verify service? add --target-only; or --fallback a draft service?)")
+        print(f"error: {e.code().name}: {details}", file=sys.stderr)
         return 1
     finally:
         client.close()

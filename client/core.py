@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import numbers
 import operator
@@ -44,22 +45,35 @@ MAX_TIMEOUT_S = 1e9  # gRPC's deadline arithmetic overflows past about 1e10 s (a
 
 
 class StreamError(grpc.RpcError):
-    """A Generate stream that ended without its final chunk (the one with a finish_reason): the
-    server ended the call with OK too early. INTERNAL, like the errors the services send."""
+    """An error the client finds itself, with gRPC's error methods: a Generate stream that ended
+    without its final chunk (the one with a finish_reason) or went on after it (INTERNAL, like the
+    errors the services send), or a call cut by the client's own close() (CANCELLED)."""
 
-    def __init__(self, details: str):
+    def __init__(self, details: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL):
         super().__init__(details)
-        self._details = details
+        self._details, self._code = details, code
 
     def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.INTERNAL
+        return self._code
 
     def details(self) -> str:
+        return self._details
+
+    def initial_metadata(self) -> tuple:
+        return ()
+
+    def trailing_metadata(self) -> tuple:  # no retry-after-ms: the server sent no status
+        return ()
+
+    def debug_error_string(self) -> str:
         return self._details
 
 
 NO_RESPONSE = "the stream ended with no response"
 NO_FINISH = "the stream ended before its final chunk (no finish_reason)"
+AFTER_FINISH = "the stream went on after its final chunk (the one with a finish_reason)"
+CLOSED = "the client was closed during the call"
+log = logging.getLogger("specdec.client")
 
 
 def check_timeout(timeout: float | None) -> float | None:
@@ -176,6 +190,7 @@ def make_request(prompt: str | None = None, prompt_ids: list[int] | None = None,
         if value is not None and value not in names:
             raise ValueError(f"{name} must be one of {', '.join(sorted(names))}, got {value!r}")
     stop = [stop] if isinstance(stop, str) else list(stop or [])
+    prompt_ids = None if prompt_ids is None else list(prompt_ids)  # an iterator: checked below, then sent, both in full
     why = field_error(dict(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, early_stop_p=early_stop_p, seed=seed, stop=stop,
                            num_draft_tokens=num_draft_tokens, sparse_k=sparse_k, request_id=request_id, tree_budget=tree_budget))
@@ -212,11 +227,19 @@ class _Collector:
         last = self.last
         stats = MessageToDict(last.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
         stats["wall_s"] = (self.t_last or time.perf_counter()) - self.t0  # request to last token
-        return Result(text="".join(self.text), token_ids=self.ids, finish_reason=pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower(),
+        return Result(text="".join(self.text), token_ids=self.ids, finish_reason=finish_name(last.finish_reason),
                       stats=stats, seed=last.seed, request_id=last.request_id, served_by=served_by)
 
 
-def _credentials(tls_ca, tls_cert, tls_key):
+def finish_name(reason: int) -> str:
+    """A FinishReason's short name ("length", "stop", ...); one this client does not know (a newer
+    server's) as unknown_N, not an error."""
+    if reason in pb.FinishReason.values():
+        return pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+    return f"unknown_{reason}"
+
+
+def _credentials(tls_ca, tls_cert, tls_key, flag: str = "--tls"):
     """TLS where any of the three is given: the server's certificate checked against tls_ca, else
     gRPC's default roots; with tls_cert and tls_key (together only), mTLS. A file that cannot be
     read, a CA file with no certificate, or a certificate and key that are not one pair is a
@@ -225,13 +248,13 @@ def _credentials(tls_ca, tls_cert, tls_key):
     if not (tls_ca or tls_cert or tls_key):
         return None
     if bool(tls_cert) != bool(tls_key):
-        raise ValueError("--tls-cert and --tls-key (tls_cert, tls_key) go together: the client's certificate and its key")
-    read = lambda p, flag: read_pem(p, flag) if p else None  # noqa: E731
-    ca, key, cert = read(tls_ca, "--tls-ca"), read(tls_key, "--tls-key"), read(tls_cert, "--tls-cert")
+        raise ValueError(f"{flag}-cert and {flag}-key go together: the client's certificate and its key")
+    read = lambda p, name: read_pem(p, name) if p else None  # noqa: E731
+    ca, key, cert = read(tls_ca, f"{flag}-ca"), read(tls_key, f"{flag}-key"), read(tls_cert, f"{flag}-cert")
     if tls_ca:
-        check_ca(tls_ca, "--tls-ca")
+        check_ca(tls_ca, f"{flag}-ca")
     if tls_cert:
-        check_pair(tls_cert, tls_key, "--tls-cert", "--tls-key")
+        check_pair(tls_cert, tls_key, f"{flag}-cert", f"{flag}-key")
     return grpc.ssl_channel_credentials(ca, key, cert)
 
 
@@ -240,6 +263,7 @@ class _Target:
     label: str  # "draft" or "verify" (Result.served_by)
     stub: object
     metadata: list
+    address: str
 
 
 class _Attempts:
@@ -262,19 +286,31 @@ class _Attempts:
     def failed(self, e: grpc.RpcError) -> None:
         if e.code() not in FALLBACK_ON or self.attempt + 1 >= len(self.plan):
             raise e
+        # said, not silent: a TLS set-up that does not match the draft's also reads UNAVAILABLE, and would
+        # send every request target-only, at no speed-up, without a word
+        log.warning("%s at %s is unavailable (%s: %s); this request goes target-only to the fallback verify service at %s",
+                    self.plan[self.attempt].label, self.plan[self.attempt].address, e.code().name,
+                    " ".join(str(e.details()).split()), self.plan[self.attempt + 1].address)
 
 
 class _Base:
     def __init__(self, server: str, *, target_only: bool = False, fallback: str | None = None, timeout: float | None = None,
                  retries: int = 0, tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 token: str | None = None, fallback_token: str | None = None, max_message_bytes: int = 16 << 20):
+                 token: str | None = None, fallback_token: str | None = None, max_message_bytes: int = 16 << 20,
+                 fallback_tls_ca: str | None = None, fallback_tls_cert: str | None = None, fallback_tls_key: str | None = None):
         """token: bearer token for `server`. fallback_token: for the `fallback` verify service
-        (default: the same token, for a verify service that accepts the clients' token)."""
+        (default: the same token, for a verify service that accepts the clients' token).
+        fallback_tls_*: the fallback's TLS, where it differs from the server's (a plaintext draft
+        beside an mTLS verify service); given none, the fallback gets the server's."""
         if target_only and fallback:
             raise ValueError("fallback is a verify service for a draft service's requests; target_only already asks a verify service")
         self.server, self.target_only, self.fallback = server, target_only, fallback
         self.timeout, self.retries = check_timeout(timeout), check_retries(retries)
         self._creds = _credentials(tls_ca, tls_cert, tls_key)
+        own = fallback_tls_ca or fallback_tls_cert or fallback_tls_key
+        if own and not fallback:
+            raise ValueError("--fallback-tls-* (fallback_tls_*) without --fallback (fallback)")
+        self._fallback_creds = _credentials(fallback_tls_ca, fallback_tls_cert, fallback_tls_key, "--fallback-tls") if own else self._creds
         self._opts = [("grpc.max_receive_message_length", max_message_bytes)]
         if retries > 0:
             # gRPC keeps a copy of a request to send it again only up to this size (256 KiB by default): a larger
@@ -284,19 +320,19 @@ class _Base:
         self._metadata = _auth(token, "--token (token)")
         self._fallback_metadata = _auth(fallback_token or token, "--fallback-token-file (fallback_token)" if fallback_token else "--token (token)")
 
-    def _channel(self, mod, address: str):
-        if self._creds:
-            return mod.secure_channel(address, self._creds, options=self._opts)
+    def _channel(self, mod, address: str, creds):
+        if creds:
+            return mod.secure_channel(address, creds, options=self._opts)
         return mod.insecure_channel(address, options=self._opts)
 
     def _stubs(self, mod) -> list[_Target]:
         """The primary, then the verify fallback."""
-        self._channels = [self._channel(mod, self.server)]
+        self._channels = [self._channel(mod, self.server, self._creds)]
         out = [_Target("verify" if self.target_only else "draft",
-                       (pb_grpc.VerifyStub if self.target_only else pb_grpc.DraftStub)(self._channels[0]), self._metadata)]
+                       (pb_grpc.VerifyStub if self.target_only else pb_grpc.DraftStub)(self._channels[0]), self._metadata, self.server)]
         if self.fallback:
-            self._channels.append(self._channel(mod, self.fallback))
-            out.append(_Target("verify", pb_grpc.VerifyStub(self._channels[1]), self._fallback_metadata))
+            self._channels.append(self._channel(mod, self.fallback, self._fallback_creds))
+            out.append(_Target("verify", pb_grpc.VerifyStub(self._channels[1]), self._fallback_metadata, self.fallback))
         return out
 
 
@@ -316,6 +352,9 @@ def add_credential_args(p) -> None:
     token.add_argument("--token-file", help="file holding the bearer token for --server (and the fallback)")
     token.add_argument("--token", help="the bearer token itself (prefer --token-file: a flag value is visible to other local users)")
     p.add_argument("--fallback-token-file", help="file holding the bearer token for the fallback verify service, if it differs")
+    for part, what in (("ca", "CA bundle"), ("cert", "client certificate"), ("key", "client key")):
+        p.add_argument(f"--fallback-tls-{part}", help=f"the fallback verify service's TLS {what}, where its TLS differs from --server's "
+                                                     "(default: --server's --tls-* for both)")
 
 
 def credential_kwargs(args) -> dict:
@@ -323,7 +362,8 @@ def credential_kwargs(args) -> dict:
     """A token file that cannot be read or is empty is a StartupError naming the flag."""
     token = read_token(args.token_file, "--token-file") if args.token_file else args.token
     fallback_token = read_token(args.fallback_token_file, "--fallback-token-file") if getattr(args, "fallback_token_file", None) else None
-    return dict(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, token=token, fallback_token=fallback_token)
+    return dict(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, token=token, fallback_token=fallback_token,
+                **{f"fallback_tls_{part}": getattr(args, f"fallback_tls_{part}", None) for part in ("ca", "cert", "key")})
 
 
 class Client(_Base):
@@ -369,9 +409,14 @@ class Client(_Base):
                     chunk = first
                     yield chunk
                     try:
-                        for chunk in it:
+                        for nxt in it:
+                            if _finished(chunk):
+                                raise StreamError(AFTER_FINISH)
+                            chunk = nxt
                             yield chunk
-                    except grpc.RpcError:
+                    except grpc.RpcError as e:
+                        if isinstance(e, StreamError):
+                            raise
                         if not _finished(chunk):
                             raise
                         return  # the call failed after its final chunk (a deadline during the server's end): the result is whole
@@ -388,6 +433,19 @@ class Client(_Base):
         for chunk in chunks:
             col.add(chunk)
         return col.result(label)
+
+
+async def _read(call):
+    """call.read(); a call cut by the client's own close() (its channel closed) raises
+    StreamError(CANCELLED), as the blocking client's does, where grpc.aio raised CancelledError in
+    a task that nobody cancelled (a TaskGroup or asyncio.timeout takes that for its own)."""
+    try:
+        return await call.read()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # the task itself was cancelled: that goes on
+            raise
+        raise StreamError(CLOSED, grpc.StatusCode.CANCELLED) from None
 
 
 class AsyncClient(_Base):
@@ -437,7 +495,7 @@ class AsyncClient(_Base):
         for target in attempts:
             call = target.stub.Generate(request, timeout=attempts.timeout(), metadata=target.metadata)
             try:
-                first = await call.read()
+                first = await _read(call)
             except grpc.aio.AioRpcError as e:
                 attempts.failed(e)
                 continue
@@ -450,7 +508,7 @@ class AsyncClient(_Base):
                         yield chunk
                         last = chunk
                         try:
-                            chunk = await call.read()
+                            chunk = await _read(call)
                         except grpc.aio.AioRpcError:
                             if not _finished(last):
                                 raise
@@ -459,6 +517,8 @@ class AsyncClient(_Base):
                             if not _finished(last):
                                 raise StreamError(NO_FINISH)
                             return
+                        if _finished(last):
+                            raise StreamError(AFTER_FINISH)
                 finally:
                     call.cancel()
             return target.label, chunks()

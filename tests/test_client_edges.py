@@ -16,7 +16,7 @@ import pytest
 
 from client import AsyncClient, Client
 from client import StreamError
-from client.core import NO_FINISH, NO_RESPONSE, check_timeout
+from client.core import AFTER_FINISH, CLOSED, NO_FINISH, NO_RESPONSE, check_timeout, make_request
 from specdec.files import StartupError
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -56,8 +56,15 @@ class Odd(pb_grpc.DraftServicer):
                     return
                 time.sleep(0.05)
             return
+        if request.prompt == "unknownfin":  # a finish reason a newer server might add
+            yield pb.GenerateResponse(token_ids=[5], text="w5", finish_reason=99)
+            return
         yield pb.GenerateResponse(token_ids=[3], text="w3")
         if request.prompt == "nofinish":  # OK before the final chunk
+            return
+        if request.prompt == "afterfinish":  # a chunk after the final one
+            yield pb.GenerateResponse(token_ids=[5], text=" w5", finish_reason=pb.FINISH_REASON_LENGTH)
+            yield pb.GenerateResponse(token_ids=[6], text=" w6")
             return
         if request.prompt == "dies":  # a token, then a failure a retry policy would take before any token
             context.set_trailing_metadata((("grpc-retry-pushback-ms", "10"),))
@@ -389,3 +396,117 @@ def test_tokens_and_flags_the_cli_would_drop_or_send_broken_are_refused(tmp_path
         Client(odd, token="")
     with pytest.raises(ValueError, match="target_only already asks a verify service"):
         Client(odd, target_only=True, fallback=odd)
+
+
+def test_a_stream_that_goes_on_after_its_final_chunk_says_so(odd):
+    """From a review: a chunk after the final one was reported as "the stream ended before its
+    final chunk", which was false."""
+    with Client(odd, timeout=10) as c:
+        with pytest.raises(StreamError, match=re.escape(AFTER_FINISH)):
+            c.generate(prompt="afterfinish")
+
+    async def run():
+        async with AsyncClient(odd, timeout=10) as c:
+            with pytest.raises(StreamError, match=re.escape(AFTER_FINISH)):
+                await c.generate(prompt="afterfinish")
+    asyncio.run(run())
+
+
+def test_a_finish_reason_the_client_does_not_know_is_named_not_an_error(odd):
+    """From a review: a newer server's finish reason (99 here) made generate() raise ValueError
+    and the CLI's --json print a traceback."""
+    with Client(odd, timeout=10) as c:
+        assert c.generate(prompt="unknownfin").finish_reason == "unknown_99"
+    p = cli("generate", "--server", odd, "--prompt", "unknownfin", "--json", "--timeout", "10")
+    assert p.returncode == 0 and '"finish_reason": "unknown_99"' in p.stdout, p.stderr
+
+
+def test_prompt_ids_from_an_iterator_are_sent_whole():
+    """From a review: the ids were checked by iterating them, then the spent iterator was sent: an
+    empty prompt, which the server refused as "empty (set prompt or prompt_ids)"."""
+    assert list(make_request(prompt_ids=iter([3, 4])).prompt_ids) == [3, 4]
+    assert list(make_request(prompt_ids=(i for i in (5, 6))).prompt_ids) == [5, 6]
+
+
+def test_closing_an_async_client_mid_stream_is_cancelled_not_a_cancelled_task(odd):
+    """From a review: close() during a stream raised CancelledError in the reading task, which
+    nobody had cancelled (a TaskGroup or asyncio.timeout takes that for its own); the blocking
+    client raised an RpcError CANCELLED. Now both do."""
+    async def run():
+        c = AsyncClient(odd, timeout=30)
+        got = []
+
+        async def read():
+            async for chunk in c.stream(prompt="slow"):
+                got.append(chunk)
+
+        task = asyncio.create_task(read())
+        for _ in range(200):  # at most 10 s for the first chunk
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        await c.close()
+        with pytest.raises(StreamError) as e:
+            await asyncio.wait_for(task, 10)
+        return e.value, task.cancelled()
+    err, cancelled = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.CANCELLED and err.details() == CLOSED and not cancelled
+    assert err.trailing_metadata() == () and err.initial_metadata() == ()  # gRPC's error methods, for generic handlers
+
+
+def test_addresses_that_are_no_grpc_target_are_bad_flags(odd):
+    """From a review: --server "" printed gRPC's own log lines and failed UNKNOWN (exit 1);
+    http://host:port failed UNAVAILABLE, which --retries and --fallback then tried again."""
+    for args in (["--server", ""], ["--server", "http://127.0.0.1:1"], ["--server", odd, "--fallback", ""],
+                 ["--server", odd, "--fallback", "https://127.0.0.1:1"]):
+        p = cli("generate", *args, "--prompt", "ok")
+        last = p.stderr.strip().splitlines()[-1]  # argparse's usage, then its error
+        assert p.returncode == 2 and ("--server" in last or "--fallback" in last) and "Traceback" not in p.stderr, (args, p.stderr)
+    p = cli("generate", "--server", f"dns:///{odd}", "--prompt", "ok", "--timeout", "10")  # gRPC's own URI forms are addresses
+    assert p.returncode == 0 and p.stdout == "w3 w5\n", p.stderr
+
+
+def test_an_error_mid_stream_is_a_line_of_its_own(odd):
+    """From a review: after partial text the CLI wrote its error line straight after it, so a
+    terminal showed `w3error: ...`."""
+    p = cli("generate", "--server", odd, "--prompt", "dies", "--timeout", "10")
+    assert p.returncode == 1 and p.stdout == "w3\n", p.stdout
+    assert p.stderr.strip().splitlines() == ["error: UNAVAILABLE: gone mid-stream"], p.stderr
+
+
+class Fallback(pb_grpc.VerifyServicer):
+    def Generate(self, request, context):
+        yield pb.GenerateResponse(token_ids=[7], text="v7", finish_reason=pb.FINISH_REASON_LENGTH)
+
+
+def test_the_fallback_takes_tls_of_its_own_and_a_fallback_is_said(tmp_path, odd, caplog):
+    """From a review: one TLS set-up served both the draft and the fallback, so the documented
+    split (a plaintext draft beside an mTLS verify service, deploy/k8s/overlays/gpu-mtls) had no
+    working flags, and a draft that refused the client's TLS sent every request target-only
+    without a word. The fallback now takes --fallback-tls-*, and a request that falls back says so."""
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", "v.key", "-out", "v.pem", "-subj", "/CN=verify", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-days", "1"], cwd=tmp_path, check=True, capture_output=True)
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_VerifyServicer_to_server(Fallback(), server)
+    creds = grpc.ssl_server_credentials([((tmp_path / "v.key").read_bytes(), (tmp_path / "v.pem").read_bytes())])
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    server.start()
+    try:
+        tls = dict(fallback_tls_ca=str(tmp_path / "v.pem"))
+        with Client(odd, fallback=f"127.0.0.1:{port}", timeout=10, **tls) as c:  # the draft answers, in plaintext
+            assert c.generate(prompt="ok").served_by == "draft"
+        caplog.set_level("WARNING", logger="specdec.client")
+        with Client("127.0.0.1:1", fallback=f"127.0.0.1:{port}", timeout=10, **tls) as c:  # the draft is down
+            r = c.generate(prompt="ok")
+        assert (r.served_by, r.text) == ("verify", "v7")
+        assert any("goes target-only to the fallback verify service" in m for m in caplog.messages), caplog.messages
+        p = cli("generate", "--server", "127.0.0.1:1", "--fallback", f"127.0.0.1:{port}", "--fallback-tls-ca", str(tmp_path / "v.pem"),
+                "--prompt", "ok", "--timeout", "10")
+        assert p.returncode == 0 and p.stdout == "v7\n" and "goes target-only to the fallback" in p.stderr, p.stderr
+    finally:
+        server.stop(0)
+    with pytest.raises(ValueError, match="without --fallback"):
+        Client(odd, **tls)
+    p = cli("generate", "--server", odd, "--prompt", "ok", "--fallback-tls-ca", str(tmp_path / "v.pem"))
+    assert p.returncode == 2 and "--fallback-tls-ca without --fallback" in p.stderr, p.stderr

@@ -99,6 +99,7 @@ def test_node_client_sends_every_request_field(services):
     # a float32 on the wire: 1e-50 was sent as 0 (greedy while the caller believed it sampled), 1e39 as inf
     (["--temperature", "1e-50"], "--temperature"), (["--temperature", "1e39"], "--temperature"), (["--temperature", "-1"], "--temperature"),
     (["--tls-cert", "c.pem"], "--tls-key"), (["--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem: no such file"),
+    (["--tls-ca", __file__], "no CA certificate in it"),  # a file that is no certificate went through to the handshake (UNAVAILABLE)
     (["--token-file", "/nonexistent/token"], "--token-file /nonexistent/token"), (["--token", ""], "--token: empty token"),
     # grpc-js's own refusal printed the token in its message
     (["--token", "hunter2\nx"], "--token: the token must be one line of printable ASCII"),

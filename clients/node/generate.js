@@ -23,6 +23,7 @@
 
 process.noDeprecation = true;  // stderr is the one error line: grpc-js's TLS to an IP address makes Node warn (DEP0123)
 
+const crypto = require("crypto");
 const fs = require("fs");
 const path = require("path");
 const grpc = require("@grpc/grpc-js");
@@ -108,6 +109,13 @@ function readFlag(file, flag) {  // a file a flag names: its bytes, or one line 
 function credentials(a) {  // the channel's: TLS where any --tls-* flag is given, else plaintext
   if (a.tlsCa === undefined && a.tlsCert === undefined) return grpc.credentials.createInsecure();
   const ca = a.tlsCa === undefined ? null : readFlag(a.tlsCa, "--tls-ca");
+  if (ca !== null) {  // a key, an empty or another file went through to the handshake: UNAVAILABLE, blaming the server
+    try {
+      new crypto.X509Certificate(ca);  // the bundle's first certificate
+    } catch (e) {
+      throw new Error(`--tls-ca ${a.tlsCa}: no CA certificate in it (${oneLine(e.message)})`);
+    }
+  }
   const key = a.tlsKey === undefined ? null : readFlag(a.tlsKey, "--tls-key");
   const cert = a.tlsCert === undefined ? null : readFlag(a.tlsCert, "--tls-cert");
   try {
