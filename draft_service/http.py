@@ -186,6 +186,9 @@ async def _error_response(request: Request, e: Exception) -> Response:
     return e.response()
 
 
+SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # a surrogate's JSON escape, or its UTF-8 bytes (json.loads takes them)
+
+
 class FrontDoor:
     """The HTTP app over a DraftServicer; `start()` serves it, `stop()` drains it."""
 
@@ -338,7 +341,9 @@ class FrontDoor:
         """The request a body holds, and the GenerateRequest it makes (a chat's messages rendered)."""
         try:
             body = json.loads(data)
-            json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate ("\\ud800") is valid JSON, not a string gRPC or a reply can carry
+            if SURROGATE.search(data):  # a lone surrogate ("\\ud800") is valid JSON, not a string gRPC or a reply can carry
+                json.dumps(body, ensure_ascii=False).encode()  # (this whole-body check, only where one may be: 1.5 s at 16 MiB)
+            self._too_long(body, chat)
             r = s.parse(s.ChatRequest if chat else s.CompletionRequest, body)
         except s.Refused as e:
             raise HttpError(400, e.message, e.param) from None
@@ -350,14 +355,51 @@ class FrontDoor:
             raise HttpError(404, f"the model {s.quoted(r.model)} does not exist; this server serves {self.model!r}", "model", "model_not_found")
         return r, self._grpc_request(r, rid, chat)
 
+    def _too_long(self, body, chat: bool) -> None:
+        """A prompt or chat that cannot fit the context, refused by its length before pydantic,
+        protobuf and the chat template see it: each holds the GIL, and so the event loop of every
+        stream, for seconds on a body of megabytes (5 s to validate 520,000 messages, 9 s to render
+        them), though the body's parsing runs in a thread."""
+        if not isinstance(body, dict):
+            return
+        context, longest = self.servicer.max_context, validation.max_token_chars(self.servicer.lm.tokenizer)
+        most_chars = validation.PROMPT_CHARS_MARGIN * longest * context  # the servicer's own bound on a text prompt
+        prompt, messages = body.get("prompt"), body.get("messages")
+        if not chat and isinstance(prompt, list) and len(prompt) > context:
+            raise HttpError(400, f"prompt: {len(prompt)} token ids are more than the context limit of {context} tokens", "prompt")
+        if not chat and isinstance(prompt, str) and len(prompt) > most_chars:
+            raise HttpError(400, f"prompt: {len(prompt)} characters are far more than the context limit of {context} tokens holds "
+                                 f"(no token here is longer than {longest} characters)", "prompt")
+        if chat and isinstance(messages, list):
+            if len(messages) > context:
+                raise HttpError(400, f"messages: {len(messages)} messages are more than the context limit of {context} tokens holds",
+                                "messages")
+            chars = sum(len(c) if isinstance(c, str) else sum(len(p.get("text") or "") for p in c if isinstance(p, dict))
+                        if isinstance(c, list) else 0 for c in (m.get("content") for m in messages if isinstance(m, dict)))
+            if chars > most_chars:
+                raise HttpError(400, f"messages: {chars} characters of content are far more than the context limit of {context} "
+                                     f"tokens holds (no token here is longer than {longest} characters)", "messages")
+
+    def _body_limit(self) -> int:
+        """The most bytes a body may have: --max-message-bytes (gRPC's limit on a request), and no
+        more than a request within the context can take (its text at 12 bytes a character, an
+        astral character's JSON escape, and room for the messages' keys): a larger body is
+        refused before its JSON is parsed, which holds the GIL (1 s at 16 MiB)."""
+        longest = validation.max_token_chars(self.servicer.lm.tokenizer)
+        context = self.servicer.max_context
+        fits = 12 * validation.PROMPT_CHARS_MARGIN * longest * context + 256 * context + (64 << 10)
+        return min(getattr(self.args, "max_message_bytes", 16 << 20), fits)
+
     async def _body(self, request: Request) -> bytes:
-        """The body, up to --max-message-bytes (gRPC's limit on a request), else 413."""
-        limit, data = getattr(self.args, "max_message_bytes", 16 << 20), bytearray()
+        """The body, up to _body_limit(), else 413."""
+        limit, data = self._body_limit(), bytearray()
         try:
             async for part in request.stream():
                 data += part
                 if len(data) > limit:
-                    raise HttpError(413, f"the request body is larger than {limit} bytes (--max-message-bytes)")
+                    why = ("--max-message-bytes" if limit == getattr(self.args, "max_message_bytes", 16 << 20)
+                           else f"more than any request within the context of {self.servicer.max_context} tokens takes")
+                    raise HttpError(413, f"the request body is larger than {limit} bytes ({why})")
         except ClientDisconnect:  # gone before its body was in: a client that left (499), not a server error
             raise ClientGone from None
         return bytes(data)

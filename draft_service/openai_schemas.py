@@ -125,7 +125,13 @@ def parse(model: type[_Request], body) -> _Request:
     body = {k: v for k, v in body.items() if v is not None and not _neutral(k, v)}
     if isinstance(body.get("messages"), list):  # a message's null fields too (the SDK's model_dump() of a reply has several)
         body["messages"] = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in body["messages"]]
+    if isinstance(body.get("stream_options"), dict):  # and stream_options' ({"include_usage": null}: absent)
+        body["stream_options"] = {k: v for k, v in body["stream_options"].items() if v is not None}
     unknown = [k for k in body if k not in model.model_fields]
+    off = [k for k in unknown if k in NEUTRAL]  # a field this server implements at its "off" value only (n: 1)
+    if off:
+        k = off[0]
+        raise Refused(f"{k}: only {' or '.join(json.dumps(v) for v in NEUTRAL[k])} is supported here, got {quoted(json.dumps(body[k]))}", k)
     if unknown:
         names = ", ".join(quoted(k) for k in unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
         raise Refused(f"unsupported field(s): {names} (this server does not implement them)", unknown[0][:64])
@@ -134,7 +140,7 @@ def parse(model: type[_Request], body) -> _Request:
     except ValidationError as e:
         err = _pick(e.errors(), body)
         msg = err["msg"].removeprefix("Value error, ")
-        param = ".".join(str(p)[:64] for p in err["loc"] if not _union_tag(p))[:256] or msg.split(":")[0]  # a nested key is the client's
+        param = ".".join(str(p)[:64] for p, field, _ in _walk(err["loc"], body) if field)[:256] or msg.split(":")[0]  # a nested key is the client's
         if err["type"] == "extra_forbidden":
             raise Refused(f"{param}: unsupported field", param) from None
         raise Refused(msg if msg.startswith(f"{param}:") else f"{param}: {msg[:512]}", param) from None
@@ -155,30 +161,33 @@ def _pick(errors: list[dict], body: dict) -> dict:
     the server does not take (a replayed assistant message's `tool_calls`), then a field left out
     (that message's `content`); and among each, one from the member of a union that is the JSON
     type the client sent (a list of content parts is not told it should be a string)."""
-    def value(loc):
-        v = body
-        for p in loc:
-            if not _union_tag(p):
-                try:
-                    v = v[p]
-                except (KeyError, IndexError, TypeError):
-                    return None
-        return v
-
     def rank(err) -> int:
         kind = {"extra_forbidden": 1, "missing": 2}.get(err["type"], 0)
-        loc = err["loc"]
-        for i, p in enumerate(loc):
-            if _union_tag(p) and not str(p).startswith(type(value(loc[:i])).__name__):
+        for p, field, value in _walk(err["loc"], body):
+            if not field and not str(p).startswith(type(value).__name__):
                 return 3 + kind  # a member of a union that is not what was sent
         return kind
 
     return min(errors, key=rank)  # the first of the best
 
 
-def _union_tag(part) -> bool:
-    """A part of a pydantic error location that names a member of a union, not a field."""
-    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("str", "int", "float", "bool"))
+def _walk(loc, body):
+    """A pydantic error location's parts, each with whether it is the client's (a key or an index
+    into what was sent: a nested key named `Name` or `str` too) or names a member of a union
+    (`str`, `list[TextPart]`), and the value the part applies to."""
+    v = body
+    for p in loc:
+        if isinstance(v, dict) and isinstance(p, str) and p in v:
+            yield p, True, v
+            v = v[p]
+        elif isinstance(v, list) and isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(v):
+            yield p, True, v
+            v = v[p]
+        elif isinstance(p, str) and (p[:1].isupper() or "[" in p or p in ("str", "int", "float", "bool")):
+            yield p, False, v  # a union's member: the value stays what was sent
+        else:
+            yield p, True, v  # a field left out (`missing`)
+            v = None
 
 
 # ---- responses ----------------------------------------------------------------------------------

@@ -133,7 +133,8 @@ def test_bodies_that_are_not_json_text_are_400s_that_say_why():
     stub = Stub(word_tokenizer(16))
     c = client(stub)
     for body, why in ((b'{"model": "stub", "prompt": "w3 \xff"}', "not valid JSON"),  # not UTF-8
-                      (b'{"model": "stub", "prompt": "w3 \\ud800"}', "lone surrogate")):  # UTF-8, but no Unicode string
+                      (b'{"model": "stub", "prompt": "w3 \\ud800"}', "lone surrogate"),  # UTF-8, but no Unicode string
+                      (b'{"model": "stub", "prompt": "w3 \xed\xa0\x80"}', "lone surrogate")):  # a surrogate's bytes: json takes them
         r = c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
     assert not stub.requests
@@ -201,6 +202,31 @@ def test_a_body_over_max_message_bytes_is_a_413():
     assert r.status_code == 413 and "--max-message-bytes" in r.json()["error"]["message"] and not stub.requests
 
 
+def test_prompts_and_chats_past_the_context_are_refused_before_they_are_validated():
+    """From a review: a body of millions of ids or of 520,000 messages went through pydantic,
+    protobuf and the chat template (seconds each, holding the GIL: every stream and /health
+    stalled) before the servicer refused it by its length. The front door now refuses it by its
+    length first: the stub, which checks nothing, never sees it."""
+    tok = word_tokenizer(16)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    stub = Stub(tok)  # a context of 64 tokens
+    c = TestClient(FrontDoor(stub, SimpleNamespace(**{**vars(args()), "max_message_bytes": 16 << 20}), model="the-target").app)
+    longest = max(len(t) for t in tok.get_vocab())
+    for path, body, says in (
+            ("/v1/completions", {"model": "stub", "prompt": [3] * 65}, "prompt: 65 token ids are more than the context limit of 64"),
+            ("/v1/completions", {"model": "stub", "prompt": "w3" * (2 * longest * 64 + 1)}, "characters are far more than"),
+            ("/v1/chat/completions", {"model": "stub", "messages": [{"role": "user", "content": "w3"}] * 65},
+             "messages: 65 messages are more than"),
+            ("/v1/chat/completions", {"model": "stub", "messages": [{"role": "user", "content": [{"type": "text", "text": "w3" * 700}]}] * 20},
+             "characters of content are far more than")):
+        r = c.post(path, json=body)
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    assert not stub.requests
+    assert c.post("/v1/completions", json={"model": "stub", "prompt": [3] * 60, "max_tokens": 2}).status_code == 200  # fits
+    r = c.post("/v1/completions", json={"model": "stub", "prompt": "w3 " * 100_000})  # past what any request within the context takes
+    assert r.status_code == 413 and "within the context of 64 tokens" in r.json()["error"]["message"], r.text
+
+
 def test_served_connections_have_tcp_nodelay():
     """Without TCP_NODELAY a response's body waits for the client's delayed ACK of its headers
     (Nagle): a fixed 40 ms per request on Linux, measured before the fix (bench/results/HTTP.md)."""
@@ -243,6 +269,7 @@ def test_a_large_body_is_read_as_a_small_one():
     from specdec.validation import LARGE_REQUEST
 
     stub = Stub(word_tokenizer(16))
+    stub.max_context = 1 << 20  # a prompt of this size fits
     big = SimpleNamespace(**{**vars(args()), "max_message_bytes": 16 << 20})
     c = TestClient(FrontDoor(stub, big, model="the-target").app)
     prompt = "w3 " * (LARGE_REQUEST // 3 + 10)
@@ -403,7 +430,9 @@ def test_a_clients_huge_strings_are_quoted_cut_in_errors_and_logs(caplog):
 
     a = args()
     a.max_message_bytes = 16 << 20
-    c = TestClient(FrontDoor(Stub(word_tokenizer(16)), a, model="the-target").app)
+    stub = Stub(word_tokenizer(16))
+    stub.max_context = 1 << 20  # a context whose requests may be megabytes: the body limit is --max-message-bytes
+    c = TestClient(FrontDoor(stub, a, model="the-target").app)
     huge = "m" * 200_000
     with caplog.at_level(logging.INFO, logger="specdec.draft"):
         r1 = c.post("/v1/completions", json={"model": huge, "prompt": "w3"})
@@ -522,3 +551,22 @@ def test_the_http_request_line_is_the_grpc_lines_shape(caplog):
     assert done[0]["code"] == "OK" and done[0]["http_status"] == 200 and done[0]["rounds"] == 1, done
     assert done[0]["finish_reason"] == "length" and done[0]["prompt_tokens"] == 2, done
     assert (done[1]["code"], done[1]["http_status"]) == ("INVALID_ARGUMENT", 400), done
+
+
+def test_a_nested_key_is_named_as_sent_and_off_values_are_said():
+    """From a review: a nested key that began with a capital letter (or was `str`) was taken for
+    the name of a pydantic union member, so the 400 named the field above it, or the wrong error
+    (a valid list of parts "should be a valid string"); `stream_options: {"include_usage": null}`
+    was refused though null counts as absent; `n: 2` was "unsupported", though 1 is taken."""
+    c = client(Stub(word_tokenizer(16)))
+    for body, param, says in (
+            ({"messages": [{"role": "user", "content": "w3", "Name": "x"}]}, "messages.0.Name", "unsupported field"),
+            ({"messages": [{"role": "user", "content": [{"type": "text", "text": "w3", "Extra": 1}]}]}, "messages.0.content.0.Extra",
+             "unsupported field"),
+            ({"messages": [{"role": "user", "content": "w3", "str": 1}]}, "messages.0.str", "unsupported field"),
+            ({"messages": [{"role": "user", "content": "w3"}], "n": 2}, "n", "n: only 1 is supported here, got '2'")):
+        r = c.post("/v1/chat/completions", json={"model": "stub", "max_tokens": 2, **body})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and says in err["message"], (body, err)
+    r = c.post("/v1/completions", json={"model": "stub", "prompt": "w3", "stream": True, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
