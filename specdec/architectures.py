@@ -76,6 +76,14 @@ def refusal(model, cfg) -> str | None:
     if getattr(cfg, "is_encoder_decoder", False):
         return "encoder-decoder models are not served"
     cfg = text_config(cfg)  # what follows is the language model's (a multimodal config's text_config)
+    try:  # transformers raises (a RuntimeError, not an AttributeError) where layers differ in these: Gemma 4's global layers
+        shapes = [getattr(cfg, n, None) for n in ("head_dim", "num_key_value_heads")]
+    except Exception as e:  # noqa: BLE001 - any config that cannot name one shape
+        return f"its layers have attention heads of different shapes ({type(e).__name__}); the engine's pool and its cache budget take one"
+    wider = [n for n, v in (("global_head_dim", shapes[0]), ("num_global_key_value_heads", shapes[1]))
+             if isinstance(getattr(cfg, n, None), int) and getattr(cfg, n) != v]
+    if wider:
+        return f"its global layers have attention heads of another shape ({wider[0]}); the engine's pool and its cache budget take one"
     if getattr(cfg, "is_decoder", True) is False and hasattr(cfg, "add_cross_attention"):
         # the BERT family: an encoder (bidirectional attention) unless is_decoder is set; GPT-NeoX's
         # config carries is_decoder false too, but it has no encoder form (no add_cross_attention)

@@ -39,25 +39,32 @@ def held_logs():
 
 @contextlib.contextmanager
 def _holding():
-    logger = hf_logging.get_logger()  # the library's root logger ("transformers"); it does not propagate
+    """transformers' records, and this project's own (the engine's choices, a mixture-of-experts
+    warning): a refusal found by the engine's probe comes after them, and is still one line."""
+    loggers = [hf_logging.get_logger(), logging.getLogger("specdec")]  # transformers' root logger does not propagate
     held: list[logging.LogRecord] = []
 
     class Hold(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             held.append(record)
 
-    handlers, hold = logger.handlers[:], Hold()
-    for h in handlers:
-        logger.removeHandler(h)
-    logger.addHandler(hold)
+    saved = [(lg, lg.handlers[:], lg.propagate) for lg in loggers]
+    hold = Hold()
+    for lg, handlers, _ in saved:
+        for h in handlers:
+            lg.removeHandler(h)
+        lg.addHandler(hold)
+        lg.propagate = False
     try:
         yield
     finally:
-        logger.removeHandler(hold)
-        for h in handlers:
-            logger.addHandler(h)
-    for record in held:  # only after a success
-        logger.handle(record)
+        for lg, handlers, propagate in saved:
+            lg.removeHandler(hold)
+            for h in handlers:
+                lg.addHandler(h)
+            lg.propagate = propagate
+    for record in held:  # only after a success, each through its own logger's handlers
+        logging.getLogger(record.name).handle(record)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -237,6 +244,13 @@ class LM:
             if os.path.exists(os.path.join(path, "generation_config.json")):
                 raise StartupError(f"--model {path}: generation_config.json cannot be read ({_brief(e)}); fix or remove it "
                                    "(its end-of-sequence ids matter)") from None
+        changed = decoding_rules(gen)
+        if changed:
+            logging.getLogger("specdec.lm").warning(
+                "%s: generation_config.json sets %s, which transformers' generate() applies to the logits and these services "
+                "do not: they serve the model's own distribution (greedy: its argmax), so output differs from generate()'s "
+                "with those settings; a client that wants them must apply them itself", os.path.basename(os.path.normpath(path)),
+                ", ".join(f"{k}={v!r}"[:80] for k, v in changed.items()))
         vocab = model.get_output_embeddings().weight.shape[0]
         try:
             eos = eos_ids(cfg, architectures.text_config(cfg), gen) or eos_ids(tok)  # a multimodal config's in its text_config
@@ -263,6 +277,22 @@ class LM:
         if reference is not None and lm.engine is not None:
             architectures.probe(lm, reference)  # raises Unsupported
         return lm
+
+
+# generation_config fields that change which token generate() picks, even greedy (its logits processors), at
+# the value that changes nothing
+DECODING_RULES = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None,
+                  "begin_suppress_tokens": None, "min_new_tokens": 0, "min_length": 0, "forced_bos_token_id": None,
+                  "forced_eos_token_id": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
+                  "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0}
+
+
+def decoding_rules(gen) -> dict:
+    """The fields of a GenerationConfig (or None) that make generate()'s choices differ from the
+    model's own logits: {name: value}."""
+    if gen is None:
+        return {}
+    return {k: v for k, off in DECODING_RULES.items() if (v := getattr(gen, k, None)) not in (off, None, [], {})}
 
 
 def _brief(e: Exception) -> str:

@@ -251,7 +251,23 @@ def _codegen_rotary_past_its_heads(path: str) -> str:
     return path
 
 
+def _jetmoe(path: str) -> str:
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    from bench.tinymodels import word_tokenizer
+
+    torch.manual_seed(0)  # two KV heads, tiled by its top-2 after the cache's update: the engine paired them otherwise
+    cfg = JetMoeConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=CTX,
+                       eos_token_id=EOS, bos_token_id=EOS, pad_token_id=1)
+    JetMoeForCausalLM(cfg).save_pretrained(path)
+    word_tokenizer(V).save_pretrained(path)
+    return path
+
+
 @pytest.mark.parametrize("build,names,module", [  # each service twice (the refusal is LM.load's, shared by both)
+    # found by the engine's probe, after the engine's INFO lines and a mixture-of-experts warning: 7 lines (review of 2026-12-01)
+    (_jetmoe, ("JetMoeForCausalLM", "jetmoe", "changes its keys after the cache's update"), "verify_service"),
     # its own forward failed at the start-up probe's reference: a 77-line traceback and exit 1 (review of 2026-11-30)
     (_codegen_rotary_past_its_heads, ("CodeGenForCausalLM", "codegen", "its own forward pass fails"), "verify_service"),
     (_bloom, ("BloomForCausalLM", "bloom", "attention interface"), "verify_service"),  # attends through its own alibi code
@@ -294,6 +310,10 @@ SEEN_TOO_LATE = [  # (config, model, its settings past SMALL, what the refusal n
     ("RwkvConfig", "RwkvForCausalLM", dict(attention_hidden_size=32), "recurrent model"),  # was refused as "attention interface"
     ("DogeConfig", "DogeForCausalLM", dict(), "learned bias"),  # a small learned key bias passed the probe, then served wrong
     ("BartConfig", "BartForCausalLM", dict(), "cross-attention layers (encoder_attn)"),  # a seq2seq decoder, marked not encoder-decoder
+    # global layers of another head shape: reading the config's head_dim raised, a traceback at start-up (review of 2026-12-01)
+    ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(num_hidden_layers=4, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+                                                   sliding_window=8, hidden_size_per_layer_input=8, vocab_size_per_layer_input=V),
+     "attention heads of"),
 ]
 OWN_FIELDS = {  # configs that take few of SMALL's fields
     "MambaConfig": dict(vocab_size=V, hidden_size=32, num_hidden_layers=1),
@@ -539,3 +559,47 @@ def test_a_multimodal_checkpoints_eos_ids_are_read_from_its_text_config(tmp_path
     if os.path.exists(os.path.join(path, "generation_config.json")):
         os.remove(os.path.join(path, "generation_config.json"))
     assert {EOS, 5} <= set(LM.load(path, "cpu", "float32").eos)
+
+
+def test_keys_changed_after_the_caches_update_are_refused_in_half_precision_too(tmp_path):
+    """From a review: JetMoE tiles its KV heads after the cache's update, the engine read the
+    keys written and paired heads otherwise; float32's probe caught it, bfloat16's tolerance let
+    it through and served it wrong. The engine now refuses attended keys that are not the
+    written ones, in any dtype."""
+    import transformers
+
+    from specdec.architectures import Unsupported
+    from specdec.lm import LM
+
+    if not hasattr(transformers, "JetMoeConfig"):
+        pytest.skip("transformers has no JetMoeConfig")
+    path = _jetmoe(str(tmp_path / "jetmoe"))
+    with pytest.raises(Unsupported, match="changes its keys after the cache's update"):
+        LM.load(path, "cpu", "bfloat16")
+
+
+def test_generation_config_rules_generate_applies_are_warned_of(tmp_path, caplog):
+    """From a review: generate() applies generation_config's repetition_penalty,
+    no_repeat_ngram_size, ... even greedy; the services serve the model's own logits, and said
+    nothing (Qwen2.5-Instruct ships repetition_penalty 1.05)."""
+    import logging
+
+    import transformers
+
+    from bench.tinymodels import word_tokenizer
+    from specdec.lm import LM
+
+    torch.manual_seed(0)
+    path = str(tmp_path / "llama-rules")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).save_pretrained(path)
+    word_tokenizer(V).save_pretrained(path)
+    transformers.GenerationConfig(eos_token_id=EOS, repetition_penalty=1.3, no_repeat_ngram_size=3).save_pretrained(path)
+    with caplog.at_level(logging.WARNING, logger="specdec.lm"):
+        LM.load(path, "cpu", "float32")
+    said = [r.getMessage() for r in caplog.records if "generation_config.json sets" in r.getMessage()]
+    assert len(said) == 1 and "repetition_penalty=1.3" in said[0] and "no_repeat_ngram_size=3" in said[0], caplog.text
+    caplog.clear()
+    transformers.GenerationConfig(eos_token_id=EOS).save_pretrained(path)
+    with caplog.at_level(logging.WARNING, logger="specdec.lm"):
+        LM.load(path, "cpu", "float32")
+    assert not any("generation_config.json sets" in r.getMessage() for r in caplog.records), caplog.text

@@ -88,6 +88,11 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         scale = scaling if scaling is not None else query.shape[3] ** -0.5
         return attend(query, key, value, module.layer_idx, scale, sliding_window or 0, softcap or 0.0), None
     p = kwargs.get(PASS_KWARG) or _current.get()
+    K = p.pool.k[module.layer_idx]  # what PassCache.update wrote: [slots, H_kv, D]
+    if key.shape[1] != K.shape[1] or key.shape[-1] != K.shape[-1]:  # (the `attend` op writes the keys it is given)
+        raise NotImplementedError(f"the layer changes its keys after the cache's update ({K.shape[1]} heads of {K.shape[-1]} "
+                                  f"written, {key.shape[1]} of {key.shape[-1]} attended: JetMoE tiles them), and attention "
+                                  "reads the keys written")
     return _attend(p, module.layer_idx, query, scaling, sliding_window, softcap), None
 
 
