@@ -238,6 +238,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                             await _ended(call)
                             return
                 except Exception as e:  # noqa: BLE001 - a write on a call the replica ended fails otherwise than its status
+                    _cancelled()
                     if isinstance(e, grpc.aio.UsageError):  # a closed channel (at the call, or at its first write where the
                         # channel has interceptors): the replica left the name (Replicas.refresh) after the ranking
                         e, call = RequestError(Refusal.UNAVAILABLE, f"verify replica {replica.address} is gone"), None
@@ -257,6 +258,7 @@ class DraftServicer(pb_grpc.DraftServicer):
                 finally:
                     replica.open -= 1
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
+            _cancelled()
             await serving.fail(context, SERVICE, "Generate", e, upstream=call)  # the verify call's status explains a failed write
         finally:
             self.sessions -= admitted
@@ -266,6 +268,16 @@ class DraftServicer(pb_grpc.DraftServicer):
             # an ended RPC's exception stays referenced (gRPC keeps the last one) and its traceback holds
             # this frame: without this, the session's draft cache lived on until the service's next RPC
             loop = out = call = None  # noqa: F841
+
+
+def _cancelled() -> None:
+    """Raises CancelledError where this task is being cancelled (its caller left, or its deadline
+    passed) whatever the exception that surfaced: on a channel with interceptors (the session
+    token, tracing) grpc.aio turns a cancel during a write into InvalidStateError("RPC already
+    finished"), which was logged with a traceback and counted as INTERNAL."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from None
 
 
 async def _ended(call) -> None:

@@ -7,6 +7,7 @@ env SPECDEC_AUTH_TOKEN_FILE) and also accepts the client token for Generate and 
 (--auth-token-file). Every RPC of both services is tried with no credentials, a wrong token,
 the token of the other role and the right one."""
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -268,3 +269,57 @@ def test_a_caller_without_a_token_is_refused_before_its_bytes_are_judged(pair, t
             with pytest.raises(grpc.RpcError) as e:
                 list(send(bad, timeout=30, metadata=md(token)))
             assert e.value.code() == code, (token, e.value.code(), e.value.details())
+
+
+def test_a_cancel_during_the_first_write_on_a_token_channel_is_a_cancel(pair):
+    """From two reviews: on a channel with interceptors (the session token) grpc.aio turns a cancel
+    of the task awaiting an upstream write into InvalidStateError ("RPC already finished"); the
+    draft logged that with a traceback and ended its caller's call INTERNAL (counted as a server
+    error) where the caller had left or its deadline had passed. The draft's handler now checks
+    its own task first (server._cancelled): 20 cancels at the first write, 20 CancelledErrors."""
+    import asyncio
+    import collections
+    import types
+
+    from draft_service.server import _cancelled
+    from draft_service.upstream import verify_channel
+    from specdec import serving
+
+    v, _ = pair
+
+    async def main():
+        args = types.SimpleNamespace(max_message_bytes=16 << 20, verify_tls_ca=None, verify_tls_cert=None, verify_tls_key=None,
+                                     verify_token=SESSION_TOKEN)
+        ch = verify_channel(args, v.address)
+        stub = pb_grpc.VerifyStub(ch)
+        info = await stub.Info(pb.InfoRequest())
+        start = pb.VerifyRequest(start=pb.SessionStart(prompt_ids=[3, 4], max_new_tokens=10, vocab_fingerprint=info.vocab_fingerprint))
+        seen = collections.Counter()
+
+        async def handler():  # as DraftServicer.stream's except clauses do
+            call = stub.Session()
+            try:
+                await call.write(start)
+                await call.read()
+                seen["finished"] += 1
+            except asyncio.CancelledError:
+                seen["cancelled"] += 1
+                raise
+            except Exception as e:  # noqa: BLE001
+                seen[type(e).__name__] += 1
+                _cancelled()
+                seen["not cancelled"] += 1
+            finally:
+                await serving.release(call)
+
+        for _ in range(20):
+            t = asyncio.ensure_future(handler())
+            await asyncio.sleep(0)  # the handler now awaits its first write
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await ch.close()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen["cancelled"] + seen["InvalidStateError"] == 20 and seen["not cancelled"] == 0 and not seen["finished"], seen

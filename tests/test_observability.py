@@ -252,6 +252,30 @@ def test_a_call_past_its_deadline_is_counted_deadline_exceeded(services):
             svc.metrics()[-2000:]
 
 
+def test_a_session_past_its_deadline_is_counted_deadline_exceeded(services):
+    """From a review: a Verify.Session whose deadline passed while its draft sent nothing more
+    ended its reads as if the draft had closed them, and was logged and counted OK."""
+    import threading
+
+    v, _ = services()
+    labels = dict(service="verify", method="Session", code="DEADLINE_EXCEEDED")
+    before = metric(v.metrics(), "specdec_request_errors_total", **labels)
+    gone = threading.Event()
+
+    def requests(start):
+        yield start
+        gone.wait(10)  # the stream stays open, silent, past its deadline
+
+    with grpc.insecure_channel(v.address) as ch:
+        fp = pb_grpc.VerifyStub(ch).Info(pb.InfoRequest(), timeout=60).vocab_fingerprint
+        start = pb.VerifyRequest(start=pb.SessionStart(prompt_ids=[3, 4], max_new_tokens=8, vocab_fingerprint=fp))
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.VerifyStub(ch).Session(requests(start), timeout=1.0))
+        gone.set()
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_for(lambda: metric(v.metrics(), "specdec_request_errors_total", **labels) == before + 1, 10), v.metrics()[-2000:]
+
+
 def test_each_service_exports_its_own_metrics_only(services):
     """From a review: each process exported every metric of both services, the other's as
     constant zeros beside its own (a draft pod's specdec_verify_broken 0 on a per-pod panel)."""

@@ -9,7 +9,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2
 
-from specdec import edge, metrics, serving, validation
+from specdec import edge, metrics, observe, serving, validation
 from specdec.architectures import TESTED
 from specdec.errors import Refusal, RequestError, invalid
 from specdec.proposal import MAX_ROUND_TOKENS, decode_parents, decode_round
@@ -166,7 +166,11 @@ class VerifyServicer(pb_grpc.VerifyServicer):
             prefill = asyncio.ensure_future(self.engine.prefill(s))
             while not s.finish:
                 req = await self._read(context)
-                if req is grpc.aio.EOF:
+                if req is grpc.aio.EOF:  # the draft ended it (a stop string the verifier does not see), or its deadline passed:
+                    # grpc.aio ends the reads as if the draft had, a few ms before the deadline (it was counted OK)
+                    remaining = context.time_remaining()
+                    if remaining is not None and remaining <= observe.DEADLINE_SLACK_S:
+                        raise asyncio.CancelledError  # observe.code_name: DEADLINE_EXCEEDED
                     return
                 kind = req.WhichOneof("kind")
                 if kind == "start":
