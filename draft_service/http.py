@@ -71,11 +71,6 @@ async def unless_disconnected(request: Request, aw):
     raise ClientGone
 
 
-# an HTTP error as the gRPC status it stands for, in specdec_request_errors_total (a client that left, 499, is none):
-# the inverse of the statuses the front door answers gRPC errors with, the first code of a status naming it
-ERROR_CODES = {status: code.name for code, status in reversed(STATUS.items())}
-
-
 class _Observe:
     """ASGI middleware: one `request done` log line per HTTP request (like the gRPC observer's,
     specdec/observe.py) and the request metrics: specdec_http_requests_total by path and status,
@@ -114,9 +109,8 @@ class _Observe:
             log.log(logging.WARNING if status in (401, 403) else logging.INFO, "request done", extra={"fields": fields})
             metrics.HTTP_REQUESTS.labels(path, str(status)).inc()
             metrics.REQUEST_LATENCY.labels("draft", path).observe(duration)
-            code = ERROR_CODES.get(status, "INTERNAL" if status >= 500 else None)
-            if code is not None:  # as the gRPC observer counts its calls' errors: the error alert sees both doors
-                metrics.REQUEST_ERRORS.labels("draft", path, code).inc()
+            if fields["code"] not in ("OK", "CANCELLED"):  # as the gRPC observer counts its calls' errors, and as logged above
+                metrics.REQUEST_ERRORS.labels("draft", path, fields["code"]).inc()  # (405 and 413 were logged, not counted)
             if call["tokens"]:
                 metrics.GENERATED_TOKENS.labels("draft").inc(call["tokens"])
 

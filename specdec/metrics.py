@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)  # a Session is timed whole: minutes
-_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)  # a CPU's prefill, a saturated queue
 
 # both services
 REQUEST_LATENCY = Histogram("specdec_request_latency_seconds", "Request latency (first byte in to last token out)", ["service", "method"], buckets=_LAT)
@@ -36,7 +36,7 @@ CAPACITY_REJECTIONS = Counter("specdec_capacity_rejections_total", "Sessions ref
 DRAFT_FALLBACK = Counter("specdec_draft_fallback_sessions_total", "Sessions that stopped drafting with the model and fell back to "
                          "target-only rounds because its measured acceptance made speculation slower", ["model"])
 PROPOSALS_PER_ROUND = Histogram("specdec_draft_proposals_per_round", "Proposals sent per verify round (the tau chosen; 0 = a target-only round)",
-                                buckets=(0, 1, 2, 4, 8, 16, 32))
+                                buckets=(0, 1, 2, 4, 8, 16, 32, 64))  # a tree round: up to MAX_ROUND_TOKENS nodes
 DRAFT_BATCH_SIZE = Histogram("specdec_draft_batch_size", "Sessions per draft forward pass", buckets=(1, 2, 4, 8, 16, 32, 64, 128))  # up to stepbatch.MAX_BATCH
 PACE_COMPARISONS = Counter("specdec_draft_pace_comparisons_total", "The pace's comparisons of speculation with target-only runs, by the "
                            "verifier's open sessions (a power-of-two range) and outcome (lost: sessions hold target-only there; won; "

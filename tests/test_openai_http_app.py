@@ -197,9 +197,18 @@ def test_http_errors_and_partly_streamed_tokens_are_counted_as_over_grpc():
 
 
 def test_a_body_over_max_message_bytes_is_a_413():
+    from prometheus_client import REGISTRY
+
+    def errors(code):
+        return REGISTRY.get_sample_value("specdec_request_errors_total", dict(service="draft", method="/v1/completions", code=code)) or 0.0
+
+    before = errors("RESOURCE_EXHAUSTED"), errors("UNIMPLEMENTED")
     stub = Stub(word_tokenizer(16))
     r = client(stub).post("/v1/completions", json={"model": "stub", "prompt": "w3 " * 2000})
     assert r.status_code == 413 and "--max-message-bytes" in r.json()["error"]["message"] and not stub.requests
+    assert client(stub).get("/v1/completions").status_code == 405
+    # from a review: logged as RESOURCE_EXHAUSTED and UNIMPLEMENTED, but not counted as errors
+    assert (errors("RESOURCE_EXHAUSTED"), errors("UNIMPLEMENTED")) == (before[0] + 1, before[1] + 1)
 
 
 def test_prompts_and_chats_past_the_context_are_refused_before_they_are_validated():

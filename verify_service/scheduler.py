@@ -424,6 +424,7 @@ class Scheduler:
             metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))
             self._verdicts(jobs, logits, proposals, t0, (sum(len(x) for x in inputs), len(inputs)))
         elif filling:  # prompt chunks alone: busy time too (pass utilisation, the cost fit, the forward histogram)
+            metrics.BATCH_TOKENS.observe(sum(len(x) for x in inputs))  # every pass's tokens, as FORWARD_TIME times every pass
             wait(self.lm.device)  # its time once the device is done (no verdicts to wait for)
             self._observed((sum(len(x) for x in inputs), len(inputs)), 0, t0)
         for p in prefills:
