@@ -96,7 +96,8 @@ def channel_credentials(ca: str | None, cert: str | None = None, key: str | None
 
 def link_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """The gRPC options both ends of a service link share: the message size limit both ways and
-    keepalive pings (a dead peer is noticed in about a minute: 30 s to the first ping, 10 s for its answer, 61-64 s measured through a proxy that stopped forwarding)."""
+    keepalive pings (a dead peer is noticed in about a minute: 30 s to the first ping, 10 s for its
+    answer; 61-64 s measured through a proxy that stopped forwarding)."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
