@@ -476,6 +476,42 @@ def test_the_cache_keeps_the_libraries_used_last(monkeypatch, tmp_path):
         kernel.library.cache_clear()  # the next caller loads the real one
 
 
+@pytest.mark.skipif(shutil.which("gcc") is None or kernel._unsupported() is not None, reason="needs gcc, on x86-64 Linux with AVX2")
+def test_a_cached_library_that_does_not_load_is_built_again_and_a_killed_builds_file_pruned(monkeypatch, tmp_path):
+    """From a review: a cached library that failed to load (cut short, or built against another
+    runtime) turned the kernels off at every start until someone removed it by hand; a build
+    killed part-way left its temporary file for good. The first is built again, the second pruned
+    once older than a build may take; and the library names libm, whose tanhf attend.c calls."""
+    monkeypatch.setenv("CC", "gcc")
+    monkeypatch.setattr(kernel, "_package_dir", lambda: tmp_path / "package")
+    monkeypatch.setattr(kernel, "_cache_dir", lambda: tmp_path)
+    source = b"".join(src.read_bytes() for src in kernel.SOURCES)
+    mine = tmp_path / f"kernels-{kernel._key(source, *kernel._compiler())}.so"  # the path this process's build would take
+    mine.write_bytes(b"junk")  # cut short
+    kernel.library.cache_clear()
+    try:
+        killed = tmp_path / f"{kernel.TMP_PREFIX}abc.so"
+        killed.write_bytes(b"half a build")
+        os.utime(killed, (1e9, 1e9))
+        kernel.library.cache_clear()
+        assert kernel.library() is not None and mine.stat().st_size > 1000
+        kernel._prune(mine)
+        assert not killed.exists()
+        needed = subprocess.run(["readelf", "-d", str(mine)], capture_output=True, text=True) if shutil.which("readelf") else None
+        if needed is not None:
+            assert "libm.so" in needed.stdout, needed.stdout
+    finally:
+        kernel.library.cache_clear()  # the next caller loads the real one
+
+
+def test_the_prebuild_on_a_machine_the_kernels_are_not_for_succeeds_with_a_word(monkeypatch, capsys):
+    """From a review: the draft image's prebuild exited 1 on arm64 (gcc has no -mavx2 there), so
+    the image did not build; the services run without the kernels there, and now so does it."""
+    monkeypatch.setattr(kernel.platform, "machine", lambda: "aarch64")
+    assert kernel.main() == 0
+    assert "nothing to build: it is built for x86-64 Linux, not aarch64" in capsys.readouterr().out
+
+
 def test_a_row_kernel_that_does_not_build_is_logged_and_left_out(monkeypatch, tmp_path, caplog):
     """A compiler that fails leaves no library behind and one logged reason; the CPU tier then
     makes per-row products as batched matmuls."""

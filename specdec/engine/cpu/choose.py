@@ -78,7 +78,7 @@ def choose(model, pins: dict | None = None, timer=None) -> Plan:
             log.warning("%s: the pinned %s=%s does not apply to this dtype%s; ignored", name, k, want,
                         {"row-kernel": " or without per-row products", "attention-kernel": " (a cache not in float32)"}.get(k, ""))
         elif plan.made[k] != want:
-            log.warning("%s: the pinned %s=%s could not be kept (its check failed: see above); %s=%s instead",
+            log.warning("%s: the pinned %s=%s could not be kept (its check failed, or the kernels are not available here: see above); %s=%s instead",
                         name, k, want, k, plan.made[k])
     log.info("%s: engine choices %s (%s; --engine-choices pins them)", name, plan.choices(),
              f"pinned: {', '.join(pinned)}" if pinned else "timed")

@@ -48,6 +48,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -58,6 +59,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowkernel.c", "atte
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
 OPENMP = "-fopenmp"  # added where the compiler takes it (`_build`)
 KEEP_BUILDS = 4  # libraries the cache folder keeps, the newest (`_prune`)
+TMP_PREFIX = ".kernels-tmp-"  # a build's file until it is whole; one a killed build left is pruned once BUILD_TIMEOUT_S old
 BUILD_TIMEOUT_S = 120
 
 
@@ -94,11 +96,19 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-def _unsupported() -> str | None:
+def _foreign() -> str | None:
+    """Why this machine is not one the kernels are built for (x86-64 Linux), or None."""
     if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
         return f"it is built for x86-64 Linux, not {platform.machine()} {sys.platform}"
+    return None
+
+
+def _unsupported() -> str | None:
+    if (why := _foreign()) is not None:
+        return why
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return f"this CPU runs PyTorch at {torch.backends.cpu.get_cpu_capability()}, without AVX2 and FMA"
+        return (f"PyTorch runs at CPU capability {torch.backends.cpu.get_cpu_capability()} here (this CPU's, or what "
+                "ATEN_CPU_CAPABILITY forces), without AVX2 and FMA")
     missing = [s.name for s in SOURCES if not s.is_file()]
     if missing:
         return f"its source {', '.join(missing)} is not installed"
@@ -133,12 +143,14 @@ def _build(cc: list[str], target: Path) -> bool:
     """Compiles the sources into target, atomically: a concurrent load sees a whole library or none.
     With OpenMP where the compiler takes it, else without (the kernels then run on one thread);
     returns whether with."""
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         why = None  # why the build with OpenMP failed
         for flags in ((*FLAGS, OPENMP), FLAGS):
-            done = subprocess.run([*cc, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            # libm after the sources (attend.c's tanhf): loaded where the process has no libm of its own too
+            done = subprocess.run([*cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
             if done.returncode == 0:
                 break
             lines = (done.stderr or done.stdout).strip().splitlines()
@@ -175,6 +187,9 @@ def _prune(built: Path) -> None:
         others = sorted((p for p in built.parent.glob("kernels-*.so") if p != built), key=lambda p: p.stat().st_mtime, reverse=True)
         for p in others[KEEP_BUILDS - 1 :]:
             p.unlink(missing_ok=True)
+        for p in built.parent.glob(f"{TMP_PREFIX}*.so"):  # a build killed part-way (the kubelet's liveness kill) left it
+            if time.time() - p.stat().st_mtime > BUILD_TIMEOUT_S:
+                p.unlink(missing_ok=True)
     except OSError as e:  # another process pruning meanwhile: what is left goes next time
         log.debug("CPU tier's kernel cache not pruned: %s", e)
 
@@ -192,6 +207,12 @@ def _load() -> ctypes.CDLL:
             _prune(target)
         else:
             _used(target)
+            try:
+                ctypes.CDLL(str(target))
+            except OSError as e:  # a cached library that does not load (cut short, or built against another runtime):
+                log.info("CPU tier's cached kernels %s do not load (%s); building them again", target.name, e)
+                target.unlink(missing_ok=True)  # it turned the kernels off at every start until removed by hand
+                _build(cc, target)
     lib = ctypes.CDLL(str(target))
     for product in (lib.row_product, lib.row_product_bf16):
         product.restype = None
@@ -333,7 +354,11 @@ def prebuild() -> tuple[Path, bool]:
 
 
 def main() -> int:
-    """python -m specdec.engine.cpu.kernel: prebuilds the library into the installed package."""
+    """python -m specdec.engine.cpu.kernel: prebuilds the library into the installed package; on a
+    machine the kernels are not for (an arm64 image), says so and succeeds: the services run without them."""
+    if (why := _foreign()) is not None:
+        print(f"specdec.engine.cpu.kernel: nothing to build: {why} (the CPU tier runs without its kernels)")
+        return 0
     try:
         built, threads = prebuild()
         print(f"built {built}" + ("" if threads else " (without OpenMP: the kernels run on one thread)"))
