@@ -234,12 +234,13 @@ def threaded() -> bool:
     return lib is not None and bool(lib.threaded())
 
 
-def packed(w: torch.Tensor, width: int) -> torch.Tensor:
+def packed(w: torch.Tensor, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """w [N, K] (out, in) packed in panels of `width` columns of the product: [N / width][K][width],
-    the last panel padded with zeros."""
+    the last panel padded with zeros; in `dtype` from the first copy (a float32 pad and transpose
+    before a bfloat16 cast held 4x the packed bytes at once: 4 GB for a 128k-word head)."""
     n, k = w.shape
     panels = -(-n // width)
-    padded = torch.zeros(panels * width, k, dtype=torch.float32)
+    padded = torch.zeros(panels * width, k, dtype=dtype)
     padded[:n] = w
     return padded.reshape(panels, width, k).transpose(1, 2).contiguous()
 
@@ -258,7 +259,8 @@ def bf16_exact(w: torch.Tensor) -> bool:
     loaded in float32): the low 16 bits of each are zero, so its upper half, packed in bfloat16,
     loses nothing. A test of the bits, not of the values: no float mode (flushed subnormals) can
     make it pass wrongly."""
-    return not (w.contiguous().view(torch.int32) & 0xFFFF).any()
+    low = 0 if sys.byteorder == "little" else 1  # the int16 half of each float32 that holds its low bits
+    return not w.contiguous().view(torch.int16)[..., low::2].any()  # (no int32 copy of the weight, as `& 0xFFFF` made)
 
 
 def row_forward(m, half: bool | None = None):
@@ -275,7 +277,7 @@ def row_forward(m, half: bool | None = None):
     w = w if isinstance(m, torch.nn.Linear) else w.t()  # [out, in]
     n, k = w.shape
     half = bf16_exact(w) if half is None else half
-    p = packed(w, lib.panel_width()).to(torch.bfloat16 if half else torch.float32)
+    p = packed(w, lib.panel_width(), torch.bfloat16 if half else torch.float32)
     b = None if m.bias is None else m.bias.detach()
     product = lib.row_product_bf16 if half else lib.row_product
 
