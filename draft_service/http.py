@@ -78,16 +78,37 @@ class _Observe:
 
     def __init__(self, app, door=None):
         self.app, self.door = app, door
+        self.opened: dict[tuple, float] = {}  # a client connection (its address) -> when its first request came
+
+    def _too_old(self, scope) -> bool:
+        """Whether the request's connection is older than --max-connection-age-s, as gRPC's are
+        closed after it: its response then closes it, and the client's next request connects
+        again (to a draft pod the autoscaler added since: a keep-alive client stayed on its pod)."""
+        max_age = getattr(getattr(self.door, "args", None), "max_connection_age_s", None)
+        client = scope.get("client")
+        if not max_age or not client:
+            return False
+        now = time.monotonic()
+        if len(self.opened) > 4096:  # connections long gone (an address's next connection starts afresh after a close)
+            self.opened = {c: t for c, t in self.opened.items() if now - t < 2 * max_age}
+        first = self.opened.setdefault(tuple(client), now)
+        if now - first < max_age:
+            return False
+        del self.opened[tuple(client)]
+        return True
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0, call = time.perf_counter(), {"status": 500, "tokens": 0}
         scope["specdec"] = call
+        close = self._too_old(scope)
 
         async def send_status(msg):
             if msg["type"] == "http.response.start":
                 call["status"] = msg["status"]
+                if close:
+                    msg = dict(msg, headers=[*msg.get("headers", []), (b"connection", b"close")])
             await send(msg)
 
         try:

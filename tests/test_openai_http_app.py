@@ -255,6 +255,33 @@ def test_served_connections_have_tcp_nodelay():
     assert len(flags) == 1 and flags[0]
 
 
+def test_a_connection_past_max_connection_age_is_closed_after_its_response():
+    """From a review: --max-connection-age-s closed gRPC connections (clients re-resolve and reach
+    the draft pods an autoscaler added) but an HTTP keep-alive connection stayed on its pod for as
+    long as its client kept it busy. Its first response past the age now says Connection: close."""
+    async def go():
+        a = args()
+        a.max_connection_age_s = 0.5
+        front = FrontDoor(Stub(word_tokenizer(16)), a)
+        port = await front.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        heads = []
+        for wait in (0.0, 0.7):  # the second request past the connection's age
+            await asyncio.sleep(wait)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = (await reader.readuntil(b"\r\n\r\n")).lower()
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.startswith(b"content-length")))
+            await reader.readexactly(length)
+            heads.append(head)
+        closed = await asyncio.wait_for(reader.read(), 5) == b""  # the server closed it
+        writer.close()
+        await front.stop()
+        return heads, closed
+
+    heads, closed = asyncio.run(go())
+    assert b"connection: close" not in heads[0] and b"connection: close" in heads[1] and closed, heads
+
+
 def test_http_port_is_off_by_default_and_read_from_the_environment(monkeypatch):
     import argparse
 
