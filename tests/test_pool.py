@@ -538,3 +538,29 @@ def test_the_longest_round_the_verifier_takes_is_bitwise_its_steps(model_dir):
     round_ = eng.forward([chain], [a])[0]
     steps = torch.cat([eng.forward([[t]], [b])[0] for t in chain])
     assert torch.equal(round_, steps), float((round_ - steps).abs().max())
+
+
+def test_free_memory_is_no_more_than_the_memory_cgroup_leaves(tmp_path):
+    """From a review: in a container /proc/meminfo's MemAvailable is the node's, so the verify's
+    cache budget (`auto`) was sized by the node, not the pod's limit, and its "more than the free
+    memory" warning never fired: a pod past its limit was killed instead of refusing sessions.
+    The cgroup's headroom (v2 and v1 layouts, here fake ones) caps it; no limit caps nothing."""
+    from specdec.engine.cache import cgroup_headroom_bytes
+
+    v2 = tmp_path / "v2"
+    (v2 / "kubepods" / "pod1").mkdir(parents=True)
+    (v2 / "kubepods" / "pod1" / "memory.max").write_text("2147483648\n")
+    (v2 / "kubepods" / "pod1" / "memory.current").write_text("536870912\n")
+    (tmp_path / "cg2").write_text("0::/kubepods/pod1\n")
+    assert cgroup_headroom_bytes(str(v2), str(tmp_path / "cg2")) == 3 << 29  # 2 GiB - 0.5 GiB
+    (v2 / "kubepods" / "pod1" / "memory.max").write_text("max\n")
+    assert cgroup_headroom_bytes(str(v2), str(tmp_path / "cg2")) is None
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "docker" / "c1").mkdir(parents=True)
+    (v1 / "memory" / "docker" / "c1" / "memory.limit_in_bytes").write_text("1073741824\n")
+    (v1 / "memory" / "docker" / "c1" / "memory.usage_in_bytes").write_text("1073741824\n")
+    (tmp_path / "cg1").write_text("5:cpu:/docker/c1\n4:memory:/docker/c1\n")
+    assert cgroup_headroom_bytes(str(v1), str(tmp_path / "cg1")) == 0  # at its limit
+    (v1 / "memory" / "docker" / "c1" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert cgroup_headroom_bytes(str(v1), str(tmp_path / "cg1")) is None
+    assert cgroup_headroom_bytes(str(tmp_path / "none"), str(tmp_path / "missing")) is None

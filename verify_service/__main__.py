@@ -19,7 +19,7 @@ def parser() -> startup.Parser:
     p.add_argument("--max-sessions", type=number(int, low=1), default=64, help="live sessions before RESOURCE_EXHAUSTED (>= 1)")
     p.add_argument("--max-cached-tokens", type=startup.or_auto(number(int, low=1)), default=None,
                    help="token budget of all KV caches (default, or auto: max-sessions x context, capped by the free memory where the "
-                        "caches live: 90%% of a GPU's, 50%% of the host's, but at least one session at full context; a value above that memory "
+                        "caches live: 90%% of a GPU's, 50%% of the host's (no more than its memory cgroup, a pod's limit, leaves), but at least one session at full context; a value above that memory "
                         "share, or a share below one such session, is logged as a warning)")
     p.add_argument("--idle-timeout-s", type=number(float, above=0), default=60.0, help="close a session that sends nothing, or takes no verdict, for this long (> 0)")
     p.add_argument("--stalled-pass-s", type=number(float, low=0), default=300.0,

@@ -17,6 +17,7 @@ there is one (`take`). Nothing is copied when sessions join, leave or share a pa
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
@@ -215,11 +216,46 @@ class KVCache:
 
 
 def available_memory_bytes(device: torch.device | None = None) -> int | None:
-    """Free memory on `device`: the CUDA device's free memory, or the host's MemAvailable."""
+    """Free memory on `device`: the CUDA device's free memory, or the host's MemAvailable, no more
+    than this process's memory cgroup leaves (a pod's limit: MemAvailable in a container is the
+    node's, so the cache budget was sized by the node and a pod past its limit was killed)."""
     if device is not None and device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+            host = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
+        host = None
+    room = cgroup_headroom_bytes()
+    return room if host is None else host if room is None else min(host, room)
+
+
+def cgroup_headroom_bytes(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> int | None:
+    """What this process's memory cgroup leaves under its limit (v2: memory.max - memory.current;
+    v1: memory.limit_in_bytes - memory.usage_in_bytes), or None where there is no limit."""
+    try:
+        with open(membership) as fh:
+            lines = fh.read().splitlines()
+    except OSError:
         return None
+    candidates = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2's unified hierarchy
+            candidates.append((os.path.join(root, path.lstrip("/")), "memory.max", "memory.current"))
+            candidates.append((root, "memory.max", "memory.current"))  # a container's namespace shows its own cgroup as the root
+        elif "memory" in controllers.split(","):
+            for base in (os.path.join(root, "memory", path.lstrip("/")), os.path.join(root, "memory")):
+                candidates.append((base, "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    for base, limit_file, usage_file in candidates:
+        try:
+            with open(os.path.join(base, limit_file)) as fh:
+                limit = fh.read().strip()
+            with open(os.path.join(base, usage_file)) as fh:
+                usage = int(fh.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1's "no limit" is a huge number
+            return None
+        return max(0, int(limit) - usage)
+    return None
