@@ -10,6 +10,7 @@ are written to CORE_OUT.yaml for kubernetes-validate. Exits 1 naming each error.
 """
 from __future__ import annotations
 
+import json
 import sys
 
 import yaml
@@ -41,7 +42,7 @@ def unknown_fields(given, kept, path: str = "") -> list[str]:
 def check(doc: dict, model: type) -> list[str]:
     name = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
     try:
-        obj = model.model_validate(doc)
+        obj = model.model_validate_json(json.dumps(doc), strict=True)  # JSON's types as written: "2" is no integer
     except ValidationError as e:
         return [f"{name}: {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
     kept = obj.model_dump(by_alias=True, exclude_unset=True, mode="json")
