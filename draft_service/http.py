@@ -204,6 +204,9 @@ async def _error_response(request: Request, e: Exception) -> Response:
 SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # a surrogate's JSON escape, or its UTF-8 bytes (json.loads takes them)
 
 
+CUT_MARGIN_S = 0.5  # the drain ends running streams this long before its grace ends: time to write their last events
+
+
 class FrontDoor:
     """The HTTP app over a DraftServicer; `start()` serves it, `stop()` drains it."""
 
@@ -225,6 +228,7 @@ class FrontDoor:
                                      Route("/health", self.health)],
                              exception_handlers=errors, middleware=[Middleware(_Observe, door=self)])
         self.cut_at: float | None = None  # when the drain's grace ends (`stop`): streams cancelled then are 503, not 499
+        self.cut = asyncio.Event()  # set just before the drain's grace ends: running SSE streams end (Reply.sse)
 
     def _target(self) -> str:
         """The target's name: the servicer's once its verify service has answered (a draft started
@@ -286,10 +290,16 @@ class FrontDoor:
         """The listener closes (new connections are refused; a request on a connection still open gets
         503); running ones get the drain period (--drain-s)."""
         self.draining = True
-        self.cut_at = time.monotonic() + max(1, math.ceil(self.args.drain_s))  # uvicorn's timeout_graceful_shutdown
-        if self.server is not None:
-            self.server.should_exit = True
-            await self.task
+        grace = max(1, math.ceil(self.args.drain_s))
+        self.cut_at = time.monotonic() + grace  # uvicorn's timeout_graceful_shutdown
+        cut = asyncio.get_running_loop().call_later(max(0.0, grace - CUT_MARGIN_S), self.cut.set)
+        try:
+            if self.server is not None:
+                self.server.should_exit = True
+                await self.task
+        finally:
+            cut.cancel()
+
 
     # ---- endpoints ----
 
@@ -340,7 +350,7 @@ class FrontDoor:
         read = functools.partial(self._read, data, chat, rid)
         # a large body's parsing and chat template run in a thread: seconds of it would stall every call on the event loop
         r, req = await asyncio.to_thread(read) if len(data) > validation.LARGE_REQUEST else read()
-        reply = Reply(chat, r, rid, self.model, call)
+        reply = Reply(chat, r, rid, self.model, call, self)
         chunks = self.servicer.stream(req, Context(rid, http_names(chat, r)))
         headers = {"X-Request-Id": rid}
         if not r.stream:

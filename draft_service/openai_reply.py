@@ -119,8 +119,10 @@ def usage(st: pb.Stats) -> s.Usage:
 class Reply:
     """Turns the servicer's GenerateResponse chunks into one OpenAI object, or its SSE events."""
 
-    def __init__(self, chat: bool, r: s._Request, request_id: str, model: str, call: dict):
-        self.chat, self.r, self.model, self.call = chat, r, model, call
+    def __init__(self, chat: bool, r: s._Request, request_id: str, model: str, call: dict, door=None):
+        """door: the FrontDoor, whose drain ends a running stream with an error event (its `streams`,
+        `cutting`); None: no drain."""
+        self.chat, self.r, self.model, self.call, self.door = chat, r, model, call, door
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
 
@@ -177,7 +179,7 @@ class Reply:
             async with contextlib.aclosing(chunks):
                 if self.chat:
                     yield self.event(text="", role=True, ids=[] if with_ids else None)
-                async for c in _chain(first, chunks):
+                async for c in _until_cut(_chain(first, chunks), None if self.door is None else self.door.cut):
                     if done:
                         continue
                     self._got(c)
@@ -193,10 +195,49 @@ class Reply:
         except HttpError as e:
             self.call.update(status=e.status, error=e.message)
             yield f"data: {json.dumps(e.body())}\n\n"
+        except _Cut:  # the drain's grace is ending (FrontDoor.stop): an error event and [DONE], as a gRPC stream ends
+            # UNAVAILABLE then, where uvicorn's own cancel at the grace's end cut the connection mid-event
+            e = HttpError(503, "the service is shutting down (its drain's grace ended); retry", code="unavailable")
+            self.call.update(status=e.status, error=e.message)
+            yield f"data: {json.dumps(e.body())}\n\n"
         except asyncio.CancelledError:
             self.call["status"] = CLIENT_GONE
             raise
         yield "data: [DONE]\n\n"
+
+
+class _Cut(Exception):
+    """A stream the drain ends (`_until_cut`)."""
+
+
+async def _until_cut(items, cut: asyncio.Event | None):
+    """items' items until `cut` is set, then _Cut (the item being made is cancelled: the
+    generation ends, its verify session freed). Each item is awaited in a task of its own, raced
+    with the cut; with no cut (None), items as they are."""
+    if cut is None:
+        async for item in items:
+            yield item
+        return
+    waiter = asyncio.ensure_future(cut.wait())
+    try:
+        while True:
+            nxt = asyncio.ensure_future(anext(items))
+            try:
+                await asyncio.wait((nxt, waiter), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not nxt.done():  # the cut, or this task's own cancel: the item's task ends first, so that
+                    nxt.cancel()  # `items` may be closed after (not while it runs)
+                    with contextlib.suppress(BaseException):
+                        await nxt
+            if nxt.cancelled():
+                raise _Cut
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        waiter.cancel()
 
 
 async def _chain(first, rest):

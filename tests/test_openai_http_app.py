@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -280,6 +281,45 @@ def test_a_connection_past_max_connection_age_is_closed_after_its_response():
 
     heads, closed = asyncio.run(go())
     assert b"connection: close" not in heads[0] and b"connection: close" in heads[1] and closed, heads
+
+
+class Slow(Stub):
+    """Streams a chunk every 20 ms, for at most 30 s: a generation the drain outlasts."""
+
+    async def stream(self, request, context):
+        self.requests.append(request)
+        for _ in range(1500):
+            yield pb.GenerateResponse(token_ids=[3], text="w3")
+            await asyncio.sleep(0.02)
+        yield pb.GenerateResponse(token_ids=[4], text=" w4", finish_reason=pb.FINISH_REASON_LENGTH)
+
+
+def test_the_drain_ends_a_running_stream_with_an_error_event_then_done():
+    """From a review: at the end of the drain's grace uvicorn cancelled a running SSE stream and
+    closed its connection mid-event (the SDK's APIConnectionError; two ERROR lines with a
+    traceback). Just before the grace ends, the stream now ends with an error event saying the
+    service is shutting down, then [DONE], as a gRPC stream ends UNAVAILABLE."""
+    async def go():
+        front = FrontDoor(Slow(word_tokenizer(16)), args())  # drain_s 1
+        port = await front.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps({"model": "stub", "prompt": "w3", "stream": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await reader.readuntil(b"data: ")  # the stream has started
+        t0 = time.monotonic()
+        stop = asyncio.create_task(front.stop())
+        rest = await asyncio.wait_for(reader.read(), 10)  # to the connection's end
+        await stop
+        writer.close()
+        return rest.decode(), time.monotonic() - t0
+
+    rest, took = asyncio.run(go())
+    events = [e for e in rest.replace("\r\n", "\n").split("\n\n") if "data: " in e]
+    assert events[-1].strip().endswith("data: [DONE]"), rest[-500:]
+    err = json.loads(events[-2].split("data: ", 1)[1].strip().splitlines()[0])
+    assert err["error"]["code"] == "unavailable" and "shutting down" in err["error"]["message"], err
+    assert took < 5, took
 
 
 def test_http_port_is_off_by_default_and_read_from_the_environment(monkeypatch):
