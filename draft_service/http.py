@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from draft_service import openai_schemas as s
 from draft_service.openai_reply import CLIENT_GONE, STATUS, ClientGone, Context, HttpError, Reply, http_names
-from specdec import metrics, observe, serving, validation
+from specdec import metrics, observe, serving, tracing, validation
 from specdec.errors import Refusal, RequestError
 from specdec.files import StartupError
 from specdec.v1 import specdec_pb2 as pb
@@ -111,29 +111,48 @@ class _Observe:
                     msg = dict(msg, headers=[*msg.get("headers", []), (b"connection", b"close")])
             await send(msg)
 
-        try:
-            await self.app(scope, receive, send_status)
-        except asyncio.CancelledError:
-            call["status"] = _gone(self.door)
-            raise
-        finally:
-            path = scope["path"] if scope["path"] in PATHS else "other"
-            status, duration = call["status"], time.perf_counter() - t0
-            # `code` as the gRPC observer names it (one type in one field for log indexers); the HTTP status beside it
-            fields = {"service": "draft", "method": f"{scope['method']} {path}", "request_id": call.get("request_id") or uuid.uuid4().hex,
-                      "code": code_of(status), "http_status": status, "tokens": call["tokens"], "duration_s": round(duration, 6),
-                      **call.get("fields", {})}
-            if "error" in call:  # bounded: what a message quotes of a client's input is cut already (quoted)
-                fields["error"] = call["error"][:2000]
-            if status in (401, 403) and scope.get("client"):  # as the gRPC observer logs a refused caller
-                fields["peer"] = "%s:%s" % tuple(scope["client"])
-            log.log(logging.WARNING if status in (401, 403) else logging.INFO, "request done", extra={"fields": fields})
-            metrics.HTTP_REQUESTS.labels(path, str(status)).inc()
-            metrics.REQUEST_LATENCY.labels("draft", path).observe(duration)
-            if fields["code"] not in ("OK", "CANCELLED"):  # as the gRPC observer counts its calls' errors, and as logged above
-                metrics.REQUEST_ERRORS.labels("draft", path, fields["code"]).inc()  # (405 and 413 were logged, not counted)
-            if call["tokens"]:
-                metrics.GENERATED_TOKENS.labels("draft").inc(call["tokens"])
+        path = scope["path"] if scope["path"] in PATHS else "other"
+        with tracing.server_span(f"specdec.draft/{scope['method']} {path}", _Headers(scope)) as set_attrs:
+            try:
+                await self.app(scope, receive, send_status)
+            except asyncio.CancelledError:
+                call["status"] = _gone(self.door)
+                raise
+            finally:
+                self._done(scope, call, path, t0, set_attrs)
+
+    @staticmethod
+    def _done(scope, call: dict, path: str, t0: float, set_attrs) -> None:
+        """The request's log line, metrics and span attributes."""
+        status, duration = call["status"], time.perf_counter() - t0
+        # `code` as the gRPC observer names it (one type in one field for log indexers); the HTTP status beside it
+        fields = {"service": "draft", "method": f"{scope['method']} {path}", "request_id": call.get("request_id") or uuid.uuid4().hex,
+                  "code": code_of(status), "http_status": status, "tokens": call["tokens"], "duration_s": round(duration, 6),
+                  **call.get("fields", {})}
+        if "error" in call:  # bounded: what a message quotes of a client's input is cut already (quoted)
+            fields["error"] = call["error"][:2000]
+        if status in (401, 403) and scope.get("client"):  # as the gRPC observer logs a refused caller
+            fields["peer"] = "%s:%s" % tuple(scope["client"])
+        log.log(logging.WARNING if status in (401, 403) else logging.INFO, "request done", extra={"fields": fields})
+        metrics.HTTP_REQUESTS.labels(path, str(status)).inc()
+        metrics.REQUEST_LATENCY.labels("draft", path).observe(duration)
+        if fields["code"] not in ("OK", "CANCELLED"):  # as the gRPC observer counts its calls' errors, and as logged above
+            metrics.REQUEST_ERRORS.labels("draft", path, fields["code"]).inc()  # (405 and 413 were logged, not counted)
+        if call["tokens"]:
+            metrics.GENERATED_TOKENS.labels("draft").inc(call["tokens"])
+        set_attrs(**{f"specdec.{k}": v for k, v in fields.items() if k not in ("service", "method")})
+
+
+class _Headers:
+    """An HTTP request's headers as tracing.server_span reads a gRPC call's metadata (its
+    `traceparent`): the HTTP front door's span is the parent of the verify session's, as the gRPC
+    door's is."""
+
+    def __init__(self, scope):
+        self.scope = scope
+
+    def invocation_metadata(self):
+        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.scope.get("headers", [])]
 
 
 class _Stream(StreamingResponse):

@@ -1,6 +1,8 @@
 """Observability (issue 7, point 4): the real /metrics endpoints move exactly as a known set of
 requests says they should (checked against the per-request stats the client gets back), and each
 request leaves one JSON log line on each hop carrying the same request id."""
+import json
+
 import grpc
 import pytest
 
@@ -144,10 +146,20 @@ def test_opentelemetry_spans_link_both_hops(model_dir):
     verify's Session span a child of the draft's Generate span (W3C traceparent metadata)."""
     pytest.importorskip("opentelemetry.sdk")
     env = dict(ENV, SPECDEC_TRACE="console")
-    v, d = start_pair(("--model", model_dir("target")), ("--model", model_dir("draft")), env=env)
+    v, d = start_pair(("--model", model_dir("target")), ("--model", model_dir("draft"), "--http-port", "0"), env=env)
     try:
         with Client(d.address, timeout=60) as c:
             r = c.generate(prompt="w3 w4", max_new_tokens=6, request_id="traced-1")
+        # from a review: the HTTP door opened no span, its verify Session span was a root, and a caller's traceparent was dropped
+        import urllib.request
+
+        trace_id = "0af7651916cd43dd8448eb211c80319c"
+        model = json.loads(urllib.request.urlopen(f"http://{d.http_address}/v1/models", timeout=60).read())["data"][0]["id"]
+        req = urllib.request.Request(f"http://{d.http_address}/v1/completions", method="POST",
+                                     data=json.dumps({"model": model, "prompt": "w3", "max_tokens": 2}).encode(),
+                                     headers={"Content-Type": "application/json", "X-Request-Id": "traced-http",
+                                              "traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
+        assert urllib.request.urlopen(req, timeout=60).status == 200
 
         def spans(svc, name):
             return [s for s in json_log_lines(svc, name=name) if s.get("attributes", {}).get("specdec.request_id") == "traced-1"]
@@ -160,6 +172,14 @@ def test_opentelemetry_spans_link_both_hops(model_dir):
         assert vs["attributes"]["specdec.rounds"] == r.stats["rounds"]
         assert ds["resource"]["attributes"]["service.name"] == "specdec.v1.Draft"
         assert vs["resource"]["attributes"]["service.name"] == "specdec.v1.Verify"
+        def http_spans(svc, prefix):
+            return [s for s in json_log_lines(svc) if s.get("name", "").startswith(prefix)
+                    and s.get("attributes", {}).get("specdec.request_id") == "traced-http"]
+
+        assert wait_for(lambda: http_spans(d, "specdec.draft/POST") and http_spans(v, "specdec.verify/Session"), 10), d.stderr[-3:]
+        (hs,), (hv,) = http_spans(d, "specdec.draft/POST"), http_spans(v, "specdec.verify/Session")
+        assert hs["context"]["trace_id"] == hv["context"]["trace_id"] == "0x" + trace_id and hv["parent_id"] == hs["context"]["span_id"]
+        assert hs["attributes"]["specdec.http_status"] == 200
         # the draft's Info polls (every 2 s, and its start-up's) are no trace's root: one span per poll made noise
         assert not json_log_lines(v, name="specdec.verify/Info"), json_log_lines(v, name="specdec.verify/Info")[:1]
     finally:
