@@ -145,7 +145,10 @@ async def upstream_error(e: Exception, call) -> Exception:
             # the caller's (a token rotated upstream): the service cannot serve now, so the caller may retry or fall back
             return RequestError(Refusal.UNAVAILABLE, f"upstream refused this service's credentials ({code.name}): "
                                 f"{await call.details()}")
-        return RequestError(edge.refusal(code), f"upstream: {await call.details()}", retry=not final)
+        details = " ".join(str(await call.details()).split())
+        if code == grpc.StatusCode.UNAVAILABLE:  # gRPC core's own words ("Socket closed", "Cancelling all calls") say little
+            details = f"the verify service is unavailable: it shut down or the connection to it was lost ({details}); retry"
+        return RequestError(edge.refusal(code), f"upstream: {details}", retry=not final)
     except Exception:  # noqa: BLE001 - an intercepted call re-raises what failed it (a closed channel's UsageError)
         return e
 

@@ -86,6 +86,8 @@ def test_kill_9_verify_fails_the_request_with_unavailable_then_a_restart_serves_
                 list(it)
             failed_s = time.monotonic() - t0
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+        # from a review: the message was gRPC core's alone ("upstream: Socket closed")
+        assert "the verify service is unavailable: it shut down or the connection to it was lost" in e.value.details(), e.value.details()
         print(f"client got UNAVAILABLE {failed_s:.3f}s after kill -9 of the verify")
         text = d.metrics()
         assert metric(text, "specdec_request_errors_total", service="draft", method="Generate", code="UNAVAILABLE") >= 1
