@@ -75,6 +75,14 @@ class Gone(Exception):
     loop that started the thread has ended, so no one awaits this but the thread's own end."""
 
 
+
+def top_probability(logits: torch.Tensor, sampling) -> torch.Tensor:
+    """The draft's top probability, as early_stop_p compares it: of the distribution the session
+    samples from (temperature, top-k, top-p), or of the model's own softmax where it is greedy.
+    (An ids-only sampled round read the raw softmax, a sparse or dense one the sampled
+    distribution: the same threshold stopped them at different points.)"""
+    return (torch.softmax(logits, -1) if sampling.greedy else probs_from_logits(logits, sampling)).max()
+
 @dataclass
 class DraftState:
     ids: list[int]  # committed: prompt + generated
@@ -200,7 +208,7 @@ class Drafter:
                 break
             logits = self._feed(st, context)  # [V]
             if ids_only(prm.mode) or prm.sampling.greedy:  # q is the one-hot at the argmax
-                if i and prm.early_stop_p > 0 and float(torch.softmax(logits, -1).max()) < prm.early_stop_p:
+                if i and prm.early_stop_p > 0 and float(top_probability(logits, prm.sampling)) < prm.early_stop_p:
                     break  # the draft is unsure: end the round here
                 top = torch.topk(logits, 1 + CHOICES)
                 best, x, *alts = torch.cat((top.values[:1].double(), top.indices.double())).tolist()  # one host sync

@@ -144,3 +144,20 @@ def test_greedy_exact_with_every_feature(services, target, draft, features):
                 assert r.stats.get("lookup_rounds", 0) + r.stats.get("target_only_rounds", 0) == r.stats["rounds"]  # found nothing: target-only
         if features.get("predraft") and draft == "target" and "proposer" not in features:
             assert hits > 0, "a perfect draft must hit its pre-drafts"
+
+
+def test_early_stop_reads_the_distribution_the_session_samples_from():
+    """From a review: an ids-only sampled round compared early_stop_p with the model's raw
+    softmax, a sparse or dense one with the sampled distribution (temperature, top-k, top-p):
+    one threshold, two meanings. Both now read the sampled one; greedy reads the softmax."""
+    import torch
+
+    from draft_service.drafter import top_probability
+    from specdec.sampling import Sampling
+
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    raw = float(torch.softmax(logits, -1).max())
+    assert abs(float(top_probability(logits, Sampling())) - raw) < 1e-6  # greedy
+    sharp = float(top_probability(logits, Sampling(temperature=0.5)))
+    assert abs(sharp - float(torch.softmax(logits / 0.5, -1).max())) < 1e-6 and sharp > raw
+    assert float(top_probability(logits, Sampling(temperature=1.0, top_k=1))) == 1.0
