@@ -8,8 +8,9 @@ from __future__ import annotations
 
 
 def lookup(ids: list[int], tau: int, max_ngram: int = 3, min_ngram: int = 1, window: int = 4096) -> list[int]:
-    """Up to tau tokens continuing the latest earlier match of ids' last n tokens (n from
-    max_ngram down to min_ngram); [] when nothing matches. Looks back at most `window` tokens."""
+    """tau tokens continuing the latest earlier match of ids' last n tokens (n from max_ngram down
+    to min_ngram), the match's continuation run on where it reaches the end; [] when nothing
+    matches. Looks back at most `window` tokens."""
     if tau <= 0:
         return []
     base = max(0, len(ids) - window)
@@ -18,5 +19,10 @@ def lookup(ids: list[int], tau: int, max_ngram: int = 3, min_ngram: int = 1, win
         suffix = seq[-n:]
         for start in range(len(seq) - n - 1, -1, -1):  # latest first; the suffix itself excluded
             if seq[start : start + n] == suffix:
-                return seq[start + n : start + n + tau]
+                # what followed the match, copied on past the sequence's end as LZ77 copies an overlapping match:
+                # a text repeating with period p (a run of one token, `0, 0, 0`) proposes tau tokens, not p
+                out: list[int] = []
+                for i in range(start + n, start + n + tau):
+                    out.append(seq[i] if i < len(seq) else out[i - len(seq)])
+                return out
     return []

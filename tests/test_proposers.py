@@ -13,12 +13,11 @@ from helpers.greedy import hf_greedy, prompts
     ([1, 2, 3, 9, 1, 2], 3, [3, 9, 1]),  # 2-gram [1, 2] seen before: continue after it
     ([5, 1, 2, 7, 1, 2, 8, 1, 2], 2, [8, 1]),  # the most recent earlier match wins
     ([1, 2, 3, 4], 3, []),  # no repeat
-    ([4, 4], 3, [4]),  # a 1-gram match, continuation cut at the end of the sequence
+    ([4, 4], 3, [4, 4, 4]),  # a 1-gram match whose continuation reaches the end: run on (it was [4]: one token a round)
     ([3, 1, 2, 3, 1, 2], 0, []),  # tau = 0
-    ([7, 8, 9, 5, 8, 9], 5, [5, 8, 9]),  # longest suffix first: [8, 9] -> [5, 8, 9]
-    # cut at the end, not run on past it as LZ77 copies an overlapping match: tried, and on the goodput
-    # benchmark's code prompts the default (hybrid) path then took 94 rounds for 238 tokens, not 87
-    ([1, 2] * 10, 8, [1, 2]),
+    ([7, 8, 9, 5, 8, 9], 5, [5, 8, 9, 5, 8]),  # longest suffix first: [8, 9] -> [5, 8, 9], then on with period 3
+    ([5] * 20, 8, [5] * 8),  # from a review: a run proposed one token a round whatever tau
+    ([1, 2] * 10, 8, [1, 2] * 4),  # ... a period of 2, two
 ])
 def test_lookup_table(ids, tau, expected):
     assert lookup(ids, tau) == expected
