@@ -61,16 +61,16 @@ class Verifier:
 
 
 def rounds_under(prices, model_dir, temperature=0.0, seeded=False, goodput=True, proposer=pb.PROPOSER_DRAFT, predraft=False,
-                 tree_budget=0, prompt=(3, 4, 5)):
+                 tree_budget=0, prompt=(3, 4, 5), draft="draft"):
     """(proposals per round, the loop's stats) of one request under the verifier's prices, round by
     round; with pre-drafting, the verifier continues as the draft model does (pre-drafts hit)."""
-    lm = LM.load(model_dir("draft"), "cpu", "float32")
+    lm = LM.load(model_dir(draft), "cpu", "float32")
     params = GenParams(prompt_ids=list(prompt), max_new_tokens=200, sampling=Sampling(temperature=temperature), seed=7, seeded=seeded,
                        tau=8, proposer=proposer, mode=pb.PROPOSAL_MODE_GREEDY if temperature == 0 else pb.PROPOSAL_MODE_SPARSE,
                        predraft=predraft, tree_budget=tree_budget)
     CALIBRATIONS.pop(lm.name, None)  # a tree's sizes start from no evidence (other tests' sessions taught this process's)
     loop = DecodeLoop(Drafter(lm), params, lm.fingerprint, lm.max_context, costs=COSTS, goodput=goodput, predraft=predraft)
-    v = Verifier(prices, AutoModelForCausalLM.from_pretrained(model_dir("draft")).eval() if predraft else None)
+    v = Verifier(prices, AutoModelForCausalLM.from_pretrained(model_dir(draft)).eval() if predraft else None)
 
     async def run():
         async for _ in loop.rounds(v):
@@ -116,7 +116,10 @@ def test_every_proposer_follows_the_price_down_to_target_only_rounds_and_back(mo
     (the verifier continues as the draft model does, so pre-drafts hit), and proposals come back
     when the price falls."""
     prices = [0.0] * 4 + [0.999] * 4 + [0.0] * 4
-    taus, stats, _ = rounds_under(prices, model_dir, proposer=proposer, predraft=predraft, tree_budget=tree_budget, prompt=(3, 4, 5, 3, 4, 5))
+    # a context of 4,096 tokens: prompt lookup proposes 8 tokens a round on this periodic prompt, which the
+    # verifier here accepts, and the tiny draft's 64 ran out after the price fell (no room: rounds of 0)
+    taus, stats, _ = rounds_under(prices, model_dir, proposer=proposer, predraft=predraft, tree_budget=tree_budget, prompt=(3, 4, 5, 3, 4, 5),
+                                  draft="long-draft")
     assert all(t > 0 for t in taus[:5]) and taus[5:9] == [0, 0, 0, 0] and all(t > 0 for t in taus[9:]), taus
     assert stats.target_only_rounds == 4
     assert stats.predraft_hits > 0 if predraft else stats.predraft_hits == 0
