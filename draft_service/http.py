@@ -14,6 +14,7 @@ draft_service/openai_reply.py."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -78,7 +79,7 @@ class _Observe:
 
     def __init__(self, app, door=None):
         self.app, self.door = app, door
-        self.opened: dict[tuple, float] = {}  # a client connection (its address) -> when its first request came
+        self.opened: collections.OrderedDict[tuple, float] = collections.OrderedDict()  # a client address -> its first request's time
 
     def _too_old(self, scope) -> bool:
         """Whether the request's connection is older than --max-connection-age-s, as gRPC's are
@@ -89,8 +90,8 @@ class _Observe:
         if not max_age or not client:
             return False
         now = time.monotonic()
-        if len(self.opened) > 4096:  # connections long gone (an address's next connection starts afresh after a close)
-            self.opened = {c: t for c, t in self.opened.items() if now - t < 2 * max_age}
+        while self.opened and now - next(iter(self.opened.values())) > 2 * max_age:  # oldest first: gone by now (a
+            self.opened.popitem(last=False)  # connection past its age is closed at its next request, and forgotten then)
         first = self.opened.setdefault(tuple(client), now)
         if now - first < max_age:
             return False
@@ -112,7 +113,9 @@ class _Observe:
             await send(msg)
 
         path = scope["path"] if scope["path"] in PATHS else "other"
-        with tracing.server_span(f"specdec.draft/{scope['method']} {path}", _Headers(scope)) as set_attrs:
+        # polls (/health, /v1/models) are no trace's root, as the gRPC door's Info polls are not
+        polled = path not in ("/v1/completions", "/v1/chat/completions")
+        with tracing.server_span(f"specdec.draft/{scope['method']} {path}", _Headers(scope), only_in_trace=polled) as set_attrs:
             try:
                 await self.app(scope, receive, send_status)
             except asyncio.CancelledError:
@@ -247,7 +250,8 @@ class FrontDoor:
                                      Route("/health", self.health)],
                              exception_handlers=errors, middleware=[Middleware(_Observe, door=self)])
         self.cut_at: float | None = None  # when the drain's grace ends (`stop`): streams cancelled then are 503, not 499
-        self.cut = asyncio.Event()  # set just before the drain's grace ends: running SSE streams end (Reply.sse)
+        self.cut: asyncio.Event | None = None  # set just before the drain's grace ends: running SSE streams end (Reply.sse);
+        # made in `start`, in the loop that serves (an app used without it, as in tests, has no drain)
 
     def _target(self) -> str:
         """The target's name: the servicer's once its verify service has answered (a draft started
@@ -291,6 +295,7 @@ class FrontDoor:
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", server_header=False,
                                 timeout_graceful_shutdown=max(1, math.ceil(a.drain_s)), ssl_certfile=a.tls_cert, ssl_keyfile=a.tls_key,
                                 ssl_ca_certs=a.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED if a.tls_client_ca else ssl.CERT_NONE)
+        self.cut = asyncio.Event()
         self.server = _Uvicorn(config)
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
         for _ in range(3000):  # 30 s at most
@@ -311,13 +316,14 @@ class FrontDoor:
         self.draining = True
         grace = max(1, math.ceil(self.args.drain_s))
         self.cut_at = time.monotonic() + grace  # uvicorn's timeout_graceful_shutdown
-        cut = asyncio.get_running_loop().call_later(max(0.0, grace - CUT_MARGIN_S), self.cut.set)
+        cut = asyncio.get_running_loop().call_later(max(0.0, grace - CUT_MARGIN_S), self.cut.set) if self.cut else None
         try:
             if self.server is not None:
                 self.server.should_exit = True
                 await self.task
         finally:
-            cut.cancel()
+            if cut is not None:
+                cut.cancel()
 
 
     # ---- endpoints ----
@@ -385,7 +391,7 @@ class FrontDoor:
         """The request a body holds, and the GenerateRequest it makes (a chat's messages rendered)."""
         try:
             body = json.loads(data)
-            if SURROGATE.search(data):  # a lone surrogate ("\\ud800") is valid JSON, not a string gRPC or a reply can carry
+            if SURROGATE.search(data) or json.detect_encoding(data) != "utf-8":  # a lone surrogate ("\\ud800") is valid JSON, not a string gRPC or a reply can carry
                 json.dumps(body, ensure_ascii=False).encode()  # (this whole-body check, only where one may be: 1.5 s at 16 MiB)
             self._too_long(body, chat)
             r = s.parse(s.ChatRequest if chat else s.CompletionRequest, body)
@@ -418,8 +424,8 @@ class FrontDoor:
             if len(messages) > context:
                 raise HttpError(400, f"messages: {len(messages)} messages are more than the context limit of {context} tokens holds",
                                 "messages")
-            chars = sum(len(c) if isinstance(c, str) else sum(len(p.get("text") or "") for p in c if isinstance(p, dict))
-                        if isinstance(c, list) else 0 for c in (m.get("content") for m in messages if isinstance(m, dict)))
+            chars = sum(len(c) if isinstance(c, str) else sum(len(p["text"]) for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+                        if isinstance(c, list) else 0 for c in (m.get("content") for m in messages if isinstance(m, dict)))  # other types: pydantic's 400
             if chars > most_chars:
                 raise HttpError(400, f"messages: {chars} characters of content are far more than the context limit of {context} "
                                      f"tokens holds (no token here is longer than {longest} characters)", "messages")

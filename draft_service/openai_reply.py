@@ -197,6 +197,9 @@ class Reply:
             yield f"data: {json.dumps(e.body())}\n\n"
         except _Cut:  # the drain's grace is ending (FrontDoor.stop): an error event and [DONE], as a gRPC stream ends
             # UNAVAILABLE then, where uvicorn's own cancel at the grace's end cut the connection mid-event
+            if done:  # after the finish (the servicer was ending its verify session): the reply is whole
+                yield "data: [DONE]\n\n"
+                return
             e = HttpError(503, "the service is shutting down (its drain's grace ended); retry", code="unavailable")
             self.call.update(status=e.status, error=e.message)
             yield f"data: {json.dumps(e.body())}\n\n"
@@ -222,15 +225,24 @@ async def _until_cut(items, cut: asyncio.Event | None):
     try:
         while True:
             nxt = asyncio.ensure_future(anext(items))
+            cancelled = None  # this task's own cancel, while the item's task ends
             try:
                 await asyncio.wait((nxt, waiter), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not nxt.done():  # the cut, or this task's own cancel: the item's task ends first, so that
-                    nxt.cancel()  # `items` may be closed after (not while it runs)
-                    with contextlib.suppress(BaseException):
-                        await nxt
+            except asyncio.CancelledError as e:
+                cancelled = e
+            if not nxt.done():  # the cut, or this task's own cancel: the item's task ends first (its cleanup
+                nxt.cancel()  # runs whole), so that `items` may be closed after, not while it runs
+                while not nxt.done():
+                    try:
+                        await asyncio.wait((nxt,))
+                    except asyncio.CancelledError as e:
+                        cancelled = e
+            if cancelled is not None:
+                raise cancelled
             if nxt.cancelled():
-                raise _Cut
+                if cut.is_set():
+                    raise _Cut
+                raise asyncio.CancelledError  # the item's own cancel (a call cancelled under it): not the drain's
             try:
                 item = nxt.result()
             except StopAsyncIteration:
@@ -238,6 +250,8 @@ async def _until_cut(items, cut: asyncio.Event | None):
             yield item
     finally:
         waiter.cancel()
+        if waiter.done() and not waiter.cancelled():
+            waiter.exception()  # retrieved (an Event of another loop's raised RuntimeError)
 
 
 async def _chain(first, rest):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import time
 
@@ -123,6 +124,11 @@ def request_id(context: grpc.aio.ServicerContext, fallback: str = "") -> str:
     return observe.request_id(context.invocation_metadata(), fallback)
 
 
+# what gRPC core (not the verify service) says of a connection that went away
+TRANSPORT = re.compile(r"Socket closed|Cancelling all calls|Stream removed|Connection reset|Broken pipe|GOAWAY|recvmsg|"
+                       r"failed to connect|Connection refused|connections to all backends failed", re.IGNORECASE)
+
+
 async def upstream_error(e: Exception, call) -> Exception:
     """The upstream call's own status when it has ended: a write on a stream the peer already
     closed raises InvalidStateError (or a bare core error), not the status the peer sent."""
@@ -146,8 +152,8 @@ async def upstream_error(e: Exception, call) -> Exception:
             return RequestError(Refusal.UNAVAILABLE, f"upstream refused this service's credentials ({code.name}): "
                                 f"{await call.details()}")
         details = " ".join(str(await call.details()).split())
-        if code == grpc.StatusCode.UNAVAILABLE:  # gRPC core's own words ("Socket closed", "Cancelling all calls") say little
-            details = f"the verify service is unavailable: it shut down or the connection to it was lost ({details}); retry"
+        if code == grpc.StatusCode.UNAVAILABLE and TRANSPORT.search(details):  # gRPC core's own words say little
+            details = f"the verify service is unavailable: it shut down or the connection to it was lost ({details})"
         return RequestError(edge.refusal(code), f"upstream: {details}", retry=not final)
     except Exception:  # noqa: BLE001 - an intercepted call re-raises what failed it (a closed channel's UsageError)
         return e

@@ -217,7 +217,7 @@ def env_flag(name: str, default: bool) -> bool | str:
 def add_switch(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
     """--NAME / --no-NAME, its default from SPECDEC_NAME (env_flag) and `default`; the help names the variable."""
     var = "SPECDEC_" + name.upper().replace("-", "_")
-    now = f"; set to {env(var)!r}" if env(var) is not None else ""  # the help's "(default: on)" is the default without it
+    now = f"; set to {env(var)!r}".replace("%", "%%") if env(var) is not None else ""  # the help's "(default: on)" is the default without it
     p.add_argument("--" + name, action=argparse.BooleanOptionalAction, default=env_flag(var, default), help=f"{help} [env {var}{now}]")
     p.switches[name.replace("-", "_")] = var
 

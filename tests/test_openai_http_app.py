@@ -646,3 +646,18 @@ def test_a_nested_key_is_named_as_sent_and_off_values_are_said():
         assert r.status_code == 400 and err["param"] == param and says in err["message"], (body, err)
     r = c.post("/v1/completions", json={"model": "stub", "prompt": "w3", "stream": True, "stream_options": {"include_usage": None}})
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+
+
+def test_bodies_the_length_checks_cannot_count_are_still_400s():
+    """From the review of this session's diff: a content part whose text is no string made the
+    new length check raise (a 500 with a traceback), and a UTF-16 body's lone surrogate passed the
+    byte scan for one (a 500 from protobuf); both were 400s before, from pydantic and the whole-body
+    check, and are again."""
+    stub = Stub(word_tokenizer(16))
+    c = client(stub)
+    r = c.post("/v1/chat/completions", json={"model": "stub", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["param"], r.text
+    body = '{"model": "stub", "prompt": "w3 \\ud800"}'.encode("utf-16-le")
+    r = c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+    assert not stub.requests

@@ -553,8 +553,14 @@ def test_free_memory_is_no_more_than_the_memory_cgroup_leaves(tmp_path):
     (v2 / "kubepods" / "pod1" / "memory.current").write_text("536870912\n")
     (tmp_path / "cg2").write_text("0::/kubepods/pod1\n")
     assert cgroup_headroom_bytes(str(v2), str(tmp_path / "cg2")) == 3 << 29  # 2 GiB - 0.5 GiB
+    # from the review of this change: reclaimable file cache (the checkpoint read at start-up) is not used memory
+    (v2 / "kubepods" / "pod1" / "memory.stat").write_text("anon 268435456\ninactive_file 268435456\nactive_file 0\n")
+    assert cgroup_headroom_bytes(str(v2), str(tmp_path / "cg2")) == 7 << 28  # 2 GiB - (0.5 - 0.25) GiB
     (v2 / "kubepods" / "pod1" / "memory.max").write_text("max\n")
     assert cgroup_headroom_bytes(str(v2), str(tmp_path / "cg2")) is None
+    (v2 / "kubepods" / "memory.max").write_text("1073741824\n")  # ... and a limit one level up counts too
+    (v2 / "kubepods" / "memory.current").write_text("0\n")
+    assert cgroup_headroom_bytes(str(v2), str(tmp_path / "cg2")) == 1 << 30
     v1 = tmp_path / "v1"
     (v1 / "memory" / "docker" / "c1").mkdir(parents=True)
     (v1 / "memory" / "docker" / "c1" / "memory.limit_in_bytes").write_text("1073741824\n")

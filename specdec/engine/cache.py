@@ -231,31 +231,45 @@ def available_memory_bytes(device: torch.device | None = None) -> int | None:
 
 
 def cgroup_headroom_bytes(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> int | None:
-    """What this process's memory cgroup leaves under its limit (v2: memory.max - memory.current;
-    v1: memory.limit_in_bytes - memory.usage_in_bytes), or None where there is no limit."""
+    """What this process's memory cgroups leave under their limits: the least over its own and its
+    ancestors' (a process in a child cgroup of a limited container), each limit less the usage net
+    of inactive file cache (reclaimable: the checkpoint read at start-up is charged as such, as
+    kubelet's working set leaves it out). v2: memory.max, memory.current, memory.stat's
+    inactive_file; v1: memory.limit_in_bytes, memory.usage_in_bytes, total_inactive_file. None
+    where no cgroup has a limit."""
     try:
         with open(membership) as fh:
             lines = fh.read().splitlines()
     except OSError:
         return None
-    candidates = []
+    folders = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2's unified hierarchy
-            candidates.append((os.path.join(root, path.lstrip("/")), "memory.max", "memory.current"))
-            candidates.append((root, "memory.max", "memory.current"))  # a container's namespace shows its own cgroup as the root
+            base, files = root, ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
-            for base in (os.path.join(root, "memory", path.lstrip("/")), os.path.join(root, "memory")):
-                candidates.append((base, "memory.limit_in_bytes", "memory.usage_in_bytes"))
-    for base, limit_file, usage_file in candidates:
+            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        # the cgroup and its ancestors; a container's namespace may show its own cgroup as the root
+        folders += [(os.path.join(base, *parts[:k]), files) for k in range(len(parts), -1, -1)]
+    rooms = []
+    for folder, (limit_file, usage_file, inactive_key) in folders:
         try:
-            with open(os.path.join(base, limit_file)) as fh:
+            with open(os.path.join(folder, limit_file)) as fh:
                 limit = fh.read().strip()
-            with open(os.path.join(base, usage_file)) as fh:
+            with open(os.path.join(folder, usage_file)) as fh:
                 usage = int(fh.read().strip())
         except (OSError, ValueError):
             continue
-        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1's "no limit" is a huge number
-            return None
-        return max(0, int(limit) - usage)
-    return None
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # no limit here (v1's is a huge number)
+            continue
+        inactive = 0
+        try:
+            with open(os.path.join(folder, "memory.stat")) as fh:
+                inactive = next((int(v) for k, v in (ln.split() for ln in fh if ln.strip()) if k == inactive_key), 0)
+        except (OSError, ValueError):
+            pass
+        rooms.append(max(0, int(limit) - max(0, usage - inactive)))
+    return min(rooms) if rooms else None

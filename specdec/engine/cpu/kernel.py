@@ -187,11 +187,19 @@ def _prune(built: Path) -> None:
         others = sorted((p for p in built.parent.glob("kernels-*.so") if p != built), key=lambda p: p.stat().st_mtime, reverse=True)
         for p in others[KEEP_BUILDS - 1 :]:
             p.unlink(missing_ok=True)
-        for p in built.parent.glob(f"{TMP_PREFIX}*.so"):  # a build killed part-way (the kubelet's liveness kill) left it
-            if time.time() - p.stat().st_mtime > BUILD_TIMEOUT_S:
-                p.unlink(missing_ok=True)
     except OSError as e:  # another process pruning meanwhile: what is left goes next time
         log.debug("CPU tier's kernel cache not pruned: %s", e)
+
+
+def _prune_temporaries(folder: Path) -> None:
+    """Removes the temporary files of builds killed part-way (the kubelet's liveness kill), once
+    older than a build may take: each start looks, built or loaded."""
+    try:
+        for p in folder.glob(f"{TMP_PREFIX}*.so"):
+            if time.time() - p.stat().st_mtime > BUILD_TIMEOUT_S:
+                p.unlink(missing_ok=True)
+    except OSError as e:
+        log.debug("CPU tier's kernel cache: temporary files not pruned: %s", e)
 
 
 def _load() -> ctypes.CDLL:
@@ -202,6 +210,7 @@ def _load() -> ctypes.CDLL:
         if cc is None:
             raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc or gcc'}) on PATH, and none prebuilt with the package")
         target = _cache_dir() / f"kernels-{_key(source, *cc)}.so"
+        _prune_temporaries(target.parent)
         if not target.exists():
             _build(cc, target)
             _prune(target)
