@@ -120,8 +120,8 @@ class Reply:
     """Turns the servicer's GenerateResponse chunks into one OpenAI object, or its SSE events."""
 
     def __init__(self, chat: bool, r: s._Request, request_id: str, model: str, call: dict, door=None):
-        """door: the FrontDoor, whose drain ends a running stream with an error event (its `streams`,
-        `cutting`); None: no drain."""
+        """door: the FrontDoor, whose drain ends a running stream with an error event (its `cut`
+        Event, set just before the grace ends); None: no drain."""
         self.chat, self.r, self.model, self.call, self.door = chat, r, model, call, door
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
