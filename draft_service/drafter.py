@@ -83,6 +83,19 @@ def top_probability(logits: torch.Tensor, sampling) -> torch.Tensor:
     distribution: the same threshold stopped them at different points.)"""
     return (torch.softmax(logits, -1) if sampling.greedy else probs_from_logits(logits, sampling)).max()
 
+def shared_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """The length of a's and b's common prefix, at most `limit`. They differ, if at all, in their
+    last few tokens (a round's drafted ones), so whole prefixes are compared from the end in
+    C-speed list comparisons, backing off by doubling steps, and only the last gap is scanned in
+    Python: a scan from the start cost 1.4 ms a draft step at 32k tokens."""
+    keep, step = limit, 1
+    while keep > 0 and a[:keep] != b[:keep]:
+        keep, step = max(0, keep - step), 2 * step
+    while keep < limit and a[keep] == b[keep]:
+        keep += 1
+    return keep
+
+
 @dataclass
 class DraftState:
     ids: list[int]  # committed: prompt + generated
@@ -189,10 +202,7 @@ class Drafter:
     def _feed(self, st: DraftState, context: list[int]) -> torch.Tensor:
         """Brings the cache to hold all of `context`; returns the logits after it [V]. The first
         feed after a session started in a run is its whole prompt (_fill: stops if the session ends)."""
-        keep = 0
-        limit = min(len(st.cached), len(context) - 1)  # always feed at least the last token
-        while keep < limit and st.cached[keep] == context[keep]:
-            keep += 1
+        keep = shared_prefix(st.cached, context, min(len(st.cached), len(context) - 1))  # always feed at least the last token
         st.cache.crop(keep)
         st.cached = st.cached[:keep]
         logits = self._fill(st, context[keep:])

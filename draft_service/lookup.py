@@ -10,19 +10,24 @@ from __future__ import annotations
 def lookup(ids: list[int], tau: int, max_ngram: int = 3, min_ngram: int = 1, window: int = 4096) -> list[int]:
     """tau tokens continuing the latest earlier match of ids' last n tokens (n from max_ngram down
     to min_ngram), the match's continuation run on where it reaches the end; [] when nothing
-    matches. Looks back at most `window` tokens."""
+    matches. Looks back at most `window` tokens. The search is str.rfind over the tokens as one
+    character each (a Python scan of the window cost 1.5 ms a round at 4,096 tokens where nothing
+    matched; this, 0.1 ms)."""
     if tau <= 0:
         return []
-    base = max(0, len(ids) - window)
-    seq = ids[base:]
+    seq = ids[max(0, len(ids) - window):]
+    try:
+        text = "".join(map(chr, seq))
+    except (ValueError, OverflowError):  # an id past the last code point (U+10FFFF): no vocabulary is that large
+        return []
     for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
-        suffix = seq[-n:]
-        for start in range(len(seq) - n - 1, -1, -1):  # latest first; the suffix itself excluded
-            if seq[start : start + n] == suffix:
-                # what followed the match, copied on past the sequence's end as LZ77 copies an overlapping match:
-                # a text repeating with period p (a run of one token, `0, 0, 0`) proposes tau tokens, not p
-                out: list[int] = []
-                for i in range(start + n, start + n + tau):
-                    out.append(seq[i] if i < len(seq) else out[i - len(seq)])
-                return out
+        start = text.rfind(text[-n:], 0, len(text) - 1)  # latest first; ends before the last token: not the suffix itself
+        if start < 0:
+            continue
+        # what followed the match, copied on past the sequence's end as LZ77 copies an overlapping match:
+        # a text repeating with period p (a run of one token, `0, 0, 0`) proposes tau tokens, not p
+        out: list[int] = []
+        for i in range(start + n, start + n + tau):
+            out.append(seq[i] if i < len(seq) else out[i - len(seq)])
+        return out
     return []

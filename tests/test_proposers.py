@@ -1,9 +1,12 @@
 """Pre-drafting, adaptive tau and prompt lookup keep the output exact (greedy), and their
 pure parts behave as specified."""
+import random
+
 import pytest
 
 from client import Client
 from draft_service.adaptive import TauController
+from draft_service.drafter import shared_prefix
 from specdec.costmodel import Costs
 from draft_service.lookup import lookup
 from helpers.greedy import hf_greedy, prompts
@@ -26,6 +29,47 @@ def test_lookup_table(ids, tau, expected):
 def test_lookup_min_ngram():
     assert lookup([4, 1, 5, 1], 2, min_ngram=2) == []
     assert lookup([4, 1, 5, 1], 2, min_ngram=1) == [5, 1]
+
+
+def _scan_lookup(ids, tau, max_ngram, min_ngram, window):
+    """The specification of lookup, as a plain scan (what it was before its search moved to str.rfind)."""
+    seq = ids[max(0, len(ids) - window):]
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        for start in range(len(seq) - n - 1, -1, -1):
+            if tau > 0 and seq[start:start + n] == seq[-n:]:
+                out = []
+                for i in range(start + n, start + n + tau):
+                    out.append(seq[i] if i < len(seq) else out[i - len(seq)])
+                return out
+    return []
+
+
+def test_lookup_matches_a_plain_scan():
+    """Random sequences over small alphabets (many matches, periodic runs) and ids at the ends of
+    the code-point range (0xD800 starts the surrogates, 0x10FFFF is the last): the rfind search
+    proposes what the scan does; an id past the range proposes nothing rather than raising."""
+    rng = random.Random(7)
+    for _ in range(3000):
+        alphabet = rng.choice([[0, 1], [0, 1, 2], list(range(7)), [0xD7FF, 0xD800, 0xDFFF, 0x10FFFF]])
+        ids = [rng.choice(alphabet) for _ in range(rng.randrange(60))]
+        max_ngram = rng.randrange(1, 5)
+        args = (rng.randrange(10), max_ngram, rng.randrange(1, max_ngram + 1), rng.choice([4096, 12, 3]))
+        assert lookup(ids, *args) == _scan_lookup(ids, *args), (ids, args)
+    assert lookup([0x110000, 1, 0x110000, 1], 2) == []
+
+
+def test_shared_prefix_matches_a_plain_scan():
+    """drafter.shared_prefix (how much of its cache a draft keeps) against a scan from the start:
+    equal prefixes, a divergence anywhere, a limit below either length."""
+    rng = random.Random(11)
+    for _ in range(3000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(80))]
+        b = a[:rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(12))]
+        limit = rng.randrange(min(len(a), len(b)) + 1)
+        keep = 0
+        while keep < limit and a[keep] == b[keep]:
+            keep += 1
+        assert shared_prefix(a, b, limit) == keep, (a, b, limit)
 
 
 def test_tau_controller_follows_acceptance_and_costs():
