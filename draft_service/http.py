@@ -54,22 +54,29 @@ async def _disconnect(receive) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, aw):
+async def unless_disconnected(request: Request, aw, cut: asyncio.Event | None = None):
     """Awaits aw, unless the client disconnects first: then aw is cancelled (closing the
-    generation, which frees both services' sessions) and ClientGone raised."""
+    generation, which frees both services' sessions) and ClientGone raised; or unless `cut` (the
+    drain's, FrontDoor.cut) is set first: then aw is cancelled alike and a 503 raised, before any
+    status line went out (uvicorn's own cancel at the grace's end would answer a plain-text 500)."""
     work, gone = asyncio.ensure_future(aw), asyncio.ensure_future(_disconnect(request.receive))
+    ended = asyncio.ensure_future(cut.wait()) if cut is not None else None
     try:
-        done, _ = await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait([f for f in (work, gone, ended) if f is not None], return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         work.cancel()
         raise
     finally:
         gone.cancel()
+        if ended is not None:
+            ended.cancel()
     if work in done:
         return work.result()
     work.cancel()
     await asyncio.wait((work,))  # its finally blocks run now
-    raise ClientGone
+    if gone in done:
+        raise ClientGone
+    raise HttpError(503, "the service is shutting down (its drain's grace ended); retry", code="unavailable", retry_after=1)
 
 
 class _Observe:
@@ -292,7 +299,7 @@ class FrontDoor:
         if self.sock is None:
             self.bind()
         sock = self.sock
-        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", server_header=False,
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", server_header=False, proxy_headers=False,
                                 timeout_graceful_shutdown=max(1, math.ceil(a.drain_s)), ssl_certfile=a.tls_cert, ssl_keyfile=a.tls_key,
                                 ssl_ca_certs=a.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED if a.tls_client_ca else ssl.CERT_NONE)
         self.cut = asyncio.Event()
@@ -379,9 +386,10 @@ class FrontDoor:
         chunks = self.servicer.stream(req, Context(rid, http_names(chat, r)))
         headers = {"X-Request-Id": rid}
         if not r.stream:
-            return Response(await unless_disconnected(request, reply.collect(chunks)), media_type="application/json", headers=headers)
+            return Response(await unless_disconnected(request, reply.collect(chunks), self.cut), media_type="application/json",
+                            headers=headers)
         try:  # the first chunk before the status line: errors before any output get their own status
-            first = await unless_disconnected(request, anext(chunks))
+            first = await unless_disconnected(request, anext(chunks), self.cut)
         except StopAsyncIteration:
             raise HttpError(500, "internal error: the generation ended without output") from None
         return _Stream(reply.sse(first, chunks), getattr(self.servicer, "client_write_timeout_s", None), call,
@@ -415,6 +423,10 @@ class FrontDoor:
         context, longest = self.servicer.max_context, validation.max_token_chars(self.servicer.lm.tokenizer)
         most_chars = validation.PROMPT_CHARS_MARGIN * longest * context  # the servicer's own bound on a text prompt
         prompt, messages = body.get("prompt"), body.get("messages")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt, as the schema takes it (a longer batch: its own 400)
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return
         if not chat and isinstance(prompt, list) and len(prompt) > context:
             raise HttpError(400, f"prompt: {len(prompt)} token ids are more than the context limit of {context} tokens", "prompt")
         if not chat and isinstance(prompt, str) and len(prompt) > most_chars:

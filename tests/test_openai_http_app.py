@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import time
 from types import SimpleNamespace
@@ -225,6 +226,10 @@ def test_prompts_and_chats_past_the_context_are_refused_before_they_are_validate
     for path, body, says in (
             ("/v1/completions", {"model": "stub", "prompt": [3] * 65}, "prompt: 65 token ids are more than the context limit of 64"),
             ("/v1/completions", {"model": "stub", "prompt": "w3" * (2 * longest * 64 + 1)}, "characters are far more than"),
+            # a batch of one prompt, which the schema unwraps (from a review: it went through pydantic); a batch of more, its own error
+            ("/v1/completions", {"model": "stub", "prompt": [[3] * 65]}, "prompt: 65 token ids are more than the context limit of 64"),
+            ("/v1/completions", {"model": "stub", "prompt": ["w3" * (2 * longest * 64 + 1)]}, "characters are far more than"),
+            ("/v1/completions", {"model": "stub", "prompt": ["w3"] * 65}, "one prompt per request"),
             ("/v1/chat/completions", {"model": "stub", "messages": [{"role": "user", "content": "w3"}] * 65},
              "messages: 65 messages are more than"),
             ("/v1/chat/completions", {"model": "stub", "messages": [{"role": "user", "content": [{"type": "text", "text": "w3" * 700}]}] * 20},
@@ -276,11 +281,21 @@ def test_a_connection_past_max_connection_age_is_closed_after_its_response():
             heads.append(head)
         closed = await asyncio.wait_for(reader.read(), 5) == b""  # the server closed it
         writer.close()
+        # from a review: the age was kept by the client's address as uvicorn's proxy headers rewrote it, so two
+        # connections naming one X-Forwarded-For shared an age: a new one was closed after its first response
+        forwarded = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 10.1.2.3\r\n\r\n")
+            forwarded.append((await reader.readuntil(b"\r\n\r\n")).lower())
+            writer.close()
+            await asyncio.sleep(0.7)
         await front.stop()
-        return heads, closed
+        return heads, closed, forwarded
 
-    heads, closed = asyncio.run(go())
+    heads, closed, forwarded = asyncio.run(go())
     assert b"connection: close" not in heads[0] and b"connection: close" in heads[1] and closed, heads
+    assert not [h for h in forwarded if b"connection: close" in h], forwarded
 
 
 class Slow(Stub):
@@ -320,6 +335,46 @@ def test_the_drain_ends_a_running_stream_with_an_error_event_then_done():
     err = json.loads(events[-2].split("data: ", 1)[1].strip().splitlines()[0])
     assert err["error"]["code"] == "unavailable" and "shutting down" in err["error"]["message"], err
     assert took < 5, took
+
+
+class Silent(Stub):
+    """Yields nothing for 30 s (a queued request, or a long prefill), then finishes."""
+
+    async def stream(self, request, context):
+        self.requests.append(request)
+        await asyncio.sleep(30)
+        yield pb.GenerateResponse(token_ids=[4], text=" w4", finish_reason=pb.FINISH_REASON_LENGTH)
+
+
+@pytest.mark.parametrize("servicer,stream", [(Slow, False), (Silent, True)])
+def test_the_drain_answers_a_reply_not_yet_begun_with_a_503(servicer, stream, caplog):
+    """From a review: the drain's cut reached only SSE streams that had begun. A non-streamed
+    reply, or a stream still waiting for its first chunk, was cancelled by uvicorn at the grace's
+    end: a plain-text 500 and an ASGI traceback in the log. No status line has gone out there, so
+    the cut now answers them a 503 in OpenAI's shape, and ends their generation."""
+    async def go():
+        stub = servicer(word_tokenizer(16))
+        front = FrontDoor(stub, args())  # drain_s 1
+        port = await front.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps({"model": "stub", "prompt": "w3", "stream": stream, "max_tokens": 5000}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        while not stub.requests:  # the generation has begun
+            await asyncio.sleep(0.01)
+        stop = asyncio.create_task(front.stop())
+        reply = await asyncio.wait_for(reader.read(), 10)
+        await stop
+        writer.close()
+        return reply.decode()
+
+    with caplog.at_level(logging.INFO):
+        reply = asyncio.run(go())
+    head, _, body = reply.partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 503") and "retry-after: 1" in head.lower(), head
+    err = json.loads(body)["error"]
+    assert err["code"] == "unavailable" and "shutting down" in err["message"], err
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
 def test_http_port_is_off_by_default_and_read_from_the_environment(monkeypatch):
