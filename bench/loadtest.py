@@ -317,7 +317,7 @@ def main(argv=None) -> int:
     p.add_argument("--target-only", action="store_true",
                    help="the baseline: --server is a verify service, generating target-only; cells are tagged path=target-only (else path=speculative)")
     p.add_argument("--baseline", default="", metavar="HOST:PORT",
-                   help="a verify service (with --server's credentials, and --fallback-token-file's token where given): every "
+                   help="a verify service (with --server's credentials, or the --fallback-token-file and --fallback-tls-* ones where given): every "
                         "cell runs against it too, target-only (tagged "
                         "path=target-only), right before or after --server's, alternating which goes first by run; the report "
                         "adds their ratio")
@@ -364,9 +364,12 @@ def main(argv=None) -> int:
     from client.core import credential_kwargs
     from specdec.files import StartupError
 
-    try:  # the credentials' files and tokens, checked before any cell, as the client CLI does: one line, exit 2
-        for kw in _credentials(credential_kwargs(args)):
-            AsyncClient(args.server, **kw)  # opens no channel: that waits for a call
+    own = [f"--fallback-{part}" for part in ("token-file", "tls-ca", "tls-cert", "tls-key") if getattr(args, f"fallback_{part.replace('-', '_')}")]
+    if own and not args.baseline:  # a flag that would be dropped without a word
+        p.error(f"{own[0]} without --baseline (the fallback's credentials are the baseline verify service's)")
+    try:  # the credentials' files and tokens, checked before any cell, as the client CLI does: one line, exit 2;
+        # the baseline's as a fallback's, so an error names its --fallback-* flag
+        AsyncClient(args.server, fallback=args.baseline or None, **credential_kwargs(args))  # opens no channel: that waits for a call
     except (OSError, ValueError, StartupError) as e:
         p.error(str(e))
     results = asyncio.run(run(args))

@@ -41,7 +41,7 @@ def _seconds(s: str) -> float:
     return v
 
 
-GRPC_SCHEMES = ("dns", "unix", "unix-abstract", "ipv4", "ipv6", "vsock")  # gRPC's own name schemes
+GRPC_SCHEMES = ("dns", "unix", "unix-abstract", "ipv4", "ipv6", "vsock", "xds")  # gRPC's own name schemes
 
 
 def _address(s: str) -> str:

@@ -374,6 +374,7 @@ class Client(_Base):
         self._targets = self._stubs(grpc)
 
     def close(self) -> None:
+        self._closed = True  # a stream it cuts raises StreamError(CANCELLED), as AsyncClient's does (_read)
         for c in self._channels:
             c.close()
 
@@ -417,9 +418,11 @@ class Client(_Base):
                     except grpc.RpcError as e:
                         if isinstance(e, StreamError):
                             raise
-                        if not _finished(chunk):
-                            raise
-                        return  # the call failed after its final chunk (a deadline during the server's end): the result is whole
+                        if _finished(chunk):
+                            return  # the call failed after its final chunk (a deadline during the server's end): the result is whole
+                        if getattr(self, "_closed", False) and e.code() == grpc.StatusCode.CANCELLED:
+                            raise StreamError(CLOSED, grpc.StatusCode.CANCELLED) from None  # gRPC's "Channel closed!"
+                        raise
                     if not _finished(chunk):
                         raise StreamError(NO_FINISH)
                 finally:

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent import futures
 
@@ -452,6 +453,19 @@ def test_closing_an_async_client_mid_stream_is_cancelled_not_a_cancelled_task(od
     err, cancelled = asyncio.run(run())
     assert err.code() == grpc.StatusCode.CANCELLED and err.details() == CLOSED and not cancelled
     assert err.trailing_metadata() == () and err.initial_metadata() == ()  # gRPC's error methods, for generic handlers
+
+
+def test_closing_a_blocking_client_mid_stream_is_a_stream_error_too(odd):
+    """From a review: README said a stream the client's own close() cuts raises StreamError
+    CANCELLED; the blocking client raised gRPC's own error ("Channel closed!")."""
+    c = Client(odd, timeout=30)
+    chunks = c.stream(prompt="slow")
+    next(chunks)
+    threading.Timer(0.2, c.close).start()  # from another thread, while the caller waits for the next chunk
+    with pytest.raises(StreamError) as e:
+        for _ in chunks:
+            pass
+    assert e.value.code() == grpc.StatusCode.CANCELLED and e.value.details() == CLOSED
 
 
 def test_addresses_that_are_no_grpc_target_are_bad_flags(odd):

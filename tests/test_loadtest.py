@@ -213,7 +213,10 @@ def test_bad_credentials_are_one_line_before_any_cell(tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
                     "-keyout", str(key), "-out", str(tmp_path / "a.pem"), "-subj", "/CN=a", "-days", "1"], check=True, capture_output=True)
     for extra, says in ((["--token", "hunter\u00e92"], "printable ASCII"),
-                        (["--tls-cert", str(key), "--tls-key", str(tmp_path / "a.pem")], "not a certificate and its private key")):
+                        (["--tls-cert", str(key), "--tls-key", str(tmp_path / "a.pem")], "not a certificate and its private key"),
+                        # from a review: the baseline's own TLS file was named --tls-ca, and without --baseline it was dropped
+                        (["--baseline", "127.0.0.1:2", "--fallback-tls-ca", str(key)], f"--fallback-tls-ca {key}: "),
+                        (["--fallback-tls-ca", str(tmp_path / "a.pem")], "--fallback-tls-ca without --baseline")):
         p = subprocess.run([sys.executable, "-m", "bench.loadtest", "--server", "127.0.0.1:1", "--concurrency", "1", *extra],
                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and says in p.stderr.strip().splitlines()[-1] and "Traceback" not in p.stderr and "hunter" not in p.stderr, p.stderr
