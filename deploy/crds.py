@@ -42,7 +42,8 @@ def unknown_fields(given, kept, path: str = "") -> list[str]:
 def check(doc: dict, model: type) -> list[str]:
     name = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
     try:
-        obj = model.model_validate_json(json.dumps(doc), strict=True)  # JSON's types as written: "2" is no integer
+        # JSON's types as written: "2" is no integer; a YAML date (an unquoted 2024-01-01) a string, as Kubernetes reads it
+        obj = model.model_validate_json(json.dumps(doc, default=str), strict=True)
     except ValidationError as e:
         return [f"{name}: {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
     kept = obj.model_dump(by_alias=True, exclude_unset=True, mode="json")

@@ -323,6 +323,19 @@ OWN_FIELDS = {  # configs that take few of SMALL's fields
 }
 
 
+def test_a_config_that_names_global_layers_of_another_shape_is_refused():
+    """Where transformers reads a per-layer shape without raising (this version's Gemma 4 config
+    raises, above), global_head_dim or num_global_key_value_heads unlike the layers' own is
+    refused by name all the same (from a review: the branch was untested)."""
+    from transformers import PretrainedConfig
+
+    for extra, name in ((dict(global_head_dim=16), "global_head_dim"), (dict(num_global_key_value_heads=4), "num_global_key_value_heads")):
+        why = architectures.refusal(None, PretrainedConfig(head_dim=8, num_key_value_heads=2, **extra))
+        assert why and f"another shape ({name})" in why, why
+    with pytest.raises(AttributeError):  # the same shape passes this check, on to the model's (None here)
+        architectures.refusal(None, PretrainedConfig(head_dim=8, num_key_value_heads=2, global_head_dim=8))
+
+
 @pytest.mark.parametrize("config,model,kw,words", SEEN_TOO_LATE, ids=[f"{c[0]}-{c[3]}" for c in SEEN_TOO_LATE])
 def test_what_the_probe_cannot_see_is_refused_from_the_config(config, model, kw, words):
     """Features that act past the start-up probe's 40 positions, or through the attention mask

@@ -476,6 +476,26 @@ def test_the_cache_keeps_the_libraries_used_last(monkeypatch, tmp_path):
         kernel.library.cache_clear()  # the next caller loads the real one
 
 
+def test_a_cache_folder_that_cannot_hold_code_is_not_built_into_at_every_start(monkeypatch, tmp_path):
+    """From a review: on a noexec mount no library loads from the cache folder, and the rebuild of
+    one that did not load ran at every start (seconds each), to end with the kernels off all the
+    same. A load refused for the folder's sake is not built again."""
+    monkeypatch.setenv("CC", shutil.which("cc") or shutil.which("gcc") or "cc")
+    monkeypatch.setattr(kernel, "_compiler", lambda: ("cc", "a compiler"))
+    monkeypatch.setattr(kernel, "_package_dir", lambda: tmp_path / "package")
+    monkeypatch.setattr(kernel, "_cache_dir", lambda: tmp_path)
+    source = b"".join(src.read_bytes() for src in kernel.SOURCES)
+    (tmp_path / f"kernels-{kernel._key(source, 'cc', 'a compiler')}.so").write_bytes(b"a build")
+
+    def refused(path, *a, **k):
+        raise OSError(f"{path}: failed to map segment from shared object")
+
+    monkeypatch.setattr(kernel.ctypes, "CDLL", refused)
+    monkeypatch.setattr(kernel, "_build", lambda *a: pytest.fail("built again"))
+    with pytest.raises(OSError, match="map segment"):
+        kernel._load()
+
+
 @pytest.mark.skipif(shutil.which("gcc") is None or kernel._unsupported() is not None, reason="needs gcc, on x86-64 Linux with AVX2")
 def test_a_cached_library_that_does_not_load_is_built_again_and_a_killed_builds_file_pruned(monkeypatch, tmp_path):
     """From a review: a cached library that failed to load (cut short, or built against another

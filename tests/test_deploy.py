@@ -6,6 +6,7 @@ the Kubernetes and operator schemas. And what the images install: the package bu
 pyproject.toml."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -199,6 +200,12 @@ def test_the_readmes_own_overlay_recipe_points_the_pods_at_your_images(tmp_path)
     assert pulled == {f"{new}:{tag}" for _, new, tag in edits}, pulled
 
 
+def monitor_job(by) -> str:
+    """The job label Prometheus Operator gives the PodMonitor's targets: its namespace/name."""
+    meta = by["PodMonitor", "specdec"]["metadata"]
+    return f"{meta['namespace']}/{meta['name']}"
+
+
 def test_monitoring_and_autoscaling_use_exported_metrics():
     """The gpu overlay's PodMonitor, alert rules, dashboard and KEDA triggers query only metrics
     the services export, in the overlay's own namespace; the CPU-based draft HPA is gone and KEDA
@@ -223,7 +230,12 @@ def test_monitoring_and_autoscaling_use_exported_metrics():
             assert t["type"] == "prometheus" and f'namespace="{ns}"' in t["metadata"]["query"], t
             queries.append(t["metadata"]["query"])
     assert len(queries) > 20
+    job = f'job="{monitor_job(by)}"'
     for q in queries:
+        # each raw series read from the PodMonitor's scrape only (from a review: where Prometheus also scrapes the pods'
+        # prometheus.io annotations, every series is there twice, and a sum or rate against a fixed threshold counts double)
+        raw = re.findall(r"\bspecdec_[a-z0-9_]+(\{[^}]*\})?", q)
+        assert all(job in sel for sel in raw), q
         names = set(re.findall(r"\bspecdec[_:][a-z0-9_:]+", q))
         assert names or "up{" in q, q  # every query reads the services' metrics (or the scrape's own `up`)
         assert names <= known | recorded, (q, names - known - recorded)
@@ -265,6 +277,14 @@ def test_custom_resource_check_catches_unknown_and_mistyped_fields(tmp_path):
         src.write_text(yaml.safe_dump_all(bad))
         r = subprocess.run(crds, capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and error in r.stderr, r.stderr
+    # from a review: an unquoted date (YAML's timestamp) was a traceback; Kubernetes reads it as a string
+    dated = [dict(d) for d in docs]
+    so = next(d for d in dated if d["kind"] == "ScaledObject")
+    so["metadata"] = dict(so["metadata"], annotations={"changed": datetime.date(2024, 1, 1)})
+    src.write_text(yaml.safe_dump_all(dated))
+    assert "changed: 2024-01-01\n" in src.read_text()
+    r = subprocess.run(crds, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
 
 
 def test_the_installed_package_holds_every_module_the_services_import(tmp_path):

@@ -36,7 +36,8 @@ def full_cache_tokens(lm, max_sessions: int) -> int:
 
 def default_cache_budget(lm, max_sessions: int, memory_fraction: float | None = None) -> int:
     """Tokens all sessions may reserve: `full_cache_tokens`, capped by a share of the memory free
-    at start-up (after the model is loaded): 90% on a GPU, 50% of the host's."""
+    at start-up (after the model is loaded): 90% on a GPU, 50% of the host's (no more than the process's memory
+    cgroup leaves: engine.available_memory_bytes)."""
     full = full_cache_tokens(lm, max_sessions)
     mem = available_memory_bytes(lm.device)
     if mem is None:

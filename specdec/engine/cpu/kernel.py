@@ -42,6 +42,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shlex
 import shutil
 import stat
@@ -202,6 +203,9 @@ def _prune_temporaries(folder: Path) -> None:
         log.debug("CPU tier's kernel cache: temporary files not pruned: %s", e)
 
 
+NOT_MAPPABLE = re.compile(r"map segment|[Pp]ermission denied|not permitted")  # dlopen's words where the folder cannot hold code
+
+
 def _load() -> ctypes.CDLL:
     source = b"".join(s.read_bytes() for s in SOURCES)
     target = _prebuilt(source)
@@ -218,9 +222,12 @@ def _load() -> ctypes.CDLL:
             _used(target)
             try:
                 ctypes.CDLL(str(target))
-            except OSError as e:  # a cached library that does not load (cut short, or built against another runtime):
+            except OSError as e:  # a cached library that does not load (cut short, or built against another runtime)
+                # turned the kernels off at every start until removed by hand: built again, replacing it (_build's
+                # os.replace); not where no library loads from the folder (a noexec mount): a build at every start
+                if NOT_MAPPABLE.search(str(e)):
+                    raise
                 log.info("CPU tier's cached kernels %s do not load (%s); building them again", target.name, e)
-                target.unlink(missing_ok=True)  # it turned the kernels off at every start until removed by hand
                 _build(cc, target)
     lib = ctypes.CDLL(str(target))
     for product in (lib.row_product, lib.row_product_bf16):
