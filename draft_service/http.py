@@ -115,8 +115,14 @@ class _Observe:
         async def send_status(msg):
             if msg["type"] == "http.response.start":
                 call["status"] = msg["status"]
+                headers = list(msg.get("headers", []))
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):  # every response says its id, as the log line
+                    # does (/v1/models, a 404, a 405: the caller's own where valid, else a new one)
+                    call["request_id"] = call.get("request_id") or _sent_id(scope) or uuid.uuid4().hex
+                    headers.append((b"x-request-id", call["request_id"].encode()))
                 if close:
-                    msg = dict(msg, headers=[*msg.get("headers", []), (b"connection", b"close")])
+                    headers.append((b"connection", b"close"))
+                msg = dict(msg, headers=headers)
             await send(msg)
 
         path = scope["path"] if scope["path"] in PATHS else "other"
@@ -151,6 +157,12 @@ class _Observe:
         if call["tokens"]:
             metrics.GENERATED_TOKENS.labels("draft").inc(call["tokens"])
         set_attrs(**{f"specdec.{k}": v for k, v in fields.items() if k not in ("service", "method")})
+
+
+def _sent_id(scope) -> str | None:
+    """The request's X-Request-Id header, where it is a valid request id."""
+    rid = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == b"x-request-id"), None)
+    return rid if observe.valid_request_id(rid) else None
 
 
 class _Headers:

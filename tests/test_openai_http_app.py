@@ -670,6 +670,22 @@ def test_a_401_and_a_403_carry_the_callers_request_id():
     assert r.status_code == 401  # an id that is not valid waits for the token's check: the caller is not known yet
 
 
+def test_every_response_says_its_request_id_as_its_log_line_does(caplog):
+    """From a review: /v1/models, an unknown path's 404 and a 405 carried no X-Request-Id, and
+    their log lines a request id made up after the reply, which no caller could match. Every
+    response now names the caller's id (where valid) or a new one, the one its log line holds."""
+    c = client(Stub(word_tokenizer(16)))
+    with caplog.at_level(logging.INFO, logger="specdec.draft"):
+        for method, path, status, sent in (("GET", "/v1/models", 200, "m-1"), ("GET", "/v1/nothing", 404, "n-1"),
+                                           ("GET", "/v1/completions", 405, None), ("GET", "/health", 200, "bad id\x7f")):
+            caplog.clear()
+            r = c.request(method, path, headers={"X-Request-Id": sent} if sent else {})
+            rid = r.headers.get("x-request-id")
+            logged = [x.fields["request_id"] for x in caplog.records if x.getMessage() == "request done"]
+            assert r.status_code == status and rid and logged == [rid], (path, r.status_code, rid, logged)
+            assert rid == sent if sent in ("m-1", "n-1") else len(rid) == 32, rid
+
+
 def test_the_http_request_line_is_the_grpc_lines_shape(caplog):
     """The HTTP request's log line had an integer in `code` (the gRPC one's field holds a name) and
     left out the rounds, finish reason and counts the gRPC line carries."""
