@@ -90,6 +90,22 @@ def test_the_busy_share_falls_while_the_verifier_is_idle():
     assert pc.utilisation == pytest.approx(1.0) and pc.price_at(end + 10.0) < 0.05 * pc.price
 
 
+def test_a_pass_in_flight_counts_busy_while_it_runs():
+    """The gauges' busy share counted only finished passes: a pass that ran for seconds (a long
+    prompt's chunk) read as ever more idle while it ran. Given when the pass in flight began,
+    its time so far is busy; a start at or before the last observed pass's end is that pass."""
+    pc = PassCost()
+    assert pc.utilisation_at(5.0, running=4.0) == pytest.approx(1.0)  # the first pass, in flight
+    run(pc, [(20, 4)] * 50)
+    s = BASE + ROW * 20 + SESSION * 4
+    end = 100.0 + 50 * s
+    idle = pc.utilisation_at(end + 3.0)
+    assert idle < 0.1  # three seconds since the last pass ended, nothing in flight
+    assert pc.utilisation_at(end + 3.0, running=end + 0.5) > 0.9  # a pass began half a second after it: 2.5 s busy
+    assert pc.utilisation_at(end + 3.0, running=end - s) == pytest.approx(idle)  # the last pass itself: counted once
+    assert pc.price_at(end + 3.0, running=end + 0.5) > 10 * pc.price_at(end + 3.0)
+
+
 def test_a_model_with_a_short_context_starts_and_serves(tmp_path, monkeypatch):
     """The start-up probe put 32 tokens of context before up to 9 rows: a model with learned
     positions and a context under 41 (a tiny gpt2, an architecture on the tested list) ended the

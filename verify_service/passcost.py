@@ -59,10 +59,17 @@ class PassCost:
         as of the last pass's start."""
         return min(1.0, self._busy / self._span) if self._span else 0.0
 
-    def utilisation_at(self, now: float) -> float:
+    def utilisation_at(self, now: float, running: float | None = None) -> float:
         """The busy share as of `now` (perf_counter): the time since the last pass began counts as
         it will once the next one does, so a verifier gone idle reads ever less busy (the gauge's
-        value; `utilisation` only moves when a pass begins)."""
+        value; `utilisation` only moves when a pass begins). running: when a pass in flight began
+        (not yet observed): its time so far is busy, so a long pass (a long prompt's chunk on a GPU)
+        does not read as idle while it runs."""
+        if running is not None and (self._last is None or running >= sum(self._last)):
+            busy, span = self._folded(running) if self._last is not None else (0.0, 0.0)
+            w = math.exp(-max(now - running, 0.0) / BUSY_WINDOW_S)
+            busy, span = busy * w + BUSY_WINDOW_S * (1.0 - w), span * w + BUSY_WINDOW_S * (1.0 - w)
+            return min(1.0, busy / max(span, 1e-9))
         if self._last is None:
             return 0.0
         busy, span = self._folded(now)
@@ -79,9 +86,9 @@ class PassCost:
         busy = self._busy * w + BUSY_WINDOW_S * (math.exp(-(d - last_s) / BUSY_WINDOW_S) - w)
         return busy, self._span * w + BUSY_WINDOW_S * (1.0 - w)
 
-    def price_at(self, now: float) -> float:
+    def price_at(self, now: float, running: float | None = None) -> float:
         """`price` with the busy share as of `now` (utilisation_at)."""
-        return self.per_row_s * self.tokens_per_s * self.utilisation_at(now)
+        return self.per_row_s * self.tokens_per_s * self.utilisation_at(now, running)
 
     @property
     def tokens_per_s(self) -> float:

@@ -95,11 +95,12 @@ class Scheduler:
         self._lock = threading.Lock()
         self._passing = False  # a pass is in flight (the scheduler thread sets it under _lock; `close` reads it)
         self._pass_began = 0.0  # when the pass in flight began (time.monotonic), for `pass_age`
+        self._pass_t0 = 0.0  # ... and by time.perf_counter, the pass cost's clock (`in_flight_since`)
         self._queue: queue.Queue = queue.Queue()
         self.cost = PassCost(probe(self._timed_pass, lm.vocab_size, lm.max_context))  # before the scheduler thread owns the model
         cost = self.cost  # the gauges read it when scraped: an idle verifier's utilisation and price fall, not freeze
-        metrics.PASS_UTILISATION.set_function(lambda: cost.utilisation_at(time.perf_counter()))
-        metrics.ROW_PRICE.set_function(lambda: cost.price_at(time.perf_counter()))
+        metrics.PASS_UTILISATION.set_function(lambda: cost.utilisation_at(time.perf_counter(), self.in_flight_since()))
+        metrics.ROW_PRICE.set_function(lambda: cost.price_at(time.perf_counter(), self.in_flight_since()))
         self.health = PassHealth()  # whether the passes work (verify_service/health.py)
         self._thread_context = thread_context or contextlib.nullcontext
         self._worker = threading.Thread(target=self._thread, name="verify-scheduler", daemon=True)
@@ -153,6 +154,11 @@ class Scheduler:
             self._queue.put(s)
         metrics.CACHED_TOKENS.set(self.cached_tokens())
         return s.released[1] if s.released else None
+
+    def in_flight_since(self) -> float | None:
+        """When the pass in flight began (perf_counter), or None: the gauges count it busy as it runs."""
+        with self._lock:
+            return self._pass_t0 if self._passing else None
 
     def pass_age(self) -> float:
         """Seconds the pass in flight has run (0 without one): a pass that never returns (a wedged
@@ -346,7 +352,7 @@ class Scheduler:
             t0, fault = time.perf_counter(), None
             with holding() as outcomes:  # the pass's verdicts go to each event loop in one hand-off, at its end
                 with self._lock:
-                    self._passing, self._pass_began = True, time.monotonic()
+                    self._passing, self._pass_began, self._pass_t0 = True, time.monotonic(), t0
                 try:
                     self._run(batch, filling)
                 except Exception as e:  # noqa: BLE001 - a fault past the model call's own guard (the device, a bug): the pass's
