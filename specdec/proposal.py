@@ -10,8 +10,10 @@ proposal modes (DESIGN.md §4):
 A tree round (DESIGN.md §12) adds each token's parent (`Proposal.parents`, `decode_parents`); q is
 then per node, in the same modes.
 
-`Proposal.to_round` encodes; `decode_round` checks every wire rule and decodes to tensors on the
-verifier's device. Both sides use this module, and tests/test_proposal.py round-trips it.
+`Proposal.to_round` encodes; `decode_round` checks every wire rule and decodes to the token ids
+and a `RoundQ`: q's entries as the wire carried them, which the verifier's pass scatters into one
+[B, T, V] table on its device (verify_service/jobs.py `_q`). Both sides use this module, and
+tests/test_proposal.py round-trips it.
 """
 from __future__ import annotations
 
@@ -27,6 +29,27 @@ from specdec.v1 import specdec_pb2 as pb
 
 MAX_ROUND_TOKENS = 64  # proposals per round the verifier accepts, a tree's nodes included (ModelInfo.max_tree_budget)
 PROB_TOL = 1e-3  # how far a row of q may sum from 1
+
+
+@dataclass(frozen=True)
+class RoundQ:
+    """A round's q, a [tau, V] table, as its nonzero entries: probs[e] at (rows[e], ids[e]), each
+    row divided by its sum. On the host, a few entries a row (sparse mode: K; ids-only: 1), not the
+    vocabulary's V: a dense host table per round cost 5.8 ms a round to build and check at V = 128k,
+    and 191 ms a pass to gather 64 sessions' before their one copy to the device."""
+    tau: int
+    rows: torch.Tensor  # [E] int64
+    ids: torch.Tensor  # [E] int64
+    probs: torch.Tensor  # [E] float32
+
+    def cut(self, k: int) -> RoundQ:
+        """The first k rows' q (a round cut to what the session may still emit)."""
+        keep = self.rows < k
+        return RoundQ(min(k, self.tau), self.rows[keep], self.ids[keep], self.probs[keep])
+
+    def dense(self, V: int) -> torch.Tensor:
+        """[tau, V] float32 (tests, and a look at one round)."""
+        return torch.zeros(self.tau, V).index_put_((self.rows, self.ids), self.probs)
 
 
 @dataclass
@@ -126,12 +149,12 @@ def decode_parents(r: pb.Round) -> list[int] | None:
     return list(r.parents)
 
 
-def decode_round(r: pb.Round, *, expected: int, room: int, vocab_size: int, mode: int, greedy: bool,
-                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
+def decode_round(r: pb.Round, *, expected: int, room: int, vocab_size: int, mode: int, greedy: bool) -> tuple[torch.Tensor, RoundQ | None]:
     """Checks a Round against its session (the round number expected next, the room left in the
-    context, the vocabulary, the session's mode) and returns (tokens [tau] int64, q [tau, V]
-    float32, or None when the session is greedy: q plays no part in the greedy rule, but it is
-    checked all the same).
+    context, the vocabulary, the session's mode) and returns (tokens [tau] int64, its q as a
+    RoundQ on the host, or None when the session is greedy: q plays no part in the greedy rule,
+    but it is checked all the same). Only a dense round builds a [tau, V] table (its wire holds as
+    many values).
     Raises RequestError(INVALID_ARGUMENT) naming the field on any violation."""
     V = vocab_size
     if r.round != expected:
@@ -146,13 +169,14 @@ def decode_round(r: pb.Round, *, expected: int, room: int, vocab_size: int, mode
     if mode == pb.PROPOSAL_MODE_GREEDY:
         if r.q_ids or r.q_probs or r.q_counts:
             raise invalid("round.q_*: greedy (ids-only) mode sends no probabilities")
-        return tokens.to(device), None if greedy else torch.nn.functional.one_hot(tokens, V).float().to(device)
+        return tokens, None if greedy else RoundQ(tau, torch.arange(tau), tokens, torch.ones(tau))  # the one-hot at each token
     # a greedy session (temperature 0) checks q as well (DESIGN.md §11: every round is checked), then drops it
     if mode == pb.PROPOSAL_MODE_DENSE:  # counts before any per-element work
         if r.q_ids or r.q_counts or len(r.q_probs) != tau * V:
             raise invalid(f"round.q_probs: dense mode needs tau*V = {tau * V} values and no q_ids/q_counts, got {len(r.q_probs)}")
         probs = torch.tensor(list(r.q_probs), dtype=torch.float32)
-        q = probs.view(tau, V)
+        rows, ids = probs.view(tau, V).nonzero(as_tuple=True)  # (a NaN is nonzero: refused below)
+        probs = probs.view(tau, V)[rows, ids]
     else:
         if len(r.q_counts) != tau or len(r.q_ids) != len(r.q_probs) or sum(r.q_counts) != len(r.q_ids):
             raise invalid("round.q_counts/q_ids/q_probs: lengths disagree (one count per token, one prob per id)")
@@ -165,15 +189,15 @@ def decode_round(r: pb.Round, *, expected: int, room: int, vocab_size: int, mode
         rows = torch.repeat_interleave(torch.arange(tau), torch.tensor(list(r.q_counts), dtype=torch.long))
         if torch.unique(rows * V + ids).numel() != ids.numel():
             raise invalid("round.q_ids: an id repeats within one position")
-        q = torch.zeros(tau, V)
-        q.index_put_((rows, ids), probs)
     if not torch.isfinite(probs).all() or (probs < 0).any() or (probs > 1 + PROB_TOL).any():
         raise invalid("round.q_probs: probabilities must be finite and in [0, 1]")
-    sums = q.sum(-1)
+    sums = torch.zeros(tau, dtype=torch.float64).index_add_(0, rows, probs.double()).float()  # the dense table's row sums, in its order
     if tau and ((sums - 1).abs() > PROB_TOL).any():
         raise invalid(f"round.q_probs: each position must sum to 1 (got {sums.tolist()})")
-    if tau and not (q[torch.arange(tau), tokens] > 0).all():
+    drawn = torch.zeros(tau, dtype=torch.long).index_add_(0, rows, ((ids == tokens[rows]) & (probs > 0)).long())  # per row: its token's entry
+    if tau and not (drawn > 0).all():
         raise invalid("round.q_probs: a proposed token has no probability in its q (it cannot have been sampled from it)")
-    if not greedy and tau:  # the rule is exact for the q a token was drawn from: a draw from a row divides by its sum
-        q = q / sums[:, None]
-    return tokens.to(device), None if greedy else q.to(device)
+    if greedy:
+        return tokens, None
+    # the rule is exact for the q a token was drawn from: a draw from a row divides by its sum
+    return tokens, RoundQ(tau, rows, ids, probs / sums[rows])

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.acceptance import accept_batch, accept_greedy_batch, accept_tree, argmax_rows, tree_tables
+from specdec.proposal import RoundQ
 from specdec.sampling import int64
 from verify_service.session import Session
 
@@ -81,7 +82,7 @@ class Prefill(_NoProposals, Job):
 class Round(Job):
     future: asyncio.Future
     tokens: list[int]  # the proposals
-    q: torch.Tensor | None = None  # [tau, V] on the host (all sessions' go to the device in one copy per pass), or None
+    q: RoundQ | None = None  # its entries on the host (all sessions' go to the device in one copy per pass, `_q`), or None
     parents: list[int] | None = None  # a tree round: each proposal's parent proposal, or -1 (the pending token)
 
 
@@ -111,10 +112,12 @@ def unfilled(s: Session) -> bool:
 
 
 def check(j: Job, V: int) -> None:
-    """A session's q fits the batch: [tau, V] or None."""
+    """A session's q fits the batch: tau rows over V ids, or None."""
     tau = len(j.tokens)
-    if j.q is not None and not j.session.sampling.greedy and tuple(j.q.shape) != (tau, V):
-        raise ValueError(f"q of shape {tuple(j.q.shape)} for a round of {tau} proposals over {V} ids")
+    q = j.q
+    if q is not None and not j.session.sampling.greedy and (q.tau != tau or (q.ids.numel() and int(q.ids.max()) >= V)):
+        raise ValueError(f"q of {q.tau} rows (ids up to {int(q.ids.max()) if q.ids.numel() else None}) for a round of {tau} "
+                         f"proposals over {V} ids")
 
 
 def accept(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,15 +173,17 @@ def accept_trees(jobs: list[Job], lg: torch.Tensor, proposals: torch.Tensor) -> 
 
 
 def _q(jobs: list[Job], lg: torch.Tensor, T: int) -> torch.Tensor:
-    """[B, T, V] on the device: the sampled sessions' q, zeros where absent or greedy (one copy)."""
+    """[B, T, V] on the device: the sampled sessions' q, zeros where absent or greedy. Their
+    entries (RoundQ) go to the device in one copy of indices and one of values, and are scattered
+    into a table made there: the table never exists on the host."""
     B, V = lg.shape[0], lg.shape[2]
     qs = [(i, j.q) for i, j in enumerate(jobs) if j.q is not None and not j.session.sampling.greedy]
     if not qs:  # all greedy or target-only: a zero q that takes no memory
         return lg.new_zeros((), dtype=torch.float32).expand(B, T, V)
-    q = torch.zeros(B, T, V, dtype=torch.float32)  # on the host
-    for i, qi in qs:
-        q[i, : qi.shape[0]] = qi
-    return q.to(lg.device, non_blocking=True)  # one copy per pass
+    where = torch.cat([torch.stack((torch.full_like(qi.rows, i), qi.rows, qi.ids)) for i, qi in qs], 1)  # [3, E]: session, row, id
+    where = where.to(lg.device, non_blocking=True)
+    probs = torch.cat([qi.probs for _, qi in qs]).to(lg.device, non_blocking=True)
+    return torch.zeros(B, T, V, dtype=torch.float32, device=lg.device).index_put_(tuple(where), probs)
 
 
 def _settings(ss: list[Session]) -> tuple[torch.Tensor, ...]:

@@ -36,6 +36,7 @@ from specdec import metrics
 from specdec.errors import Refusal, RequestError
 from specdec.engine import PAGE, PREFILL_CHUNK, KVCache, Tree
 from specdec.lm import LM
+from specdec.proposal import RoundQ
 from specdec.sampling import Sampling, to_host, wait
 from verify_service.capacity import Capacity, default_cache_budget, full_cache_tokens
 from verify_service.health import SELF_TEST_S, PassHealth
@@ -192,7 +193,7 @@ class Scheduler:
             await self._submit(s)
         return time.perf_counter() - t0
 
-    async def step(self, s: Session, tokens: list[int], q: torch.Tensor | None, parents: list[int] | None = None) -> Verdict:
+    async def step(self, s: Session, tokens: list[int], q: RoundQ | None, parents: list[int] | None = None) -> Verdict:
         """One round: a pass over [pending, tokens] (batched with other sessions), acceptance, commit.
         With parents, the tokens are a tree's nodes (DESIGN.md §12)."""
         s.next_round += 1
@@ -200,7 +201,7 @@ class Scheduler:
         # session's reserved room could not be stored (`open`; commit cuts what passes max_new_tokens)
         left = s.max_new_tokens - s.generated if parents is None else s.cache.capacity - len(s.ids)
         if len(tokens) > left:
-            tokens, q = tokens[:left], None if q is None else q[:left]
+            tokens, q = tokens[:left], None if q is None else q.cut(left)
             parents = None if parents is None else parents[:left]  # parents come first: still a tree
         return await self._submit(s, list(tokens), q, list(parents) if parents else None)
 

@@ -143,8 +143,8 @@ class VerifyServicer(pb_grpc.VerifyServicer):
                                 tree_budget=st.tree_budget)
 
     async def _check_round(self, s, r: pb.Round):
-        """The round's proposals as (token ids, q on the host or None), every wire rule checked; the
-        scheduler moves all sessions' q to the device in one copy per pass. A round of many q values
+        """The round's proposals as (token ids, q's entries on the host (RoundQ) or None), every wire
+        rule checked; the scheduler moves all sessions' q to the device in one copy per pass. A round of many q values
         (dense q of a large vocabulary) is checked in a worker thread: its per-element checks would
         stall every other call on the event loop."""
         check = functools.partial(decode_round, r, expected=s.next_round, room=self.engine.room(s), vocab_size=self.lm.vocab_size,
