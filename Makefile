@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
+export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: setup demo test test-fast protos check-protos deploy-check lint-imports node-client bench clean

@@ -56,15 +56,18 @@ def _address(s: str) -> str:
     return s
 
 
-def _connection_args(p: argparse.ArgumentParser) -> None:
+def _connection_args(p: argparse.ArgumentParser, generate: bool = True) -> None:
+    """The flags that reach --server; `generate`: also the fallback's and the retries (info asks --server only)."""
     p.add_argument("--server", required=True, type=_address, help="HOST:PORT of a draft service (or a verify service with --target-only)")
-    p.add_argument("--target-only", action="store_true", help="--server is a verify service: generate with the target alone")
-    p.add_argument("--fallback", type=_address, help="verify service HOST:PORT to use when the draft service is unavailable")
+    p.add_argument("--target-only", action="store_true",
+                   help="--server is a verify service: generate with the target alone" if generate else "--server is a verify service")
     p.add_argument("--timeout", type=_seconds, default=None, help="deadline in seconds (> 0; inf: none, the default)")
-    p.add_argument("--retries", type=int, choices=range(MAX_RETRIES + 1), default=0, metavar=f"0..{MAX_RETRIES}",
-                   help=f"retries (at most {MAX_RETRIES}, gRPC's retry policy) on UNAVAILABLE or RESOURCE_EXHAUSTED before the first token, "
-                   "after the server's pushback")
-    add_credential_args(p)
+    if generate:
+        p.add_argument("--fallback", type=_address, help="verify service HOST:PORT to use when the draft service is unavailable")
+        p.add_argument("--retries", type=int, choices=range(MAX_RETRIES + 1), default=0, metavar=f"0..{MAX_RETRIES}",
+                       help=f"retries (at most {MAX_RETRIES}, gRPC's retry policy) on UNAVAILABLE or RESOURCE_EXHAUSTED before the first "
+                       "token, after the server's pushback")
+    add_credential_args(p, fallback=generate)
 
 
 def parse(argv):
@@ -95,7 +98,8 @@ def parse(argv):
     g.add_argument("--request-id", default="")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     i = sub.add_parser("info", help="print the service's model info (asks --server only: no fallback, no retries)")
-    _connection_args(i)
+    _connection_args(i, generate=False)
+    i.set_defaults(fallback=None, retries=0)
     return p.parse_args(argv)
 
 
@@ -129,9 +133,9 @@ def main(argv=None) -> int:
 
 
 def _run(a) -> int:
-    fallback_tls = [f"--fallback-tls-{part}" for part in ("ca", "cert", "key") if getattr(a, f"fallback_tls_{part}")]
+    fallback_tls = [f"--fallback-tls-{part}" for part in ("ca", "cert", "key") if getattr(a, f"fallback_tls_{part}", None)]
     unused = ("--fallback with --target-only (the fallback is a verify service for a draft service's requests)" if a.fallback and a.target_only
-              else "--fallback-token-file without --fallback" if a.fallback_token_file and not a.fallback
+              else "--fallback-token-file without --fallback" if getattr(a, "fallback_token_file", None) and not a.fallback
               else f"{fallback_tls[0]} without --fallback" if fallback_tls and not a.fallback else None)
     if unused:  # a flag that would be dropped without a word
         print(f"error: {unused}", file=sys.stderr)

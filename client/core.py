@@ -127,15 +127,16 @@ def field_error(values: dict, name=lambda field: field) -> str | None:
     unsigned and 32-bit integers, stop strings that are strings, and text that is UTF-8 (a command
     line's undecodable bytes arrive as surrogates). None if all can. `name` names a field in the
     message (the CLI: its flag)."""
-    def integer(value, end) -> bool:  # ints, and what stands for one (numpy's, a 0-d tensor): protobuf takes those
+    def integer(value, end, least: int = 0) -> bool:  # ints, and what stands for one (numpy's, a 0-d tensor): protobuf takes those
         try:
-            return not isinstance(value, bool) and 0 <= operator.index(value) < end
+            return not isinstance(value, bool) and least <= operator.index(value) < end
         except TypeError:
             return False
 
     for f in UINT32_FIELDS:
-        if f in values and not integer(values[f], 1 << 32):
-            return f"{name(f)} must be an integer in [0, {(1 << 32) - 1}], got {values[f]!r}"
+        least = 1 if f == "max_new_tokens" else 0  # 0 is no default there: every server refuses it
+        if f in values and not integer(values[f], 1 << 32, least):
+            return f"{name(f)} must be an integer in [{least}, {(1 << 32) - 1}], got {values[f]!r}"
     if values.get("seed") is not None and not integer(values["seed"], 1 << 64):
         return f"{name('seed')} must be an integer in [0, {(1 << 64) - 1}], got {values['seed']!r}"
     if any(not integer(i, 1 << 31) for i in (() if values.get("prompt_ids") is None else values["prompt_ids"])):
@@ -342,8 +343,9 @@ def _auth(token: str | None, where: str) -> list[tuple[str, str]]:
     return [] if token is None else [("authorization", f"Bearer {check_token(token, where)}")]
 
 
-def add_credential_args(p) -> None:
-    """The credential flags of the CLI and the load testers (an argparse parser)."""
+def add_credential_args(p, fallback: bool = True) -> None:
+    """The credential flags of the CLI and the load testers (an argparse parser); the fallback's
+    own with `fallback`."""
     p.add_argument("--tls-ca", help="CA bundle to check the server's certificate (enables TLS; with only --tls-cert/--tls-key, "
                                     "TLS against gRPC's default roots, not the system's trust store)")
     p.add_argument("--tls-cert", help="client certificate (mTLS)")
@@ -351,6 +353,8 @@ def add_credential_args(p) -> None:
     token = p.add_mutually_exclusive_group()
     token.add_argument("--token-file", help="file holding the bearer token for --server (and the fallback)")
     token.add_argument("--token", help="the bearer token itself (prefer --token-file: a flag value is visible to other local users)")
+    if not fallback:
+        return
     p.add_argument("--fallback-token-file", help="file holding the bearer token for the fallback verify service, if it differs")
     for part, what in (("ca", "CA bundle"), ("cert", "client certificate"), ("key", "client key")):
         p.add_argument(f"--fallback-tls-{part}", help=f"the fallback verify service's TLS {what}, where its TLS differs from --server's "

@@ -201,4 +201,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    startup.main("draft_service", main)
+    startup.main("python -m draft_service", main)  # the prog its flag errors name (argparse)

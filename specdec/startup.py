@@ -25,8 +25,20 @@ from specdec.choices import parse_choices
 from specdec.files import StartupError, check_ca, check_pair, read_file, read_pem  # noqa: F401 - the services import them from here
 
 
+class _Defaults(argparse.HelpFormatter):
+    """Help that ends with a flag's default where it has a value and the text does not say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings
+                or action.nargs == 0):
+            return text
+        return text + " (default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Defaults)
         super().__init__(*args, **kwargs)
         self.switches: dict[str, str] = {}  # a switch's dest -> its environment variable (add_switch)
 

@@ -236,7 +236,7 @@ def test_a_draft_refuses_a_verify_token_no_header_can_carry_in_one_line(model_di
     r = subprocess.run([sys.executable, "-m", "draft_service", "--model", model_dir("draft"), "--port", "0", "--verify", "127.0.0.1:1",
                         "--verify-auth-token-file", bad], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines()[-1].startswith(f"draft_service: error: --verify-auth-token-file {bad}: the token must be")
+    assert r.stderr.strip().splitlines()[-1].startswith(f"python -m draft_service: error: --verify-auth-token-file {bad}: the token must be")
 
 
 def test_split_bench_passes_credentials_as_files():

@@ -38,6 +38,6 @@ def test_a_draft_that_does_not_start_leaves_no_verify_service_behind(tmp_path):
     p = demo("--target", target, "--draft", str(broken))
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     lines = p.stderr.strip().splitlines()
-    assert lines[-1].startswith("[demo] a service did not start: draft_service: error: --model"), lines
+    assert lines[-1].startswith("[demo] a service did not start: python -m draft_service: error: --model"), lines
     assert "Traceback" not in p.stderr
     assert not left_running(str(tmp_path))

@@ -221,7 +221,7 @@ def test_sigterm_before_serving_ends_the_service_with_one_line(model_dir, tmp_pa
                             f"{''.join(signals)}")
         finally:
             p.kill()
-        assert p.returncode == 143 and err.strip().splitlines()[-1] == f"{module}: stopped by SIGTERM before serving", (module, err)
+        assert p.returncode == 143 and err.strip().splitlines()[-1] == f"python -m {module}: stopped by SIGTERM before serving", (module, err)
         assert "listening on" not in out
 
 

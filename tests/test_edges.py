@@ -542,7 +542,7 @@ def test_an_http_port_taken_while_the_model_loads_is_one_line_exit_2(model_dir):
             proc.kill()
             proc.wait(10)
     assert first and proc.returncode == 2 and "Traceback" not in err and "listening on" not in out, err[-2000:]
-    assert err.strip().splitlines()[-1].startswith(f"draft_service: error: --http-port {port}: cannot listen on"), err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(f"python -m draft_service: error: --http-port {port}: cannot listen on"), err[-2000:]
 
 
 def test_a_service_on_an_ipv6_host_serves_and_exports_its_metrics(model_dir):
@@ -879,6 +879,10 @@ def test_a_switch_from_the_environment_takes_only_switch_words(monkeypatch, caps
     assert parser().parse_args(["--model", "m", "--verify", "h:1", "--no-predraft"]).predraft is False  # the flag still wins
     monkeypatch.setenv("SPECDEC_PREDRAFT", "off")  # the help's "(default: on)" says what the variable changed it to
     assert "[env SPECDEC_PREDRAFT; set to 'off']" in " ".join(parser().format_help().split())
+    # from a review: a flag whose help did not say its default showed none (--verify-wait-s, --drain-s)
+    text = " ".join(parser().format_help().split())
+    assert "(then NOT_SERVING until it answers) (default: 10.0)" in text and "on SIGTERM (default: 30.0)" in text, text
+    assert "(default: None)" not in text and "(default: False)" not in text
 
 
 def test_more_threads_than_the_process_may_run_on_are_warned_of(caplog):

@@ -32,7 +32,7 @@ def test_node_client_streams_chains_and_trees_from_the_proto(services):
     rc, out, err = node("--server", d.address, "--prompt-ids", "3,4,5", "--max-new-tokens", "12")
     assert rc == 0, err
     chain = json.loads(out)
-    assert chain["token_ids"] == want and chain["finish_reason"] in ("FINISH_REASON_EOS", "FINISH_REASON_LENGTH")
+    assert chain["token_ids"] == want and chain["finish_reason"] in ("eos", "length")
     assert chain["stats"]["rounds"] >= 1 and chain["stats"]["tree_rounds"] == 0
     assert chain["stats"]["generated_tokens"] == len(want) and chain["seed"].isdigit()  # a uint64: a decimal string
     rc, out, err = node("--server", d.address, "--prompt-ids", "3,4,5", "--max-new-tokens", "12", "--tree-budget", "8",
@@ -88,7 +88,7 @@ def test_node_client_sends_every_request_field(services):
     rc, out, err = node("--server", d.address, "--prompt-ids", "3,4,5", "--max-new-tokens", "16", "--stop", "zzz-never", "--stop", stop)
     assert rc == 0, err
     got = json.loads(out)
-    assert got["finish_reason"] == "FINISH_REASON_STOP" and got["text"] == greedy.text[:greedy.text.index(stop)]
+    assert got["finish_reason"] == "stop" and got["text"] == greedy.text[:greedy.text.index(stop)]
 
 
 @pytest.mark.parametrize("args,says", [
@@ -118,7 +118,7 @@ def test_node_client_gets_invalid_argument_naming_the_tree_limit(services):
     _, d = services("target", "draft")
     rc, out, err = node("--server", d.address, "--prompt-ids", "3,4,5", "--tree-budget", "65")
     assert rc == 1 and out == ""
-    assert err.startswith("INVALID_ARGUMENT:") and "tree_budget" in err and "64" in err, err
+    assert err.startswith("error: INVALID_ARGUMENT:") and "tree_budget" in err and "64" in err, err
 
 
 def test_node_client_sends_top_p_0_early_stop_and_special_tokens(services):

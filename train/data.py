@@ -28,7 +28,8 @@ def tokenize_documents(tokenizer, docs: Sequence[Document], chunk: int = 256) ->
     parts = []
     for i in range(0, len(docs), chunk):
         texts = [d.text for d in docs[i:i + chunk]]
-        for toks in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        # whole documents, cut into windows later: longer than the model's context is expected, not worth a warning
+        for toks in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
             parts.append(np.asarray(head + toks + tail, dtype=np.int64))
     return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.long)
 

@@ -73,4 +73,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    startup.main("verify_service", main)
+    startup.main("python -m verify_service", main)  # the prog its flag errors name (argparse)

@@ -190,7 +190,9 @@ function main() {
     out.text += r.text;
     if (r.request_id) out.request_id = r.request_id;
     if (r.finish_reason !== "FINISH_REASON_UNSPECIFIED") {
-      out.finish_reason = r.finish_reason;
+      // "length", as the Python CLI's --json; a value this .proto does not name (a newer server's) "unknown_N"
+      out.finish_reason = typeof r.finish_reason === "number" ? `unknown_${r.finish_reason}`
+        : r.finish_reason.replace(/^FINISH_REASON_/, "").toLowerCase();
       out.seed = r.seed;
       out.stats = r.stats;
     }
@@ -200,7 +202,7 @@ function main() {
     if (done) return;
     done = true;
     if (!process.exitCode && out.finish_reason === null) {
-      process.stderr.write("INTERNAL: the stream ended without its last chunk\n");
+      process.stderr.write("error: INTERNAL: the stream ended without its last chunk\n");
       process.exitCode = 1;
     }
     if (!process.exitCode) process.stdout.write(JSON.stringify(out) + "\n");
@@ -209,7 +211,7 @@ function main() {
   call.on("error", (e) => {
     // after the last chunk (a deadline during the server's end) the result is whole: not an error
     if (out.finish_reason === null && !done) {
-      process.stderr.write(`${grpc.status[e.code]}: ${oneLine(e.details)}\n`);
+      process.stderr.write(`error: ${grpc.status[e.code]}: ${oneLine(e.details)}\n`);  // the Python CLI's line
       process.exitCode = 1;
     }
     finish();
