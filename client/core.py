@@ -127,16 +127,15 @@ def field_error(values: dict, name=lambda field: field) -> str | None:
     unsigned and 32-bit integers, stop strings that are strings, and text that is UTF-8 (a command
     line's undecodable bytes arrive as surrogates). None if all can. `name` names a field in the
     message (the CLI: its flag)."""
-    def integer(value, end, least: int = 0) -> bool:  # ints, and what stands for one (numpy's, a 0-d tensor): protobuf takes those
+    def integer(value, end) -> bool:  # ints, and what stands for one (numpy's, a 0-d tensor): protobuf takes those
         try:
-            return not isinstance(value, bool) and least <= operator.index(value) < end
+            return not isinstance(value, bool) and 0 <= operator.index(value) < end
         except TypeError:
             return False
 
-    for f in UINT32_FIELDS:
-        least = 1 if f == "max_new_tokens" else 0  # 0 is no default there: every server refuses it
-        if f in values and not integer(values[f], 1 << 32, least):
-            return f"{name(f)} must be an integer in [{least}, {(1 << 32) - 1}], got {values[f]!r}"
+    for f in UINT32_FIELDS:  # what the field can carry; the server's own limits (max_new_tokens >= 1, its context) are its to say
+        if f in values and not integer(values[f], 1 << 32):
+            return f"{name(f)} must be an integer in [0, {(1 << 32) - 1}], got {values[f]!r}"
     if values.get("seed") is not None and not integer(values["seed"], 1 << 64):
         return f"{name('seed')} must be an integer in [0, {(1 << 64) - 1}], got {values['seed']!r}"
     if any(not integer(i, 1 << 31) for i in (() if values.get("prompt_ids") is None else values["prompt_ids"])):
