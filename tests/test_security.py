@@ -180,7 +180,7 @@ def test_node_client_with_tls_and_token(secure_pair, pki, tmp_path):
                        (base + ["--token", "wrong"], "UNAUTHENTICATED"),
                        (base[:-4] + ["--token", TOKEN], "UNAVAILABLE")):  # no client certificate: the handshake fails
         bad = subprocess.run(args, capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 1 and bad.stderr.startswith(says), bad.stderr
+        assert bad.returncode == 1 and bad.stderr.startswith("error: " + says), bad.stderr
 
 
 def https(pki, d, cert="client", token=TOKEN, scheme="Bearer"):
@@ -231,5 +231,5 @@ def test_a_ca_flag_without_a_certificate_is_one_line_exit_2(pki, model_dir):
         r = subprocess.run([sys.executable, "-m", module, "--model", model_dir("target"), "--port", "0", *args], cwd=ROOT, env=ENV,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-        assert r.stderr.strip().splitlines()[-1].startswith(f"{module}: error: {flag} {pki('client.key')}: no CA certificate in it"), \
+        assert r.stderr.strip().splitlines()[-1].startswith(f"python -m {module}: error: {flag} {pki('client.key')}: no CA certificate in it"), \
             r.stderr[-2000:]
