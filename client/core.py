@@ -375,6 +375,11 @@ class Client(_Base):
     def __init__(self, server: str, **kw):
         super().__init__(server, **kw)
         self._targets = self._stubs(grpc)
+        self._closed = False
+
+    def _closed_under(self, e: grpc.RpcError) -> bool:
+        """Whether `close()` cut the call (gRPC's own error says "Channel closed!")."""
+        return self._closed and e.code() == grpc.StatusCode.CANCELLED
 
     def close(self) -> None:
         self._closed = True  # a stream it cuts raises StreamError(CANCELLED), as AsyncClient's does (_read)
@@ -400,6 +405,8 @@ class Client(_Base):
             try:
                 first = next(it)
             except grpc.RpcError as e:
+                if self._closed_under(e):  # closed while waiting for the first chunk (a long prefill, a full queue)
+                    raise StreamError(CLOSED, grpc.StatusCode.CANCELLED) from None
                 attempts.failed(e)
                 continue
             except StopIteration:
@@ -423,8 +430,8 @@ class Client(_Base):
                             raise
                         if _finished(chunk):
                             return  # the call failed after its final chunk (a deadline during the server's end): the result is whole
-                        if getattr(self, "_closed", False) and e.code() == grpc.StatusCode.CANCELLED:
-                            raise StreamError(CLOSED, grpc.StatusCode.CANCELLED) from None  # gRPC's "Channel closed!"
+                        if self._closed_under(e):
+                            raise StreamError(CLOSED, grpc.StatusCode.CANCELLED) from None
                         raise
                     if not _finished(chunk):
                         raise StreamError(NO_FINISH)

@@ -435,16 +435,17 @@ class FrontDoor:
         context, longest = self.servicer.max_context, validation.max_token_chars(self.servicer.lm.tokenizer)
         most_chars = validation.PROMPT_CHARS_MARGIN * longest * context  # the servicer's own bound on a text prompt
         prompt, messages = body.get("prompt"), body.get("messages")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one prompt, as the schema takes it (a longer batch: its own 400)
-        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            return
-        if not chat and isinstance(prompt, list) and len(prompt) > context:
-            raise HttpError(400, f"prompt: {len(prompt)} token ids are more than the context limit of {context} tokens", "prompt")
-        if not chat and isinstance(prompt, str) and len(prompt) > most_chars:
-            raise HttpError(400, f"prompt: {len(prompt)} characters are far more than the context limit of {context} tokens holds "
-                                 f"(no token here is longer than {longest} characters)", "prompt")
-        if chat and isinstance(messages, list):
+        if not chat:
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                if len(prompt) > 1:
+                    return  # a batch: its own 400
+                prompt = prompt[0]  # a batch of one prompt, as the schema takes it
+            if isinstance(prompt, list) and len(prompt) > context:
+                raise HttpError(400, f"prompt: {len(prompt)} token ids are more than the context limit of {context} tokens", "prompt")
+            if isinstance(prompt, str) and len(prompt) > most_chars:
+                raise HttpError(400, f"prompt: {len(prompt)} characters are far more than the context limit of {context} tokens "
+                                     f"holds (no token here is longer than {longest} characters)", "prompt")
+        elif isinstance(messages, list):
             if len(messages) > context:
                 raise HttpError(400, f"messages: {len(messages)} messages are more than the context limit of {context} tokens holds",
                                 "messages")

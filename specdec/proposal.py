@@ -45,7 +45,7 @@ class RoundQ:
     def cut(self, k: int) -> RoundQ:
         """The first k rows' q (a round cut to what the session may still emit)."""
         keep = self.rows < k
-        return RoundQ(min(k, self.tau), self.rows[keep], self.ids[keep], self.probs[keep])
+        return RoundQ(max(0, min(k, self.tau)), self.rows[keep], self.ids[keep], self.probs[keep])
 
     def dense(self, V: int) -> torch.Tensor:
         """[tau, V] float32 (tests, and a look at one round)."""

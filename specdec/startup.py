@@ -30,8 +30,8 @@ class _Defaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if ("default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings
-                or action.nargs == 0):
+        if ("default" in text or any(action.default is d for d in (None, False, argparse.SUPPRESS))  # `is`: 0 is a default to show
+                or not action.option_strings or action.nargs == 0):
             return text
         return text + " (default: %(default)s)"
 
@@ -236,10 +236,11 @@ def add_switch(p: argparse.ArgumentParser, name: str, default: bool, help: str) 
 
 def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face model directory")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=PORT, default=default_port, help="0 picks a free port; a port in use is an error")
     p.add_argument("--metrics-port", type=PORT, default=None, help="serve Prometheus /metrics on this port (0 = any)")
-    p.add_argument("--max-message-bytes", type=number(int, low=1024, high=2**31 - 1), default=16 << 20)  # gRPC's options are C ints
+    p.add_argument("--max-message-bytes", type=number(int, low=1024, high=2**31 - 1), default=16 << 20,  # gRPC's options are C ints
+                   help="the largest gRPC message it sends or takes, in bytes")
     p.add_argument("--max-connection-age-s", type=number(float, above=0, high=(2**31 - 1) // 1000), default=None,  # ... in ms
                    help="close connections after this age so clients re-resolve")
     p.add_argument("--max-connection-age-grace-s", type=number(float, low=0, high=(2**31 - 1) // 1000), default=None,
@@ -252,8 +253,9 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="CA bundle; when set, clients must present a certificate it signed (mTLS) [env SPECDEC_TLS_CLIENT_CA]")
     p.add_argument("--threads", type=number(int, low=1), default=None,
                    help="torch intra-op threads, >= 1 (default: torch's choice; 1 when sharing cores)")
-    p.add_argument("--log-format", choices=["json", "text"], default="json")
-    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    p.add_argument("--log-format", choices=["json", "text"], default="json", help="JSON lines or plain text on stderr")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="the least level logged")
     p.add_argument("--trace", choices=["off", "console"], default=env("SPECDEC_TRACE") or "off",
                    help="OpenTelemetry spans per request (console: JSON lines on stderr; needs opentelemetry-sdk) [env SPECDEC_TRACE]")
 

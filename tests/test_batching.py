@@ -328,10 +328,12 @@ def test_a_failing_session_fails_alone_and_its_batch_mates_get_their_solo_verdic
             spec = [(s, r, None) for s, r in zip(ss, rounds)]
         else:
             ss = _prefilled(eng, prompts[:1]) + _prefilled(eng, prompts[1:2], Sampling(temperature=1.0)) + _prefilled(eng, prompts[2:])
-            bad_q = torch.full((len(rounds[1]), 3), 1 / 3)  # 3 columns for a vocabulary of 16
+            from specdec.proposal import RoundQ
+            bad_q = RoundQ(len(rounds[1]), torch.tensor([0, 1]), torch.tensor([20, 20]), torch.ones(2))  # id 20 in a vocabulary of 16
             spec = [(s, r, bad_q if i == 1 else None) for i, (s, r) in enumerate(zip(ss, rounds))]
         got = _run_batch(eng, spec)
-        assert isinstance(got[1], Exception), got
+        assert isinstance(got[1], ValueError if where == "acceptance" else Exception), got
+        assert where == "pass" or "ids up to 20" in str(got[1]), got[1]
         for v, w in ((got[0], solo[0]), (got[2], solo[2])):
             assert not isinstance(v, Exception), got
             assert (v.num_accepted, v.next_token, v.finish) == (w.num_accepted, w.next_token, w.finish)

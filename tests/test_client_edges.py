@@ -468,6 +468,17 @@ def test_closing_a_blocking_client_mid_stream_is_a_stream_error_too(odd):
     assert e.value.code() == grpc.StatusCode.CANCELLED and e.value.details() == CLOSED
 
 
+def test_closing_a_blocking_client_before_the_first_chunk_is_a_stream_error(odd):
+    """From a review: a close() while the call waited for its first chunk (a long prefill, a full
+    queue) still raised gRPC's own error, with or without a fallback."""
+    for fallback in (None, odd):
+        c = Client(odd, timeout=30, fallback=fallback)
+        threading.Timer(0.3, c.close).start()
+        with pytest.raises(StreamError) as e:
+            c.generate(prompt="hang")
+        assert e.value.code() == grpc.StatusCode.CANCELLED and e.value.details() == CLOSED
+
+
 def test_addresses_that_are_no_grpc_target_are_bad_flags(odd):
     """From a review: --server "" printed gRPC's own log lines and failed UNKNOWN (exit 1);
     http://host:port failed UNAVAILABLE, which --retries and --fallback then tried again."""

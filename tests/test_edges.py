@@ -867,6 +867,7 @@ def test_a_switch_from_the_environment_takes_only_switch_words(monkeypatch, caps
     """From a review: SPECDEC_PREDRAFT=disabled (or n, none) turned pre-drafting on: anything but
     0/false/no/off read as on. Only 1/true/yes/on and 0/false/no/off are switch values now."""
     from draft_service.__main__ import parser
+    from specdec import startup
 
     for word, want in (("0", False), ("FALSE", False), ("off", False), ("yes", True), ("On", True)):
         monkeypatch.setenv("SPECDEC_PREDRAFT", word)
@@ -883,6 +884,11 @@ def test_a_switch_from_the_environment_takes_only_switch_words(monkeypatch, caps
     text = " ".join(parser().format_help().split())
     assert "(then NOT_SERVING until it answers) (default: 10.0)" in text and "on SIGTERM (default: 30.0)" in text, text
     assert "(default: None)" not in text and "(default: False)" not in text
+    # from a review: flags without help text showed no default, nor did a default of 0 (== False)
+    assert "(0.0.0.0: every interface) (default: 127.0.0.1)" in text and "the least level logged (default: INFO)" in text, text
+    p = startup.Parser(prog="probe")
+    p.add_argument("--n", type=int, default=0, help="a count")
+    assert "a count (default: 0)" in " ".join(p.format_help().split())
 
 
 def test_more_threads_than_the_process_may_run_on_are_warned_of(caplog):

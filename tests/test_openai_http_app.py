@@ -232,6 +232,9 @@ def test_prompts_and_chats_past_the_context_are_refused_before_they_are_validate
             ("/v1/completions", {"model": "stub", "prompt": ["w3"] * 65}, "one prompt per request"),
             ("/v1/chat/completions", {"model": "stub", "messages": [{"role": "user", "content": "w3"}] * 65},
              "messages: 65 messages are more than"),
+            # from a review: a stray "prompt" batch in a chat body skipped the messages' check
+            ("/v1/chat/completions", {"model": "stub", "prompt": ["a", "b"], "messages": [{"role": "user", "content": "w3"}] * 65},
+             "messages: 65 messages are more than"),
             ("/v1/chat/completions", {"model": "stub", "messages": [{"role": "user", "content": [{"type": "text", "text": "w3" * 700}]}] * 20},
              "characters of content are far more than")):
         r = c.post(path, json=body)

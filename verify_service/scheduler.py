@@ -28,6 +28,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 
 import torch
@@ -99,9 +100,14 @@ class Scheduler:
         self._pass_t0 = 0.0  # ... and by time.perf_counter, the pass cost's clock (`in_flight_since`)
         self._queue: queue.Queue = queue.Queue()
         self.cost = PassCost(probe(self._timed_pass, lm.vocab_size, lm.max_context))  # before the scheduler thread owns the model
-        cost = self.cost  # the gauges read it when scraped: an idle verifier's utilisation and price fall, not freeze
-        metrics.PASS_UTILISATION.set_function(lambda: cost.utilisation_at(time.perf_counter(), self.in_flight_since()))
-        metrics.ROW_PRICE.set_function(lambda: cost.price_at(time.perf_counter(), self.in_flight_since()))
+        cost, me = self.cost, weakref.ref(self)  # the gauges read them when scraped: an idle verifier's utilisation and
+        # price fall, not freeze; by a weak reference, so that the process-wide gauges keep no scheduler (and model) alive
+
+        def since() -> float | None:
+            s = me()
+            return None if s is None else s.in_flight_since()
+        metrics.PASS_UTILISATION.set_function(lambda: cost.utilisation_at(time.perf_counter(), since()))
+        metrics.ROW_PRICE.set_function(lambda: cost.price_at(time.perf_counter(), since()))
         self.health = PassHealth()  # whether the passes work (verify_service/health.py)
         self._thread_context = thread_context or contextlib.nullcontext
         self._worker = threading.Thread(target=self._thread, name="verify-scheduler", daemon=True)

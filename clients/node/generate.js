@@ -16,7 +16,7 @@
 // <token>` metadata; one a header cannot carry is refused (without printing it).
 // Draft.Generate (speculative) unless --target-only (Verify.Generate on a verify service). Prints
 // one JSON object: token_ids, text, finish_reason, seed (a uint64, as a decimal string), request_id, stats.
-// A gRPC error, or a stream that ends without its last chunk, exits 1 with "CODE: details" on
+// A gRPC error, or a stream that ends without its last chunk, exits 1 with "error: CODE: details" on
 // stderr (one line; an error after the last chunk, a deadline during the server's end, leaves the
 // result whole); a bad flag exits 2 before anything is sent (the wire would wrap a number out of range).
 "use strict";
