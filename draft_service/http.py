@@ -115,6 +115,7 @@ class _Observe:
         async def send_status(msg):
             if msg["type"] == "http.response.start":
                 call["status"] = msg["status"]
+                call["returns"] = msg["status"] == 200  # a reply that carries its tokens (an error's body, or none, does not)
                 headers = list(msg.get("headers", []))
                 if not any(k.lower() == b"x-request-id" for k, _ in headers):  # every response says its id, as the log line
                     # does (/v1/models, a 404, a 405: the caller's own where valid, else a new one)
@@ -141,9 +142,10 @@ class _Observe:
     def _done(scope, call: dict, path: str, t0: float, set_attrs) -> None:
         """The request's log line, metrics and span attributes."""
         status, duration = call["status"], time.perf_counter() - t0
+        tokens = call["tokens"] if call.get("returns") else 0  # returned to the caller, as the gRPC observer counts them
         # `code` as the gRPC observer names it (one type in one field for log indexers); the HTTP status beside it
         fields = {"service": "draft", "method": f"{scope['method']} {path}", "request_id": call.get("request_id") or uuid.uuid4().hex,
-                  "code": code_of(status), "http_status": status, "tokens": call["tokens"], "duration_s": round(duration, 6),
+                  "code": code_of(status), "http_status": status, "tokens": tokens, "duration_s": round(duration, 6),
                   **call.get("fields", {})}
         if "error" in call:  # bounded: what a message quotes of a client's input is cut already (quoted)
             fields["error"] = call["error"][:2000]
@@ -154,8 +156,8 @@ class _Observe:
         metrics.REQUEST_LATENCY.labels("draft", path).observe(duration)
         if fields["code"] not in ("OK", "CANCELLED"):  # as the gRPC observer counts its calls' errors, and as logged above
             metrics.REQUEST_ERRORS.labels("draft", path, fields["code"]).inc()  # (405 and 413 were logged, not counted)
-        if call["tokens"]:
-            metrics.GENERATED_TOKENS.labels("draft").inc(call["tokens"])
+        if tokens:
+            metrics.GENERATED_TOKENS.labels("draft").inc(tokens)
         set_attrs(**{f"specdec.{k}": v for k, v in fields.items() if k not in ("service", "method")})
 
 

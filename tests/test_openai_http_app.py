@@ -177,7 +177,8 @@ def test_an_error_after_the_first_chunk_is_an_error_event_then_done():
 def test_http_errors_and_partly_streamed_tokens_are_counted_as_over_grpc():
     """specdec_request_errors_total counts the HTTP door's server-side errors (as the gRPC status
     they stand for, so the error alert sees them), and a stream that fails after a chunk counts
-    that chunk's tokens in specdec_generated_tokens_total (it counted none)."""
+    that chunk's tokens in specdec_generated_tokens_total (it counted none); a reply that fails
+    returns, and counts, none."""
     from prometheus_client import REGISTRY
 
     def value(name, **labels):
@@ -191,6 +192,10 @@ def test_http_errors_and_partly_streamed_tokens_are_counted_as_over_grpc():
         "/v1/completions", json={"model": "stub", "prompt": "w3", "stream": True})
     assert r.status_code == 200 and '"error"' in r.text
     assert value("specdec_generated_tokens_total", service="draft") == tokens + 1
+    # from a review: a non-streamed reply that fails after a chunk returns no tokens, and counted that chunk's
+    r = client(Stub(word_tokenizer(16), fail=Refusal.UNAVAILABLE, fail_after_first=True)).post(
+        "/v1/completions", json={"model": "stub", "prompt": "w3"})
+    assert r.status_code == 503 and value("specdec_generated_tokens_total", service="draft") == tokens + 1
     # a client's mistake is counted as the code the error alert leaves out (deploy/k8s/components/monitoring/alerts.yaml)
     missing = dict(service="draft", method="/v1/completions", code="NOT_FOUND")
     before = value("specdec_request_errors_total", **missing)
