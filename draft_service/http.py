@@ -367,9 +367,18 @@ class FrontDoor:
         """GET /v1/models/{id} (the SDK's models.retrieve): the served model, under any id a request may name."""
         self._authorize(request)
         name = request.path_params["model"]
-        if name not in self.accepted:
-            raise HttpError(404, f"the model {s.quoted(name)} does not exist; this server serves {self.model!r}", "model", "model_not_found")
+        self._check_model(name)
         return JSONResponse(self._card(name))
+
+    def _check_model(self, name: str) -> None:
+        """A model id a request may name; another is a 404, or a 503 while the target's name is
+        unknown (a draft started before its verify service: the id may be the target's)."""
+        if name in self.accepted:
+            return
+        if not self._served and not self._target():
+            raise HttpError(503, f"the model {s.quoted(name)} is not known until the verify service first answers; retry",
+                            "model", "unavailable", retry_after=1)
+        raise HttpError(404, f"the model {s.quoted(name)} does not exist; this server serves {self.model!r}", "model", "model_not_found")
 
     def _card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "specdec"}
@@ -423,8 +432,7 @@ class FrontDoor:
             raise HttpError(400, "the body has a string that is not valid Unicode (a lone surrogate escape)") from None
         except (ValueError, RecursionError):  # JSON's (and UTF-8's) errors; nesting deeper than the parser goes
             raise HttpError(400, "the body is not valid JSON") from None
-        if r.model not in self.accepted:
-            raise HttpError(404, f"the model {s.quoted(r.model)} does not exist; this server serves {self.model!r}", "model", "model_not_found")
+        self._check_model(r.model)
         return r, self._grpc_request(r, rid, chat)
 
     def _too_long(self, body, chat: bool) -> None:
