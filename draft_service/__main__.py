@@ -178,10 +178,14 @@ def main(argv=None) -> None:
     if args.chat_template:
         try:
             with open(args.chat_template, encoding="utf-8") as f:
-                f.read()
+                text = f.read()
         except (OSError, UnicodeDecodeError) as e:
             p.error(f"--chat-template {args.chat_template}: " + ("no such file" if isinstance(e, FileNotFoundError) else
                                                                    f"cannot be read as UTF-8 text ({type(e).__name__})"))
+        if args.http_port is None:  # it would do nothing: only the HTTP door renders chats
+            p.error(f"--chat-template {args.chat_template}: chats are served by the HTTP door only; give --http-port too")
+        from draft_service.http import check_template  # noqa: PLC0415 - before the model loads (the door checks it again)
+        check_template(text, args.chat_template)
     token_auth = auth.server_interceptor(args)  # reads the token files: fail at start-up, not on the first request
     args.verify_token = auth.read_token(args.verify_auth_token_file, "--verify-auth-token-file") if args.verify_auth_token_file else None
     startup.check_files(args, "tls_cert", "tls_key", "tls_client_ca", "verify_tls_ca", "verify_tls_cert", "verify_tls_key")

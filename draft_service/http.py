@@ -261,7 +261,7 @@ class FrontDoor:
         self.created = int(time.time())
         self.template = open(args.chat_template, encoding="utf-8").read() if args.chat_template else None  # noqa: SIM115 - read at start-up (checked there)
         if self.template is not None:
-            _check_template(self.template, args.chat_template)
+            check_template(self.template, args.chat_template)
         self.draining, self.server, self.task, self.sock = False, None, None, None
         self.upstream = True  # whether a verify replica answers and takes this draft (the gRPC health's; set by the service)
         errors = {HttpError: _error_response, HTTPException: _error_response, ClientGone: _error_response, Exception: _error_response}
@@ -546,7 +546,7 @@ class FrontDoor:
             raise HttpError(400, f"messages: the chat template refused them: {e}", "messages") from None
 
 
-def _check_template(text: str, path: str) -> None:
+def check_template(text: str, path: str) -> None:
     """StartupError naming --chat-template where transformers cannot compile the file (a Jinja
     syntax error): it was found at the first chat, as a 400 that blamed the client's messages."""
     from jinja2 import TemplateError  # noqa: PLC0415

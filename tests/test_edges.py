@@ -125,6 +125,8 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
                   metadata={"format": "pt"})
 
     (tok_dir / "latin1.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    (tok_dir / "ok.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    (tok_dir / "bad.jinja").write_text("{% for m in messages %}\n{{ m.content }{% endfor %}")
     models = {
         # caught since a review of session 33: it served random weights for them
         "missing tensors": (model_variant(model_dir, tmp_path, "missing", drop_layer), "the weights lack"),
@@ -158,6 +160,11 @@ def test_start_up_failures_exit_2_with_one_line(model_dir, tmp_path):
                                             "--tls-client-ca needs --tls-cert"),
         "chat template not UTF-8": ([*d, "--model", target, "--chat-template", str(tok_dir / "latin1.jinja")], "--chat-template",
                                     "UTF-8"),
+        # from a review: a template without --http-port did nothing, and one that did not compile failed after the model loaded
+        "chat template without HTTP": ([*d, "--model", target, "--chat-template", str(tok_dir / "ok.jinja")], "--chat-template",
+                                       "give --http-port too"),
+        "chat template not Jinja": ([*d, "--model", target, "--http-port", "0", "--chat-template",
+                                     str(tok_dir / "bad.jinja")], "--chat-template", "not a chat template transformers can compile"),
         "gather past a pass": ([*v, "--model", target, "--gather", "2"], "--gather", "<= 1"),
         "threads -1": ([*v, "--model", target, "--threads", "-1"], "--threads"),
         "draft threads -1": ([*d, "--model", target, "--threads", "-1"], "--threads"),
